@@ -1,0 +1,561 @@
+"""The MoE dialect: the ops every moepass graph is written in.
+
+Each op is a `torch.library.custom_op` in the `moe` namespace with a fake (meta) implementation, an
+autograd formula and an autocast policy, so it stays one opaque, readable node in FX, Dynamo and AOT
+graphs and behaves the same eagerly and compiled:
+
+    route(logits_TE, selection_bias_E?)            -> weights_TK (logits dtype), experts_TK (int64)
+    capacity_keep(experts_TK, ...)                 -> keep_TK (bool)
+    permute(x_TD, experts_TK)                      -> x_ND, counts_E, order_N
+    expert_ffn(x_ND, counts_E, w_gate_EFD, ...)    -> y_ND
+    unpermute(y_ND, order_N)                       -> y_TKD        (exact inverse of permute)
+    combine(y_TKD, weights_TK)                     -> out_TD       (weighted sum over K, fp32 accumulate)
+
+Autocast: `route` runs in fp32 (router precision), `expert_ffn` in the autocast compute dtype,
+the data-movement ops keep their input dtype.
+
+The pure-torch references (`*_ref`) are the semantics; kernels in `lowering/` must match them.
+
+Shapes: T tokens, D model width, F expert hidden width, E experts, K top-k, N = T*K routed rows.
+Host sync points: `expert_ffn` reads `counts_E` on the host (`_split_sizes`) to slice rows per
+expert; nothing else in this file syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NAMESPACE = "moe"
+
+# ----------------------------------------------------------------------------------------------
+# References: plain differentiable torch, the semantics of each op.
+# ----------------------------------------------------------------------------------------------
+
+
+def route_ref(
+    logits_TE: Tensor,
+    selection_bias_E: Tensor | None,
+    score_func: str,
+    softmax_before_topk: bool,
+    top_k: int,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    group_score: str,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    """Select top_k experts per token and their weights. Ties break as `torch.topk` does.
+
+    Computes in the logits' dtype: the graph (and the autocast policy) hands it fp32 logits.
+    """
+    T, E = logits_TE.shape
+    if score_func == "softmax" and not softmax_before_topk:
+        choice_TE = logits_TE if selection_bias_E is None else logits_TE + selection_bias_E
+        choice_TE = _limit_groups(choice_TE, n_group, topk_group, group_score)
+        experts_TK = torch.topk(choice_TE, top_k, dim=-1).indices
+        weights_TK = torch.softmax(logits_TE.gather(1, experts_TK), dim=-1)
+        return weights_TK * scaling, experts_TK
+    scores_TE = torch.softmax(logits_TE, dim=-1) if score_func == "softmax" else torch.sigmoid(logits_TE)
+    choice_TE = scores_TE if selection_bias_E is None else scores_TE + selection_bias_E
+    choice_TE = _limit_groups(choice_TE, n_group, topk_group, group_score)
+    experts_TK = torch.topk(choice_TE, top_k, dim=-1).indices
+    weights_TK = scores_TE.gather(1, experts_TK)
+    if renormalize:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights_TK * scaling, experts_TK
+
+
+def _limit_groups(choice_TE: Tensor, n_group: int, topk_group: int, group_score: str) -> Tensor:
+    """Group-limited selection: only experts of the best `topk_group` groups stay selectable."""
+    if n_group <= 1 or topk_group >= n_group:
+        return choice_TE
+    T, E = choice_TE.shape
+    grouped_TGX = choice_TE.view(T, n_group, E // n_group)
+    if group_score == "top2_sum":
+        score_TG = grouped_TGX.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
+    else:
+        score_TG = grouped_TGX.amax(dim=-1)
+    groups_TJ = torch.topk(score_TG, topk_group, dim=-1, sorted=False).indices
+    keep_TG = torch.zeros_like(score_TG, dtype=torch.bool).scatter_(1, groups_TJ, True)
+    keep_TE = keep_TG.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+    return choice_TE.masked_fill(~keep_TE, float("-inf"))
+
+
+def capacity_keep_ref(
+    experts_TK: Tensor, num_experts: int, capacity: int, group_size: int, k_major: bool
+) -> Tensor:
+    """Which (token, choice) assignments fit in their expert's capacity.
+
+    Tokens form contiguous groups of `group_size` (0: one group); each expert takes at most
+    `capacity` assignments per group, in priority order: k-major (every first choice before any
+    second choice, GShard) or token-major.
+    """
+    T, K = experts_TK.shape
+    size = group_size if group_size > 0 else max(T, 1)
+    if T % size:
+        raise ValueError(f"capacity_keep: {T} tokens do not split into groups of {size}")
+    groups = T // size
+    onehot_GSKE = F.one_hot(experts_TK, num_experts).view(groups, size, K, num_experts)
+    order_GQE = onehot_GSKE.transpose(1, 2) if k_major else onehot_GSKE  # priority-major
+    order_GQE = order_GQE.reshape(groups, size * K, num_experts)
+    position_GQE = torch.cumsum(order_GQE, dim=1) - 1  # slot each assignment would take
+    fits_GQ = ((position_GQE < capacity) & order_GQE.bool()).any(dim=-1)
+    if k_major:
+        fits_GQ = fits_GQ.view(groups, K, size).transpose(1, 2)
+    return fits_GQ.reshape(T, K)
+
+
+def permute_ref(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sort the T*K (token, choice) rows by expert, stably. `x_ND[n] = x_TD[order_N[n] // K]`."""
+    K = experts_TK.shape[1]
+    flat_N = experts_TK.reshape(-1)
+    order_N = torch.sort(flat_N, stable=True).indices
+    counts_E = torch.bincount(flat_N, minlength=num_experts).to(torch.int64)
+    return x_TD.index_select(0, order_N // K), counts_E, order_N
+
+
+def unpermute_ref(y_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
+    """Back to (token, choice) order: `y_TKD.view(-1, D)[order_N] = y_ND`."""
+    N, D = y_ND.shape
+    out = y_ND.new_empty(N, D).index_copy(0, order_N, y_ND)
+    return out.view(N // top_k, top_k, D)
+
+
+def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
+    """Weighted sum over the K choices, accumulated in fp32, returned in y's dtype."""
+    return torch.einsum("tkd,tk->td", y_TKD.float(), weights_TK.float()).to(y_TKD.dtype)
+
+
+def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float) -> Tensor:
+    """The expert activation, `act(gate) [* up]`."""
+    if activation == "swiglu":
+        return F.silu(h_gate) * h_up
+    if activation == "geglu":
+        return F.gelu(h_gate) * h_up
+    if activation == "gelu":
+        return F.gelu(h_gate)
+    if activation == "gelu_tanh":
+        return F.gelu(h_gate, approximate="tanh")
+    if activation == "relu":
+        return F.relu(h_gate)
+    if activation == "clamped_swiglu":  # GPT-OSS
+        assert h_up is not None
+        g = h_gate.clamp(max=clamp_limit)
+        u = h_up.clamp(min=-clamp_limit, max=clamp_limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+    raise ValueError(f"unknown expert activation {activation!r}")
+
+
+def _split_sizes(counts_E: Tensor) -> list[int]:
+    """Host sync point: per-expert row counts as Python ints."""
+    return [int(c) for c in counts_E.tolist()]
+
+
+def expert_ffn_ref(
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+) -> Tensor:
+    """Per-expert FFN over expert-sorted rows: rows [offset_e, offset_e + counts_E[e]) use expert e."""
+    outs = []
+    for e, rows_MD in enumerate(torch.split(x_ND, _split_sizes(counts_E))):
+        h_gate = F.linear(rows_MD, w_gate_EFD[e], None if b_gate_EF is None else b_gate_EF[e])
+        h_up = None if w_up_EFD is None else F.linear(rows_MD, w_up_EFD[e], None if b_up_EF is None else b_up_EF[e])
+        a = activate(h_gate, h_up, activation, clamp_limit, alpha)
+        outs.append(F.linear(a, w_down_EDF[e], None if b_down_ED is None else b_down_ED[e]))
+    if not outs:
+        return x_ND.new_empty(0, w_down_EDF.shape[1])
+    return torch.cat(outs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shape validation shared by the real and the fake implementations.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_ffn_shapes(x_ND: Tensor, counts_E: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor) -> None:
+    E, F_, D = w_gate.shape
+    if x_ND.dim() != 2 or x_ND.shape[1] != D:
+        raise ValueError(f"moe.expert_ffn: x_ND has shape {tuple(x_ND.shape)}, expected (N, D={D}) from w_gate_EFD")
+    if counts_E.shape != (E,):
+        raise ValueError(f"moe.expert_ffn: counts_E has shape {tuple(counts_E.shape)}, expected (E={E},)")
+    if w_up is not None and w_up.shape != w_gate.shape:
+        raise ValueError(f"moe.expert_ffn: w_up_EFD {tuple(w_up.shape)} != w_gate_EFD {tuple(w_gate.shape)}")
+    if w_down.shape != (E, D, F_):
+        raise ValueError(f"moe.expert_ffn: w_down_EDF has shape {tuple(w_down.shape)}, expected (E={E}, D={D}, F={F_})")
+
+
+# ----------------------------------------------------------------------------------------------
+# The ops.
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe::route", mutates_args=())
+def route(
+    logits_TE: Tensor,
+    selection_bias_E: Tensor | None,
+    score_func: str,
+    softmax_before_topk: bool,
+    top_k: int,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    group_score: str,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        return route_ref(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k,
+                         renormalize, n_group, topk_group, group_score, scaling)
+
+
+@route.register_fake
+def _(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
+      group_score, scaling):
+    T, E = logits_TE.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"moe.route: top_k={top_k} must lie in [1, E={E}]")
+    if selection_bias_E is not None and selection_bias_E.shape != (E,):
+        raise ValueError(f"moe.route: selection_bias_E has shape {tuple(selection_bias_E.shape)}, expected ({E},)")
+    return logits_TE.new_empty(T, top_k), logits_TE.new_empty(T, top_k, dtype=torch.int64)
+
+
+def route_backward_ref(
+    grad_weights_TK: Tensor,
+    logits_TE: Tensor,
+    experts_TK: Tensor,
+    score_func: str,
+    softmax_before_topk: bool,
+    renormalize: bool,
+    scaling: float,
+) -> Tensor:
+    """d(weights_TK)/d(logits_TE) for the selected experts; selection itself has no gradient."""
+    g_TK = grad_weights_TK.to(logits_TE.dtype) * scaling
+    if score_func == "softmax" and not softmax_before_topk:
+        p_TK = torch.softmax(logits_TE.gather(1, experts_TK), dim=-1)
+        g_logit_TK = p_TK * (g_TK - (g_TK * p_TK).sum(-1, keepdim=True))
+        return torch.zeros_like(logits_TE).scatter_add(1, experts_TK, g_logit_TK)
+    scores_TE = torch.softmax(logits_TE, dim=-1) if score_func == "softmax" else torch.sigmoid(logits_TE)
+    s_TK = scores_TE.gather(1, experts_TK)
+    if renormalize:
+        total_T1 = s_TK.sum(-1, keepdim=True) + 1e-20
+        g_TK = g_TK / total_T1 - (g_TK * s_TK).sum(-1, keepdim=True) / total_T1**2
+    g_scores_TE = torch.zeros_like(logits_TE).scatter_add(1, experts_TK, g_TK)
+    if score_func == "softmax":
+        return scores_TE * (g_scores_TE - (g_scores_TE * scores_TE).sum(-1, keepdim=True))
+    return g_scores_TE * scores_TE * (1 - scores_TE)
+
+
+def _route_setup(ctx, inputs, output):
+    logits_TE, _bias, score_func, softmax_before_topk, _k, renormalize, _g, _tg, _gs, scaling = inputs
+    ctx.save_for_backward(logits_TE, output[1])
+    ctx.options = (score_func, softmax_before_topk, renormalize, scaling)
+
+
+def _route_bwd(ctx, grad_weights_TK, _grad_experts):
+    logits_TE, experts_TK = ctx.saved_tensors
+    grad = route_backward_ref(grad_weights_TK, logits_TE, experts_TK, *ctx.options)
+    return (grad.to(logits_TE.dtype),) + (None,) * 9
+
+
+route.register_autograd(_route_bwd, setup_context=_route_setup)
+
+
+@torch.library.custom_op("moe::capacity_keep", mutates_args=())
+def capacity_keep(experts_TK: Tensor, num_experts: int, capacity: int, group_size: int, k_major: bool) -> Tensor:
+    return capacity_keep_ref(experts_TK, num_experts, capacity, group_size, k_major)
+
+
+@capacity_keep.register_fake
+def _(experts_TK, num_experts, capacity, group_size, k_major):
+    return torch.empty_like(experts_TK, dtype=torch.bool)
+
+
+@torch.library.custom_op("moe::permute", mutates_args=())
+def permute(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    return permute_ref(x_TD, experts_TK, num_experts)
+
+
+@permute.register_fake
+def _(x_TD, experts_TK, num_experts):
+    T, D = x_TD.shape
+    if experts_TK.shape[0] != T:
+        raise ValueError(f"moe.permute: experts_TK has {experts_TK.shape[0]} rows, x_TD has T={T}")
+    N = T * experts_TK.shape[1]
+    return (
+        x_TD.new_empty(N, D),
+        experts_TK.new_empty(num_experts, dtype=torch.int64),
+        experts_TK.new_empty(N, dtype=torch.int64),
+    )
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.top_k = inputs[1].shape[1]
+    ctx.save_for_backward(output[2])
+
+
+def _permute_bwd(ctx, grad_x_ND, _grad_counts, _grad_order):
+    (order_N,) = ctx.saved_tensors
+    grad_TKD = torch.ops.moe.unpermute(grad_x_ND, order_N, ctx.top_k)
+    return grad_TKD.sum(dim=1), None, None
+
+
+permute.register_autograd(_permute_bwd, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("moe::unpermute", mutates_args=())
+def unpermute(y_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
+    return unpermute_ref(y_ND, order_N, top_k)
+
+
+@unpermute.register_fake
+def _(y_ND, order_N, top_k):
+    N, D = y_ND.shape
+    if order_N.shape != (N,):
+        raise ValueError(f"moe.unpermute: order_N has shape {tuple(order_N.shape)}, expected (N={N},)")
+    return y_ND.new_empty(N // top_k, top_k, D)
+
+
+def _unpermute_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _unpermute_bwd(ctx, grad_y_TKD):
+    (order_N,) = ctx.saved_tensors
+    D = grad_y_TKD.shape[-1]
+    return grad_y_TKD.reshape(-1, D).index_select(0, order_N), None, None
+
+
+unpermute.register_autograd(_unpermute_bwd, setup_context=_unpermute_setup)
+
+
+@torch.library.custom_op("moe::combine", mutates_args=())
+def combine(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
+    return combine_ref(y_TKD, weights_TK)
+
+
+@combine.register_fake
+def _(y_TKD, weights_TK):
+    T, K, D = y_TKD.shape
+    if weights_TK.shape != (T, K):
+        raise ValueError(f"moe.combine: weights_TK has shape {tuple(weights_TK.shape)}, expected (T={T}, K={K})")
+    return y_TKD.new_empty(T, D)
+
+
+def _combine_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _combine_bwd(ctx, grad_TD):
+    y_TKD, weights_TK = ctx.saved_tensors
+    g_TD = grad_TD.float()
+    grad_y = (g_TD.unsqueeze(1) * weights_TK.float().unsqueeze(-1)).to(y_TKD.dtype)
+    grad_w = torch.einsum("td,tkd->tk", g_TD, y_TKD.float()).to(weights_TK.dtype)
+    return grad_y, grad_w
+
+
+combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+@torch.library.custom_op("moe::expert_ffn", mutates_args=())
+def expert_ffn(
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+) -> Tensor:
+    _check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    with torch.no_grad():
+        return expert_ffn_ref(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED,
+                              activation, clamp_limit, alpha)
+
+
+@expert_ffn.register_fake
+def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+      alpha):
+    _check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
+
+
+_FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
+
+
+def activate_backward(
+    grad_a: Tensor, h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float
+) -> tuple[Tensor, Tensor | None]:
+    """Gradients of `activate` w.r.t. the gate and up pre-activations."""
+    aten = torch.ops.aten
+    if activation in ("gelu", "gelu_tanh", "relu"):
+        if activation == "relu":
+            return aten.threshold_backward(grad_a, h_gate, 0), None
+        return aten.gelu_backward(grad_a, h_gate, approximate="tanh" if activation == "gelu_tanh" else "none"), None
+    assert h_up is not None
+    if activation == "swiglu":
+        return aten.silu_backward(grad_a * h_up, h_gate), grad_a * F.silu(h_gate)
+    if activation == "geglu":
+        return aten.gelu_backward(grad_a * h_up, h_gate), grad_a * F.gelu(h_gate)
+    if activation == "clamped_swiglu":
+        g = h_gate.clamp(max=clamp_limit)
+        u = h_up.clamp(min=-clamp_limit, max=clamp_limit)
+        s = torch.sigmoid(g * alpha)
+        glu = g * s
+        grad_g = grad_a * (u + 1) * (s + alpha * g * s * (1 - s)) * (h_gate <= clamp_limit)
+        grad_u = grad_a * glu * ((h_up >= -clamp_limit) & (h_up <= clamp_limit))
+        return grad_g, grad_u
+    raise ValueError(f"unknown expert activation {activation!r}")
+
+
+def expert_ffn_backward_ref(
+    grad_y_ND: Tensor,
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+) -> list[Tensor | None]:
+    """Gradients for (x, w_gate, w_up, w_down, b_gate, b_up, b_down); None for absent inputs."""
+    grad_x = torch.empty_like(x_ND)
+    grad_w_gate = torch.zeros_like(w_gate_EFD)
+    grad_w_up = None if w_up_EFD is None else torch.zeros_like(w_up_EFD)
+    grad_w_down = torch.zeros_like(w_down_EDF)
+    grad_b_gate = None if b_gate_EF is None else torch.zeros_like(b_gate_EF)
+    grad_b_up = None if b_up_EF is None else torch.zeros_like(b_up_EF)
+    grad_b_down = None if b_down_ED is None else torch.zeros_like(b_down_ED)
+    start = 0
+    for e, rows in enumerate(_split_sizes(counts_E)):
+        if rows == 0:
+            continue
+        end = start + rows
+        x_MD, g_MD = x_ND[start:end], grad_y_ND[start:end]
+        h_gate = F.linear(x_MD, w_gate_EFD[e], None if b_gate_EF is None else b_gate_EF[e])
+        h_up = None if w_up_EFD is None else F.linear(x_MD, w_up_EFD[e], None if b_up_EF is None else b_up_EF[e])
+        a_MF = activate(h_gate, h_up, activation, clamp_limit, alpha)
+        grad_w_down[e] = g_MD.t() @ a_MF
+        if grad_b_down is not None:
+            grad_b_down[e] = g_MD.sum(0)
+        grad_gate, grad_up = activate_backward(g_MD @ w_down_EDF[e], h_gate, h_up, activation, clamp_limit, alpha)
+        grad_w_gate[e] = grad_gate.t() @ x_MD
+        grad_x_MD = grad_gate @ w_gate_EFD[e]
+        if grad_b_gate is not None:
+            grad_b_gate[e] = grad_gate.sum(0)
+        if grad_up is not None:
+            assert grad_w_up is not None and w_up_EFD is not None
+            grad_w_up[e] = grad_up.t() @ x_MD
+            grad_x_MD = grad_x_MD + grad_up @ w_up_EFD[e]
+            if grad_b_up is not None:
+                grad_b_up[e] = grad_up.sum(0)
+        grad_x[start:end] = grad_x_MD
+        start = end
+    return [grad_x, grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]
+
+
+@torch.library.custom_op("moe::expert_ffn_backward", mutates_args=())
+def expert_ffn_backward(
+    grad_y_ND: Tensor,
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+) -> list[Tensor]:
+    """Backward of `expert_ffn`; absent optional inputs get an empty tensor in their slot."""
+    grads = expert_ffn_backward_ref(grad_y_ND, x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF,
+                                    b_up_EF, b_down_ED, activation, clamp_limit, alpha)
+    return [x_ND.new_empty(0) if g is None else g for g in grads]
+
+
+@expert_ffn_backward.register_fake
+def _(grad_y_ND, x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, *options):
+    inputs = [x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED]
+    return [x_ND.new_empty(0) if t is None else torch.empty_like(t) for t in inputs]
+
+
+def _ffn_setup(ctx, inputs, output):
+    ctx.present = [t is not None for t in inputs[:8]]
+    ctx.save_for_backward(*[t for t in inputs[:8] if t is not None])
+    ctx.options = inputs[8:]
+
+
+def _ffn_bwd(ctx, grad_y_ND):
+    saved = iter(ctx.saved_tensors)
+    inputs = [next(saved) if present else None for present in ctx.present]
+    grads = torch.ops.moe.expert_ffn_backward(grad_y_ND, *inputs, *ctx.options)
+    result: list[Tensor | None] = [None] * (8 + len(ctx.options))
+    for slot, i in enumerate(_FFN_DIFFERENTIABLE):  # grads come in _FFN_DIFFERENTIABLE order
+        if inputs[i] is not None:
+            result[i] = grads[slot]
+    return tuple(result)
+
+
+expert_ffn.register_autograd(_ffn_bwd, setup_context=_ffn_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autocast: the router in fp32, the experts in the autocast compute dtype.
+# ----------------------------------------------------------------------------------------------
+
+_lib = torch.library.Library(NAMESPACE, "IMPL")
+
+
+def _register_autocast(op: torch._ops.OpOverload, to_compute_dtype: bool) -> None:
+    for device_type in ("cpu", "cuda"):
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, *args, _device_type=device_type, _keyset_excl=keyset):
+            dtype = torch.get_autocast_dtype(_device_type) if to_compute_dtype else torch.float32
+
+            def cast(a):
+                if isinstance(a, Tensor) and a.is_floating_point() and a.device.type == _device_type:
+                    return a.to(dtype)
+                return a
+
+            with torch._C._ExcludeDispatchKeyGuard(_keyset_excl):
+                return op(*[cast(a) for a in args])
+
+        _lib.impl(op._schema.name.split("::")[1], kernel, key, with_keyset=True)
+
+
+_register_autocast(torch.ops.moe.route.default, to_compute_dtype=False)
+_register_autocast(torch.ops.moe.expert_ffn.default, to_compute_dtype=True)
+
+# Ops of the dialect, by role (the verifier and the passes use these sets).
+ROUTE = torch.ops.moe.route.default
+CAPACITY_KEEP = torch.ops.moe.capacity_keep.default
+PERMUTE = torch.ops.moe.permute.default
+EXPERT_FFN = torch.ops.moe.expert_ffn.default
+UNPERMUTE = torch.ops.moe.unpermute.default
+COMBINE = torch.ops.moe.combine.default
+DIALECT_OPS = frozenset({ROUTE, CAPACITY_KEEP, PERMUTE, EXPERT_FFN, UNPERMUTE, COMBINE})
+
+
+def is_dialect_op(target: object) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == NAMESPACE

@@ -1,0 +1,115 @@
+"""Plan: what moepass should do to a model. Frozen and validated at construction.
+
+Every field belongs to the issue that introduces it (DESIGN.md's table); an unknown key or an
+impossible value raises `PlanError` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, fields
+from typing import Any
+
+from moepass.errors import PlanError, nearest
+
+FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")
+MATH_CHANGING_FORMS = ("hp", "locality")
+LOWERINGS = ("auto", "triton", "torch")
+DEFAULT_MICRO_OP_BYTES = 30 * 2**20
+
+
+@dataclass(frozen=True, init=False)
+class Plan:
+    form: str = "single"
+    ep_size: int | None = None  # None: the world size
+    topology: Any = None  # moepass.Topology; None: from the torchrun environment
+    capacity_factor: float | None = None  # None: dropless, or the model's own capacity semantics
+    a2a_chunks: int | str = "auto"
+    micro_op_bytes: int = DEFAULT_MICRO_OP_BYTES
+    packing: int | str = 1
+    slots_per_device: int | None = None
+    lowering: str = "auto"
+    deterministic: bool = False
+    blocks: Any = None  # {module path or glob: dict of overrides | None (leave the block alone)}
+    batch: Any = None  # (batch, seq) for form="auto"
+
+    def __init__(self, **kwargs: Any) -> None:
+        names = [f.name for f in fields(self)]
+        for key in kwargs:
+            if key not in names:
+                raise PlanError(f"Plan got an unknown field {key!r}: valid fields are {names}.{nearest(key, names)}")
+        for f in fields(self):
+            object.__setattr__(self, f.name, kwargs.get(f.name, f.default))
+        object.__setattr__(self, "blocks", dict(self.blocks or {}))
+        self._validate()
+
+    def __hash__(self) -> int:
+        return hash(tuple((f.name, repr(getattr(self, f.name))) for f in fields(self)))
+
+    def _validate(self) -> None:
+        _choice("form", self.form, FORMS)
+        _choice("lowering", self.lowering, LOWERINGS)
+        if self.ep_size is not None and (not isinstance(self.ep_size, int) or self.ep_size < 1):
+            raise PlanError(f"Plan.ep_size={self.ep_size!r} is invalid: use a positive int dividing the world size.")
+        if self.capacity_factor is not None and (
+            not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0
+        ):
+            raise PlanError(
+                f"Plan.capacity_factor={self.capacity_factor!r} is invalid: use a float > 0, "
+                f"or None for dropless routing."
+            )
+        _count_or_auto("a2a_chunks", self.a2a_chunks)
+        _count_or_auto("packing", self.packing)
+        if not isinstance(self.micro_op_bytes, int) or self.micro_op_bytes < 1:
+            raise PlanError(f"Plan.micro_op_bytes={self.micro_op_bytes!r} is invalid: use a positive byte count.")
+        if self.slots_per_device is not None and (
+            not isinstance(self.slots_per_device, int) or self.slots_per_device < 1
+        ):
+            raise PlanError(f"Plan.slots_per_device={self.slots_per_device!r} is invalid: use an int >= 1.")
+        if not isinstance(self.deterministic, bool):
+            raise PlanError(f"Plan.deterministic={self.deterministic!r} is invalid: use True or False.")
+        for pattern, override in self.blocks.items():
+            if override is None:
+                continue
+            if not isinstance(override, dict):
+                raise PlanError(
+                    f"Plan.blocks[{pattern!r}]={override!r} is invalid: use a dict of Plan fields, "
+                    f"or None to leave the block alone."
+                )
+            Plan(**{**self._as_dict(exclude=("blocks",)), **override})  # validates the override
+
+    def _as_dict(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in exclude}
+
+    def replace(self, **changes: Any) -> Plan:
+        return Plan(**{**self._as_dict(), **changes})
+
+    @property
+    def changes_math(self) -> bool:
+        return self.form in MATH_CHANGING_FORMS
+
+    def for_block(self, path: str) -> Plan | None:
+        """The plan for one block after `blocks` overrides; None when the block is to be left alone.
+
+        An exact path wins over globs; among globs the longest pattern wins.
+        """
+        matches = [p for p in self.blocks if p == path or fnmatch.fnmatchcase(path, p)]
+        if not matches:
+            return self
+        best = max(matches, key=lambda p: (p == path, len(p)))
+        override = self.blocks[best]
+        if override is None:
+            return None
+        return Plan(**{**self._as_dict(exclude=("blocks",)), **override})
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PlanError(f"Plan.{name}={value!r} is invalid: use one of {list(choices)}.{nearest(value, choices)}")
+
+
+def _count_or_auto(name: str, value: object) -> None:
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"Plan.{name}={value!r} is invalid: use an int >= 1 or 'auto'.{nearest(value, ['auto'])}")

@@ -1,0 +1,276 @@
+"""MoESpec: the one representation of an MoE block that every pass reads.
+
+A spec says *what* a block computes (router, experts, shared experts, capacity) and *where its
+weights live* in the user's module, never how the block is implemented. The canonical dialect graph
+is generated from it (`moepass.canonical`), and the semantic check compares that graph against the
+user's block before anything is rewritten.
+
+Shape legend used across moepass: T tokens, D model width, F expert hidden width, E experts,
+K top-k, N = T*K routed rows, G expert groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moepass.errors import PlanError, nearest
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+Activation = Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu"]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
+GROUP_SCORES = ("top2_sum", "max")
+CAPACITY_SCOPES = ("batch", "sequence")
+CAPACITY_PRIORITIES = ("k_major", "token_major")
+DROP_POLICIES = ("zero", "identity")
+ROUTER_DTYPES = ("float32", "input")
+LOGITS_SOURCES = ("linear", "module")
+SIDE_OUTPUTS = ("router_logits",)
+
+
+def _check_choice(path: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PlanError(f"{path}={value!r} is invalid: use one of {list(choices)}.{nearest(value, choices)}")
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """How to read one canonical weight tensor from the block's own parameters.
+
+    `paths` are parameter names relative to the block. One path reads a parameter as it is; several
+    are stacked along a new leading (expert) dim. Then, in order: `chunk=(index, parts)` takes one of
+    `parts` equal chunks along `chunk_dim`; `transpose=True` swaps the last two dims.
+    """
+
+    paths: tuple[str, ...]
+    transpose: bool = False
+    chunk: tuple[int, int] | None = None
+    chunk_dim: int = -1
+
+    @classmethod
+    def param(cls, path: str, **kw: object) -> TensorSource:
+        return cls(paths=(path,), **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def stack(cls, paths: list[str] | tuple[str, ...], **kw: object) -> TensorSource:
+        return cls(paths=tuple(paths), **kw)  # type: ignore[arg-type]
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.paths) > 1
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """Token → expert selection. Logits are computed as `x @ weight.T (+ bias)`."""
+
+    num_experts: int
+    top_k: int
+    score_func: ScoreFunc = "softmax"
+    softmax_before_topk: bool = True  # softmax: over all E, then top-k (Mixtral); False: top-k logits, then softmax
+    renormalize: bool = True  # weights of the K chosen experts divided by their sum
+    n_group: int = 1  # group-limited selection (DeepSeek-V3): E experts in n_group groups
+    topk_group: int = 1  # ... keep the best topk_group groups
+    group_score: str = "top2_sum"  # how a group is scored from its experts' selection scores
+    routed_scaling_factor: float = 1.0
+    jitter_eps: float = 0.0  # train-mode multiplicative input jitter U(1-eps, 1+eps)
+    dtype: str = "float32"  # "float32": logits in fp32 (x and weight upcast); "input": x's dtype
+    weight: TensorSource = TensorSource.param("gate.weight")
+    bias: TensorSource | None = None  # bias of the router linear: part of the logits
+    selection_bias: TensorSource | None = None  # added to scores for selection only (aux-loss-free)
+    logits_from: str = "linear"  # "module": call the router module at `module_path` (fires its hooks)
+    module_path: str = "gate"
+
+    def validate(self, where: str) -> None:
+        if self.num_experts < 1:
+            raise PlanError(f"{where}.num_experts={self.num_experts} is invalid: an MoE needs at least 1 expert.")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise PlanError(
+                f"{where}.top_k={self.top_k} is invalid: top_k must lie in [1, num_experts={self.num_experts}]; "
+                f"lower top_k or add experts."
+            )
+        _check_choice(f"{where}.score_func", self.score_func, SCORE_FUNCS)
+        _check_choice(f"{where}.group_score", self.group_score, GROUP_SCORES)
+        _check_choice(f"{where}.dtype", self.dtype, ROUTER_DTYPES)
+        _check_choice(f"{where}.logits_from", self.logits_from, LOGITS_SOURCES)
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise PlanError(
+                f"{where}.n_group={self.n_group} is invalid: it must divide num_experts={self.num_experts}."
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise PlanError(f"{where}.topk_group={self.topk_group} is invalid: use 1..n_group={self.n_group}.")
+        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise PlanError(
+                f"{where}.topk_group={self.topk_group} is invalid: {self.topk_group} groups of "
+                f"{self.num_experts // self.n_group} experts cannot supply top_k={self.top_k}; raise topk_group."
+            )
+        if self.jitter_eps < 0:
+            raise PlanError(f"{where}.jitter_eps={self.jitter_eps} is invalid: use a value >= 0.")
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """E routed experts, one FFN each: `down(act(gate(x)) [* up(x)])` with optional biases.
+
+    Canonical layouts: gate/up `[E, F, D]`, down `[E, D, F]`, biases `[E, F]` / `[E, D]`.
+    """
+
+    num_experts: int
+    hidden_dim: int  # D
+    ffn_dim: int  # F
+    activation: Activation = "swiglu"
+    clamp_limit: float = 7.0  # clamped_swiglu only (GPT-OSS)
+    swiglu_alpha: float = 1.702  # clamped_swiglu only
+    w_gate: TensorSource = TensorSource.param("experts.w_gate")
+    w_up: TensorSource | None = None  # gated activations only
+    w_down: TensorSource = TensorSource.param("experts.w_down")
+    b_gate: TensorSource | None = None
+    b_up: TensorSource | None = None
+    b_down: TensorSource | None = None
+    container: str = "experts"  # module path of the experts (ModuleList or fused module)
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+    def validate(self, where: str) -> None:
+        _check_choice(f"{where}.activation", self.activation, ACTIVATIONS)
+        for name in ("num_experts", "hidden_dim", "ffn_dim"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{where}.{name}={getattr(self, name)} is invalid: use a positive size.")
+        if self.gated != (self.w_up is not None):
+            raise PlanError(
+                f"{where}.w_up={self.w_up!r} is invalid for activation={self.activation!r}: gated activations "
+                f"{list(GATED_ACTIVATIONS)} need an up projection, the others must not have one."
+            )
+
+
+@dataclass(frozen=True)
+class SharedExpertSpec:
+    """Dense experts every token goes through, added to the routed output.
+
+    `module_path` is called as a module (its own forward). With `gate_path`, its output is scaled
+    by `sigmoid(gate(x))` (Qwen2-MoE).
+    """
+
+    module_path: str
+    gate_path: str | None = None
+
+
+@dataclass(frozen=True)
+class CapacitySpec:
+    """Expert capacity: at most C (token, expert) assignments per expert and group; the rest drop.
+
+    C = max(min_capacity, ceil(capacity_factor * group_tokens * top_k / E)) unless `fixed` is set.
+    Priority decides who is kept: "k_major" keeps every token's 1st choice before any 2nd choice
+    (GShard), "token_major" goes token by token. A dropped assignment contributes zero ("zero") or,
+    for top-1, passes the token's input through scaled by its weight ("identity", Switch).
+    """
+
+    capacity_factor: float | None = 1.0
+    fixed: int | None = None
+    min_capacity: int = 0
+    scope: str = "batch"  # "batch": all T tokens form one group; "sequence": each sequence is a group
+    priority: str = "k_major"
+    drop_policy: str = "zero"
+
+    def capacity(self, group_tokens: int, top_k: int, num_experts: int) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        assert self.capacity_factor is not None
+        import math
+
+        return max(self.min_capacity, math.ceil(self.capacity_factor * group_tokens * top_k / num_experts))
+
+    def validate(self, where: str) -> None:
+        _check_choice(f"{where}.scope", self.scope, CAPACITY_SCOPES)
+        _check_choice(f"{where}.priority", self.priority, CAPACITY_PRIORITIES)
+        _check_choice(f"{where}.drop_policy", self.drop_policy, DROP_POLICIES)
+        if self.fixed is None and (self.capacity_factor is None or self.capacity_factor <= 0):
+            raise PlanError(
+                f"{where}.capacity_factor={self.capacity_factor!r} is invalid: use a float > 0, "
+                f"or capacity=None for dropless routing."
+            )
+        if self.fixed is not None and self.fixed < 0:
+            raise PlanError(f"{where}.fixed={self.fixed} is invalid: a capacity is a count >= 0.")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Everything moepass knows about one MoE block."""
+
+    path: str  # module path in the model, "" for the root
+    recogniser: str
+    router: RouterSpec
+    experts: ExpertsSpec
+    shared: SharedExpertSpec | None = None
+    capacity: CapacitySpec | None = None  # None: dropless
+    input_names: tuple[str, ...] = ("hidden_states",)
+    side_outputs: tuple[str, ...] = ()  # returned after the hidden states, in this order
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        where = f"MoESpec[{self.path or '<root>'}]"
+        self.router.validate(f"{where}.router")
+        self.experts.validate(f"{where}.experts")
+        if self.capacity is not None:
+            self.capacity.validate(f"{where}.capacity")
+            if self.capacity.drop_policy == "identity" and self.router.top_k != 1:
+                raise PlanError(
+                    f"{where}.capacity.drop_policy='identity' is invalid with top_k={self.router.top_k}: "
+                    f"pass-through of dropped tokens is defined for top-1 routing only."
+                )
+        if self.router.num_experts != self.experts.num_experts:
+            raise PlanError(
+                f"{where}.router.num_experts={self.router.num_experts} is invalid: the experts container "
+                f"holds {self.experts.num_experts}; they must agree."
+            )
+        for name in self.side_outputs:
+            _check_choice(f"{where}.side_outputs", name, SIDE_OUTPUTS)
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    def replace(self, **changes: object) -> MoESpec:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def summary(self) -> str:
+        r, x = self.router, self.experts
+        parts = [
+            f"E={x.num_experts} K={r.top_k} D={x.hidden_dim} F={x.ffn_dim} {x.activation}",
+            f"router={r.score_func}" + ("" if r.score_func != "softmax" else
+                                        ("(before top-k)" if r.softmax_before_topk else "(after top-k)")),
+        ]
+        if r.renormalize:
+            parts.append("renormalised")
+        if r.selection_bias is not None:
+            parts.append("selection-bias")
+        if r.bias is not None:
+            parts.append("router-bias")
+        if r.n_group > 1:
+            parts.append(f"groups={r.n_group}/keep {r.topk_group}")
+        if r.routed_scaling_factor != 1.0:
+            parts.append(f"scale={r.routed_scaling_factor:g}")
+        if self.shared is not None:
+            parts.append("shared" + ("(gated)" if self.shared.gate_path else ""))
+        if self.capacity is not None:
+            c = self.capacity
+            parts.append(
+                f"capacity={'C=' + str(c.fixed) if c.fixed is not None else f'cf {c.capacity_factor:g}'}"
+                f"/{c.scope}/{c.drop_policy}"
+            )
+        else:
+            parts.append("dropless")
+        return ", ".join(parts)

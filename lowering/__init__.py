@@ -1,0 +1,48 @@
+"""Generated Triton kernels for the MoE dialect, one file per kernel family.
+
+Each family registers `Lowering` records: which dialect op it replaces, the custom op that replaces
+it (same arguments), an eligibility check that declines with a reason, and the generated source for
+a given specialisation (shown by `moepass.explain`). The lower pass (`moepass.lower`) reads the
+registry; nothing here imports moepass's passes.
+
+Set TRITON_INTERPRET=1 *before* importing these modules to run kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+FAMILIES = ("gating", "permute", "combine", "grouped_gemm")
+
+
+@dataclass(frozen=True)
+class Lowering:
+    family: str  # one of FAMILIES
+    dialect_op: Any  # torch.ops.moe.<op>.default it replaces (for fused families: the last op of the pattern)
+    lowered_op: Any  # torch.ops.moe_lowered.<op>.default, same arguments as the pattern's inputs
+    eligible: Callable[..., str | None]  # (*args as fake tensors / python values) -> None if eligible, else the reason
+    source: Callable[..., str]  # (*args) -> generated Triton source specialised to these arguments
+    fuses: tuple[Any, ...] = ()  # dialect ops folded in before dialect_op (e.g. unpermute for combine)
+
+
+_REGISTRY: list[Lowering] = []
+
+
+def register(lowering: Lowering) -> Lowering:
+    _REGISTRY.append(lowering)
+    return lowering
+
+
+def registry() -> list[Lowering]:
+    """All lowerings of the families that import here (Triton missing: an empty list)."""
+    import importlib
+
+    for family in FAMILIES:
+        try:
+            importlib.import_module(f"lowering.{family}")
+        except ImportError as err:  # triton not installed, or the family not written yet
+            if "triton" not in str(err) and f"lowering.{family}" not in str(err):
+                raise
+    return list(_REGISTRY)

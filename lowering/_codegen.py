@@ -1,0 +1,307 @@
+"""Shared code generation helpers for the Triton kernel families in `lowering/`.
+
+Every family writes its kernels as Python source *generated from a template* specialised to one
+spec (E, K, group sizes, score function, dtypes baked in as literals / `tl.constexpr`), loads it with
+`load_kernel_module`, and checks that it also builds for a real GPU with `build_for_gpu`.
+
+API (stable; `lowering/grouped_gemm.py` relies on it):
+
+    triton_available() -> bool                 Triton importable at all
+    is_interpreted() -> bool                   TRITON_INTERPRET is on (kernels run on CPU tensors)
+    launch_blocker(device) -> str | None       why a Triton launch on `device` is impossible, else None
+    source_key(source) -> str                  short content hash used in module / file names
+    cache_dir() -> Path                        where generated sources are written
+    load_kernel_module(source, name) -> module write `source` to the cache (keyed by its hash), import it
+    build_for_gpu(kernel_fn, signature, constexprs, arch, num_warps=4, num_stages=3) -> BuildReport
+                                               compile to PTX + cubin for sm_<arch> without a GPU
+    resource_usage(cubin_bytes) -> dict        parsed `cuobjdump --dump-resource-usage`
+    SHARED_LIMIT_BYTES[arch]                   opt-in shared memory per block (sm_80 163 KiB, sm_90 227 KiB)
+    register_autocast(op, policy)              autocast dtype policy of a lowered op: "fp32", "compute", "preserve"
+
+Cache: `$MOEPASS_KERNEL_CACHE` if set, else `~/.cache/moepass/kernels` (falls back to a temp dir if
+that is not writable). A module is imported once per (source hash, interpret mode) per process:
+`@triton.jit` reads TRITON_INTERPRET when the module is imported, so both modes get their own copy.
+
+The GPU build always constructs a `triton.runtime.jit.JITFunction` from the kernel's Python
+function, whatever TRITON_INTERPRET says: under interpretation `@triton.jit` returns an
+InterpretedFunction that `triton.compile` cannot build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+KiB = 1024
+# Maximum dynamic shared memory per block after opt-in (CUDA programming guide, compute capabilities).
+SHARED_LIMIT_BYTES = {80: 163 * KiB, 86: 99 * KiB, 89: 99 * KiB, 90: 227 * KiB}
+PACKAGE = "moepass_kernels"  # sys.modules prefix of generated kernel modules
+
+_MODULES: dict[tuple[str, bool], ModuleType] = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment: is Triton there, is it interpreted, can it launch on this device.
+# ----------------------------------------------------------------------------------------------
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def is_interpreted() -> bool:
+    """True when TRITON_INTERPRET is on: kernels then run on CPU tensors (and only on them)."""
+    if not triton_available():
+        return False
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def launch_blocker(device: Any) -> str | None:
+    """Why a Triton kernel cannot launch on tensors of `device`, or None if it can.
+
+    Works on fake tensors' devices too (it never touches data).
+    """
+    if not triton_available():
+        return "triton is not importable"
+    kind = getattr(device, "type", str(device))
+    if is_interpreted():
+        if kind != "cpu":
+            return f"TRITON_INTERPRET=1 runs kernels on CPU tensors only, got device {kind}"
+        return None
+    if kind == "cpu":
+        return "tensors on CPU and TRITON_INTERPRET is off (no Triton CPU backend)"
+    if kind != "cuda":
+        return f"no Triton backend for device {kind}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Generated source -> module.
+# ----------------------------------------------------------------------------------------------
+
+
+def source_key(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MOEPASS_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moepass", "kernels")
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(str(path))
+    except OSError:
+        path = Path(tempfile.gettempdir()) / "moepass_kernels"
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_kernel_module(source: str, name: str) -> ModuleType:
+    """Write `source` to `<cache_dir>/<name>_<hash>.py` (once) and import it.
+
+    `name` is a readable prefix (e.g. "gating"); the content hash makes the file unique per
+    specialisation. Triton needs the kernels to live in a real file (it reads their source with
+    `inspect`), which is why the source is written out rather than exec'd.
+    """
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"load_kernel_module: name {name!r} must be a Python identifier")
+    key = source_key(source)
+    interpreted = is_interpreted()
+    cached = _MODULES.get((key, interpreted))
+    if cached is not None:
+        return cached
+    path = cache_dir() / f"{name}_{key}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)  # atomic: parallel processes never see a half-written file
+    module_name = f"{PACKAGE}.{name}_{key}{'_interp' if interpreted else ''}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses / triton look modules up by name
+    spec.loader.exec_module(module)
+    _MODULES[(key, interpreted)] = module
+    return module
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile-only GPU build check.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    name: str
+    arch: int
+    num_warps: int
+    ptx_bytes: int
+    cubin_bytes: int
+    registers: int  # per thread
+    local_bytes: int  # local memory per thread (register spills and stack arrays)
+    stack_bytes: int
+    shared_bytes: int  # per block: Triton's dynamic shared memory + static shared memory
+    seconds: float
+    usage: dict[str, int] = field(default_factory=dict)  # the raw cuobjdump fields
+
+    @property
+    def shared_limit_bytes(self) -> int:
+        return SHARED_LIMIT_BYTES.get(self.arch, 48 * KiB)
+
+    def problems(self) -> list[str]:
+        """What would make this kernel a bad GPU kernel (spills, too much shared memory)."""
+        out = []
+        if self.local_bytes or self.stack_bytes:
+            out.append(f"{self.name} sm_{self.arch}: {self.local_bytes} B local / {self.stack_bytes} B stack "
+                       f"per thread (register spills)")
+        if self.shared_bytes > self.shared_limit_bytes:
+            out.append(f"{self.name} sm_{self.arch}: {self.shared_bytes} B shared memory > limit "
+                       f"{self.shared_limit_bytes} B")
+        return out
+
+
+def _unwrap(kernel_fn: Any) -> Any:
+    """The plain Python function under @triton.jit / InterpretedFunction / @triton.heuristics."""
+    fn = kernel_fn
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return fn
+
+
+def cuobjdump_path() -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(path) if path.exists() else "cuobjdump"
+
+
+def resource_usage(cubin_bytes: bytes) -> dict[str, dict[str, int]]:
+    """Per-function resource usage of a cubin: {function: {"REG": .., "STACK": .., "SHARED": .., "LOCAL": ..}}.
+
+    Parses `cuobjdump --dump-resource-usage`, e.g.
+    ` Function add_kernel:\\n  REG:10 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:568 TEXTURE:0 ...`.
+    """
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin_bytes)
+        path = f.name
+    try:
+        text = subprocess.run([cuobjdump_path(), "--dump-resource-usage", path], check=True, capture_output=True,
+                              text=True).stdout
+    finally:
+        os.unlink(path)
+    usage: dict[str, dict[str, int]] = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"\s*Function (\S+):", line)
+        if head:
+            current = head.group(1)
+            usage[current] = {}
+        elif current is not None and "REG:" in line:
+            usage[current].update({k: int(v) for k, v in re.findall(r"([A-Z_\[\]0-9]+):(\d+)", line)})
+    return usage
+
+
+def build_for_gpu(
+    kernel_fn: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    arch: int,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> BuildReport:
+    """Compile one kernel for `sm_<arch>` (no GPU needed) and read its resource usage.
+
+    `signature` maps each non-constexpr parameter to a Triton type string ("*fp32", "*i64", "i32",
+    ...); parameters named in `constexprs` get "constexpr" automatically.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    jit_fn = JITFunction(_unwrap(kernel_fn))
+    full_sig = {name: ("constexpr" if name in constexprs else signature[name]) for name in jit_fn.arg_names}
+    start = time.perf_counter()
+    compiled = triton.compile(
+        ASTSource(fn=jit_fn, signature=full_sig, constexprs=dict(constexprs)),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    seconds = time.perf_counter() - start
+    cubin = compiled.asm["cubin"]
+    usage_by_fn = resource_usage(cubin)
+    usage = usage_by_fn.get(compiled.metadata.name) or next(iter(usage_by_fn.values()), {})
+    return BuildReport(
+        name=compiled.metadata.name,
+        arch=arch,
+        num_warps=num_warps,
+        ptx_bytes=len(compiled.asm["ptx"]),
+        cubin_bytes=len(cubin),
+        registers=usage.get("REG", 0),
+        local_bytes=usage.get("LOCAL", 0),
+        stack_bytes=usage.get("STACK", 0),
+        shared_bytes=int(compiled.metadata.shared) + usage.get("SHARED", 0),
+        seconds=seconds,
+        usage=usage,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Autocast policy of lowered ops (same policies as the dialect ops they replace).
+# ----------------------------------------------------------------------------------------------
+
+_AUTOCAST_LIBS: dict[str, Any] = {}
+AUTOCAST_POLICIES = ("fp32", "compute", "preserve")
+
+
+def register_autocast(op: Any, policy: str) -> None:
+    """Declare how `op` (a custom op's OpOverload) behaves under autocast on CPU and CUDA.
+
+    "fp32": floating inputs cast to fp32 (routers). "compute": cast to the autocast dtype (expert
+    GEMMs). "preserve": inputs keep their dtypes (data movement); declared explicitly so eager and
+    compiled runs agree rather than depending on the fallthrough.
+    """
+    import torch
+
+    if policy not in AUTOCAST_POLICIES:
+        raise ValueError(f"register_autocast: policy {policy!r} is not one of {AUTOCAST_POLICIES}")
+    namespace, op_name = op._schema.name.split("::")
+    lib = _AUTOCAST_LIBS.get(namespace)
+    if lib is None:
+        lib = _AUTOCAST_LIBS[namespace] = torch.library.Library(namespace, "IMPL")
+    for device_type in ("cpu", "cuda"):
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, *args, _device_type=device_type, _excluded=keyset):
+            if policy == "preserve":
+                cast_args = args
+            else:
+                dtype = torch.float32 if policy == "fp32" else torch.get_autocast_dtype(_device_type)
+                cast_args = tuple(
+                    a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                    and a.device.type == _device_type else a
+                    for a in args
+                )
+            with torch._C._ExcludeDispatchKeyGuard(_excluded):
+                return op(*cast_args)
+
+        lib.impl(op_name, kernel, key, with_keyset=True)

@@ -15,6 +15,7 @@ API (stable; `lowering/grouped_gemm.py` relies on it):
     build_for_gpu(kernel_fn, signature, constexprs, arch, num_warps=4, num_stages=3) -> BuildReport
                                                compile to PTX + cubin for sm_<arch> without a GPU
     resource_usage(cubin_bytes) -> dict        parsed `cuobjdump --dump-resource-usage`
+    ROUND_BF16_SOURCE                          @triton.jit `round_bf16(x)` helper source (interpreter truncates bf16 casts)
     SHARED_LIMIT_BYTES[arch]                   opt-in shared memory per block (sm_80 163 KiB, sm_90 227 KiB)
     register_autocast(op, policy)              autocast dtype policy of a lowered op: "fp32", "compute", "preserve"
 
@@ -24,7 +25,13 @@ that is not writable). A module is imported once per (source hash, interpret mod
 
 The GPU build always constructs a `triton.runtime.jit.JITFunction` from the kernel's Python
 function, whatever TRITON_INTERPRET says: under interpretation `@triton.jit` returns an
-InterpretedFunction that `triton.compile` cannot build.
+InterpretedFunction that `triton.compile` cannot build, so the kernel's module is re-imported once
+with interpretation off (`_compile_copy`) and the kernel and its @triton.jit helpers come from there.
+
+Interpreter caveat (triton 3.7.1): casting fp32 -> bf16 inside a kernel *truncates* under
+TRITON_INTERPRET while GPUs and torch round to nearest even. `ROUND_BF16_SOURCE` is a @triton.jit
+helper (`round_bf16`) that rounds explicitly; generated kernels paste it and use it before every
+bf16 store so interpreted and compiled kernels agree with torch bit for bit.
 """
 
 from __future__ import annotations
@@ -46,6 +53,16 @@ KiB = 1024
 # Maximum dynamic shared memory per block after opt-in (CUDA programming guide, compute capabilities).
 SHARED_LIMIT_BYTES = {80: 163 * KiB, 86: 99 * KiB, 89: 99 * KiB, 90: 227 * KiB}
 PACKAGE = "moepass_kernels"  # sys.modules prefix of generated kernel modules
+
+# A @triton.jit helper pasted into generated sources (see the module docstring).
+ROUND_BF16_SOURCE = '''
+@triton.jit
+def round_bf16(x):
+    """fp32 -> the nearest-even bf16 value, still fp32 (NaN kept as NaN)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+'''
 
 _MODULES: dict[tuple[str, bool], ModuleType] = {}
 
@@ -186,6 +203,34 @@ def _unwrap(kernel_fn: Any) -> Any:
     return fn
 
 
+_COMPILE_COPIES: dict[str, ModuleType] = {}
+
+
+def _compile_copy(kernel_fn: Any) -> Any:
+    """The same kernel from a copy of its module imported with interpretation off.
+
+    Under TRITON_INTERPRET=1 a module's helpers (other @triton.jit functions the kernel calls) are
+    InterpretedFunctions, which a GPU build rejects; the copy has real JITFunctions throughout.
+    """
+    import triton
+
+    raw = _unwrap(kernel_fn)
+    path = raw.__code__.co_filename
+    module = _COMPILE_COPIES.get(path)
+    if module is None:
+        module_name = f"{PACKAGE}._compile_.{Path(path).stem}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"build_for_gpu: cannot re-import {path} (kernels must live in a file)")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = False
+            spec.loader.exec_module(module)
+        _COMPILE_COPIES[path] = module
+    return getattr(module, raw.__name__)
+
+
 def cuobjdump_path() -> str:
     import triton
 
@@ -237,7 +282,7 @@ def build_for_gpu(
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    jit_fn = JITFunction(_unwrap(kernel_fn))
+    jit_fn = JITFunction(_unwrap(_compile_copy(kernel_fn)))
     full_sig = {name: ("constexpr" if name in constexprs else signature[name]) for name in jit_fn.arg_names}
     start = time.perf_counter()
     compiled = triton.compile(

@@ -1,0 +1,242 @@
+"""Expert parallel (EP): compute, all-to-all bytes and memory per rank.
+
+Pure formula functions over the symbols of `cost_model.symbols`: pass symbols to get a sympy
+expression, numbers to get a number. The last section counts bytes *exactly* from a routed-row
+matrix, with the same conventions the runtime's counters use:
+
+- dispatch: rank r sends the rows routed to experts on OTHER ranks of its EP group; rows routed to
+  its own experts stay local and are not counted. Each row is D elements x b bytes.
+- combine: the same counts travel back (dst -> src). The backward pass repeats both.
+- under uniform routing that is K*T*D*(ep-1)/ep elements per rank per direction.
+
+EP groups are `ep` consecutive ranks (the innermost mesh dimension), nodes are `G` consecutive
+ranks, and experts are placed contiguously: expert e lives on rank e // (E/ep) of its group.
+
+Shape legend: S source ranks, R destination ranks, E experts (matrices are numpy arrays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cost_model.symbols import smax, smin
+
+FWD_BWD = 3  # backward costs twice the forward: d(input) and d(weight) GEMMs
+A2A_PER_LAYER = 4  # dispatch + combine, forward and backward
+
+
+# ---- compute ------------------------------------------------------------------------------------
+
+def matmuls(gated: bool) -> int:
+    """Matmuls per expert FFN: gate, up, down when gated (SwiGLU, GeGLU); up, down otherwise."""
+    return 3 if gated else 2
+
+
+def routed_rows(T, K, *, rho=1, cf=None):
+    """Rows the busiest rank computes per layer.
+
+    Dropless (cf None): its share of the T*K routed rows times the imbalance rho = max/mean.
+    Capacity: static buffers of cf*T*K/E slots per expert, computed whether full or not (padding).
+    """
+    return T * K * (rho if cf is None else cf)
+
+
+def expert_flops(rows, D, F, m):
+    """Forward FLOPs of the expert FFNs over `rows` routed rows: m matmuls of D x F, 2 FLOPs each."""
+    return 2 * rows * D * F * m
+
+
+def compute_time(rows, D, F, m, R, eta):
+    """Forward + backward expert GEMM time on one rank."""
+    return FWD_BWD * expert_flops(rows, D, F, m) / (R * eta)
+
+
+# ---- all-to-all under uniform routing ------------------------------------------------------------
+
+def a2a_elements(T, K, D, ep, *, factor=1):
+    """Elements one rank sends per all-to-all direction: the rows bound for the other ep-1 ranks.
+
+    `factor` scales the routed rows: rho for the busiest rank, cf for padded capacity buffers.
+    """
+    return factor * K * T * D * (ep - 1) / ep
+
+
+def peer_split(ep, G):
+    """(intra-node peers, inter-node peers) of a rank in an EP group of `ep` consecutive ranks."""
+    local = smin(ep, G)
+    return local - 1, ep - local
+
+
+def a2a_bytes(T, K, D, ep, G, b, *, factor=1):
+    """(intra-node bytes, inter-node bytes) one rank sends per direction under uniform routing."""
+    intra, inter = peer_split(ep, G)
+    per_peer = factor * K * T * D * b / ep
+    return per_peer * intra, per_peer * inter
+
+
+def a2a_time(intra_bytes, inter_bytes, B_intra, B_inter, alpha):
+    """One all-to-all: one latency plus each link's bytes over its bandwidth (links summed, like
+    LAER's T_comm = sum over destinations of bytes / bw)."""
+    return alpha + intra_bytes / B_intra + inter_bytes / B_inter
+
+
+# ---- parameters, gradient all-reduce, memory -------------------------------------------------------
+
+def expert_params(E, D, F, m):
+    """Expert parameters of one layer (weights only, no biases)."""
+    return E * m * D * F
+
+
+def allreduce_time(nbytes, dp, B, alpha):
+    """Ring all-reduce of `nbytes` over dp ranks: 2(dp-1) steps of nbytes/dp each (0 when dp = 1)."""
+    return 2 * (dp - 1) * (alpha + nbytes / (dp * B))
+
+
+def memory_per_rank(E, ep, D, F, m, s, rows, b):
+    """Bytes one rank holds for one layer: its E/ep experts' weights, grads and optimizer state
+    (s bytes per parameter) plus the activations kept for backward (estimate): the received rows
+    (D), the m-1 or 1 hidden tensors of width F plus the activation output, and the combine input (D)."""
+    return expert_params(E, D, F, m) / ep * s + rows * (2 * D + m * F) * b
+
+
+# ---- one layer, one plan -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """Seconds (and bytes for memory) of one MoE layer per step on the busiest rank."""
+
+    compute: Any
+    a2a_exposed: Any
+    other_comm: Any
+    memory: Any
+    a2a_bytes: Any  # bytes sent per rank per direction (intra + inter), forward dispatch
+
+    @property
+    def step(self) -> Any:
+        return self.compute + self.a2a_exposed + self.other_comm
+
+    def __add__(self, other: LayerTerms) -> LayerTerms:
+        return LayerTerms(*(a + o for a, o in zip(self._tuple(), other._tuple())))
+
+    def _tuple(self) -> tuple[Any, ...]:
+        return (self.compute, self.a2a_exposed, self.other_comm, self.memory, self.a2a_bytes)
+
+
+def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cross_node_dp: bool) -> LayerTerms:
+    """Step terms of one EP layer (ep = 1: every rank keeps all experts; no all-to-all).
+
+    `x` maps symbol names of `cost_model.symbols` to numbers or symbols (T, K, D, F, m, E, G, b,
+    b_g, s, B_intra, B_inter, alpha, R, eta, rho, c_f). The discrete plan choices (ep, n, dp,
+    dropless) are Python values, so the result is a closed formula for that plan.
+    """
+    from cost_model.schedule import pipeline_time
+
+    factor = x["rho"] if dropless else x["c_f"]
+    rows = x["T"] * x["K"] * factor
+    compute = compute_time(rows, x["D"], x["F"], x["m"], x["R"], x["eta"])
+    fwd_compute = compute / FWD_BWD
+    if ep > 1:
+        intra, inter = a2a_bytes(x["T"], x["K"], x["D"], ep, x["G"], x["b"], factor=factor)
+        transfer = intra / x["B_intra"] + inter / x["B_inter"]
+        a2a = (pipeline_time(n, transfer, fwd_compute, x["alpha"])
+               + pipeline_time(n, transfer, 2 * fwd_compute, x["alpha"]) - compute)
+        if dropless:
+            a2a += x["alpha"]  # the split-size exchange before the dispatch (a small all-to-all)
+        sent = intra + inter
+    else:
+        a2a, sent = 0, 0
+    grad_bytes = expert_params(x["E"], x["D"], x["F"], x["m"]) / ep * x["b_g"]
+    ar = allreduce_time(grad_bytes, dp, x["B_inter"] if cross_node_dp else x["B_intra"], x["alpha"])
+    other = smax(0, ar - 2 * fwd_compute)  # overlaps the backward GEMMs of the next layer down
+    memory = memory_per_rank(x["E"], ep, x["D"], x["F"], x["m"], x["s"], rows, x["b"])
+    return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=other, memory=memory, a2a_bytes=sent)
+
+
+# ---- exact counts from a routed-row matrix ----------------------------------------------------------
+
+def rank_rows(counts_SE: np.ndarray, ep: int) -> np.ndarray:
+    """[src rank, expert] routed rows -> [src rank, dst rank] rows (experts contiguous per rank)."""
+    counts_SE = np.asarray(counts_SE)
+    S, E = counts_SE.shape
+    if E % ep:
+        raise ValueError(f"experts E={E} must be a multiple of ep={ep} to place them contiguously")
+    return counts_SE.reshape(S, ep, E // ep).sum(axis=2)
+
+
+@dataclass(frozen=True)
+class ExactA2A:
+    """Per-rank rows and bytes of one all-to-all direction (the dispatch; combine is its transpose)."""
+
+    sent_intra: np.ndarray  # [S] bytes each rank sends to other ranks on its node
+    sent_inter: np.ndarray  # [S] bytes each rank sends to other nodes
+    recv_intra: np.ndarray  # [R]
+    recv_inter: np.ndarray  # [R]
+    computed_rows: np.ndarray  # [R] rows each rank's experts process (local ones included)
+
+    @property
+    def sent(self) -> np.ndarray:
+        return self.sent_intra + self.sent_inter
+
+    def time(self, B_intra: float, B_inter: float, alpha: float) -> float:
+        """The all-to-all ends when its slowest rank has sent and received everything."""
+        send = a2a_time(self.sent_intra, self.sent_inter, B_intra, B_inter, alpha)
+        recv = a2a_time(self.recv_intra, self.recv_inter, B_intra, B_inter, alpha)
+        return float(max(send.max(), recv.max()))
+
+    def transposed(self) -> ExactA2A:
+        """The combine: same rows, opposite direction."""
+        return ExactA2A(self.recv_intra, self.recv_inter, self.sent_intra, self.sent_inter, self.computed_rows)
+
+
+def exact_a2a(rows_SR: np.ndarray, D: int, b: int, G: int) -> ExactA2A:
+    """Bytes of the dispatch for a [src rank, dst rank] routed-row matrix of one EP group."""
+    rows_SR = np.asarray(rows_SR, dtype=np.float64)
+    S, Rn = rows_SR.shape
+    if S != Rn:
+        raise ValueError(f"rows_SR must be square [src rank, dst rank], got {rows_SR.shape}")
+    node = np.arange(S) // G
+    same_node = node[:, None] == node[None, :]
+    off_diag = ~np.eye(S, dtype=bool)
+    intra = np.where(same_node & off_diag, rows_SR, 0.0) * D * b
+    inter = np.where(~same_node, rows_SR, 0.0) * D * b
+    return ExactA2A(
+        sent_intra=intra.sum(axis=1), sent_inter=inter.sum(axis=1),
+        recv_intra=intra.sum(axis=0), recv_inter=inter.sum(axis=0),
+        computed_rows=rows_SR.sum(axis=0),
+    )
+
+
+def imbalance(rows_SR: np.ndarray) -> float:
+    """max / mean rows computed per rank."""
+    computed = np.asarray(rows_SR, dtype=np.float64).sum(axis=0)
+    return float(computed.max() / computed.mean())
+
+
+def zipf_counts(T: int, K: int, E: int, ranks: int, s: float, *, seed: int = 0) -> np.ndarray:
+    """[src rank, expert] routed rows when expert popularity follows Zipf(s): p_e ~ 1/rank^s.
+
+    Popularity ranks are a fixed random permutation of the experts (seeded), so the hottest experts
+    do not all land on rank 0. Every source rank routes T*K rows with the same distribution.
+    """
+    p = 1.0 / np.arange(1, E + 1, dtype=np.float64) ** s
+    p = p[np.random.default_rng(seed).permutation(E)]
+    return np.tile(T * K * p / p.sum(), (ranks, 1))
+
+
+def zipf_for_imbalance(target: float, T: int, K: int, E: int, ep: int, *, seed: int = 0) -> float:
+    """The Zipf parameter s whose placement on `ep` ranks gives max/mean = target (bisection)."""
+    def ratio(s: float) -> float:
+        return imbalance(rank_rows(zipf_counts(T, K, E, ep, s, seed=seed), ep))
+
+    lo, hi = 0.0, 8.0
+    if target <= 1.0:
+        return 0.0
+    if ratio(hi) < target:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(mid) < target else (lo, mid)
+    return (lo + hi) / 2

@@ -1,0 +1,165 @@
+"""Hardware presets. Every figure carries its source; a scenario's own figures override them.
+
+Bandwidths are effective bytes/s per device for one link class (what an all-to-all achieves), not
+link peaks. Where only a peak is published, the effective figure is the peak times the efficiency
+LAER-MoE profiled on A100 (NVLink 216.3 of 300 GB/s per direction = 0.72; InfiniBand 88.95 of
+100 GB/s = 0.89), and the source says so. FLOP/s are dense bf16/fp16 peaks; `efficiency` is the
+fraction expert GEMMs reach, an assumption unless calibrated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PROFILE = Path(os.path.expanduser("~/.cache/moepass/profile.json"))
+NVLINK_EFFICIENCY = 216.3 / 300.0  # LAER-MoE profiled A100 NVLink, over the 300 GB/s per-direction peak
+IB_EFFICIENCY = 88.95 / 100.0  # LAER-MoE profiled 800 Gb/s InfiniBand (100 GB/s)
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: float
+    source: str
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type and its links. Field names match `cost_model.symbols` (see `values`)."""
+
+    name: str
+    device: str
+    flops: Figure  # R: peak dense FLOP/s
+    efficiency: Figure  # eta
+    intra_bw: Figure  # B_intra
+    inter_bw: Figure  # B_inter
+    alpha: Figure  # latency per collective call
+    memory: Figure  # device memory, bytes
+    bytes_per_element: Figure  # b: activations in the all-to-all
+    grad_bytes: Figure  # b_g: gradients in the all-reduce
+    state_bytes: Figure  # s: weights + grads + optimizer state per parameter
+    calibrated: bool = True
+
+    def values(self) -> dict[str, float]:
+        """Figures keyed by the symbol names of `cost_model.symbols`."""
+        return {
+            "R": float(self.flops), "eta": float(self.efficiency), "B_intra": float(self.intra_bw),
+            "B_inter": float(self.inter_bw), "alpha": float(self.alpha), "b": float(self.bytes_per_element),
+            "b_g": float(self.grad_bytes), "s": float(self.state_bytes),
+        }
+
+    def sources(self) -> dict[str, str]:
+        return {f.name: getattr(self, f.name).source for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), Figure)}
+
+    def with_figures(self, source: str, **figures: float | None) -> Hardware:
+        """A copy with the non-None `figures` replaced, each marked as coming from `source`."""
+        changes = {k: Figure(float(v), source) for k, v in figures.items() if v is not None}
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+_ZERO = "ZeRO paper (Rajbhandari et al. 2020): 16 bytes/param for mixed-precision Adam"
+_ASSUMED_ETA = "assumption, not measured: expert grouped GEMMs at half of peak"
+_ASSUMED_ALPHA = "assumption, not measured: order of a small NCCL all-to-all across nodes"
+
+A100 = Hardware(
+    name="a100", device="A100-80GB (NVLink + InfiniBand)",
+    flops=Figure(312e12, "NVIDIA A100 datasheet, dense bf16"),
+    efficiency=Figure(0.5, _ASSUMED_ETA),
+    intra_bw=Figure(216.3e9, "LAER-MoE (ASPLOS'26) profiled NVLink, scenarios/laer_moe_fsep.json"),
+    inter_bw=Figure(88.95e9, "LAER-MoE (ASPLOS'26) profiled InfiniBand 800 Gb/s, scenarios/laer_moe_fsep.json"),
+    alpha=Figure(30e-6, _ASSUMED_ALPHA),
+    memory=Figure(80e9, "NVIDIA A100 datasheet (80 GB variant)"),
+    bytes_per_element=Figure(2, "bf16 activations"),
+    grad_bytes=Figure(2, "bf16 gradients"),
+    state_bytes=Figure(16, _ZERO),
+)
+
+H100 = Hardware(
+    name="h100", device="H100-SXM (NVLink 4 + InfiniBand NDR)",
+    flops=Figure(989e12, "NVIDIA H100 SXM datasheet, dense bf16"),
+    efficiency=Figure(0.5, _ASSUMED_ETA),
+    intra_bw=Figure(450e9 * NVLINK_EFFICIENCY, "NVLink 4 peak 450 GB/s per direction x LAER's A100 NVLink efficiency 0.72"),
+    inter_bw=Figure(50e9 * IB_EFFICIENCY, "one NDR 400 Gb/s NIC per GPU (50 GB/s) x LAER's InfiniBand efficiency 0.89"),
+    alpha=Figure(30e-6, _ASSUMED_ALPHA),
+    memory=Figure(80e9, "NVIDIA H100 SXM datasheet"),
+    bytes_per_element=Figure(2, "bf16 activations"),
+    grad_bytes=Figure(2, "bf16 gradients"),
+    state_bytes=Figure(16, _ZERO),
+)
+
+ASCEND_910A = Hardware(
+    name="ascend910a", device="Ascend 910A (HCCS + RoCE)",
+    flops=Figure(320e12, "scenarios/locmoe_locality.json (Ascend 910 fp16 peak)"),
+    efficiency=Figure(0.5, _ASSUMED_ETA),
+    intra_bw=Figure(30e9 * NVLINK_EFFICIENCY,
+                    "HCCS 240 Gb/s = 30 GB/s per link (Ascend 910 public spec) x 0.72 (LAER NVLink efficiency); "
+                    "the PCIe hop between the two groups of 4 is not modelled"),
+    inter_bw=Figure(12.5e9 * IB_EFFICIENCY, "integrated 100 Gb/s RoCE per chip (12.5 GB/s) x 0.89 (LAER IB efficiency)"),
+    alpha=Figure(50e-6, "assumption, not measured: HCCL small all-to-all over RoCE"),
+    memory=Figure(32e9, "Ascend 910 public spec: 32 GB HBM"),
+    bytes_per_element=Figure(2, "fp16 activations"),
+    grad_bytes=Figure(2, "fp16 gradients"),
+    state_bytes=Figure(16, _ZERO),
+)
+
+_UNCALIBRATED = "uncalibrated conservative default (run `python -m moepass calibrate`)"
+
+
+def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
+    """This machine's figures from a calibration profile (gloo, CPU), else uncalibrated defaults."""
+    path = Path(profile) if profile is not None else DEFAULT_PROFILE
+    data: dict[str, Any] | None = None
+    if path.is_file():
+        data = json.loads(path.read_text())
+    if data is None:
+        if profile is not None:
+            raise FileNotFoundError(f"calibration profile {path} not found; run `python -m moepass calibrate`")
+        return Hardware(
+            name="this-machine", device="this machine (CPU, gloo loopback)",
+            flops=Figure(2e9, _UNCALIBRATED), efficiency=Figure(1.0, "the default FLOP/s is already an effective figure"),
+            intra_bw=Figure(2e8, _UNCALIBRATED), inter_bw=Figure(2e8, _UNCALIBRATED),
+            alpha=Figure(2e-4, _UNCALIBRATED), memory=Figure(8e9, _UNCALIBRATED),
+            bytes_per_element=Figure(4, "fp32 on CPU"), grad_bytes=Figure(4, "fp32 on CPU"),
+            state_bytes=Figure(16, "fp32 Adam: weights, grads, 2 moments"), calibrated=False,
+        )
+    src = f"calibrated {data.get('created', '?')} ({path})"
+    return Hardware(
+        name="this-machine", device=f"this machine ({data.get('backend', 'gloo')}, W={data.get('world_size', 2)})",
+        flops=Figure(data["flops"], src + ": fp32 matmul fit"),
+        efficiency=Figure(1.0, "calibrated FLOP/s are already effective"),
+        intra_bw=Figure(data["bandwidth"], src + ": all_to_all_single fit (loopback: intra = inter)"),
+        inter_bw=Figure(data["bandwidth"], src + ": all_to_all_single fit (loopback: intra = inter)"),
+        alpha=Figure(data["alpha"], src + ": all_to_all_single fit"),
+        memory=Figure(data.get("memory", 8e9), src if "memory" in data else _UNCALIBRATED),
+        bytes_per_element=Figure(4, "fp32 on CPU"), grad_bytes=Figure(4, "fp32 on CPU"),
+        state_bytes=Figure(16, "fp32 Adam: weights, grads, 2 moments"),
+    )
+
+
+PRESETS: dict[str, Hardware] = {hw.name: hw for hw in (A100, H100, ASCEND_910A)}
+
+
+def preset(name: str, profile: str | os.PathLike[str] | None = None) -> Hardware:
+    """A preset by name ('a100', 'h100', 'ascend910a', 'this-machine')."""
+    if name == "this-machine":
+        return this_machine(profile)
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}: use one of {[*PRESETS, 'this-machine']}")
+    return PRESETS[name]
+
+
+def for_device(device: str | None) -> Hardware | None:
+    """The preset matching a device name from a scenario file ('A100-40GB', 'Ascend 910A', ...)."""
+    key = (device or "").lower().replace(" ", "")
+    for marker, hw in (("a100", A100), ("h100", H100), ("ascend910", ASCEND_910A)):
+        if marker in key:
+            return hw
+    return None

@@ -1,0 +1,85 @@
+"""The one table of symbols the cost model is written in.
+
+Every formula in `cost_model` takes its quantities as arguments, so the same function serves two
+purposes: called with these symbols it returns a `sympy` expression (for derivatives, tests and the
+readable formula `search` prints); called with numbers it returns a number.
+
+Assumptions follow torch/utils/_sympy: counts are positive integers, rates and times positive reals,
+so sympy can decide signs (e.g. `diff(time, B_inter).is_negative`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+
+@dataclass(frozen=True)
+class SymbolInfo:
+    symbol: sympy.Symbol
+    meaning: str
+    unit: str
+
+
+TABLE: dict[str, SymbolInfo] = {}
+
+
+def _sym(name: str, meaning: str, unit: str, **assumptions: bool) -> sympy.Symbol:
+    s = sympy.Symbol(name, **assumptions)
+    TABLE[name] = SymbolInfo(s, meaning, unit)
+    return s
+
+
+_count = dict(integer=True, positive=True)
+_real = dict(real=True, positive=True)
+
+# model shape
+T = _sym("T", "tokens per rank per step (batch x seq of one data-parallel rank)", "tokens", **_count)
+D = _sym("D", "model width (elements per routed row)", "elements", **_count)
+F = _sym("F", "expert hidden width", "elements", **_count)
+E = _sym("E", "experts per MoE layer", "experts", **_count)
+K = _sym("K", "experts per token (top-k)", "experts", **_count)
+m = _sym("m", "matmuls per expert FFN: 3 gated (SwiGLU/GeGLU), 2 otherwise", "matmuls", **_count)
+L = _sym("L", "MoE layers", "layers", **_count)
+H = _sym("H", "heads of a Multi-Head LatentMoE layer", "heads", **_count)
+h = _sym("h", "head width of a Multi-Head LatentMoE layer", "elements", **_count)
+# parallel layout
+W = _sym("W", "ranks (world size)", "ranks", **_count)
+ep = _sym("ep", "expert-parallel degree (ep_size); data parallel over W/ep", "ranks", **_count)
+N = _sym("N", "nodes", "nodes", **_count)
+G = _sym("G", "ranks per node", "ranks", **_count)
+P = _sym("P", "expert packing: experts per device relative to plain EP", "factor", **_count)
+n = _sym("n", "micro-ops (chunks) per all-to-all", "chunks", **_count)
+# routing
+cf = _sym("c_f", "capacity factor (slots per expert / fair share)", "factor", **_real)
+rho = _sym("rho", "load imbalance: max / mean routed rows per rank", "factor", **_real)
+# hardware
+b = _sym("b", "bytes per activation element sent in an all-to-all", "bytes", **_count)
+b_grad = _sym("b_g", "bytes per gradient element in the all-reduce", "bytes", **_count)
+s_state = _sym("s", "bytes per parameter for weights + grads + optimizer state", "bytes", **_count)
+B_intra = _sym("B_intra", "effective intra-node bandwidth per rank", "bytes/s", **_real)
+B_inter = _sym("B_inter", "effective inter-node bandwidth per rank", "bytes/s", **_real)
+alpha = _sym("alpha", "latency per collective call (per chunk)", "s", **_real)
+R = _sym("R", "device peak FLOP/s", "FLOP/s", **_real)
+eta = _sym("eta", "fraction of peak reached by expert GEMMs", "fraction", **_real)
+
+
+def table() -> str:
+    """The symbol table as aligned text (for docs and `python -m cost_model symbols`)."""
+    width = max(len(k) for k in TABLE)
+    lines = []
+    for name, info in TABLE.items():
+        kinds = "integer" if info.symbol.is_integer else "real"
+        lines.append(f"{name:<{width}}  {kinds:<7} > 0  [{info.unit}]  {info.meaning}")
+    return "\n".join(lines)
+
+
+def smax(*args):
+    """`max` that stays symbolic: `sympy.Max` when any argument is a sympy expression."""
+    return sympy.Max(*args) if any(isinstance(a, sympy.Basic) for a in args) else max(args)
+
+
+def smin(*args):
+    """`min` that stays symbolic: `sympy.Min` when any argument is a sympy expression."""
+    return sympy.Min(*args) if any(isinstance(a, sympy.Basic) for a in args) else min(args)

@@ -17,7 +17,16 @@ API (stable; `lowering/grouped_gemm.py` relies on it):
     resource_usage(cubin_bytes) -> dict        parsed `cuobjdump --dump-resource-usage`
     ROUND_BF16_SOURCE                          @triton.jit `round_bf16(x)` helper source (interpreter truncates bf16 casts)
     SHARED_LIMIT_BYTES[arch]                   opt-in shared memory per block (sm_80 163 KiB, sm_90 227 KiB)
+    build_module(module, arch) -> list[BuildReport]  build every kernel a generated module lists in `GPU_BUILDS`
+    render(template, **values) -> str          `string.Template` substitution ($NAME), every name required
+    round_source(expr, dtype) -> str           Triton expression rounding fp32 `expr` to `dtype`'s precision
+    SIG_DTYPES / TL_DTYPES                     torch dtype -> Triton signature string / `tl.` dtype name
+    next_pow2(n) -> int
     register_autocast(op, policy)              autocast dtype policy of a lowered op: "fp32", "compute", "preserve"
+
+Generated-module convention: a module lists its kernels for the GPU build check as
+`GPU_BUILDS = [dict(kernel="name", signature={...}, constexprs={...}, num_warps=4), ...]`; the
+signature uses Triton type strings for the dtypes this specialisation was generated for.
 
 Cache: `$MOEPASS_KERNEL_CACHE` if set, else `~/.cache/moepass/kernels` (falls back to a temp dir if
 that is not writable). A module is imported once per (source hash, interpret mode) per process:
@@ -40,6 +49,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import string
 import subprocess
 import sys
 import tempfile
@@ -48,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import torch
 
 KiB = 1024
 # Maximum dynamic shared memory per block after opt-in (CUDA programming guide, compute capabilities).
@@ -65,6 +77,36 @@ def round_bf16(x):
 '''
 
 _MODULES: dict[tuple[str, bool], ModuleType] = {}
+
+SIG_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+              torch.int32: "i32"}
+TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
+             torch.int64: "tl.int64", torch.int32: "tl.int32"}
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def render(template: str, **values: Any) -> str:
+    """Fill `$NAME` placeholders (a missing value raises KeyError, so nothing is left unfilled)."""
+    return string.Template(template).substitute({k: str(v) for k, v in values.items()})
+
+
+def round_source(expr: str, dtype: torch.dtype) -> str:
+    """A Triton expression for fp32 `expr` rounded to `dtype`'s precision (still fp32).
+
+    Kernels compute in fp32 and round where torch's reference rounds, so indices chosen from
+    rounded scores agree with torch. bf16 needs `round_bf16` (ROUND_BF16_SOURCE) in the module.
+    """
+    if dtype == torch.float32:
+        return expr
+    if dtype == torch.float16:
+        return f"({expr}).to(tl.float16).to(tl.float32)"
+    if dtype == torch.bfloat16:
+        return f"round_bf16({expr})"
+    raise ValueError(f"round_source: unsupported dtype {dtype}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,6 +351,14 @@ def build_for_gpu(
     )
 
 
+def build_module(module: ModuleType, arch: int) -> list[BuildReport]:
+    """Build every kernel a generated module lists in `GPU_BUILDS` for sm_<arch>."""
+    return [
+        build_for_gpu(getattr(module, b["kernel"]), b["signature"], b["constexprs"], arch, b.get("num_warps", 4))
+        for b in module.GPU_BUILDS
+    ]
+
+
 # ----------------------------------------------------------------------------------------------
 # Autocast policy of lowered ops (same policies as the dialect ops they replace).
 # ----------------------------------------------------------------------------------------------
@@ -324,8 +374,6 @@ def register_autocast(op: Any, policy: str) -> None:
     GEMMs). "preserve": inputs keep their dtypes (data movement); declared explicitly so eager and
     compiled runs agree rather than depending on the fallthrough.
     """
-    import torch
-
     if policy not in AUTOCAST_POLICIES:
         raise ValueError(f"register_autocast: policy {policy!r} is not one of {AUTOCAST_POLICIES}")
     namespace, op_name = op._schema.name.split("::")

@@ -84,6 +84,7 @@ class RouterSpec:
     selection_bias: TensorSource | None = None  # added to scores for selection only (aux-loss-free)
     logits_from: str = "linear"  # "module": call the router module at `module_path` (fires its hooks)
     module_path: str = "gate"
+    module_output_index: int | None = None  # the router module returns a tuple: logits at this index
 
     def validate(self, where: str) -> None:
         if self.num_experts < 1:

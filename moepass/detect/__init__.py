@@ -1,0 +1,102 @@
+"""`moepass.detect(model)`: find the MoE blocks of a model and describe each with a verified MoESpec.
+
+    structural candidates ─► recognisers (MoESpec hypotheses) ─► semantic check ─► accepted | rejected
+
+Detection only reads the model. A block is accepted when one hypothesis of one recogniser
+reproduces it on probe inputs; otherwise it is reported with the reason and left untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from moepass.detect import fused_experts, gshard, loop_experts
+from moepass.detect.candidates import Candidate, find_candidates, find_dense_mlps
+from moepass.detect.check import CheckResult, semantic_check
+from moepass.spec import MoESpec
+
+Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
+
+# Tried in order; a recogniser declines by returning the reason as a string.
+RECOGNISERS: list[tuple[str, Recogniser]] = [
+    (gshard.NAME, gshard.recognise),
+    (loop_experts.NAME, loop_experts.recognise),
+    (fused_experts.NAME, fused_experts.recognise),
+]
+
+
+def register_recogniser(name: str, fn: Recogniser, first: bool = True) -> None:
+    """Add a recogniser (e.g. for a model family); `first` gives it priority over the generic ones."""
+    RECOGNISERS.insert(0 if first else len(RECOGNISERS), (name, fn))
+
+
+@dataclass
+class BlockReport:
+    """What detection concluded about one candidate block."""
+
+    path: str
+    module_type: str
+    accepted: bool
+    recogniser: str | None = None
+    spec: MoESpec | None = None
+    check: CheckResult | None = None
+    reason: str = ""
+    tried: list[CheckResult] = field(default_factory=list)
+
+
+@dataclass
+class DetectionReport:
+    details: list[BlockReport] = field(default_factory=list)
+    dense: list[str] = field(default_factory=list)  # FFN-shaped modules that are not MoE
+
+    @property
+    def blocks(self) -> list[MoESpec]:
+        return [d.spec for d in self.details if d.accepted and d.spec is not None]
+
+    @property
+    def rejected(self) -> list[tuple[str, str]]:
+        return [(d.path, d.reason) for d in self.details if not d.accepted]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def summary(self) -> str:
+        lines = [f"{len(self.blocks)} MoE block(s) accepted, {len(self.rejected)} rejected"]
+        for d in self.details:
+            if d.accepted and d.spec is not None and d.check is not None:
+                lines.append(f"  {d.path or '<root>'}: {d.recogniser}: {d.spec.summary()}; check {d.check.describe()}")
+            else:
+                lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}")
+        for path in self.dense:
+            lines.append(f"  {path}: dense FFN, not MoE")
+        return "\n".join(lines)
+
+
+def detect_block(candidate: Candidate) -> BlockReport:
+    report = BlockReport(candidate.path, type(candidate.module).__name__, accepted=False)
+    reasons = []
+    for name, recognise in RECOGNISERS:
+        found = recognise(candidate)
+        if isinstance(found, str):
+            reasons.append(f"{name}: {found}")
+            continue
+        winner, tried = semantic_check(candidate.module, found)
+        report.tried.extend(tried)
+        if winner is not None:
+            report.accepted, report.recogniser, report.spec, report.check = True, name, winner.spec, winner
+            return report
+        best = min(tried, key=lambda r: (r.mismatched_tokens, r.max_error)) if tried else None
+        reasons.append(f"{name}: no hypothesis reproduces the block"
+                       + (f" (closest: {best.spec.router.score_func} router, {best.reason})" if best else ""))
+    report.reason = "; ".join(reasons) or "no recogniser applies"
+    return report
+
+
+def detect(model: nn.Module) -> DetectionReport:
+    """Detect the MoE blocks of `model` (read-only)."""
+    details = [detect_block(c) for c in find_candidates(model)]
+    moe_paths = [d.path for d in details]
+    return DetectionReport(details=details, dense=find_dense_mlps(model, moe_paths))

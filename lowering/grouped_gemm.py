@@ -1,0 +1,457 @@
+"""Grouped-GEMM expert FFN: `moe.expert_ffn` lowered to generated Triton kernels, forward and backward.
+
+Shapes (suffixes on every tensor name):
+    N  routed rows, sorted by expert (rows [offset_e, offset_e + counts_E[e]) belong to expert e)
+    D  model width            F  expert hidden width          E  experts
+    P, Q  the two sides of a weight gradient (F x D or D x F)  S  row tiles of the schedule
+
+Kernels (one generated module per spec: activation, gating, bias flags, dtype baked in as constants):
+    gate_up_kernel   a_NF = act(x_ND @ w_gate[e]^T + b_gate[e], x_ND @ w_up[e]^T + b_up[e]) for each
+                     row tile; with BACKWARD it also computes grad_a = grad_y_ND @ w_down[e] in the same
+                     loop over D and writes grad_gate_NF, grad_up_NF (the activation's backward) and a_NF.
+    rows_kernel      out_NQ = a1_NK @ b1[e] (+ a2_NK @ b2[e]) (+ bias[e]): the down projection
+                     (y = a @ w_down[e]^T + b_down[e]) and the input gradient
+                     (grad_x = grad_gate @ w_gate[e] + grad_up @ w_up[e]).
+    wgrad_kernel     out_EPQ[e] = a_NP[rows_e]^T @ b_NQ[rows_e] (+ bias_EP[e] = column sums of a_NP[rows_e]):
+                     grad_w_gate, grad_w_up (a = grad_gate/up, b = x) and grad_w_down (a = grad_y, b = a_NF).
+
+Tile schedule: row tiles are laid out expert after expert, cdiv(counts_E[e], BLOCK_M) tiles each. Each
+program finds its expert on device from counts_E (a cumsum over E inside the kernel, as MegaBlocks'
+and the Triton grouped-GEMM tutorial's schedules do): no host sync and no per-expert launch. The grid
+is sized by the host-known bound cdiv(N, BLOCK_M) + E; programs past the last tile exit at once.
+Precondition (what `moe.permute` produces): sum(counts_E) == N.
+
+Backward recomputes: the op's forward saves only its inputs (autograd sees one opaque op with the
+dialect's signature, so it cannot hand intermediates over). The backward's first kernel recomputes
+h_gate/h_up in registers while computing grad_a over the same reduction dimension D, which costs one
+extra gate/up GEMM (4NDF of the backward's 16NDF FLOPs, gated) and saves keeping 2 x N x F
+pre-activations alive between forward and backward.
+
+Precision: tl.dot accumulates in fp32; activations are computed in fp32; stored intermediates (a_NF,
+grad_gate_NF, grad_up_NF) are in the compute dtype, as in the torch reference. fp32 GEMMs use IEEE
+products unless torch allows TF32 (`torch.backends.cuda.matmul.allow_tf32`). Interpreted
+(TRITON_INTERPRET=1), fp16/bf16 tiles are upcast to fp32 before tl.dot: the interpreter's bf16 dot
+is wrong (triton-lang/triton#11584).
+
+Block sizes: on a GPU every kernel is `@triton.autotune`d over its config list (keyed on the
+dimensions and a power-of-two bucket of rows per expert); interpreted, one config is picked per shape
+from the same list (`pick_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+
+import lowering
+from lowering import _codegen
+from moepass import dialect
+
+# ----------------------------------------------------------------------------------------------
+# The spec a generated module is specialised to.
+# ----------------------------------------------------------------------------------------------
+
+GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
+ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh", "relu")
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class FfnSpec:
+    activation: str
+    gated: bool  # an up projection multiplies the activation
+    has_b_gate: bool
+    has_b_up: bool
+    has_b_down: bool
+    dtype: str  # "float32" | "float16" | "bfloat16": every floating input and output
+    interpreted: bool  # TRITON_INTERPRET: dot operands upcast to fp32, no autotune
+    tf32: bool  # fp32 GEMMs may use TF32 (follows torch.backends.cuda.matmul.allow_tf32)
+
+    @property
+    def dot_dtype(self) -> str:
+        return "float32" if self.interpreted else self.dtype
+
+    @property
+    def label(self) -> str:
+        biases = "+".join(n for n, b in (("gate", self.has_b_gate), ("up", self.has_b_up), ("down", self.has_b_down)) if b)
+        return (f"activation={self.activation} gated={self.gated} biases={biases or 'none'} dtype={self.dtype} "
+                f"{'interpreted' if self.interpreted else 'gpu'}")
+
+
+def spec_of(
+    x_ND: Tensor, counts_E: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
+    clamp_limit: float, alpha: float, *, interpreted: bool | None = None,
+) -> FfnSpec:
+    """The specialisation of these `moe.expert_ffn` arguments (works on fake tensors)."""
+    return FfnSpec(
+        activation=activation,
+        gated=w_up_EFD is not None,
+        has_b_gate=b_gate_EF is not None,
+        has_b_up=b_up_EF is not None,
+        has_b_down=b_down_ED is not None,
+        dtype=DTYPES.get(x_ND.dtype, str(x_ND.dtype)),
+        interpreted=_codegen.is_interpreted() if interpreted is None else interpreted,
+        tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Block-size configs. One list per kernel; autotuned on a GPU, `pick_config` when interpreted.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    block_m: int  # rows per tile (wgrad: rows per reduction step)
+    block_n: int  # output columns per tile (wgrad: P)
+    block_k: int  # reduction per step (wgrad: Q)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def kwargs(self, kernel: str) -> dict[str, int]:
+        if kernel == "wgrad_kernel":
+            return {"BLOCK_M": self.block_m, "BLOCK_P": self.block_n, "BLOCK_Q": self.block_k}
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k}
+
+
+# Sized for sm_80 (163 KiB shared) with 16-bit operands; fp32 needs fewer stages (see `fits`).
+_FORWARD = (
+    BlockConfig(128, 128, 64, 8, 3),
+    BlockConfig(64, 128, 64, 4, 3),
+    BlockConfig(128, 64, 64, 4, 3),
+    BlockConfig(64, 64, 64, 4, 3),
+    BlockConfig(32, 64, 64, 4, 3),
+    BlockConfig(16, 64, 64, 4, 3),
+)
+CONFIGS: dict[str, tuple[BlockConfig, ...]] = {
+    "gate_up_kernel": _FORWARD,
+    "gate_up_kernel.backward": (  # three fp32 accumulators: smaller tiles, more warps
+        BlockConfig(64, 128, 32, 8, 3),
+        BlockConfig(128, 64, 32, 8, 3),
+        BlockConfig(64, 64, 64, 4, 3),
+        BlockConfig(32, 64, 64, 4, 3),
+        BlockConfig(16, 64, 64, 4, 3),
+    ),
+    "rows_kernel": _FORWARD,
+    "wgrad_kernel": (  # block_m = rows per step of the reduction
+        BlockConfig(64, 128, 128, 8, 3),
+        BlockConfig(64, 128, 64, 4, 3),
+        BlockConfig(32, 64, 64, 4, 3),
+        BlockConfig(16, 64, 64, 4, 3),
+    ),
+}
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+def rows_bucket(N: int, E: int) -> int:
+    """Autotune key for the ragged dimension: average rows per expert, as a power of two."""
+    return _pow2_at_least(triton.cdiv(max(N, 1), max(E, 1)), floor=1)
+
+
+def pick_config(kernel: str, rows_per_expert: int, n_cols: int, n_reduce: int) -> BlockConfig:
+    """One config for a shape (the interpreted path): the first in the list whose tiles do not overhang.
+
+    Tiles are shrunk to the problem (at least 16, tl.dot's minimum) so tiny test shapes run few,
+    small programs.
+    """
+    for cfg in CONFIGS[kernel]:
+        if cfg.block_m <= _pow2_at_least(rows_per_expert) or cfg is CONFIGS[kernel][-1]:
+            return BlockConfig(min(cfg.block_m, _pow2_at_least(rows_per_expert)), min(cfg.block_n, _pow2_at_least(n_cols)),
+                               min(cfg.block_k, _pow2_at_least(n_reduce)), cfg.num_warps, cfg.num_stages)
+    raise AssertionError("unreachable: the last config always matches")
+
+
+def shared_bytes_estimate(kernel: str, cfg: BlockConfig, elem_bytes: int, gated: bool = True) -> int:
+    """Operand tiles in shared memory for software pipelining: num_stages x (row tiles + weight tiles)."""
+    m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
+    if kernel == "gate_up_kernel":
+        per_stage = m * k + (2 if gated else 1) * k * n
+    elif kernel == "gate_up_kernel.backward":
+        per_stage = 2 * m * k + (3 if gated else 2) * k * n
+    elif kernel == "rows_kernel":
+        per_stage = (2 if gated else 1) * (m * k + k * n)
+    else:  # wgrad: a^T tile (P x rows) and b tile (rows x Q)
+        per_stage = m * n + m * k
+    return per_stage * elem_bytes * cfg.num_stages
+
+
+def fits(kernel: str, cfg: BlockConfig, elem_bytes: int, limit_bytes: int, gated: bool = True) -> bool:
+    return shared_bytes_estimate(kernel, cfg, elem_bytes, gated) <= limit_bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# Generated source.
+# ----------------------------------------------------------------------------------------------
+
+# Each activation: its forward `act(g, u)` and backward `(dg, du)` in fp32; u is ignored when not gated.
+_ACTIVATION_SOURCE = {
+    "swiglu": '''
+@triton.jit
+def activate(g, u, limit, alpha):
+    """swiglu: silu(gate) * up"""
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    s = tl.sigmoid(g)
+    return da * u * s * (1.0 + g * (1.0 - s)), da * g * s
+''',
+    "geglu": '''
+@triton.jit
+def activate(g, u, limit, alpha):
+    """geglu: gelu(gate) * up (erf form)"""
+    return _gelu(g) * u
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    return da * u * _gelu_grad(g), da * _gelu(g)
+''',
+    "gelu": '''
+@triton.jit
+def activate(g, u, limit, alpha):
+    """gelu (erf form)"""
+    return _gelu(g)
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    dg = da * _gelu_grad(g)
+    return dg, dg
+''',
+    "gelu_tanh": '''
+@triton.jit
+def _tanh(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+@triton.jit
+def activate(g, u, limit, alpha):
+    """gelu, tanh approximation"""
+    return 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    t = _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
+    dt = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+    dg = da * (0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * dt)
+    return dg, dg
+''',
+    "relu": '''
+@triton.jit
+def activate(g, u, limit, alpha):
+    """relu"""
+    return tl.maximum(g, 0.0)
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    dg = tl.where(g > 0.0, da, 0.0)
+    return dg, dg
+''',
+    "clamped_swiglu": '''
+@triton.jit
+def activate(g, u, limit, alpha):
+    """clamped swiglu (GPT-OSS): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)"""
+    gc = tl.minimum(g, limit)
+    uc = tl.minimum(tl.maximum(u, -limit), limit)
+    return (uc + 1.0) * gc * tl.sigmoid(alpha * gc)
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    gc = tl.minimum(g, limit)
+    uc = tl.minimum(tl.maximum(u, -limit), limit)
+    s = tl.sigmoid(alpha * gc)
+    dg = tl.where(g <= limit, da * (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)), 0.0)
+    du = tl.where((u >= -limit) & (u <= limit), da * gc * s, 0.0)
+    return dg, du
+''',
+}
+
+_GELU_SOURCE = '''
+@triton.jit
+def _gelu(g):
+    return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_grad(g):
+    return 0.5 * (1.0 + tl.erf(g * 0.7071067811865476)) + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
+'''
+
+# The kernels, identical for every spec: what varies comes from the constants above them.
+_KERNEL_SOURCE = '''
+
+@triton.jit
+def _expert_rows(counts_ptr, e, E, E_POW2: tl.constexpr):
+    """Rows [begin, end) of expert e: an exclusive/inclusive cumsum of counts_E, on device."""
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int64)
+    mine = offs_e == e
+    end = tl.sum(tl.where(mine, tl.cumsum(counts, 0), 0), 0)
+    return end - tl.sum(tl.where(mine, counts, 0), 0), end
+
+
+@triton.jit
+def _row_tile(counts_ptr, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Expert e owning row tile program_id(0) and the tile's rows [row0, row_end); e == E past the last tile."""
+    pid = tl.program_id(0)
+    offs_e = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int64)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    e = tl.sum((tile_end <= pid).to(tl.int32), 0)
+    first_tile = tl.sum(tl.where(offs_e == e, tile_end - tiles, 0), 0)
+    begin, end = _expert_rows(counts_ptr, e, E, E_POW2)
+    return e, begin + (pid - first_tile) * BLOCK_M, end
+
+
+@triton.jit
+def _load(ptr, rows, cols, stride_r, stride_c, mask_r, mask_c):
+    """A [len(rows), len(cols)] tile, zero outside the masks, as the tl.dot operand dtype."""
+    tile = tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask_r[:, None] & mask_c[None, :],
+                   other=0.0)
+    return tile.to(DOT_DTYPE)
+
+
+@triton.jit
+def _accumulate(acc, a_ptr, b_ptr, s_be, s_bk, s_bq, e, rows, row_ok, cols, col_ok, K, BLOCK_K: tl.constexpr):
+    """acc += a[rows, :K] @ b[e, :K, cols], a row-major [N, K]."""
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = _load(a_ptr, rows, ks, K, 1, row_ok, k_ok)
+        b = _load(b_ptr + e * s_be, ks, cols, s_bk, s_bq, k_ok, col_ok)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr,                                # [N, D] rows sorted by expert, row-major
+    grad_y_ptr,                           # [N, D] row-major (BACKWARD)
+    counts_ptr,                           # [E] rows per expert
+    w_gate_ptr, s_wg_e, s_wg_f, s_wg_d,   # [E, F, D]
+    w_up_ptr, s_wu_e, s_wu_f, s_wu_d,     # [E, F, D] (GATED)
+    w_down_ptr, s_wd_e, s_wd_d, s_wd_f,   # [E, D, F] (BACKWARD)
+    b_gate_ptr, b_up_ptr,                 # [E, F] row-major (HAS_B_GATE, HAS_B_UP)
+    a_ptr,                                # out [N, F] the activation
+    grad_gate_ptr, grad_up_ptr,           # out [N, F] d loss / d h_gate, d h_up (BACKWARD; up: GATED)
+    D, F, E, limit, alpha,
+    rows_bucket,                          # autotune key only: rows per expert, power of two
+    BACKWARD: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    e, row0, row_end = _row_tile(counts_ptr, E, E_POW2, BLOCK_M)
+    if e >= E:
+        return
+    e = e.to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < row_end
+    col_ok = cols < F
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_grad_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):  # one pass over D feeds the gate, up (and grad_a) products
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < D
+        x = _load(x_ptr, rows, ks, D, 1, row_ok, k_ok)
+        w = _load(w_gate_ptr + e * s_wg_e, ks, cols, s_wg_d, s_wg_f, k_ok, col_ok)
+        acc_gate = tl.dot(x, w, acc_gate, input_precision=DOT_PRECISION)
+        if GATED:
+            w = _load(w_up_ptr + e * s_wu_e, ks, cols, s_wu_d, s_wu_f, k_ok, col_ok)
+            acc_up = tl.dot(x, w, acc_up, input_precision=DOT_PRECISION)
+        if BACKWARD:
+            g = _load(grad_y_ptr, rows, ks, D, 1, row_ok, k_ok)
+            w = _load(w_down_ptr + e * s_wd_e, ks, cols, s_wd_d, s_wd_f, k_ok, col_ok)
+            acc_grad_a = tl.dot(g, w, acc_grad_a, input_precision=DOT_PRECISION)
+    if HAS_B_GATE:
+        acc_gate += tl.load(b_gate_ptr + e * F + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_B_UP:
+        acc_up += tl.load(b_up_ptr + e * F + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = rows[:, None] * F + cols[None, :]
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    tl.store(a_ptr + out, activate(acc_gate, acc_up, limit, alpha).to(STORE_DTYPE), mask=out_ok)
+    if BACKWARD:
+        grad_gate, grad_up = activate_grad(acc_grad_a, acc_gate, acc_up, limit, alpha)
+        tl.store(grad_gate_ptr + out, grad_gate.to(STORE_DTYPE), mask=out_ok)
+        if GATED:
+            tl.store(grad_up_ptr + out, grad_up.to(STORE_DTYPE), mask=out_ok)
+
+
+@triton.jit
+def rows_kernel(
+    a1_ptr,                               # [N, K] row-major
+    b1_ptr, s_b1_e, s_b1_k, s_b1_q,       # [E, K, Q]
+    a2_ptr,                               # [N, K] row-major (TWO)
+    b2_ptr, s_b2_e, s_b2_k, s_b2_q,       # [E, K, Q] (TWO)
+    bias_ptr,                             # [E, Q] row-major (HAS_BIAS)
+    out_ptr,                              # out [N, Q] row-major
+    counts_ptr,                           # [E] rows per expert
+    K, Q, E,
+    rows_bucket,                          # autotune key only
+    TWO: tl.constexpr, HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    e, row0, row_end = _row_tile(counts_ptr, E, E_POW2, BLOCK_M)
+    if e >= E:
+        return
+    e = e.to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < row_end
+    col_ok = cols < Q
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _accumulate(acc, a1_ptr, b1_ptr, s_b1_e, s_b1_k, s_b1_q, e, rows, row_ok, cols, col_ok, K, BLOCK_K)
+    if TWO:
+        acc = _accumulate(acc, a2_ptr, b2_ptr, s_b2_e, s_b2_k, s_b2_q, e, rows, row_ok, cols, col_ok, K, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * Q + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * Q + cols[None, :], acc.to(STORE_DTYPE), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def wgrad_kernel(
+    a_ptr,                                # [N, P] row-major, rows sorted by expert
+    b_ptr,                                # [N, Q] row-major
+    out_ptr,                              # out [E, P, Q]: out[e] = a[rows_e]^T @ b[rows_e]
+    bias_ptr,                             # out [E, P]: column sums of a[rows_e] (HAS_BIAS)
+    counts_ptr,                           # [E] rows per expert
+    P, Q, E,
+    rows_bucket,                          # autotune key only
+    HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    ps = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = tl.program_id(2).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    p_ok = ps < P
+    q_ok = qs < Q
+    begin, end = _expert_rows(counts_ptr, e, E, E_POW2)
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    acc_bias = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for m0 in range(begin, end, BLOCK_M):  # an expert with no rows stores zeros
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        a_t = _load(a_ptr, ps, rows, 1, P, p_ok, row_ok)  # [BLOCK_P, BLOCK_M]
+        acc = tl.dot(a_t, _load(b_ptr, rows, qs, Q, 1, row_ok, q_ok), acc, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            acc_bias += tl.sum(a_t.to(tl.float32), axis=1)
+    tl.store(out_ptr + e * P * Q + ps[:, None] * Q + qs[None, :], acc.to(STORE_DTYPE), mask=p_ok[:, None] & q_ok[None, :])
+    if HAS_BIAS:
+        tl.store(bias_ptr + e * P + ps, acc_bias.to(STORE_DTYPE), mask=p_ok & (tl.program_id(2) == 0))
+'''
+
+

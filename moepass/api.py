@@ -1,0 +1,101 @@
+"""The public entry points: `compile` and `explain`."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from moepass.canonical import MoEGraphModule
+from moepass.detect import DetectionReport, detect
+from moepass.errors import PlanError
+from moepass.pipeline import compile_block
+from moepass.plan import Plan
+
+
+@dataclass
+class CompileInfo:
+    """Attached to a compiled model as `model.moepass_info`: what was done and why."""
+
+    plan: Plan
+    report: DetectionReport
+    rewritten: dict[str, MoEGraphModule] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # path -> reason (plan said leave it)
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, module)
+
+
+def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False,
+            report: DetectionReport | None = None) -> nn.Module:
+    """Rewrite every accepted MoE block of `model` as `plan` says; returns the model to train.
+
+    The result is the model itself (a deep copy unless `inplace=True`) with each MoE block replaced
+    by an `MoEGraphModule` holding the block's own parameters: same class, same parameter names.
+    Blocks that detection rejected, or that `plan.blocks` maps to None, are left as they are.
+    """
+    plan = Plan() if plan is None else plan
+    if not isinstance(plan, Plan):
+        raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
+    report = detect(model) if report is None else report
+    target = model if inplace else copy.deepcopy(model)
+    info = CompileInfo(plan=plan, report=report)
+    for spec in report.blocks:
+        block_plan = plan.for_block(spec.path)
+        if block_plan is None:
+            info.skipped[spec.path] = "Plan.blocks leaves it alone"
+            continue
+        block = target.get_submodule(spec.path) if spec.path else target
+        gm = compile_block(spec, block, block_plan)
+        info.rewritten[spec.path] = gm
+        if spec.path:
+            _set_submodule(target, spec.path, gm)
+        else:
+            target = gm
+    object.__setattr__(target, "moepass_info", info)
+    return target
+
+
+def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True) -> str:
+    """A readable report of what `compile(model, plan)` would do. Never raises."""
+    lines: list[str] = []
+    try:
+        plan = Plan() if plan is None else plan
+        lines.append(f"moepass plan: form={plan.form!r} lowering={plan.lowering!r}"
+                     + (" (changes the model's math: named explicitly)" if plan.changes_math else ""))
+    except Exception as err:  # explain never raises
+        return f"moepass: invalid plan: {err}"
+    try:
+        report = detect(model)
+    except Exception:
+        return "moepass: detection failed:\n" + traceback.format_exc()
+    lines.append(report.summary())
+    for detail in report.details:
+        if not detail.accepted or detail.spec is None:
+            continue
+        lines.append("")
+        lines.append(f"== {detail.path or '<root>'} ({detail.module_type}) ==")
+        lines.append(f"recogniser: {detail.recogniser}")
+        lines.append(f"spec: {detail.spec.summary()}")
+        if detail.check is not None:
+            lines.append(f"semantic check: {detail.check.describe()}")
+        block_plan = plan.for_block(detail.spec.path)
+        if block_plan is None:
+            lines.append("plan: left alone (Plan.blocks)")
+            continue
+        try:
+            block = copy.deepcopy(model.get_submodule(detail.spec.path) if detail.spec.path else model)
+            gm = compile_block(detail.spec, block, block_plan)
+            for record in gm.history[1:]:
+                lines.append(f"pass {record['pass']}: {'changed' if record.get('changed') else 'unchanged'} "
+                             f"{record.get('stats') or ''}".rstrip())
+            if graphs:
+                lines.append(gm.print_readable(print_output=False).rstrip())
+        except Exception as err:
+            lines.append(f"compile of this block would fail: {type(err).__name__}: {err}")
+    return "\n".join(lines)

@@ -1,0 +1,213 @@
+"""Generate the canonical single-device dialect graph of an MoE block from its MoESpec.
+
+The graph reads the user's own parameters (`get_attr` on the block), so the rewritten block keeps
+the original parameter objects, names and shapes: gradients land where the optimizer expects them
+and `state_dict()` is unchanged.
+
+    hidden_states ─reshape─► x_TD ─linear─► logits_TE ─route─► weights_TK, experts_TK
+        [─capacity_keep─► keep_TK]
+    x_TD ─permute─► x_ND, counts_E, order_N ─expert_ffn─► y_ND ─unpermute─► y_TKD ─combine─► out_TD
+        [+ shared(x_TD) · sigmoid(shared_gate(x_TD))] ─reshape─► output (+ side outputs)
+
+Shape legend: B batch, S sequence, T = B*S tokens, D model width, E experts, K top-k, N = T*K.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from moepass import dialect
+from moepass.spec import CapacitySpec, MoESpec, TensorSource
+
+CANONICAL_PASS = "canonical"
+
+
+class MoEGraphModule(fx.GraphModule):
+    """An MoE block rewritten as a dialect graph. Owns the original block's children and tensors.
+
+    `spec` is the block's MoESpec, `form` the parallel form of the graph, `history` the passes that
+    produced it (name, seconds, counts).
+    """
+
+    def __init__(self, block: nn.Module, graph: fx.Graph, spec: MoESpec, form: str = "single"):
+        super().__init__(block, graph, class_name="MoEGraphModule")
+        adopt_state(self, block)
+        self.spec = spec
+        self.form = form
+        self.history: list[dict[str, Any]] = []
+        self.meta["moepass_dialect"] = True
+
+
+def adopt_state(gm: nn.Module, block: nn.Module) -> None:
+    """Make `gm` hold exactly the block's children, parameters and buffers (same objects, same names).
+
+    GraphModule copies only what the graph references, as stub modules; adopting the originals keeps
+    every parameter (used by the graph or not) and the state_dict layout of the user's block.
+    """
+    gm._modules.clear()
+    gm._modules.update(block._modules)
+    gm._parameters.clear()
+    gm._parameters.update(block._parameters)
+    gm._buffers.clear()
+    gm._buffers.update(block._buffers)
+    gm._non_persistent_buffers_set = set(block._non_persistent_buffers_set)
+    gm.train(block.training)
+
+
+def jitter(x: torch.Tensor, eps: float, training: bool) -> torch.Tensor:
+    """Train-mode multiplicative input noise U(1-eps, 1+eps), drawn as Mixtral draws it."""
+    if not training or eps <= 0:
+        return x
+    return x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+
+
+def capacity_of(tokens: int, group_size: int, top_k: int, num_experts: int, factor: float | None,
+                fixed: int | None, min_capacity: int) -> int:
+    """Per-group expert capacity for this call (a Python int, computed from static sizes)."""
+    group_tokens = group_size if group_size > 0 else tokens
+    return CapacitySpec(capacity_factor=factor, fixed=fixed, min_capacity=min_capacity).capacity(
+        group_tokens, top_k, num_experts)
+
+
+def sequence_group_size(hidden_states: torch.Tensor, scope: str) -> int:
+    """Tokens per capacity group: a sequence (dim -2 of [B, S, D]) or all tokens (0)."""
+    return hidden_states.shape[-2] if scope == "sequence" and hidden_states.dim() >= 3 else 0
+
+
+class GraphBuilder:
+    """fx.Graph construction with readable node names and provenance on every node."""
+
+    def __init__(self, pass_name: str, block_path: str):
+        self.graph = fx.Graph()
+        self.pass_name = pass_name
+        self.block_path = block_path
+
+    def _stamp(self, node: fx.Node) -> fx.Node:
+        node.meta["moepass"] = {"pass": self.pass_name, "block": self.block_path}
+        return node
+
+    def input(self, name: str) -> fx.Node:
+        return self._stamp(self.graph.placeholder(name))
+
+    def attr(self, target: str, name: str | None = None) -> fx.Node:
+        return self._stamp(self.graph.create_node("get_attr", target, name=name or target.replace(".", "_")))
+
+    def fn(self, target: Any, *args: Any, name: str | None = None, **kwargs: Any) -> fx.Node:
+        return self._stamp(self.graph.create_node("call_function", target, args, kwargs, name=name))
+
+    def method(self, method: str, *args: Any, name: str | None = None) -> fx.Node:
+        return self._stamp(self.graph.create_node("call_method", method, args, {}, name=name))
+
+    def module(self, target: str, *args: Any, name: str | None = None) -> fx.Node:
+        return self._stamp(self.graph.create_node("call_module", target, args, {}, name=name))
+
+    def item(self, node: fx.Node, index: int, name: str) -> fx.Node:
+        return self.fn(operator.getitem, node, index, name=name)
+
+    def output(self, value: Any) -> fx.Node:
+        return self._stamp(self.graph.output(value))
+
+    def tensor(self, source: TensorSource | None, name: str) -> fx.Node | None:
+        """Nodes reading one canonical weight from the block's parameters (see TensorSource)."""
+        if source is None:
+            return None
+        parts = [self.attr(p) for p in source.paths]
+        node = self.fn(torch.stack, parts, name=f"{name}_stacked") if source.stacked else parts[0]
+        if source.chunk is not None:
+            index, count = source.chunk
+            chunks = self.method("chunk", node, count, source.chunk_dim, name=f"{name}_chunks")
+            node = self.item(chunks, index, name=f"{name}_chunk")
+        if source.transpose:
+            node = self.method("transpose", node, -2, -1, name=f"{name}_t")
+        return node
+
+
+def build_graph(spec: MoESpec) -> fx.Graph:
+    """The canonical dialect graph of `spec`, as a plain fx.Graph."""
+    b = GraphBuilder(CANONICAL_PASS, spec.path)
+    r, x, E, K, D = spec.router, spec.experts, spec.num_experts, spec.top_k, spec.experts.hidden_dim
+
+    inputs = [b.input(n) for n in spec.input_names]
+    hidden = inputs[0]
+    if r.jitter_eps > 0:
+        training = b.attr("training")
+        hidden = b.fn(jitter, hidden, r.jitter_eps, training, name="hidden_jittered")
+    x_TD = b.method("reshape", hidden, -1, D, name="x_TD")
+
+    # router: logits in the router's dtype, then selection in fp32
+    if r.logits_from == "module":
+        out = b.module(r.module_path, x_TD, name="router_out")
+        logits_TE = out if r.module_output_index is None else b.item(out, r.module_output_index, "logits_TE")
+    else:
+        w_router = b.tensor(r.weight, "w_router_ED")
+        bias = b.tensor(r.bias, "b_router_E")
+        if r.dtype == "float32":
+            x_in = b.method("float", x_TD, name="x_TD_f32")
+            w_router = b.method("float", w_router, name="w_router_f32")
+            bias = None if bias is None else b.method("float", bias, name="b_router_f32")
+        else:
+            x_in = x_TD
+        logits_TE = b.fn(F.linear, x_in, w_router, bias, name="logits_TE")
+    logits_f32 = b.method("float", logits_TE, name="logits_f32")
+    selection_bias = b.tensor(r.selection_bias, "selection_bias_E")
+    routed = b.fn(dialect.ROUTE, logits_f32, selection_bias, r.score_func, r.softmax_before_topk, K,
+                  r.renormalize, r.n_group, r.topk_group, r.group_score, r.routed_scaling_factor, name="route")
+    weights_TK = b.item(routed, 0, "weights_TK")
+    experts_TK = b.item(routed, 1, "experts_TK")
+
+    dropped_TK = None
+    if spec.capacity is not None:
+        c = spec.capacity
+        tokens = b.method("size", x_TD, 0, name="tokens")
+        group = b.fn(sequence_group_size, hidden, c.scope, name="group_size")
+        capacity = b.fn(capacity_of, tokens, group, K, E, c.capacity_factor, c.fixed, c.min_capacity, name="capacity")
+        keep_TK = b.fn(dialect.CAPACITY_KEEP, experts_TK, E, capacity, group, c.priority == "k_major",
+                       name="keep_TK")
+        if c.drop_policy == "identity":
+            dropped_TK = b.fn(torch.logical_not, keep_TK, name="dropped_TK")
+            dropped_TK = b.fn(operator.mul, weights_TK, dropped_TK, name="dropped_weights_TK")
+        weights_TK = b.fn(operator.mul, weights_TK, keep_TK, name="kept_weights_TK")
+
+    permuted = b.fn(dialect.PERMUTE, x_TD, experts_TK, E, name="permute")
+    x_ND = b.item(permuted, 0, "x_ND")
+    counts_E = b.item(permuted, 1, "counts_E")
+    order_N = b.item(permuted, 2, "order_N")
+    y_ND = b.fn(
+        dialect.EXPERT_FFN, x_ND, counts_E,
+        b.tensor(x.w_gate, "w_gate_EFD"), b.tensor(x.w_up, "w_up_EFD"), b.tensor(x.w_down, "w_down_EDF"),
+        b.tensor(x.b_gate, "b_gate_EF"), b.tensor(x.b_up, "b_up_EF"), b.tensor(x.b_down, "b_down_ED"),
+        x.activation, x.clamp_limit, x.swiglu_alpha, name="y_ND",
+    )
+    y_TKD = b.fn(dialect.UNPERMUTE, y_ND, order_N, K, name="y_TKD")
+    out_TD = b.fn(dialect.COMBINE, y_TKD, weights_TK, name="out_TD")
+
+    if dropped_TK is not None:  # dropped top-1 tokens pass their input through, scaled by their weight
+        passthrough_TD = b.fn(operator.mul, x_TD, b.method("to", dropped_TK, x_TD, name="dropped_w"),
+                              name="passthrough_TD")
+        out_TD = b.fn(operator.add, out_TD, passthrough_TD, name="out_with_passthrough_TD")
+
+    if spec.shared is not None:
+        shared_TD = b.module(spec.shared.module_path, x_TD, name="shared_TD")
+        if spec.shared.gate_path is not None:
+            gate_T1 = b.module(spec.shared.gate_path, x_TD, name="shared_gate_T1")
+            shared_TD = b.fn(operator.mul, b.fn(torch.sigmoid, gate_T1, name="shared_gate_sigmoid"), shared_TD,
+                             name="shared_gated_TD")
+        out_TD = b.fn(operator.add, out_TD, shared_TD, name="out_plus_shared_TD")
+
+    out = b.method("view_as", out_TD, inputs[0], name="out")
+    side = {"router_logits": logits_TE}
+    outputs = [out] + [side[name] for name in spec.side_outputs]
+    b.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
+    return b.graph
+
+
+def build(spec: MoESpec, block: nn.Module) -> MoEGraphModule:
+    """The canonical MoEGraphModule for `block` (whose structure `spec` describes)."""
+    gm = MoEGraphModule(block, build_graph(spec), spec)
+    gm.history.append({"pass": CANONICAL_PASS, "seconds": 0.0, "stats": {"nodes": len(gm.graph.nodes)}})
+    return gm

@@ -1,0 +1,51 @@
+"""Recogniser: a ModuleList of expert MLPs called in a Python loop (Mixtral reference style)."""
+
+from __future__ import annotations
+
+from moepass.detect.candidates import (
+    DOWN_NAMES,
+    GATE_NAMES,
+    UP_NAMES,
+    Candidate,
+    activation_of,
+    first_child,
+    read_top_k,
+)
+from moepass.detect.router import router_hypotheses
+from moepass.spec import ExpertsSpec, MoESpec, TensorSource
+
+NAME = "modulelist-loop"
+GATED = {"silu": "swiglu", "gelu": "geglu"}
+PLAIN = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def recognise(c: Candidate) -> list[MoESpec] | str:
+    if c.experts_kind != "modulelist":
+        return "experts are not a ModuleList"
+    expert = c.experts[0]
+    gate, up, down = first_child(expert, GATE_NAMES), first_child(expert, UP_NAMES), first_child(expert, DOWN_NAMES)
+    if gate is None or down is None:
+        return f"expert {type(expert).__name__} has no recognisable gate/down linears (looked for {GATE_NAMES}, {DOWN_NAMES})"
+    act = activation_of(expert)
+    activation = (GATED if up else PLAIN).get(act or "")
+    if activation is None:
+        return f"expert activation {act!r} with{'' if up else 'out'} an up projection is not supported"
+    D, F = getattr(expert, gate).in_features, getattr(expert, gate).out_features
+
+    def stacked(name: str | None, kind: str):
+        if name is None or (kind == "bias" and getattr(expert, name).bias is None):
+            return None
+        return TensorSource.stack([f"{c.experts_path}.{i}.{name}.{kind}" for i in range(c.num_experts)])
+
+    experts = ExpertsSpec(
+        num_experts=c.num_experts, hidden_dim=D, ffn_dim=F, activation=activation,  # type: ignore[arg-type]
+        w_gate=stacked(gate, "weight"), w_up=stacked(up, "weight"), w_down=stacked(down, "weight"),
+        b_gate=stacked(gate, "bias"), b_up=stacked(up, "bias"), b_down=stacked(down, "bias"),
+        container=c.experts_path,
+    )
+    top_ks = [read_top_k(c.module)] if read_top_k(c.module) else [1, 2]
+    return [
+        MoESpec(path=c.path, recogniser=NAME, router=router, experts=experts)
+        for k in top_ks
+        for router in router_hypotheses(c.module, c.router_path, c.num_experts, min(k, c.num_experts))
+    ]

@@ -1,0 +1,5 @@
+import sys
+
+from moepass.cli import main
+
+sys.exit(main())

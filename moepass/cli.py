@@ -1,0 +1,51 @@
+"""`python -m moepass {demo, explain, search, calibrate}`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+
+def _load(target: str):
+    """`pkg.module:callable` → the object the callable returns (a model)."""
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        raise SystemExit(f"moepass: {target!r} is not of the form module:callable (e.g. samples.models:tiny_mixtral)")
+    obj = getattr(importlib.import_module(module_name), attr)
+    return obj() if callable(obj) and not isinstance(obj, torch.nn.Module) else obj
+
+
+def demo(args: argparse.Namespace) -> int:
+    from samples.demo import run
+
+    return run(style=args.style, steps=args.steps, show_graph=not args.no_graph)
+
+
+def explain(args: argparse.Namespace) -> int:
+    import moepass
+
+    print(moepass.explain(_load(args.target), moepass.Plan(form=args.form)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moepass", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="detect, compile and check parity on the built-in sample model")
+    p.add_argument("--style", default="mixed", choices=["loop", "fused", "gshard", "mixed"])
+    p.add_argument("--steps", type=int, default=3, help="training steps compared against the original")
+    p.add_argument("--no-graph", action="store_true", help="do not print the rewritten graph")
+    p.set_defaults(fn=demo)
+    p = sub.add_parser("explain", help="report what moepass would do to a model")
+    p.add_argument("target", help="module:callable returning an nn.Module, e.g. samples.models:tiny_mixtral")
+    p.add_argument("--form", default="single")
+    p.set_defaults(fn=explain)
+    args = parser.parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import sympy
 
 from cost_model.symbols import smax, smin
 
@@ -91,8 +92,11 @@ def expert_params(E, D, F, m):
 
 
 def allreduce_time(nbytes, dp, B, alpha):
-    """Ring all-reduce of `nbytes` over dp ranks: 2(dp-1) steps of nbytes/dp each (0 when dp = 1)."""
-    return 2 * (dp - 1) * (alpha + nbytes / (dp * B))
+    """All-reduce of `nbytes` over dp ranks: one call's latency plus the ring's 2(dp-1)/dp bytes per rank
+    (NCCL/gloo pipeline the ring steps and bucket the gradients, so the latency is paid per call)."""
+    if not isinstance(dp, sympy.Basic) and dp == 1:
+        return 0
+    return alpha + 2 * (dp - 1) * nbytes / (dp * B)
 
 
 def memory_per_rank(E, ep, D, F, m, s, rows, b):

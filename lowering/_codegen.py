@@ -19,7 +19,7 @@ API (stable; `lowering/grouped_gemm.py` relies on it):
     SHARED_LIMIT_BYTES[arch]                   opt-in shared memory per block (sm_80 163 KiB, sm_90 227 KiB)
     build_module(module, arch) -> list[BuildReport]  build every kernel a generated module lists in `GPU_BUILDS`
     render(template, **values) -> str          `string.Template` substitution ($NAME), every name required
-    round_source(expr, dtype) -> str           Triton expression rounding fp32 `expr` to `dtype`'s precision
+    rounding_helpers(**{name: dtype}) -> str   @triton.jit helpers rounding fp32 to a dtype's precision
     SIG_DTYPES / TL_DTYPES                     torch dtype -> Triton signature string / `tl.` dtype name
     next_pow2(n) -> int
     register_autocast(op, policy)              autocast dtype policy of a lowered op: "fp32", "compute", "preserve"
@@ -94,19 +94,20 @@ def render(template: str, **values: Any) -> str:
     return string.Template(template).substitute({k: str(v) for k, v in values.items()})
 
 
-def round_source(expr: str, dtype: torch.dtype) -> str:
-    """A Triton expression for fp32 `expr` rounded to `dtype`'s precision (still fp32).
+def rounding_helpers(**dtypes: torch.dtype) -> str:
+    """@triton.jit helpers `name(x)` rounding fp32 `x` to each dtype's precision (result still fp32).
 
-    Kernels compute in fp32 and round where torch's reference rounds, so indices chosen from
-    rounded scores agree with torch. bf16 needs `round_bf16` (ROUND_BF16_SOURCE) in the module.
+    Kernels compute in fp32 and call these where torch's reference rounds (it computes in the
+    tensors' dtype), so e.g. experts chosen from rounded bf16 scores agree with torch. Example:
+    `rounding_helpers(round_l=torch.bfloat16)` defines `round_bf16` and `round_l`.
     """
-    if dtype == torch.float32:
-        return expr
-    if dtype == torch.float16:
-        return f"({expr}).to(tl.float16).to(tl.float32)"
-    if dtype == torch.bfloat16:
-        return f"round_bf16({expr})"
-    raise ValueError(f"round_source: unsupported dtype {dtype}")
+    bodies = {torch.float32: "x", torch.float16: "x.to(tl.float16).to(tl.float32)", torch.bfloat16: "round_bf16(x)"}
+    parts = [ROUND_BF16_SOURCE] if torch.bfloat16 in dtypes.values() else []
+    for name, dtype in dtypes.items():
+        if dtype not in bodies:
+            raise ValueError(f"rounding_helpers: {name} has unsupported dtype {dtype}")
+        parts.append(f"\n@triton.jit\ndef {name}(x):  # round to {dtype}\n    return {bodies[dtype]}\n")
+    return "".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,11 +328,13 @@ def build_for_gpu(
     jit_fn = JITFunction(_unwrap(_compile_copy(kernel_fn)))
     full_sig = {name: ("constexpr" if name in constexprs else signature[name]) for name in jit_fn.arg_names}
     start = time.perf_counter()
-    compiled = triton.compile(
-        ASTSource(fn=jit_fn, signature=full_sig, constexprs=dict(constexprs)),
-        target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
-    )
+    with triton.knobs.runtime.scope():  # parts of the code generator branch on the interpret knob
+        triton.knobs.runtime.interpret = False
+        compiled = triton.compile(
+            ASTSource(fn=jit_fn, signature=full_sig, constexprs=dict(constexprs)),
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
     seconds = time.perf_counter() - start
     cubin = compiled.asm["cubin"]
     usage_by_fn = resource_usage(cubin)

@@ -93,15 +93,19 @@ def _a2a_worker(rank: int, port: int, sizes: Sequence[int], reps: int, results: 
         dist.destroy_process_group()
 
 
-def measure_a2a(sizes: Sequence[int], reps: int = 20, timeout_s: float = 60.0, progress: Any = None) -> list[tuple[int, float]]:
+def measure_a2a(
+    sizes: Sequence[int], reps: int = 20, timeout_s: float = 60.0, progress: Any = None
+) -> list[tuple[int, float]]:
     """[(input bytes per rank, seconds)] of gloo all_to_all_single at W=2, in spawned processes."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_a2a_worker, args=(r, port, tuple(sizes), reps, results, timeout_s), daemon=True)
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_a2a_worker, args=(r, port, tuple(sizes), reps, results, timeout_s), daemon=True)
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     out: list[tuple[int, float]] = []
@@ -156,8 +160,13 @@ def _time_matmuls(sizes: Sequence[int], reps: int, progress: Any) -> list[tuple[
     return out
 
 
-def calibrate(sizes: Sequence[int] = FULL_SIZES, reps: int = 20, timeout_s: float = 60.0,
-              matmul_sizes: Sequence[int] = MATMUL_SIZES, show_progress: bool = True) -> dict[str, Any]:
+def calibrate(
+    sizes: Sequence[int] = FULL_SIZES,
+    reps: int = 20,
+    timeout_s: float = 60.0,
+    matmul_sizes: Sequence[int] = MATMUL_SIZES,
+    show_progress: bool = True,
+) -> dict[str, Any]:
     """Run both microbenchmarks and return the profile (not yet written)."""
     import torch
     from tqdm import tqdm
@@ -171,12 +180,23 @@ def calibrate(sizes: Sequence[int] = FULL_SIZES, reps: int = 20, timeout_s: floa
     return {
         "version": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.machine(), "torch": torch.__version__, "backend": "gloo", "world_size": WORLD,
-        "alpha": alpha, "bandwidth": bandwidth, "flops": flops, "matmul_threads": 1,
-        "units": {"alpha": "s per all_to_all_single call", "bandwidth": "bytes sent per rank per s",
-                  "flops": "fp32 FLOP/s (effective)"},
-        "samples": {"a2a": [{"input_bytes": s, "sent_bytes": b, "seconds": t} for (s, t), b in zip(a2a, sent)],
-                    "matmul": [{"n": n, "seconds": t, "flops": 2.0 * n**3 / t} for n, t in mm]},
+        "host": platform.machine(),
+        "torch": torch.__version__,
+        "backend": "gloo",
+        "world_size": WORLD,
+        "alpha": alpha,
+        "bandwidth": bandwidth,
+        "flops": flops,
+        "matmul_threads": 1,
+        "units": {
+            "alpha": "s per all_to_all_single call",
+            "bandwidth": "bytes sent per rank per s",
+            "flops": "fp32 FLOP/s (effective)",
+        },
+        "samples": {
+            "a2a": [{"input_bytes": s, "sent_bytes": b, "seconds": t} for (s, t), b in zip(a2a, sent)],
+            "matmul": [{"n": n, "seconds": t, "flops": 2.0 * n**3 / t} for n, t in mm],
+        },
     }
 
 
@@ -190,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         profile = calibrate(
-            sizes=QUICK_SIZES if args.quick else FULL_SIZES, reps=5 if args.quick else args.reps,
-            timeout_s=args.timeout, matmul_sizes=MATMUL_SIZES[:3] if args.quick else MATMUL_SIZES,
+            sizes=QUICK_SIZES if args.quick else FULL_SIZES,
+            reps=5 if args.quick else args.reps,
+            timeout_s=args.timeout,
+            matmul_sizes=MATMUL_SIZES[:3] if args.quick else MATMUL_SIZES,
             show_progress=not args.no_progress,
         )
     except (TimeoutError, RuntimeError, ValueError) as e:
@@ -199,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(profile, indent=2) + "\n")
-    print(f"alpha = {profile['alpha'] * 1e6:.1f} us, bandwidth = {profile['bandwidth'] / 1e9:.3f} GB/s "
-          f"(gloo all_to_all_single, W={WORLD}), matmul = {profile['flops'] / 1e9:.2f} GFLOP/s fp32 "
-          f"({profile['matmul_threads']} threads) -> {args.out}")
+    print(
+        f"alpha = {profile['alpha'] * 1e6:.1f} us, bandwidth = {profile['bandwidth'] / 1e9:.3f} GB/s "
+        f"(gloo all_to_all_single, W={WORLD}), matmul = {profile['flops'] / 1e9:.2f} GFLOP/s fp32 "
+        f"({profile['matmul_threads']} threads) -> {args.out}"
+    )
     return 0
 
 

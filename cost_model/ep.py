@@ -31,6 +31,7 @@ A2A_PER_LAYER = 4  # dispatch + combine, forward and backward
 
 # ---- compute ------------------------------------------------------------------------------------
 
+
 def matmuls(gated: bool) -> int:
     """Matmuls per expert FFN: gate, up, down when gated (SwiGLU, GeGLU); up, down otherwise."""
     return 3 if gated else 2
@@ -56,6 +57,7 @@ def compute_time(rows, D, F, m, R, eta):
 
 
 # ---- all-to-all under uniform routing ------------------------------------------------------------
+
 
 def a2a_elements(T, K, D, ep, *, factor=1):
     """Elements one rank sends per all-to-all direction: the rows bound for the other ep-1 ranks.
@@ -86,6 +88,7 @@ def a2a_time(intra_bytes, inter_bytes, B_intra, B_inter, alpha):
 
 # ---- parameters, gradient all-reduce, memory -------------------------------------------------------
 
+
 def expert_params(E, D, F, m):
     """Expert parameters of one layer (weights only, no biases)."""
     return E * m * D * F
@@ -107,6 +110,7 @@ def memory_per_rank(E, ep, D, F, m, s, rows, b):
 
 
 # ---- one layer, one plan -----------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class LayerTerms:
@@ -145,8 +149,11 @@ def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
     if ep > 1:
         intra, inter = a2a_bytes(x["T"], x["K"], x["D"], ep, x["G"], x["b"], factor=factor)
         transfer = intra / x["B_intra"] + inter / x["B_inter"]
-        a2a = (pipeline_time(n, transfer, fwd_compute, x["alpha"])
-               + pipeline_time(n, transfer, 2 * fwd_compute, x["alpha"]) - compute)
+        a2a = (
+            pipeline_time(n, transfer, fwd_compute, x["alpha"])
+            + pipeline_time(n, transfer, 2 * fwd_compute, x["alpha"])
+            - compute
+        )
         if dropless:
             a2a += x["alpha"]  # the split-size exchange before the dispatch (a small all-to-all)
         sent = intra + inter
@@ -160,6 +167,7 @@ def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
 
 
 # ---- exact counts from a routed-row matrix ----------------------------------------------------------
+
 
 def rank_rows(counts_SE: np.ndarray, ep: int) -> np.ndarray:
     """[src rank, expert] routed rows -> [src rank, dst rank] rows (experts contiguous per rank)."""
@@ -207,8 +215,10 @@ def exact_a2a(rows_SR: np.ndarray, D: int, b: int, G: int) -> ExactA2A:
     intra = np.where(same_node & off_diag, rows_SR, 0.0) * D * b
     inter = np.where(~same_node, rows_SR, 0.0) * D * b
     return ExactA2A(
-        sent_intra=intra.sum(axis=1), sent_inter=inter.sum(axis=1),
-        recv_intra=intra.sum(axis=0), recv_inter=inter.sum(axis=0),
+        sent_intra=intra.sum(axis=1),
+        sent_inter=inter.sum(axis=1),
+        recv_intra=intra.sum(axis=0),
+        recv_inter=inter.sum(axis=0),
         computed_rows=rows_SR.sum(axis=0),
     )
 
@@ -232,6 +242,7 @@ def zipf_counts(T: int, K: int, E: int, ranks: int, s: float, *, seed: int = 0) 
 
 def zipf_for_imbalance(target: float, T: int, K: int, E: int, ep: int, *, seed: int = 0) -> float:
     """The Zipf parameter s whose placement on `ep` ranks gives max/mean = target (bisection)."""
+
     def ratio(s: float) -> float:
         return imbalance(rank_rows(zipf_counts(T, K, E, ep, s, seed=seed), ep))
 

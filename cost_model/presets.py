@@ -50,14 +50,22 @@ class Hardware:
     def values(self) -> dict[str, float]:
         """Figures keyed by the symbol names of `cost_model.symbols`."""
         return {
-            "R": float(self.flops), "eta": float(self.efficiency), "B_intra": float(self.intra_bw),
-            "B_inter": float(self.inter_bw), "alpha": float(self.alpha), "b": float(self.bytes_per_element),
-            "b_g": float(self.grad_bytes), "s": float(self.state_bytes),
+            "R": float(self.flops),
+            "eta": float(self.efficiency),
+            "B_intra": float(self.intra_bw),
+            "B_inter": float(self.inter_bw),
+            "alpha": float(self.alpha),
+            "b": float(self.bytes_per_element),
+            "b_g": float(self.grad_bytes),
+            "s": float(self.state_bytes),
         }
 
     def sources(self) -> dict[str, str]:
-        return {f.name: getattr(self, f.name).source for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), Figure)}
+        return {
+            f.name: getattr(self, f.name).source
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Figure)
+        }
 
     def with_figures(self, source: str, **figures: float | None) -> Hardware:
         """A copy with the non-None `figures` replaced, each marked as coming from `source`."""
@@ -70,7 +78,8 @@ _ASSUMED_ETA = "assumption, not measured: expert grouped GEMMs at half of peak"
 _ASSUMED_ALPHA = "assumption, not measured: order of a small NCCL all-to-all across nodes"
 
 A100 = Hardware(
-    name="a100", device="A100-80GB (NVLink + InfiniBand)",
+    name="a100",
+    device="A100-80GB (NVLink + InfiniBand)",
     flops=Figure(312e12, "NVIDIA A100 datasheet, dense bf16"),
     efficiency=Figure(0.5, _ASSUMED_ETA),
     intra_bw=Figure(216.3e9, "LAER-MoE (ASPLOS'26) profiled NVLink, scenarios/laer_moe_fsep.json"),
@@ -83,10 +92,13 @@ A100 = Hardware(
 )
 
 H100 = Hardware(
-    name="h100", device="H100-SXM (NVLink 4 + InfiniBand NDR)",
+    name="h100",
+    device="H100-SXM (NVLink 4 + InfiniBand NDR)",
     flops=Figure(989e12, "NVIDIA H100 SXM datasheet, dense bf16"),
     efficiency=Figure(0.5, _ASSUMED_ETA),
-    intra_bw=Figure(450e9 * NVLINK_EFFICIENCY, "NVLink 4 peak 450 GB/s per direction x LAER's A100 NVLink efficiency 0.72"),
+    intra_bw=Figure(
+        450e9 * NVLINK_EFFICIENCY, "NVLink 4 peak 450 GB/s per direction x LAER's A100 NVLink efficiency 0.72"
+    ),
     inter_bw=Figure(50e9 * IB_EFFICIENCY, "one NDR 400 Gb/s NIC per GPU (50 GB/s) x LAER's InfiniBand efficiency 0.89"),
     alpha=Figure(30e-6, _ASSUMED_ALPHA),
     memory=Figure(80e9, "NVIDIA H100 SXM datasheet"),
@@ -96,13 +108,18 @@ H100 = Hardware(
 )
 
 ASCEND_910A = Hardware(
-    name="ascend910a", device="Ascend 910A (HCCS + RoCE)",
+    name="ascend910a",
+    device="Ascend 910A (HCCS + RoCE)",
     flops=Figure(320e12, "scenarios/locmoe_locality.json (Ascend 910 fp16 peak)"),
     efficiency=Figure(0.5, _ASSUMED_ETA),
-    intra_bw=Figure(30e9 * NVLINK_EFFICIENCY,
-                    "HCCS 240 Gb/s = 30 GB/s per link (Ascend 910 public spec) x 0.72 (LAER NVLink efficiency); "
-                    "the PCIe hop between the two groups of 4 is not modelled"),
-    inter_bw=Figure(12.5e9 * IB_EFFICIENCY, "integrated 100 Gb/s RoCE per chip (12.5 GB/s) x 0.89 (LAER IB efficiency)"),
+    intra_bw=Figure(
+        30e9 * NVLINK_EFFICIENCY,
+        "HCCS 240 Gb/s = 30 GB/s per link (Ascend 910 public spec) x 0.72 (LAER NVLink efficiency); "
+        "the PCIe hop between the two groups of 4 is not modelled",
+    ),
+    inter_bw=Figure(
+        12.5e9 * IB_EFFICIENCY, "integrated 100 Gb/s RoCE per chip (12.5 GB/s) x 0.89 (LAER IB efficiency)"
+    ),
     alpha=Figure(50e-6, "assumption, not measured: HCCL small all-to-all over RoCE"),
     memory=Figure(32e9, "Ascend 910 public spec: 32 GB HBM"),
     bytes_per_element=Figure(2, "fp16 activations"),
@@ -123,23 +140,31 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         if profile is not None:
             raise FileNotFoundError(f"calibration profile {path} not found; run `python -m moepass calibrate`")
         return Hardware(
-            name="this-machine", device="this machine (CPU, gloo loopback)",
-            flops=Figure(2e9, _UNCALIBRATED), efficiency=Figure(1.0, "the default FLOP/s is already an effective figure"),
-            intra_bw=Figure(2e8, _UNCALIBRATED), inter_bw=Figure(2e8, _UNCALIBRATED),
-            alpha=Figure(2e-4, _UNCALIBRATED), memory=Figure(8e9, _UNCALIBRATED),
-            bytes_per_element=Figure(4, "fp32 on CPU"), grad_bytes=Figure(4, "fp32 on CPU"),
-            state_bytes=Figure(16, "fp32 Adam: weights, grads, 2 moments"), calibrated=False,
+            name="this-machine",
+            device="this machine (CPU, gloo loopback)",
+            flops=Figure(2e9, _UNCALIBRATED),
+            efficiency=Figure(1.0, "the default FLOP/s is already an effective figure"),
+            intra_bw=Figure(2e8, _UNCALIBRATED),
+            inter_bw=Figure(2e8, _UNCALIBRATED),
+            alpha=Figure(2e-4, _UNCALIBRATED),
+            memory=Figure(8e9, _UNCALIBRATED),
+            bytes_per_element=Figure(4, "fp32 on CPU"),
+            grad_bytes=Figure(4, "fp32 on CPU"),
+            state_bytes=Figure(16, "fp32 Adam: weights, grads, 2 moments"),
+            calibrated=False,
         )
     src = f"calibrated {data.get('created', '?')} ({path})"
     return Hardware(
-        name="this-machine", device=f"this machine ({data.get('backend', 'gloo')}, W={data.get('world_size', 2)})",
+        name="this-machine",
+        device=f"this machine ({data.get('backend', 'gloo')}, W={data.get('world_size', 2)})",
         flops=Figure(data["flops"], src + ": fp32 matmul fit"),
         efficiency=Figure(1.0, "calibrated FLOP/s are already effective"),
         intra_bw=Figure(data["bandwidth"], src + ": all_to_all_single fit (loopback: intra = inter)"),
         inter_bw=Figure(data["bandwidth"], src + ": all_to_all_single fit (loopback: intra = inter)"),
         alpha=Figure(data["alpha"], src + ": all_to_all_single fit"),
         memory=Figure(data.get("memory", 8e9), src if "memory" in data else _UNCALIBRATED),
-        bytes_per_element=Figure(4, "fp32 on CPU"), grad_bytes=Figure(4, "fp32 on CPU"),
+        bytes_per_element=Figure(4, "fp32 on CPU"),
+        grad_bytes=Figure(4, "fp32 on CPU"),
         state_bytes=Figure(16, "fp32 Adam: weights, grads, 2 moments"),
     )
 

@@ -47,6 +47,7 @@ def exposed_a2a(n, transfer, compute, alpha):
 
 def optimal_chunks(transfer: float, compute: float, alpha: float, candidates: Iterable[int] = DEFAULT_CHUNKS) -> int:
     """argmin over `candidates` of the forward + backward pipeline time (ties: fewer chunks)."""
+
     def total(n: int) -> float:
         return float(pipeline_time(n, transfer, compute, alpha) + pipeline_time(n, transfer, 2 * compute, alpha))
 
@@ -55,8 +56,10 @@ def optimal_chunks(transfer: float, compute: float, alpha: float, candidates: It
 
 def optimal_chunks_continuous(compute, alpha):
     """The interior optimum of the network-bound branch: n* = sqrt(compute / (2 alpha))."""
-    return sympy.sqrt(compute / (2 * alpha)) if isinstance(compute + alpha, sympy.Basic) else math.sqrt(
-        compute / (2 * alpha)
+    return (
+        sympy.sqrt(compute / (2 * alpha))
+        if isinstance(compute + alpha, sympy.Basic)
+        else math.sqrt(compute / (2 * alpha))
     )
 
 

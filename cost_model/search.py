@@ -84,8 +84,13 @@ class Candidate:
     def plan_kwargs(self) -> dict[str, Any]:
         if self.form == "single":
             return {"form": "single"}
-        return {"form": "ep", "ep_size": self.ep_size, "capacity_factor": self.capacity_factor,
-                "a2a_chunks": self.a2a_chunks, "packing": self.packing}
+        return {
+            "form": "ep",
+            "ep_size": self.ep_size,
+            "capacity_factor": self.capacity_factor,
+            "a2a_chunks": self.a2a_chunks,
+            "packing": self.packing,
+        }
 
 
 @dataclass
@@ -120,19 +125,33 @@ class SearchResult:
         return self.best.plan_kwargs()
 
     def table(self, limit: int = 12) -> str:
-        head = (f"plans for W={self.world_size} ({self.nodes} node(s) x {self.ranks_per_node}), T={self.tokens} "
-                f"tokens/rank, hardware {self.hardware.name}" + ("" if self.hardware.calibrated else " (UNCALIBRATED)"))
+        head = (
+            f"plans for W={self.world_size} ({self.nodes} node(s) x {self.ranks_per_node}), T={self.tokens} "
+            f"tokens/rank, hardware {self.hardware.name}" + ("" if self.hardware.calibrated else " (UNCALIBRATED)")
+        )
         rows = [("#", "plan", "step ms", "compute", "exposed a2a", "other comm", "mem GB/rank", "notes")]
         for i, c in enumerate(self.ranked[:limit], 1):
             t = c.terms
-            rows.append((str(i), c.label, _ms(c.step), _ms(t.compute), _ms(t.a2a_exposed), _ms(t.other_comm),
-                         f"{float(t.memory) / 1e9:.3g}", "; ".join(c.notes)))
+            rows.append(
+                (
+                    str(i),
+                    c.label,
+                    _ms(c.step),
+                    _ms(t.compute),
+                    _ms(t.a2a_exposed),
+                    _ms(t.other_comm),
+                    f"{float(t.memory) / 1e9:.3g}",
+                    "; ".join(c.notes),
+                )
+            )
         widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
         lines = [head] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         if len(self.ranked) > limit:
             lines.append(f"... {len(self.ranked) - limit} more")
         if self._eligible():
-            lines.append(f"best: {self.best.label}" + (f"; runner-up: {self.runner_up.label}" if self.runner_up else ""))
+            lines.append(
+                f"best: {self.best.label}" + (f"; runner-up: {self.runner_up.label}" if self.runner_up else "")
+            )
         else:
             lines.append("no eligible plan: every candidate exceeds device memory or changes the math")
         if self.expression_substituted is not None:
@@ -186,8 +205,18 @@ def hardware_of(profile: Any) -> Hardware:
 
 
 def _figures(shape: BlockShape, hw: Hardware, T: float, G: int, rho: float, cf: float | None) -> dict[str, Any]:
-    return {**hw.values(), "T": T, "K": shape.K, "D": shape.D, "F": shape.F, "m": shape.m, "E": shape.E,
-            "G": G, "rho": rho, "c_f": cf if cf is not None else 1.0}
+    return {
+        **hw.values(),
+        "T": T,
+        "K": shape.K,
+        "D": shape.D,
+        "F": shape.F,
+        "m": shape.m,
+        "E": shape.E,
+        "G": G,
+        "rho": rho,
+        "c_f": cf if cf is not None else 1.0,
+    }
 
 
 def _symbols() -> dict[str, Any]:
@@ -228,8 +257,7 @@ def search(
         for shape in shapes:
             block_cf = cf if cf is not None else shape.cf
             x = _figures(shape, hw, T, per_node, imbalance, block_cf)
-            terms = ep_layer(x, ep=ep_eff, n=n, dp=W // ep_eff, dropless=block_cf is None,
-                             cross_node_dp=nodes > 1)
+            terms = ep_layer(x, ep=ep_eff, n=n, dp=W // ep_eff, dropless=block_cf is None, cross_node_dp=nodes > 1)
             total = terms if total is None else total + terms
         assert total is not None
         return total
@@ -267,19 +295,22 @@ def search(
     ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow_math_changes, c.step))
     result = SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes)
     if result._eligible():
-        result.expression, result.expression_substituted = _winner_expressions(result.best, shapes, hw, W, nodes,
-                                                                               per_node, imbalance)
+        result.expression, result.expression_substituted = _winner_expressions(
+            result.best, shapes, hw, W, nodes, per_node, imbalance
+        )
     return result
 
 
-def _winner_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, W: int, nodes: int, G: int,
-                        rho: float) -> tuple[sympy.Expr, sympy.Expr]:
+def _winner_expressions(
+    best: Candidate, shapes: list[BlockShape], hw: Hardware, W: int, nodes: int, G: int, rho: float
+) -> tuple[sympy.Expr, sympy.Expr]:
     """The winner's time per layer in symbols, and its step time with every figure substituted but T."""
     ep_eff = best.ep_size // best.packing
 
     def formula(x: dict[str, Any], cf: float | None) -> sympy.Expr:
-        return sympy.sympify(ep_layer(x, ep=ep_eff, n=best.a2a_chunks, dp=W // ep_eff, dropless=cf is None,
-                                      cross_node_dp=nodes > 1).step)
+        return sympy.sympify(
+            ep_layer(x, ep=ep_eff, n=best.a2a_chunks, dp=W // ep_eff, dropless=cf is None, cross_node_dp=nodes > 1).step
+        )
 
     cf0 = best.capacity_factor if best.capacity_factor is not None else shapes[0].cf
     generic = formula(_symbols(), cf0)

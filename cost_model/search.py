@@ -16,6 +16,7 @@ and shown, but `best` skips them unless `allow_math_changes=True`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,9 +103,24 @@ class SearchResult:
     ranks_per_node: int
     tokens: int
     allow_math_changes: bool
-    expression: sympy.Expr | None = None  # the winner's time per layer, in symbols (plan choices fixed)
-    expression_substituted: sympy.Expr | None = None  # the winner's step time with every figure but T
+    shapes: list[BlockShape] = field(default_factory=list)
+    imbalance: float = 1.0
     not_modelled: dict[str, str] = field(default_factory=lambda: dict(NOT_MODELLED))
+
+    @functools.cached_property
+    def expression(self) -> sympy.Expr | None:
+        """The winner's time per layer in symbols (plan choices fixed), None without an eligible plan."""
+        return self._expressions()[0] if self._eligible() else None
+
+    @functools.cached_property
+    def expression_substituted(self) -> sympy.Expr | None:
+        """The winner's step time with every figure substituted but T (tokens per rank)."""
+        return self._expressions()[1] if self._eligible() else None
+
+    def _expressions(self) -> tuple[sympy.Expr, sympy.Expr]:
+        return _winner_expressions(
+            self.best, self.shapes, self.hardware, self.world_size, self.nodes, self.ranks_per_node, self.imbalance
+        )
 
     def _eligible(self) -> list[Candidate]:
         return [c for c in self.ranked if c.feasible and (self.allow_math_changes or not c.math_changing)]
@@ -293,12 +309,7 @@ def search(
                     seen.add(key)
                     cands.append(candidate("ep", ep_size, packing, cf, n))
     ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow_math_changes, c.step))
-    result = SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes)
-    if result._eligible():
-        result.expression, result.expression_substituted = _winner_expressions(
-            result.best, shapes, hw, W, nodes, per_node, imbalance
-        )
-    return result
+    return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance)
 
 
 def _winner_expressions(

@@ -14,6 +14,7 @@ API (stable; `lowering/grouped_gemm.py` relies on it):
     load_kernel_module(source, name) -> module write `source` to the cache (keyed by its hash), import it
     build_for_gpu(kernel_fn, signature, constexprs, arch, num_warps=4, num_stages=3) -> BuildReport
                                                compile to PTX + cubin for sm_<arch> without a GPU
+    build_many([BuildRequest]) -> list[BuildReport]  several builds in one child process (faster)
     resource_usage(cubin_bytes) -> dict        parsed `cuobjdump --dump-resource-usage`
     ROUND_BF16_SOURCE                          @triton.jit `round_bf16(x)` helper source (interpreter truncates bf16 casts)
     SHARED_LIMIT_BYTES[arch]                   opt-in shared memory per block (sm_80 163 KiB, sm_90 227 KiB)
@@ -33,9 +34,8 @@ that is not writable). A module is imported once per (source hash, interpret mod
 `@triton.jit` reads TRITON_INTERPRET when the module is imported, so both modes get their own copy.
 
 The GPU build always constructs a `triton.runtime.jit.JITFunction` from the kernel's Python
-function, whatever TRITON_INTERPRET says: under interpretation `@triton.jit` returns an
-InterpretedFunction that `triton.compile` cannot build, so the kernel's module is re-imported once
-with interpretation off (`_compile_copy`) and the kernel and its @triton.jit helpers come from there.
+function, whatever TRITON_INTERPRET says, and does so in a child process with TRITON_INTERPRET=0
+(see `build_many` for why an in-process build after interpreted launches breaks).
 
 Interpreter caveat (triton 3.7.1): casting fp32 -> bf16 inside a kernel *truncates* under
 TRITON_INTERPRET while GPUs and torch round to nearest even. `ROUND_BF16_SOURCE` is a @triton.jit
@@ -45,8 +45,10 @@ bf16 store so interpreted and compiled kernels agree with torch bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import string
@@ -246,34 +248,6 @@ def _unwrap(kernel_fn: Any) -> Any:
     return fn
 
 
-_COMPILE_COPIES: dict[str, ModuleType] = {}
-
-
-def _compile_copy(kernel_fn: Any) -> Any:
-    """The same kernel from a copy of its module imported with interpretation off.
-
-    Under TRITON_INTERPRET=1 a module's helpers (other @triton.jit functions the kernel calls) are
-    InterpretedFunctions, which a GPU build rejects; the copy has real JITFunctions throughout.
-    """
-    import triton
-
-    raw = _unwrap(kernel_fn)
-    path = raw.__code__.co_filename
-    module = _COMPILE_COPIES.get(path)
-    if module is None:
-        module_name = f"{PACKAGE}._compile_.{Path(path).stem}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"build_for_gpu: cannot re-import {path} (kernels must live in a file)")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        with triton.knobs.runtime.scope():
-            triton.knobs.runtime.interpret = False
-            spec.loader.exec_module(module)
-        _COMPILE_COPIES[path] = module
-    return getattr(module, raw.__name__)
-
-
 def cuobjdump_path() -> str:
     import triton
 
@@ -307,6 +281,30 @@ def resource_usage(cubin_bytes: bytes) -> dict[str, dict[str, int]]:
     return usage
 
 
+@dataclass(frozen=True)
+class BuildRequest:
+    """One kernel to build: it must be a module-level @triton.jit function of a file on disk.
+
+    Constexpr values are JSON scalars; a string "tl.<name>" (e.g. "tl.bfloat16") stands for that
+    `triton.language` attribute.
+    """
+
+    path: str
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    arch: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def of(cls, kernel_fn: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int,
+           num_warps: int = 4, num_stages: int = 3) -> BuildRequest:
+        raw = _unwrap(kernel_fn)
+        return cls(raw.__code__.co_filename, raw.__name__, dict(signature), dict(constexprs), arch, num_warps,
+                   num_stages)
+
+
 def build_for_gpu(
     kernel_fn: Any,
     signature: dict[str, str],
@@ -318,31 +316,84 @@ def build_for_gpu(
     """Compile one kernel for `sm_<arch>` (no GPU needed) and read its resource usage.
 
     `signature` maps each non-constexpr parameter to a Triton type string ("*fp32", "*i64", "i32",
-    ...); parameters named in `constexprs` get "constexpr" automatically.
+    ...); parameters named in `constexprs` get "constexpr" automatically. Several kernels: use
+    `build_many` (one child process for all).
     """
+    return build_many([BuildRequest.of(kernel_fn, signature, constexprs, arch, num_warps, num_stages)])[0]
+
+
+def build_module(module: ModuleType, arch: int) -> list[BuildReport]:
+    """Build every kernel a generated module lists in `GPU_BUILDS` for sm_<arch>."""
+    return build_many(module_requests(module, arch))
+
+
+def module_requests(module: ModuleType, arch: int) -> list[BuildRequest]:
+    return [BuildRequest.of(getattr(module, b["kernel"]), b["signature"], b["constexprs"], arch,
+                            b.get("num_warps", 4), b.get("num_stages", 3)) for b in module.GPU_BUILDS]
+
+
+def build_many(requests: list[BuildRequest]) -> list[BuildReport]:
+    """Build kernels in ONE child process with TRITON_INTERPRET=0.
+
+    Why a child process: under TRITON_INTERPRET=1 `@triton.jit` (including triton.language's own
+    `tl.sum`, `tl.max`, `tl.sigmoid`, ...) yields InterpretedFunctions, parts of the code generator
+    branch on the interpret knob, and (triton 3.7.1) every interpreted call of a @jit helper patches
+    `triton.language` for the interpreter without undoing it -- after one interpreted launch an
+    in-process GPU build fails ("'ir.value' object has no attribute 'dtype'"). A clean process
+    imports triton for compilation only. Cost: ~2 s start-up per call, so batch the requests.
+    """
+    if not requests:
+        return []
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    payload = json.dumps([dataclasses.asdict(r) for r in requests])
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", "lowering._codegen", "--build"], input=payload, text=True,
+                          capture_output=True, env=env, cwd=root)
+    if done.returncode != 0:
+        raise RuntimeError(f"GPU build child process failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    reports = []
+    for request, result in zip(requests, json.loads(done.stdout.splitlines()[-1])):
+        if "error" in result:
+            raise RuntimeError(f"building {request.kernel} ({request.path}) for sm_{request.arch} failed:\n"
+                               f"{result['error']}")
+        reports.append(BuildReport(**result))
+    return reports
+
+
+def _build_here(request: BuildRequest) -> BuildReport:
+    """Compile in this process (the child of `build_many`; TRITON_INTERPRET must be off)."""
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    jit_fn = JITFunction(_unwrap(_compile_copy(kernel_fn)))
-    full_sig = {name: ("constexpr" if name in constexprs else signature[name]) for name in jit_fn.arg_names}
+    assert not triton.knobs.runtime.interpret, "GPU builds need TRITON_INTERPRET=0"
+    spec = importlib.util.spec_from_file_location(f"{PACKAGE}._build_.{Path(request.path).stem}", request.path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import {request.path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    jit_fn = JITFunction(_unwrap(getattr(module, request.kernel)))
+    constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
+                  for k, v in request.constexprs.items()}
+    full_sig = {name: ("constexpr" if name in constexprs else request.signature[name]) for name in jit_fn.arg_names}
     start = time.perf_counter()
-    with triton.knobs.runtime.scope():  # parts of the code generator branch on the interpret knob
-        triton.knobs.runtime.interpret = False
-        compiled = triton.compile(
-            ASTSource(fn=jit_fn, signature=full_sig, constexprs=dict(constexprs)),
-            target=GPUTarget("cuda", arch, 32),
-            options={"num_warps": num_warps, "num_stages": num_stages},
-        )
+    compiled = triton.compile(
+        ASTSource(fn=jit_fn, signature=full_sig, constexprs=constexprs),
+        target=GPUTarget("cuda", request.arch, 32),
+        options={"num_warps": request.num_warps, "num_stages": request.num_stages},
+    )
     seconds = time.perf_counter() - start
     cubin = compiled.asm["cubin"]
     usage_by_fn = resource_usage(cubin)
     usage = usage_by_fn.get(compiled.metadata.name) or next(iter(usage_by_fn.values()), {})
     return BuildReport(
         name=compiled.metadata.name,
-        arch=arch,
-        num_warps=num_warps,
+        arch=request.arch,
+        num_warps=request.num_warps,
         ptx_bytes=len(compiled.asm["ptx"]),
         cubin_bytes=len(cubin),
         registers=usage.get("REG", 0),
@@ -354,12 +405,16 @@ def build_for_gpu(
     )
 
 
-def build_module(module: ModuleType, arch: int) -> list[BuildReport]:
-    """Build every kernel a generated module lists in `GPU_BUILDS` for sm_<arch>."""
-    return [
-        build_for_gpu(getattr(module, b["kernel"]), b["signature"], b["constexprs"], arch, b.get("num_warps", 4))
-        for b in module.GPU_BUILDS
-    ]
+def _child_main() -> None:
+    import traceback
+
+    results = []
+    for fields in json.loads(sys.stdin.read()):
+        try:
+            results.append(dataclasses.asdict(_build_here(BuildRequest(**fields))))
+        except Exception:  # reported to the parent, which raises with the kernel's name
+            results.append({"error": traceback.format_exc()})
+    print(json.dumps(results))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,3 +456,7 @@ def register_autocast(op: Any, policy: str) -> None:
                 return op(*cast_args)
 
         lib.impl(op_name, kernel, key, with_keyset=True)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--build"]:
+    _child_main()

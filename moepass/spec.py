@@ -41,8 +41,8 @@ def _check_choice(path: str, value: object, choices: tuple[str, ...]) -> None:
 class TensorSource:
     """How to read one canonical weight tensor from the block's own parameters.
 
-    `paths` are parameter names relative to the block. One path reads a parameter as it is; several
-    are stacked along a new leading (expert) dim. Then, in order: `chunk=(index, parts)` takes one of
+    `paths` are parameter names relative to the block: one parameter read as it is, or (`stacked`)
+    one per expert, stacked along a new leading (expert) dim. Then, in order: `chunk=(index, parts)` takes one of
     `parts` equal chunks along `chunk_dim`; `transpose=True` swaps the last two dims.
     """
 
@@ -50,6 +50,7 @@ class TensorSource:
     transpose: bool = False
     chunk: tuple[int, int] | None = None
     chunk_dim: int = -1
+    stacked: bool = False  # stack `paths` (one per expert) along a new leading dim
 
     @classmethod
     def param(cls, path: str, **kw: object) -> TensorSource:
@@ -57,11 +58,7 @@ class TensorSource:
 
     @classmethod
     def stack(cls, paths: list[str] | tuple[str, ...], **kw: object) -> TensorSource:
-        return cls(paths=tuple(paths), **kw)  # type: ignore[arg-type]
-
-    @property
-    def stacked(self) -> bool:
-        return len(self.paths) > 1
+        return cls(paths=tuple(paths), stacked=True, **kw)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

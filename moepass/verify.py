@@ -17,6 +17,7 @@ Rules (each violation names the rule, the node and what is wrong):
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 
@@ -74,6 +75,9 @@ def check_shapes(gm: fx.GraphModule, example_inputs: list[torch.Tensor] | None) 
         example_inputs = [torch.empty(2, 3, spec.experts.hidden_dim)]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(x) for x in example_inputs]
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # the violation below reports the failure once, readably
     try:
         FakeTensorProp(gm, mode).propagate(*fake_inputs)
     except Exception as err:
@@ -81,6 +85,8 @@ def check_shapes(gm: fx.GraphModule, example_inputs: list[torch.Tensor] | None) 
         msg = str(err).split("\n\nWhile executing")[0].strip()
         where = _failing_node(err) or (node.name if node is not None else "<graph>")
         return [Violation("V2 shapes", where, msg)]
+    finally:
+        fake_log.setLevel(level)
     return []
 
 

@@ -14,7 +14,8 @@ the slower of the two sets the pace after the first chunk has gone through all t
 
 n = 1 is the unchunked layer (2 alpha + 2 transfer + compute). When compute dominates, chunking
 hides transfer; when latency dominates, every extra chunk costs 2 alpha. With alpha > 0 the network-
-bound branch is 2 n alpha + 2 transfer + compute / n, minimal at n* = sqrt(compute / (2 alpha)).
+bound branch is 2 n alpha + 2 transfer + compute / n, minimal at sqrt(compute / (2 alpha)); see
+`optimal_chunks_continuous`.
 
 Priority (Lina): a gradient all-reduce micro-op is launched only when no all-to-all is queued, so
 an all-to-all waits behind at most one micro-op; under fair sharing it runs at a fraction of the
@@ -54,13 +55,16 @@ def optimal_chunks(transfer: float, compute: float, alpha: float, candidates: It
     return min(sorted(candidates), key=total)
 
 
-def optimal_chunks_continuous(compute, alpha):
-    """The interior optimum of the network-bound branch: n* = sqrt(compute / (2 alpha))."""
-    return (
-        sympy.sqrt(compute / (2 * alpha))
-        if isinstance(compute + alpha, sympy.Basic)
-        else math.sqrt(compute / (2 * alpha))
-    )
+def optimal_chunks_continuous(transfer, compute, alpha):
+    """The real-valued argmin of `pipeline_time` (forward pass), for alpha > 0.
+
+    While compute-bound (n <= (compute - 2 transfer) / (2 alpha)) the time 2 alpha + 2 transfer/n +
+    compute falls with n; once network-bound it is 2 n alpha + 2 transfer + compute/n, minimal at
+    sqrt(compute / (2 alpha)). The optimum is the larger of the two points.
+    """
+    if isinstance(transfer + compute + alpha, sympy.Basic):
+        return sympy.Max(sympy.sqrt(compute / (2 * alpha)), (compute - 2 * transfer) / (2 * alpha))
+    return max(math.sqrt(compute / (2 * alpha)), (compute - 2 * transfer) / (2 * alpha))
 
 
 def priority_wait(micro_op_bytes, B, alpha):

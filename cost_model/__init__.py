@@ -1,0 +1,16 @@
+"""cost_model: the symbolic cost model, plan search, calibration and cluster simulator of moepass.
+
+symbols    one table of sympy symbols with assumptions
+ep         EP formulas: compute, all-to-all bytes (uniform and exact), memory
+schedule   Lina's chunked / prioritised pipeline time as a function of the chunk count
+presets    hardware figures with their sources; `this_machine()` reads a calibration profile
+search     ranked plans with a cost breakdown and the winner's formula
+calibrate  gloo all-to-all and matmul microbenchmarks -> JSON profile
+timeline   per-step compute / all-to-all / other-communication streams
+simulate   published set-ups (shared/scenarios) -> predicted step time per compared system
+"""
+
+from cost_model.search import Candidate, SearchResult, search
+from cost_model.simulate import SimResult, simulate
+
+__all__ = ["Candidate", "SearchResult", "SimResult", "search", "simulate"]

@@ -7,17 +7,21 @@ all-to-all traffic and lower the hot regions to generated Triton kernels.
 """
 
 from moepass import dialect  # noqa: F401  (registers the moe:: ops)
+from moepass import rewrite  # noqa: F401  (registers the parallel forms into pipeline.REWRITES)
 from moepass.api import CompileInfo, compile, explain
 from moepass.canonical import MoEGraphModule
+from moepass.checkpoint import load_logical_state_dict, logical_state_dict
 from moepass.detect import DetectionReport, detect, register_recogniser
 from moepass.errors import DetectionError, MoepassError, PlanError
 from moepass.plan import Plan
+from moepass.runtime import Topology, comm_stats, reset_comm_stats
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 from moepass.verify import VerificationError, verify
 
 __all__ = [
     "CapacitySpec", "CompileInfo", "DetectionError", "DetectionReport", "ExpertsSpec", "MoEGraphModule",
     "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec", "TensorSource",
-    "VerificationError", "compile", "detect", "explain", "register_recogniser", "verify",
+    "Topology", "VerificationError", "comm_stats", "compile", "detect", "explain", "load_logical_state_dict",
+    "logical_state_dict", "register_recogniser", "reset_comm_stats", "verify",
 ]
 __version__ = "0.1.0"

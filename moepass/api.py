@@ -11,7 +11,7 @@ from torch import nn
 from moepass.canonical import MoEGraphModule
 from moepass.detect import DetectionReport, detect
 from moepass.errors import PlanError
-from moepass.pipeline import compile_block
+from moepass.pipeline import FINALIZERS, compile_block
 from moepass.plan import Plan
 
 
@@ -57,6 +57,8 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
             _set_submodule(target, spec.path, gm)
         else:
             target = gm
+    for finalize in FINALIZERS:  # model-level set-up of the rewritten forms
+        finalize(target)
     object.__setattr__(target, "moepass_info", info)
     return target
 

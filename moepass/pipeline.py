@@ -50,6 +50,7 @@ def _rewrite_single(gm: MoEGraphModule, plan: Plan) -> PassResult:
 REWRITES: dict[str, Pass] = {"single": _rewrite_single}  # later forms register here (moepass.rewrite.*)
 SCHEDULE: list[tuple[str, Pass]] = []  # moepass.schedule registers its passes here
 LOWER: list[tuple[str, Pass]] = []  # moepass.lower registers its pass here
+FINALIZERS: list[Callable[[nn.Module], None]] = []  # model-level set-up after all blocks (e.g. EP: DDP ignore list)
 
 
 def run_pass(name: str, fn: Pass, gm: MoEGraphModule, plan: Plan, verify: bool) -> MoEGraphModule:

@@ -1,0 +1,156 @@
+"""Topology (nodes × ranks per node) and the process groups of one EP layout.
+
+Ranks are numbered node-major: rank r lives on node r // ranks_per_node (torchrun's numbering). On
+one machine the "nodes" are simulated by that grouping; byte counters classify every peer as self,
+intra-node or inter-node with it.
+
+EP layout over W ranks with EP degree P (P divides W; data parallel over the other W/P):
+
+    mesh = DeviceMesh(("dp", "ep"), shape (W/P, P)),   rank = dp_index * P + ep_index
+
+so each EP group is P consecutive ranks (inside a node when P <= ranks_per_node) and each DP group
+holds the ranks that own the same experts. Three sets of groups, never shared:
+  - the mesh's own groups (DTensor: clip_grad_norm_, full_tensor, DCP),
+  - `ep_group`: the expert all-to-all and the count exchange,
+  - `dp_group`: the expert-gradient all-reduce across replicas.
+(DDP, if the user wraps the model, runs on its own group, by default the world.) The all-to-all and
+gradient groups are created with the topology's timeout, so a dead peer becomes an error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from moepass.errors import PlanError
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """`nodes` × `ranks_per_node` ranks; `timeout` (seconds) bounds every moepass collective."""
+
+    nodes: int
+    ranks_per_node: int
+    timeout: float = field(default=DEFAULT_TIMEOUT_S, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"Topology.{name}={value!r} is invalid: use a positive int.")
+        if not self.timeout > 0:
+            raise PlanError(f"Topology.timeout={self.timeout!r} is invalid: use a positive number of seconds.")
+
+    @classmethod
+    def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S) -> Topology:
+        """From torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE; else the initialised world as one node."""
+        world = int(os.environ.get("WORLD_SIZE", "0")) or (dist.get_world_size() if dist.is_initialized() else 1)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world
+        if world % local:
+            raise PlanError(f"LOCAL_WORLD_SIZE={local} does not divide WORLD_SIZE={world}: pass "
+                            f"moepass.Topology(nodes, ranks_per_node) explicitly.")
+        return cls(world // local, local, timeout)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def link(self, rank: int, peer: int) -> str:
+        """"self", "intra" or "inter": how bytes from `rank` to `peer` travel."""
+        if rank == peer:
+            return "self"
+        return "intra" if self.node_of(rank) == self.node_of(peer) else "inter"
+
+
+@dataclass
+class EPGroups:
+    """The mesh and process groups of one (world, ep_size) layout, as seen from this rank."""
+
+    topology: Topology
+    ep_size: int
+    dp_size: int
+    rank: int
+    mesh: DeviceMesh  # dims ("dp", "ep")
+    ep_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    ep_ranks: list[int]  # global ranks of this rank's EP group, in EP order
+    dp_ranks: list[int]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.ep_size
+
+    @property
+    def world_size(self) -> int:
+        return self.ep_size * self.dp_size
+
+
+_GROUPS: dict[tuple, EPGroups] = {}
+_GROUP_INFO: dict[str, tuple[Topology, list[int]]] = {}  # group name -> (topology, global ranks)
+
+
+def group_info(group_name: str) -> tuple[Topology, list[int]]:
+    """Topology and global ranks of a group made here (collectives use it for byte accounting)."""
+    return _GROUP_INFO[group_name]
+
+
+def resolve(topology: Topology | None, ep_size: int | None) -> tuple[Topology, int]:
+    """Validate a plan's topology and EP degree against the initialised world."""
+    if not dist.is_initialized():
+        raise PlanError("Plan(form='ep') needs torch.distributed initialised (init_process_group) on every rank; "
+                        "run under torchrun or torch.multiprocessing.spawn.")
+    world = dist.get_world_size()
+    topology = Topology.from_env() if topology is None else topology
+    if topology.world_size != world:
+        raise PlanError(f"Plan.topology={topology} is invalid: it has {topology.world_size} ranks but the world "
+                        f"has {world}; use Topology(nodes, ranks_per_node) with nodes*ranks_per_node={world}.")
+    ep_size = world if ep_size is None else ep_size
+    if world % ep_size:
+        raise PlanError(f"Plan.ep_size={ep_size} is invalid: it must divide the world size {world}.")
+    return topology, ep_size
+
+
+def ep_groups(topology: Topology | None, ep_size: int | None, device_type: str) -> EPGroups:
+    """The (cached) mesh and groups for this layout. Collective: every rank must call it, in order."""
+    topology, ep_size = resolve(topology, ep_size)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    key = (world, ep_size, device_type, topology, topology.timeout)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    dp_size = world // ep_size
+    timeout = timedelta(seconds=topology.timeout)
+    mesh = init_device_mesh(device_type, (dp_size, ep_size), mesh_dim_names=("dp", "ep"))
+    ep_lists = [[d * ep_size + i for i in range(ep_size)] for d in range(dp_size)]
+    dp_lists = [[d * ep_size + i for d in range(dp_size)] for i in range(ep_size)]
+    ep_group, _ = dist.new_subgroups_by_enumeration(ep_lists, timeout=timeout, group_desc="moepass_ep_a2a")
+    dp_group, _ = dist.new_subgroups_by_enumeration(dp_lists, timeout=timeout, group_desc="moepass_expert_grad")
+    groups = EPGroups(topology, ep_size, dp_size, rank, mesh, ep_group, dp_group,
+                      ep_lists[rank // ep_size], dp_lists[rank % ep_size])
+    _GROUP_INFO[ep_group.group_name] = (topology, groups.ep_ranks)
+    _GROUP_INFO[dp_group.group_name] = (topology, groups.dp_ranks)
+    _GROUPS[key] = groups
+    return groups
+
+
+def reset_groups() -> None:
+    """Forget cached groups (after destroy_process_group, before a new world)."""
+    _GROUPS.clear()
+    _GROUP_INFO.clear()
+
+
+def register_group(group: dist.ProcessGroup, topology: Topology) -> None:
+    """Make a user-made group usable by moepass collectives (byte accounting needs its ranks)."""
+    _GROUP_INFO[group.group_name] = (topology, dist.get_process_group_ranks(group))

@@ -140,9 +140,12 @@ def build_graph(spec: MoESpec) -> fx.Graph:
     x_TD = b.method("reshape", hidden, -1, D, name="x_TD")
 
     # router: logits in the router's dtype, then selection in fp32
-    if r.logits_from == "module":
-        out = b.module(r.module_path, x_TD, name="router_out")
-        logits_TE = out if r.module_output_index is None else b.item(out, r.module_output_index, "logits_TE")
+    router_logits = None  # what the router module returns as logits (its hooks record this value)
+    if r.logits_from == "module":  # called on the block's input as given, like HF blocks call it
+        out = b.module(r.module_path, hidden, name="router_out")
+        router_logits = out if r.module_output_index is None else b.item(out, r.module_output_index,
+                                                                          "router_logits")
+        logits_TE = b.method("reshape", router_logits, -1, E, name="logits_TE")
     else:
         w_router = b.tensor(r.weight, "w_router_ED")
         bias = b.tensor(r.bias, "b_router_E")
@@ -200,7 +203,7 @@ def build_graph(spec: MoESpec) -> fx.Graph:
         out_TD = b.fn(operator.add, out_TD, shared_TD, name="out_plus_shared_TD")
 
     out = b.method("view_as", out_TD, inputs[0], name="out")
-    side = {"router_logits": logits_TE}
+    side = {"router_logits": logits_TE if router_logits is None else router_logits}
     outputs = [out] + [side[name] for name in spec.side_outputs]
     b.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
     return b.graph

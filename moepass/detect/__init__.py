@@ -33,6 +33,12 @@ def register_recogniser(name: str, fn: Recogniser, first: bool = True) -> None:
     RECOGNISERS.insert(0 if first else len(RECOGNISERS), (name, fn))
 
 
+from moepass.detect import hf  # noqa: E402  (Hugging Face transformers 5.x families, tried first)
+
+for _name, _fn in reversed(hf.RECOGNISERS):
+    register_recogniser(_name, _fn)
+
+
 @dataclass
 class BlockReport:
     """What detection concluded about one candidate block."""
@@ -83,7 +89,11 @@ def detect_block(candidate: Candidate) -> BlockReport:
         if isinstance(found, str):
             reasons.append(f"{name}: {found}")
             continue
-        winner, tried = semantic_check(candidate.module, found)
+        try:
+            winner, tried = semantic_check(candidate.module, found)
+        except Exception as err:  # the user's block itself fails on probe inputs: reject, never raise
+            reasons.append(f"{name}: probing the block failed: {type(err).__name__}: {err}")
+            continue
         report.tried.extend(tried)
         if winner is not None:
             report.accepted, report.recogniser, report.spec, report.check = True, name, winner.spec, winner

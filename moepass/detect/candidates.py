@@ -24,32 +24,44 @@ class Candidate:
     num_experts: int
     router_path: str  # child holding the router weight [E, D]
     experts_path: str  # "" when the experts' 3-D weights live on the block itself
-    experts_kind: str  # "modulelist" or "fused"
+    experts_kind: str  # "modulelist", "moduledict" or "fused"
     fused_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, relative to block
+    expert_names: tuple[str, ...] = ()  # keys of the experts container, in expert order (ModuleList/ModuleDict)
 
     @property
     def experts(self) -> nn.Module:
         return self.module.get_submodule(self.experts_path) if self.experts_path else self.module
 
 
+def _is_router_weight(weight: object, num_experts: int) -> bool:
+    return isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] == num_experts
+
+
 def _router_of(module: nn.Module, num_experts: int, exclude: str) -> str | None:
-    """A child whose weight is [E, D]: an nn.Linear to E outputs or a router module."""
-    for name, child in module.named_children():
-        if name == exclude:
-            continue
-        weight = getattr(child, "weight", None)
-        if isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] == num_experts:
+    """A child whose weight is [E, D] (an nn.Linear to E outputs or a router module), else a router
+    module whose only [E, D] weight is one level down (SwitchTransformers: `router.classifier`)."""
+    children = [(n, c) for n, c in module.named_children() if n != exclude]
+    for name, child in children:
+        if _is_router_weight(getattr(child, "weight", None), num_experts):
             return name
+    for name, child in children:
+        inner = [n for n, g in child.named_children() if _is_router_weight(getattr(g, "weight", None), num_experts)]
+        if len(inner) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            return f"{name}.{inner[0]}"
     return None
 
 
-def _modulelist_experts(module: nn.Module) -> tuple[str, int] | None:
+def _listed_experts(module: nn.Module) -> tuple[str, str, tuple[str, ...]] | None:
+    """A ModuleList or ModuleDict child of >= 1 identical MLPs (>= 2 linears each): (name, kind, keys)."""
     for name, child in module.named_children():
-        if isinstance(child, nn.ModuleList) and len(child) >= 1:
-            kinds = {type(m) for m in child}
-            linears = [m for m in child[0].modules() if isinstance(m, nn.Linear)]
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) >= 1:
+            experts = list(child.values()) if isinstance(child, nn.ModuleDict) else list(child)
+            kinds = {type(m) for m in experts}
+            linears = [m for m in experts[0].modules() if isinstance(m, nn.Linear)]
             if len(kinds) == 1 and len(linears) >= 2:
-                return name, len(child)
+                if isinstance(child, nn.ModuleDict):
+                    return name, "moduledict", tuple(child.keys())
+                return name, "modulelist", tuple(str(i) for i in range(len(child)))
     return None
 
 
@@ -70,12 +82,12 @@ def find_candidates(model: nn.Module) -> list[Candidate]:
     for path, module in model.named_modules():
         if any(path.startswith(c.path + ".") or c.path == "" for c in found if c.path != path):
             continue
-        modlist = _modulelist_experts(module)
-        if modlist is not None:
-            name, E = modlist
-            router = _router_of(module, E, exclude=name)
+        listed = _listed_experts(module)
+        if listed is not None:
+            name, kind, keys = listed
+            router = _router_of(module, len(keys), exclude=name)
             if router is not None:
-                found.append(Candidate(path, module, E, router, name, "modulelist"))
+                found.append(Candidate(path, module, len(keys), router, name, kind, expert_names=keys))
                 continue
         fused = _fused_experts(module)
         if fused is not None:

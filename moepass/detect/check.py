@@ -1,10 +1,22 @@
 """The semantic check: a spec is accepted only if its canonical graph reproduces the block.
 
-On a probe copy of the block (fp32, eval mode, zero-initialised buffers and biases randomised so
-that a forgotten bias shows), random inputs go through the original block and through the spec's
-canonical graph. First the selected experts must agree exactly (tokens whose k-th and (k+1)-th
-scores are a near-tie are re-probed, not compared), then the outputs must agree within tolerance.
-The original's selection is observed by intercepting its last `topk` over E scores.
+On a probe copy of the block (fp32, eval mode), random inputs go through the original block and
+through the spec's canonical graph. The probe is built so that near-miss specs show:
+
+- zero-initialised floating parameters and buffers are randomised, so a forgotten bias (e.g. a
+  selection-only bias) changes the selection;
+- a `routed_scaling_factor` of 1 is set to PROBE_SCALING on the probe (and in the probed spec), so
+  a scale applied in the wrong place shows; the accepted spec keeps the model's real value;
+- for group-limited hypotheses, probes are added (at growing input scales) until at least
+  MIN_GROUP_TOKENS tokens select differently with groups than with plain top-k;
+- tokens whose k-th and (k+1)-th scores are a near-tie (in the final top-k, or in a group top-k)
+  are not compared, and probes are added until MIN_CLEAR_FRACTION of the tokens are clear.
+
+Then the selected experts must agree exactly on the clear tokens (the original's selection is
+observed by intercepting its last top-k / argmax over E scores), the outputs (every element of a
+tuple output) within tolerance, and the contract beyond the output: the router module's recorded
+output (specs that call it: `logits_from="module"`) and the train-mode output under the same RNG
+seed (jitter reproduced in the same order; a dropout that the graph lacks fails here).
 
 The user's block is never touched: everything runs on the copy.
 """
@@ -12,16 +24,23 @@ The user's block is never touched: everything runs on the copy.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from moepass import canonical
+from moepass.dialect import route_ref
 from moepass.spec import MoESpec
 
 TIE_EPS = 1e-5  # score margins below this are near-ties: re-probed, not compared
+MIN_CLEAR_FRACTION = 0.75  # share of probed tokens that must be free of near-ties
+MIN_GROUP_TOKENS = 4  # group-limited hypotheses: tokens where groups must change the choice
+MAX_EXTRA_PROBES = 8
+PROBE_SCALING = 2.5  # routed_scaling_factor set on the probe when the model's is 1
+SCALING_ATTRS = ("routed_scaling_factor",)
+TRAIN_SEED = 1234
 
 
 @dataclass
@@ -33,35 +52,77 @@ class CheckResult:
     compared_tokens: int = 0
     reason: str = ""
     selection_observed: bool = True
+    group_sensitive_tokens: int = 0  # tokens whose choice differs with and without group limits
+    contract_checked: bool = False  # recorded router output and train mode compared too
 
     def describe(self) -> str:
         verdict = "accepted" if self.accepted else f"rejected: {self.reason}"
-        return f"{verdict} (max error {self.max_error:.2e}, {self.compared_tokens} tokens compared)"
+        extra = f", {self.group_sensitive_tokens} group-limited" if self.group_sensitive_tokens else ""
+        extra += ", train mode + recorded router output compared" if self.contract_checked else ""
+        return f"{verdict} (max error {self.max_error:.2e}, {self.compared_tokens} tokens compared{extra})"
 
 
 @dataclass
 class _Selection:
-    """The original block's top-k call: its input scores and chosen indices."""
+    """The original block's selection: its final top-k scores/indices and which tokens are tie-free."""
 
     scores: torch.Tensor | None = None
     indices: torch.Tensor | None = None
-    calls: list[tuple[int, int]] = field(default_factory=list)
+    clear: torch.Tensor | None = None  # [T] bool: no near-tie in the final or a group top-k
+    calls: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
+
+
+def _margin_clear(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[T] bool: the k-th and (k+1)-th largest scores are not a near-tie."""
+    s = scores.float().sort(dim=-1, descending=True).values
+    if k >= s.shape[-1]:
+        return torch.ones(s.shape[0], dtype=torch.bool)
+    kth, nxt = s[:, k - 1], s[:, k]
+    margin = torch.where(torch.isinf(nxt) & (nxt < 0), torch.full_like(kth, torch.inf), kth - nxt)
+    return margin.abs() > TIE_EPS * (1 + kth.abs().nan_to_num(posinf=0.0, neginf=0.0))
 
 
 class _TopkSpy(TorchFunctionMode):
+    """Records every last-dim top-k / argmax call; `seen` picks the selection over E scores."""
+
     def __init__(self, num_experts: int, top_k: int):
         super().__init__()
-        self.num_experts, self.top_k, self.seen = num_experts, top_k, _Selection()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.calls: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.topk, torch.Tensor.topk):
-            scores = args[0]
-            k = args[1] if len(args) > 1 else (kwargs or {}).get("k")
-            if isinstance(scores, torch.Tensor) and scores.dim() == 2 and scores.shape[-1] == self.num_experts \
-                    and k == self.top_k:
-                self.seen.scores, self.seen.indices = scores.detach(), out[1].detach()
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        scores = args[0] if args else None
+        if not isinstance(scores, torch.Tensor) or scores.dim() < 2:
+            return out
+        last = (-1, scores.dim() - 1)
+        if func in (torch.topk, torch.Tensor.topk) and kwargs.get("largest", True):
+            k = args[1] if len(args) > 1 else kwargs.get("k")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if isinstance(k, int) and dim in last:
+                X = scores.shape[-1]
+                self.calls.append((scores.detach().reshape(-1, X), k, out[1].detach().reshape(-1, k)))
+        elif func in (torch.argmax, torch.Tensor.argmax):
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if dim in last:
+                X = scores.shape[-1]
+                self.calls.append((scores.detach().reshape(-1, X), 1, out.detach().reshape(-1, 1)))
         return out
+
+    @property
+    def seen(self) -> _Selection:
+        E, K = self.num_experts, self.top_k
+        final = [c for c in self.calls if c[0].shape[-1] == E and c[1] == K]
+        if not final:
+            return _Selection(calls=self.calls)
+        scores, _, indices = final[-1]
+        clear = _margin_clear(scores, K)
+        for g_scores, g_k, _ in self.calls:  # group top-k (DeepSeek: best topk_group of G groups)
+            G = g_scores.shape[-1]
+            if G < E and E % G == 0 and g_scores.shape[0] == scores.shape[0] and g_k < G:
+                clear &= _margin_clear(g_scores, g_k)
+        return _Selection(scores, indices, clear, self.calls)
 
 
 class _Capture(fx.Interpreter):
@@ -93,6 +154,15 @@ def _outputs(value):
     return value if isinstance(value, tuple) else (value,)
 
 
+def _group_sensitive(spec: MoESpec, logits_TE: torch.Tensor, bias_E: torch.Tensor | None) -> int:
+    """Tokens whose selected experts differ between group-limited and plain top-k."""
+    r = spec.router
+    args = (r.score_func, r.softmax_before_topk, r.top_k, r.renormalize)
+    grouped = route_ref(logits_TE, bias_E, *args, r.n_group, r.topk_group, r.group_score, 1.0)[1]
+    plain = route_ref(logits_TE, bias_E, *args, 1, 1, r.group_score, 1.0)[1]
+    return int((grouped.sort(-1).values != plain.sort(-1).values).any(-1).sum())
+
+
 def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals: list, selections: list[_Selection],
           atol: float = 1e-5, rtol: float = 1e-4) -> CheckResult:
     """Compare `spec`'s canonical graph with the recorded behaviour of the original on `inputs`."""
@@ -102,27 +172,26 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
         return CheckResult(spec, False, reason=f"canonical graph does not build: {err}")
     result = CheckResult(spec, True, max_error=0.0)
     for x, original, seen in zip(inputs, originals, selections):
-        cap = _Capture(gm, ("experts_TK", "logits_TE"))
+        cap = _Capture(gm, ("experts_TK", "logits_TE", "selection_bias_E"))
         try:
             with torch.no_grad():
                 ours = cap.run(x)
         except Exception as err:
             return CheckResult(spec, False, reason=f"canonical graph fails on a probe input: {err}")
-        if seen.indices is not None and "experts_TK" in cap.values:
+        if spec.router.n_group > 1 and "logits_TE" in cap.values:
+            result.group_sensitive_tokens += _group_sensitive(spec, cap.values["logits_TE"].float(),
+                                                              cap.values.get("selection_bias_E"))
+        if seen.indices is not None and seen.clear is not None and "experts_TK" in cap.values:
             mine = cap.values["experts_TK"].sort(dim=-1).values
             theirs = seen.indices.sort(dim=-1).values
             if mine.shape != theirs.shape:
-                return CheckResult(spec, False, reason=f"selects {mine.shape[-1]} experts per token, block selects "
-                                                       f"{theirs.shape[-1]}")
-            sorted_scores = seen.scores.float().sort(dim=-1, descending=True).values
-            k = theirs.shape[-1]
-            margin = sorted_scores[:, k - 1] - (sorted_scores[:, k] if k < sorted_scores.shape[-1] else -torch.inf)
-            clear = margin.abs() > TIE_EPS * (1 + sorted_scores[:, k - 1].abs())
-            mismatched = ((mine != theirs).any(dim=-1) & clear).sum().item()
-            result.compared_tokens += int(clear.sum().item())
+                return CheckResult(spec, False, reason=f"selects {mine.shape[-1]} experts per token ({mine.shape[0]} "
+                                                       f"tokens), block selects {theirs.shape[-1]} ({theirs.shape[0]})")
+            mismatched = int(((mine != theirs).any(dim=-1) & seen.clear).sum())
+            result.compared_tokens += int(seen.clear.sum())
             if mismatched:
                 result.accepted = False
-                result.mismatched_tokens += int(mismatched)
+                result.mismatched_tokens += mismatched
         else:
             result.selection_observed = False
         for a, b in zip(_outputs(ours), _outputs(original)):
@@ -141,32 +210,149 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
     return result
 
 
+def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float = 1e-5,
+                   rtol: float = 1e-4) -> str | None:
+    """Beyond the eval output: the router module's recorded output and the train-mode output under the
+    same seed. Returns the reason of a mismatch, or None."""
+    try:
+        gm = canonical.build(spec, probe)  # shares the probe's modules: train()/eval() reaches both
+    except Exception as err:
+        return f"canonical graph does not build: {err}"
+    r = spec.router
+    if r.logits_from == "module":
+        router = probe.get_submodule(r.module_path)
+        records: list[list[torch.Tensor]] = [[], []]
+        for i, run in enumerate((probe, gm)):
+            handle = router.register_forward_hook(
+                lambda _m, _a, out, i=i: records[i].append(out if r.module_output_index is None
+                                                           else out[r.module_output_index]))
+            try:
+                with torch.no_grad():
+                    run(x.clone())
+            finally:
+                handle.remove()
+        if len(records[0]) != len(records[1]):
+            return (f"router module {r.module_path} is called {len(records[1])}x by the graph, "
+                    f"{len(records[0])}x by the block: recorded router logits would change")
+        for a, b in zip(*records):
+            if a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=rtol):
+                return (f"router module {r.module_path} records {tuple(b.shape)} logits in the graph, "
+                        f"{tuple(a.shape)} in the block, or different values")
+    was_training = probe.training
+    try:
+        probe.train()
+        gm.train()
+        outs = []
+        for run in (probe, gm):
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(TRAIN_SEED)
+                outs.append(_outputs(run(x.clone())))
+    except Exception as err:
+        return f"train mode fails: {type(err).__name__}: {err}"
+    finally:
+        probe.train(was_training)
+    for a, b in zip(outs[1], outs[0]):
+        if a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=rtol):
+            err = (a - b).abs().max().item() if a.shape == b.shape else float("nan")
+            return (f"train-mode outputs differ by up to {err:.2e} under the same seed: the block draws "
+                    f"random numbers (jitter, dropout) that the spec does not reproduce in the same order")
+    return None
+
+
+def _scaling_overrides(probe: nn.Module) -> bool:
+    """Set every routed scaling factor of 1 on the probe to PROBE_SCALING; True if any was set."""
+    changed = False
+    for module in probe.modules():
+        for name in SCALING_ATTRS:
+            value = getattr(module, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1:
+                setattr(module, name, PROBE_SCALING)
+                changed = True
+    return changed
+
+
+def _observe(probe: nn.Module, x: torch.Tensor, num_experts: int, top_k: int) -> tuple[tuple, _Selection]:
+    spy = _TopkSpy(num_experts, top_k)
+    with torch.no_grad(), spy:
+        out = _outputs(probe(x.clone()))
+    return out, spy.seen
+
+
+def _group_coverage(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor]) -> int:
+    """Group-sensitive tokens of the group-limited hypothesis `spec` on `inputs` (0 if it fails)."""
+    try:
+        gm = canonical.build(spec, probe)
+        total = 0
+        for x in inputs:
+            cap = _Capture(gm, ("logits_TE", "selection_bias_E"))
+            with torch.no_grad():
+                cap.run(x)
+            total += _group_sensitive(spec, cap.values["logits_TE"].float(), cap.values.get("selection_bias_E"))
+        return total
+    except Exception:
+        return 0
+
+
 def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3, tokens: int = 24,
-                   seed: int = 0) -> tuple[CheckResult | None, list[CheckResult]]:
-    """The first hypothesis that reproduces `block`, and every result tried (for the report)."""
+                   seed: int = 0, first_only: bool = True) -> tuple[CheckResult | None, list[CheckResult]]:
+    """The first hypothesis that reproduces `block`, and every result tried (for the report).
+
+    With `first_only=False` every hypothesis is checked (on the same probe inputs)."""
     if not hypotheses:
         return None, []
     probe = probe_copy(block, seed)
-    D = hypotheses[0].experts.hidden_dim
+    scaled = _scaling_overrides(probe)
+    E, K, D = hypotheses[0].num_experts, hypotheses[0].top_k, hypotheses[0].experts.hidden_dim
     gen = torch.Generator().manual_seed(seed + 1)
-    inputs = [torch.randn(2, tokens // 2, D, generator=gen) for _ in range(probes)]
-    originals, selections = [], []
-    for x in inputs:
-        spy = _TopkSpy(hypotheses[0].num_experts, hypotheses[0].top_k)
-        with torch.no_grad(), spy:
-            originals.append(_outputs(probe(x)))
-        selections.append(spy.seen)
+
+    def draw(scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(2, tokens // 2, D, generator=gen) * scale
+
+    def probed(spec: MoESpec) -> MoESpec:  # the spec as it must behave on the probe
+        if scaled and spec.router.routed_scaling_factor == 1:
+            return spec.replace(router=replace(spec.router, routed_scaling_factor=PROBE_SCALING))
+        return spec
+
+    inputs = [draw() for _ in range(probes)]
+    grouped = next((probed(h) for h in hypotheses if h.router.n_group > 1 and h.router.topk_group < h.router.n_group),
+                   None)
+    scale = 1.0
+    while grouped is not None and len(inputs) < probes + MAX_EXTRA_PROBES \
+            and _group_coverage(grouped, probe, inputs) < MIN_GROUP_TOKENS:
+        scale *= 2.0  # larger logits spread the scores beyond the (randomised) selection bias
+        inputs.append(draw(scale))
+    observed = [_observe(probe, x, E, K) for x in inputs]
+    extra = 0
+    while extra < MAX_EXTRA_PROBES and all(s.clear is not None for _, s in observed):  # re-probe near-ties
+        clear = sum(int(s.clear.sum()) for _, s in observed)  # type: ignore[union-attr]
+        total = sum(int(s.clear.numel()) for _, s in observed)  # type: ignore[union-attr]
+        if clear >= MIN_CLEAR_FRACTION * total:
+            break
+        inputs.append(draw())
+        observed.append(_observe(probe, inputs[-1], E, K))
+        extra += 1
+    originals = [o for o, _ in observed]
+    selections = {K: [s for _, s in observed]}
     tried = []
+    winner = None
     for spec in hypotheses:
-        if spec.top_k != hypotheses[0].top_k:  # the spy watched for another k: observe again
-            selections = []
-            for x in inputs:
-                spy = _TopkSpy(spec.num_experts, spec.top_k)
-                with torch.no_grad(), spy:
-                    probe(x)
-                selections.append(spy.seen)
-        result = check(spec, probe, inputs, originals, selections)
-        tried.append(result)
+        if spec.top_k not in selections:  # the spy watched for another k: observe again
+            selections[spec.top_k] = [_observe(probe, x, spec.num_experts, spec.top_k)[1] for x in inputs]
+        result = check(probed(spec), probe, inputs, originals, selections[spec.top_k])
         if result.accepted:
-            return result, tried
-    return None, tried
+            reason = contract_check(probed(spec), probe, inputs[0])
+            result.contract_checked = reason is None
+            if reason is not None:
+                result.accepted, result.reason = False, reason
+        result.spec = spec  # the model's own values, not the probe's
+        tried.append(result)
+        if result.accepted and winner is None:
+            winner = result
+            if first_only:
+                break
+    return winner, tried
+
+
+def check_specs(block: nn.Module, specs: list[MoESpec], **kw) -> list[CheckResult]:
+    """Every spec checked against `block` on the same probe inputs (tests of near-miss specs)."""
+    return semantic_check(block, specs, first_only=False, **kw)[1]

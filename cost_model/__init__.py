@@ -9,8 +9,3 @@ calibrate  gloo all-to-all and matmul microbenchmarks -> JSON profile
 timeline   per-step compute / all-to-all / other-communication streams
 simulate   published set-ups (shared/scenarios) -> predicted step time per compared system
 """
-
-from cost_model.search import Candidate, SearchResult, search
-from cost_model.simulate import SimResult, simulate
-
-__all__ = ["Candidate", "SearchResult", "SimResult", "search", "simulate"]

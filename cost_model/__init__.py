@@ -8,4 +8,7 @@ search     ranked plans with a cost breakdown and the winner's formula
 calibrate  gloo all-to-all and matmul microbenchmarks -> JSON profile
 timeline   per-step compute / all-to-all / other-communication streams
 simulate   published set-ups (shared/scenarios) -> predicted step time per compared system
+
+Entry points: `cost_model.search.search`, `cost_model.simulate.simulate`, `cost_model.calibrate.main`
+(not re-exported here: the functions would shadow their modules).
 """

@@ -119,32 +119,54 @@ class BlockConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k}
 
 
-# Sized for sm_80 (163 KiB shared) with 16-bit operands; fp32 needs fewer stages (see `fits`).
-_FORWARD = (
-    BlockConfig(128, 128, 64, 8, 3),
-    BlockConfig(64, 128, 64, 4, 3),
-    BlockConfig(128, 64, 64, 4, 3),
-    BlockConfig(64, 64, 64, 4, 3),
-    BlockConfig(32, 64, 64, 4, 3),
-    BlockConfig(16, 64, 64, 4, 3),
-)
-CONFIGS: dict[str, tuple[BlockConfig, ...]] = {
-    "gate_up_kernel": _FORWARD,
-    "gate_up_kernel.backward": (  # three fp32 accumulators: smaller tiles, more warps
-        BlockConfig(64, 128, 32, 8, 3),
-        BlockConfig(128, 64, 32, 8, 3),
+# Checked by tests/test_lowering_gpu_build_gemm.py: every config builds for sm_80 and sm_90 without
+# register spills, within shared memory (autotune drops configs over the device's limit: `fits`).
+# Accumulator registers bound the tiles: gate_up holds 2 (forward) or 3 (backward) fp32 tiles.
+CONFIGS: dict[str, tuple[BlockConfig, ...]] = {  # 16-bit operands (tensor cores)
+    "gate_up_kernel": (
+        BlockConfig(128, 64, 64, 8, 3),
+        BlockConfig(64, 128, 64, 8, 3),
         BlockConfig(64, 64, 64, 4, 3),
         BlockConfig(32, 64, 64, 4, 3),
         BlockConfig(16, 64, 64, 4, 3),
     ),
-    "rows_kernel": _FORWARD,
-    "wgrad_kernel": (  # block_m = rows per step of the reduction
+    "gate_up_kernel.backward": (
+        BlockConfig(64, 128, 32, 8, 3),
+        BlockConfig(128, 64, 32, 8, 3),
+        BlockConfig(64, 64, 64, 8, 3),
+        BlockConfig(32, 64, 64, 4, 3),
+        BlockConfig(16, 64, 64, 4, 3),
+    ),
+    "rows_kernel": (
+        BlockConfig(128, 128, 64, 8, 3),
+        BlockConfig(64, 128, 64, 4, 3),
+        BlockConfig(128, 64, 64, 4, 3),
+        BlockConfig(64, 64, 64, 4, 3),
+        BlockConfig(32, 64, 64, 4, 3),
+        BlockConfig(16, 64, 64, 4, 3),
+    ),
+    "wgrad_kernel": (  # block_m = rows per step of the reduction, block_n = P, block_k = Q
         BlockConfig(64, 128, 128, 8, 3),
         BlockConfig(64, 128, 64, 4, 3),
         BlockConfig(32, 64, 64, 4, 3),
         BlockConfig(16, 64, 64, 4, 3),
     ),
 }
+CONFIGS_FP32: dict[str, tuple[BlockConfig, ...]] = {  # fp32 operands: smaller tiles, BLOCK_K 32
+    "gate_up_kernel": (BlockConfig(64, 64, 32, 8, 3), BlockConfig(32, 64, 32, 4, 3), BlockConfig(32, 32, 32, 4, 3),
+                       BlockConfig(16, 64, 32, 4, 3)),
+    "gate_up_kernel.backward": (BlockConfig(64, 64, 32, 8, 3), BlockConfig(64, 32, 32, 4, 3),
+                                BlockConfig(32, 32, 32, 4, 3), BlockConfig(16, 64, 32, 4, 3)),
+    "rows_kernel": (BlockConfig(64, 64, 32, 8, 3), BlockConfig(64, 64, 32, 4, 2), BlockConfig(32, 64, 32, 4, 3),
+                    BlockConfig(16, 64, 32, 4, 3)),
+    "wgrad_kernel": (BlockConfig(64, 64, 32, 8, 3), BlockConfig(64, 32, 32, 4, 3), BlockConfig(32, 64, 32, 4, 3),
+                     BlockConfig(16, 64, 32, 4, 3)),
+}
+ROLES = tuple(CONFIGS)  # kernel roles: a kernel name, ".backward" for gate_up_kernel with BACKWARD=True
+
+
+def configs_for(role: str, dtype: str) -> tuple[BlockConfig, ...]:
+    return (CONFIGS_FP32 if dtype == "float32" else CONFIGS)[role]
 
 
 def _pow2_at_least(n: int, floor: int = 16) -> int:
@@ -156,14 +178,15 @@ def rows_bucket(N: int, E: int) -> int:
     return _pow2_at_least(triton.cdiv(max(N, 1), max(E, 1)), floor=1)
 
 
-def pick_config(kernel: str, rows_per_expert: int, n_cols: int, n_reduce: int) -> BlockConfig:
+def pick_config(kernel: str, dtype: str, rows_per_expert: int, n_cols: int, n_reduce: int) -> BlockConfig:
     """One config for a shape (the interpreted path): the first in the list whose tiles do not overhang.
 
     Tiles are shrunk to the problem (at least 16, tl.dot's minimum) so tiny test shapes run few,
     small programs.
     """
-    for cfg in CONFIGS[kernel]:
-        if cfg.block_m <= _pow2_at_least(rows_per_expert) or cfg is CONFIGS[kernel][-1]:
+    configs = configs_for(kernel, dtype)
+    for cfg in configs:
+        if cfg.block_m <= _pow2_at_least(rows_per_expert) or cfg is configs[-1]:
             return BlockConfig(min(cfg.block_m, _pow2_at_least(rows_per_expert)), min(cfg.block_n, _pow2_at_least(n_cols)),
                                min(cfg.block_k, _pow2_at_least(n_reduce)), cfg.num_warps, cfg.num_stages)
     raise AssertionError("unreachable: the last config always matches")
@@ -176,8 +199,8 @@ def shared_bytes_estimate(kernel: str, cfg: BlockConfig, elem_bytes: int, gated:
         per_stage = m * k + (2 if gated else 1) * k * n
     elif kernel == "gate_up_kernel.backward":
         per_stage = 2 * m * k + (3 if gated else 2) * k * n
-    elif kernel == "rows_kernel":
-        per_stage = (2 if gated else 1) * (m * k + k * n)
+    elif kernel == "rows_kernel":  # the two products run one after the other
+        per_stage = m * k + k * n
     else:  # wgrad: a^T tile (P x rows) and b tile (rows x Q)
         per_stage = m * n + m * k
     return per_stage * elem_bytes * cfg.num_stages
@@ -514,12 +537,12 @@ def _kernels(spec: FfnSpec) -> dict[str, Any]:
     kernels = _LOADED.get(spec)
     if kernels is None:
         module = kernel_module(spec)
-        kernels = {role: getattr(module, role.split(".")[0]) for role in CONFIGS}
+        kernels = {role: getattr(module, role.split(".")[0]) for role in ROLES}
         if not spec.interpreted:
             elem = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
             kernels = {role: triton.autotune(
                 configs=[triton.Config(c.kwargs(role.split(".")[0]), num_warps=c.num_warps, num_stages=c.num_stages)
-                         for c in CONFIGS[role]],
+                         for c in configs_for(role, spec.dtype)],
                 key=list(_TUNING_KEYS[role]),
                 prune_configs_by={"early_config_prune": _pruner(role, elem, spec.gated)},
             )(fn) for role, fn in kernels.items()}
@@ -548,7 +571,7 @@ def _launch(spec: FfnSpec, role: str, grid, args: tuple, constexprs: dict[str, A
     """Launch `role` with `grid(meta)`; interpreted, with the config `pick_config` gives for `shape`."""
     kernel = _kernels(spec)[role]
     if spec.interpreted:
-        cfg = pick_config(role, *shape)
+        cfg = pick_config(role, spec.dtype, *shape)
         meta = cfg.kwargs(role.split(".")[0])
         kernel[grid(meta)](*args, **constexprs, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
@@ -820,3 +843,52 @@ LOWERING = lowering.register(lowering.Lowering(
     eligible=eligible,
     source=generated_source,
 ))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU build check (compile-only, no GPU): every kernel role x config of a spec, for sm_<arch>.
+# ----------------------------------------------------------------------------------------------
+
+_ROLE_CONSTEXPRS = {  # the widest variant of each role (every optional operand present)
+    "gate_up_kernel": {"BACKWARD": False},
+    "gate_up_kernel.backward": {"BACKWARD": True},
+    "rows_kernel": {"TWO": True, "HAS_BIAS": True},
+    "wgrad_kernel": {"HAS_BIAS": True},
+}
+_UNIT_STRIDES = ("s_wg_d", "s_wu_d", "s_wd_f", "s_b1_q", "s_b2_q")  # row-major weights: Triton specialises 1s
+_NOT_DIVISIBLE = ("E", "rows_bucket", "limit", "alpha")  # ints a real launch would not see as multiples of 16
+
+
+def gpu_build_requests(spec: FfnSpec, arch: int, num_experts: int = 128,
+                       which: str = "all") -> list[tuple[str, BlockConfig, Any]]:
+    """(role, config, `_codegen.BuildRequest`) for every kernel role and config ("all") or the
+    first and last config of each role ("ends").
+
+    The signature is what a launch on row-major weights with 16-byte aligned tensors and dimensions
+    that are multiples of 16 specialises to (the proxy shapes all are): unit strides as constants,
+    and -- when `_codegen.BuildRequest` takes `divisible` -- pointers and other ints marked divisible
+    by 16. Without those hints the compiler cannot vectorise or pipeline the loads, and the build
+    no longer represents what runs.
+    """
+    module = kernel_module(FfnSpec(**{**spec.__dict__, "interpreted": False}))
+    sig_dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.dtype]
+    hints = "divisible" in _codegen.BuildRequest.__dataclass_fields__
+    out = []
+    for role in ROLES:
+        name = role.split(".")[0]
+        kernel = getattr(module, name)
+        raw = _codegen._unwrap(kernel)
+        arg_names = raw.__code__.co_varnames[: raw.__code__.co_argcount]
+        configs = configs_for(role, spec.dtype)
+        for cfg in configs if which == "all" else dict.fromkeys((configs[0], configs[-1])):
+            constexprs = {"E_POW2": triton.next_power_of_2(num_experts), **_ROLE_CONSTEXPRS[role], **cfg.kwargs(name)}
+            constexprs.update({s: 1 for s in _UNIT_STRIDES if s in arg_names})
+            signature = {a: ("*i64" if a == "counts_ptr" else f"*{sig_dtype}" if a.endswith("_ptr")
+                             else "fp32" if a in ("limit", "alpha") else "i32")
+                         for a in arg_names if a not in constexprs}
+            extra = {"divisible": tuple(a for a in signature if a not in _NOT_DIVISIBLE)} if hints else {}
+            request = _codegen.BuildRequest.of(kernel, signature, constexprs, arch, cfg.num_warps, cfg.num_stages)
+            if extra:
+                request = _codegen.BuildRequest(**{**request.__dict__, **extra})
+            out.append((role, cfg, request))
+    return out

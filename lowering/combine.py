@@ -92,7 +92,7 @@ def combine_kernel(
     t_ok_B = t_B < T
     ok_BC = t_ok_B[:, None] & (d_C < $D)[None, :]
     acc_BC = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    for k in tl.static_range($K):
+    for k in range($K):  # a loop, not unrolled: K unrolled gathers of BLOCK_T x BLOCK_D spill at K=8
         row_B = tl.load(inv_ptr + t_B * $K + k, mask=t_ok_B, other=0)
         y_BC = tl.load(y_ptr + row_B[:, None] * $D + d_C[None, :], mask=ok_BC, other=0.0).to(tl.float32)
 $ACCUMULATE

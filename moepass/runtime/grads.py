@@ -7,6 +7,7 @@ local gradient until averaged — by DDP, or by `all_reduce_replicated_grads`.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -24,3 +25,17 @@ def all_reduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup | Non
                      // max(size, 1))
         dist.all_reduce(p.grad, group=group)
         p.grad.div_(size)
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over a mix of DTensor (expert) and replicated plain parameters.
+
+    torch's version refuses to stack DTensor and plain-tensor norms; inside DTensor's
+    `implicit_replication()` the plain (replicated, already averaged) gradients count once and the
+    sharded expert gradients contribute their global norm. Returns the global norm as a plain tensor.
+    """
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, **kwargs)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -286,7 +286,9 @@ class BuildRequest:
     """One kernel to build: it must be a module-level @triton.jit function of a file on disk.
 
     Constexpr values are JSON scalars; a string "tl.<name>" (e.g. "tl.bfloat16") stands for that
-    `triton.language` attribute.
+    `triton.language` attribute. `divisible` names parameters (pointers or ints) the build may assume
+    divisible by 16 -- what a launch specialises to for 16-byte aligned tensors / multiples of 16
+    (`tt.divisibility` = 16); without it loads cannot be vectorised as they are on the GPU.
     """
 
     path: str
@@ -296,13 +298,14 @@ class BuildRequest:
     arch: int
     num_warps: int = 4
     num_stages: int = 3
+    divisible: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, kernel_fn: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int,
-           num_warps: int = 4, num_stages: int = 3) -> BuildRequest:
+           num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] = ()) -> BuildRequest:
         raw = _unwrap(kernel_fn)
         return cls(raw.__code__.co_filename, raw.__name__, dict(signature), dict(constexprs), arch, num_warps,
-                   num_stages)
+                   num_stages, tuple(divisible))
 
 
 def build_for_gpu(
@@ -328,8 +331,14 @@ def build_module(module: ModuleType, arch: int) -> list[BuildReport]:
 
 
 def module_requests(module: ModuleType, arch: int) -> list[BuildRequest]:
-    return [BuildRequest.of(getattr(module, b["kernel"]), b["signature"], b["constexprs"], arch,
-                            b.get("num_warps", 4), b.get("num_stages", 3)) for b in module.GPU_BUILDS]
+    """Build requests for a generated module's `GPU_BUILDS`; pointers count as 16-byte aligned (torch
+    allocations are) unless an entry lists its own `divisible`."""
+    return [
+        BuildRequest.of(getattr(module, b["kernel"]), b["signature"], b["constexprs"], arch, b.get("num_warps", 4),
+                        b.get("num_stages", 3),
+                        b.get("divisible", tuple(k for k, v in b["signature"].items() if v.startswith("*"))))
+        for b in module.GPU_BUILDS
+    ]
 
 
 def build_many(requests: list[BuildRequest]) -> list[BuildReport]:
@@ -380,9 +389,10 @@ def _build_here(request: BuildRequest) -> BuildReport:
     constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
                   for k, v in request.constexprs.items()}
     full_sig = {name: ("constexpr" if name in constexprs else request.signature[name]) for name in jit_fn.arg_names}
+    attrs = {(jit_fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in request.divisible}
     start = time.perf_counter()
     compiled = triton.compile(
-        ASTSource(fn=jit_fn, signature=full_sig, constexprs=constexprs),
+        ASTSource(fn=jit_fn, signature=full_sig, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", request.arch, 32),
         options={"num_warps": request.num_warps, "num_stages": request.num_stages},
     )

@@ -183,7 +183,7 @@ def generated_source(y_ND, order_N, top_k, weights_TK=None) -> str:
     return _render(CombineSpec.from_args(y_ND, order_N, top_k, weights_TK))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(spec: CombineSpec, interpreted: bool):
     return cg.load_kernel_module(_render(spec), "combine")
 

@@ -241,7 +241,7 @@ def generated_source(*route_args) -> str:
     return _render(GatingSpec.from_args(*route_args))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(spec: GatingSpec, interpreted: bool):
     return cg.load_kernel_module(_render(spec), "gating")
 

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lowering import Lowering, register
+from lowering import Lowering, combine, register
 from lowering import _codegen as cg
-from lowering import combine
 from moepass import dialect
 
 MAX_EXPERTS = 1024
@@ -183,7 +182,7 @@ def generated_source(x_TD, experts_TK, num_experts) -> str:
     return _render(PermuteSpec.from_args(x_TD, experts_TK, num_experts))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(spec: PermuteSpec, interpreted: bool):
     return cg.load_kernel_module(_render(spec), "permute")
 

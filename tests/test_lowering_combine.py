@@ -121,3 +121,25 @@ def test_registered_lowering_fuses_unpermute():
     (entry,) = [r for r in registry() if r.family == "combine"]
     assert entry.dialect_op is dialect.COMBINE and entry.fuses == (dialect.UNPERMUTE,)
     assert entry.lowered_op is torch.ops.moe_lowered.unpermute_combine.default
+
+
+def test_lowered_block_compiles_and_matches_dialect():
+    """route -> permute -> (stand-in experts) -> unpermute_combine under torch.compile(aot_eager), fwd + bwd."""
+    T, D, E, K = 16, 32, 6, 2
+
+    def block(x_TD, logits_TE, ns):
+        weights_TK, experts_TK = ns.route(logits_TE, None, "softmax", True, K, True, 1, 1, "top2_sum", 1.0)
+        x_ND, _counts_E, order_N = ns.permute(x_TD, experts_TK, E)
+        y_ND = x_ND * 2.0
+        if ns is torch.ops.moe_lowered:
+            return ns.unpermute_combine(y_ND, order_N, K, weights_TK)
+        return ns.combine(ns.unpermute(y_ND, order_N, K), weights_TK)
+
+    x_TD, logits_TE = torch.randn(T, D, requires_grad=True), torch.randn(T, E, requires_grad=True)
+    compiled = torch.compile(lambda x, l: block(x, l, torch.ops.moe_lowered), backend="aot_eager", fullgraph=True)
+    out_TD = compiled(x_TD, logits_TE)
+    want_TD = block(x_TD, logits_TE, torch.ops.moe)
+    _close(out_TD, want_TD)
+    for got, want in zip(torch.autograd.grad(out_TD.sum(), (x_TD, logits_TE)),
+                         torch.autograd.grad(want_TD.sum(), (x_TD, logits_TE))):
+        _close(got, want)

@@ -160,3 +160,15 @@ def test_registered_lowering():
 def test_shape_errors_name_dimensions():
     with pytest.raises(ValueError, match="top_k=9 must lie in \\[1, E=8\\]"):
         gating.route_triton(torch.randn(4, 8), None, "softmax", True, 9, True, 1, 1, "top2_sum", 1.0)
+
+
+def test_eligible_and_source_accept_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        logits_TE, bias_E = torch.empty(64, 24), torch.empty(24)
+        args = (logits_TE, bias_E, "sigmoid", True, 4, True, 4, 2, "top2_sum", 2.5)
+        assert gating.eligible(*args) is None
+        assert "route_kernel" in gating.generated_source(*args)
+        weights_TK, experts_TK = torch.ops.moe_lowered.route(*args)
+    assert weights_TK.shape == (64, 4) and experts_TK.dtype == torch.int64

@@ -70,6 +70,7 @@ class _Selection:
     indices: torch.Tensor | None = None
     clear: torch.Tensor | None = None  # [T] bool: no near-tie in the final or a group top-k
     calls: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
+    other_k: int | None = None  # no top-k over E with the spec's k, but one with this k
 
 
 def _margin_clear(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -115,7 +116,8 @@ class _TopkSpy(TorchFunctionMode):
         E, K = self.num_experts, self.top_k
         final = [c for c in self.calls if c[0].shape[-1] == E and c[1] == K]
         if not final:
-            return _Selection(calls=self.calls)
+            other = [c[1] for c in self.calls if c[0].shape[-1] == E]
+            return _Selection(calls=self.calls, other_k=other[-1] if other else None)
         scores, _, indices = final[-1]
         clear = _margin_clear(scores, K)
         for g_scores, g_k, _ in self.calls:  # group top-k (DeepSeek: best topk_group of G groups)
@@ -181,6 +183,9 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
         if spec.router.n_group > 1 and "logits_TE" in cap.values:
             result.group_sensitive_tokens += _group_sensitive(spec, cap.values["logits_TE"].float(),
                                                               cap.values.get("selection_bias_E"))
+        if seen.other_k is not None:
+            return CheckResult(spec, False, reason=f"selects {spec.top_k} experts per token, block selects "
+                                                   f"{seen.other_k} (its top-k over E={spec.num_experts} scores)")
         if seen.indices is not None and seen.clear is not None and "experts_TK" in cap.values:
             mine = cap.values["experts_TK"].sort(dim=-1).values
             theirs = seen.indices.sort(dim=-1).values
@@ -219,13 +224,25 @@ def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float
     except Exception as err:
         return f"canonical graph does not build: {err}"
     r = spec.router
-    if r.logits_from == "module":
-        router = probe.get_submodule(r.module_path)
-        records: list[list[torch.Tensor]] = [[], []]
+    try:
+        router: nn.Module | None = probe.get_submodule(r.module_path)
+    except AttributeError:
+        router = None
+    # A router *module* (not a bare nn.Linear gate, whose weight generic specs read directly) is what
+    # frameworks record router logits from (transformers: OutputRecorder hooks on its class), so the
+    # graph must call it exactly as often, with the same output.
+    if router is not None and (r.logits_from == "module" or not isinstance(router, nn.Linear)):
+        records: list[list[object]] = [[], []]
+
+        def record(i: int):
+            def hook(_m, _a, out):
+                if r.logits_from == "module" and r.module_output_index is not None:
+                    out = out[r.module_output_index]
+                records[i].append(out)
+            return hook
+
         for i, run in enumerate((probe, gm)):
-            handle = router.register_forward_hook(
-                lambda _m, _a, out, i=i: records[i].append(out if r.module_output_index is None
-                                                           else out[r.module_output_index]))
+            handle = router.register_forward_hook(record(i))
             try:
                 with torch.no_grad():
                     run(x.clone())
@@ -235,9 +252,12 @@ def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float
             return (f"router module {r.module_path} is called {len(records[1])}x by the graph, "
                     f"{len(records[0])}x by the block: recorded router logits would change")
         for a, b in zip(*records):
-            if a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=rtol):
-                return (f"router module {r.module_path} records {tuple(b.shape)} logits in the graph, "
-                        f"{tuple(a.shape)} in the block, or different values")
+            a, b = _outputs(a), _outputs(b)
+            if len(a) != len(b) or any(not isinstance(u, torch.Tensor) or u.shape != v.shape
+                                       or not torch.allclose(u.float(), v.float(), atol=atol, rtol=rtol)
+                                       for u, v in zip(a, b)):
+                return (f"router module {r.module_path} returns other values (or shapes) in the graph than "
+                        f"in the block: recorded router logits would change")
     was_training = probe.training
     try:
         probe.train()
@@ -308,9 +328,10 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
     def draw(scale: float = 1.0) -> torch.Tensor:
         return torch.randn(2, tokens // 2, D, generator=gen) * scale
 
-    def probed(spec: MoESpec) -> MoESpec:  # the spec as it must behave on the probe
-        if scaled and spec.router.routed_scaling_factor == 1:
-            return spec.replace(router=replace(spec.router, routed_scaling_factor=PROBE_SCALING))
+    def probed(spec: MoESpec) -> MoESpec:  # the spec as it must behave on the probe (scale 1 -> PROBE_SCALING)
+        if scaled:
+            factor = spec.router.routed_scaling_factor * PROBE_SCALING
+            return spec.replace(router=replace(spec.router, routed_scaling_factor=factor))
         return spec
 
     inputs = [draw() for _ in range(probes)]

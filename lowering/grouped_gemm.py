@@ -127,13 +127,13 @@ CONFIGS: dict[str, tuple[BlockConfig, ...]] = {  # 16-bit operands (tensor cores
         BlockConfig(128, 64, 64, 8, 3),
         BlockConfig(64, 128, 64, 8, 3),
         BlockConfig(64, 64, 64, 4, 3),
-        BlockConfig(32, 64, 64, 4, 3),
+        BlockConfig(32, 64, 32, 4, 3),
         BlockConfig(16, 64, 64, 4, 3),
     ),
     "gate_up_kernel.backward": (
         BlockConfig(64, 128, 32, 8, 3),
         BlockConfig(128, 64, 32, 8, 3),
-        BlockConfig(64, 64, 64, 8, 3),
+        BlockConfig(64, 64, 32, 8, 3),
         BlockConfig(32, 64, 64, 4, 3),
         BlockConfig(16, 64, 64, 4, 3),
     ),
@@ -154,7 +154,7 @@ CONFIGS: dict[str, tuple[BlockConfig, ...]] = {  # 16-bit operands (tensor cores
 }
 CONFIGS_FP32: dict[str, tuple[BlockConfig, ...]] = {  # fp32 operands: smaller tiles, BLOCK_K 32
     "gate_up_kernel": (BlockConfig(64, 64, 32, 8, 3), BlockConfig(32, 64, 32, 4, 3), BlockConfig(32, 32, 32, 4, 3),
-                       BlockConfig(16, 64, 32, 4, 3)),
+                       BlockConfig(16, 32, 32, 4, 3)),
     "gate_up_kernel.backward": (BlockConfig(64, 64, 32, 8, 3), BlockConfig(64, 32, 32, 4, 3),
                                 BlockConfig(32, 32, 32, 4, 3), BlockConfig(16, 64, 32, 4, 3)),
     "rows_kernel": (BlockConfig(64, 64, 32, 8, 3), BlockConfig(64, 64, 32, 4, 2), BlockConfig(32, 64, 32, 4, 3),
@@ -352,8 +352,7 @@ def _load(ptr, rows, cols, stride_r, stride_c, mask_r, mask_c):
 def _rounded(x):
     """fp32 -> STORE_DTYPE rounding to nearest even (the interpreter's fp32 -> bf16 cast truncates)."""
     if ROUND_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x = round_bf16(x)
     return x.to(STORE_DTYPE)
 
 
@@ -511,7 +510,7 @@ DOT_PRECISION = tl.constexpr("{'tf32' if spec.tf32 else 'ieee'}")  # fp32 produc
 ROUND_BF16 = tl.constexpr({spec.interpreted and spec.dtype == "bfloat16"})  # round by hand: interpreted casts truncate
 '''
     gelu = _GELU_SOURCE if spec.activation in ("gelu", "geglu") else ""
-    return header + gelu + _ACTIVATION_SOURCE[spec.activation] + _KERNEL_SOURCE
+    return header + _codegen.ROUND_BF16_SOURCE + gelu + _ACTIVATION_SOURCE[spec.activation] + _KERNEL_SOURCE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -554,7 +553,9 @@ def _pruner(role: str, elem_bytes: int, gated: bool):
     """Autotune pruning: drop configs whose pipelined operand tiles exceed the device's shared memory."""
 
     def prune(configs, named_args, **kwargs):
-        limit = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        limit = getattr(props, "shared_memory_per_block_optin", None) or _codegen.SHARED_LIMIT_BYTES.get(
+            10 * props.major + props.minor, 48 * 1024)
         keep = [c for c in configs if fits(role, _as_block_config(role, c), elem_bytes, limit, gated)]
         return keep or configs[-1:]
 
@@ -866,13 +867,11 @@ def gpu_build_requests(spec: FfnSpec, arch: int, num_experts: int = 128,
 
     The signature is what a launch on row-major weights with 16-byte aligned tensors and dimensions
     that are multiples of 16 specialises to (the proxy shapes all are): unit strides as constants,
-    and -- when `_codegen.BuildRequest` takes `divisible` -- pointers and other ints marked divisible
-    by 16. Without those hints the compiler cannot vectorise or pipeline the loads, and the build
-    no longer represents what runs.
+    pointers and the other ints marked divisible by 16. Without those hints the compiler cannot
+    vectorise or pipeline the loads, and the build no longer represents what runs.
     """
     module = kernel_module(FfnSpec(**{**spec.__dict__, "interpreted": False}))
     sig_dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.dtype]
-    hints = "divisible" in _codegen.BuildRequest.__dataclass_fields__
     out = []
     for role in ROLES:
         name = role.split(".")[0]
@@ -886,9 +885,7 @@ def gpu_build_requests(spec: FfnSpec, arch: int, num_experts: int = 128,
             signature = {a: ("*i64" if a == "counts_ptr" else f"*{sig_dtype}" if a.endswith("_ptr")
                              else "fp32" if a in ("limit", "alpha") else "i32")
                          for a in arg_names if a not in constexprs}
-            extra = {"divisible": tuple(a for a in signature if a not in _NOT_DIVISIBLE)} if hints else {}
-            request = _codegen.BuildRequest.of(kernel, signature, constexprs, arch, cfg.num_warps, cfg.num_stages)
-            if extra:
-                request = _codegen.BuildRequest(**{**request.__dict__, **extra})
-            out.append((role, cfg, request))
+            divisible = tuple(a for a in signature if a not in _NOT_DIVISIBLE)
+            out.append((role, cfg, _codegen.BuildRequest.of(kernel, signature, constexprs, arch, cfg.num_warps,
+                                                            cfg.num_stages, divisible=divisible)))
     return out

@@ -3,7 +3,7 @@
 Shapes (suffixes on every tensor name):
     N  routed rows, sorted by expert (rows [offset_e, offset_e + counts_E[e]) belong to expert e)
     D  model width            F  expert hidden width          E  experts
-    P, Q  the two sides of a weight gradient (F x D or D x F)  S  row tiles of the schedule
+    P, Q  the two sides of a weight gradient (F x D or D x F); K, Q reduction and output of rows_kernel
 
 Kernels (one generated module per spec: activation, gating, bias flags, dtype baked in as constants):
     gate_up_kernel   a_NF = act(x_ND @ w_gate[e]^T + b_gate[e], x_ND @ w_up[e]^T + b_up[e]) for each
@@ -30,12 +30,14 @@ pre-activations alive between forward and backward.
 Precision: tl.dot accumulates in fp32; activations are computed in fp32; stored intermediates (a_NF,
 grad_gate_NF, grad_up_NF) are in the compute dtype, as in the torch reference. fp32 GEMMs use IEEE
 products unless torch allows TF32 (`torch.backends.cuda.matmul.allow_tf32`). Interpreted
-(TRITON_INTERPRET=1), fp16/bf16 tiles are upcast to fp32 before tl.dot: the interpreter's bf16 dot
-is wrong (triton-lang/triton#11584).
+(TRITON_INTERPRET=1), fp16/bf16 tiles are upcast to fp32 before tl.dot (the interpreter's bf16 dot
+is wrong, triton-lang/triton#11584), and bf16 stores round to nearest even by hand
+(`_codegen.round_bf16`: the interpreter's fp32 -> bf16 cast truncates, doubling the error).
 
 Block sizes: on a GPU every kernel is `@triton.autotune`d over its config list (keyed on the
-dimensions and a power-of-two bucket of rows per expert); interpreted, one config is picked per shape
-from the same list (`pick_config`).
+dimensions and a power-of-two bucket of rows per expert; configs over the device's shared memory are
+pruned); interpreted, one config is picked per shape from the same list (`pick_config`). 16-bit and
+fp32 have separate lists (`configs_for`), each checked to build for sm_80/sm_90 without spills.
 """
 
 from __future__ import annotations
@@ -503,7 +505,7 @@ import triton.language as tl
 GATED = tl.constexpr({spec.gated})
 HAS_B_GATE = tl.constexpr({spec.has_b_gate})
 HAS_B_UP = tl.constexpr({spec.has_b_up})
-HAS_B_DOWN = tl.constexpr({spec.has_b_down})
+HAS_B_DOWN = tl.constexpr({spec.has_b_down})  # for the reader: rows_kernel takes the down bias as HAS_BIAS
 STORE_DTYPE = tl.constexpr(tl.{spec.dtype})
 DOT_DTYPE = tl.constexpr(tl.{spec.dot_dtype})  # {why}
 DOT_PRECISION = tl.constexpr("{'tf32' if spec.tf32 else 'ieee'}")  # fp32 products (ignored for 16-bit)

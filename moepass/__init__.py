@@ -17,11 +17,12 @@ from moepass.plan import Plan
 from moepass.runtime import Topology, comm_stats, reset_comm_stats
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 from moepass.verify import VerificationError, verify
+from cost_model.search import search  # noqa: E402  (moepass.search: ranked plans from the cost model)
 
 __all__ = [
     "CapacitySpec", "CompileInfo", "DetectionError", "DetectionReport", "ExpertsSpec", "MoEGraphModule",
     "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec", "TensorSource",
     "Topology", "VerificationError", "comm_stats", "compile", "detect", "explain", "load_logical_state_dict",
-    "logical_state_dict", "register_recogniser", "reset_comm_stats", "verify",
+    "logical_state_dict", "register_recogniser", "reset_comm_stats", "search", "verify",
 ]
 __version__ = "0.1.0"

@@ -43,6 +43,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     if not isinstance(plan, Plan):
         raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
     report = detect(model) if report is None else report
+    plan, _ = resolve_auto(plan, report)
     target = model if inplace else copy.deepcopy(model)
     info = CompileInfo(plan=plan, report=report)
     for spec in report.blocks:
@@ -63,6 +64,30 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     return target
 
 
+def resolve_auto(plan: Plan, report: DetectionReport):
+    """`form="auto"`: ask the cost model; returns (the concrete plan, the search result or None)."""
+    if plan.form != "auto":
+        return plan, None
+    if plan.batch is None:
+        raise PlanError("Plan.form='auto' needs Plan.batch=(batch, seq) tokens per rank for the cost model; "
+                        "pass it, or name a form explicitly.")
+    from cost_model.search import search
+
+    topology = plan.topology if plan.topology is not None else _default_topology()
+    result = search(report.blocks, topology, plan.batch) if report.blocks else None
+    chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
+    return plan.replace(**chosen), result
+
+
+def _default_topology() -> tuple[int, int]:
+    """(nodes, ranks per node) from torchrun's environment, or one rank."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return max(1, world // max(per_node, 1)), per_node
+
+
 def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True) -> str:
     """A readable report of what `compile(model, plan)` would do. Never raises."""
     lines: list[str] = []
@@ -77,6 +102,18 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True) 
     except Exception:
         return "moepass: detection failed:\n" + traceback.format_exc()
     lines.append(report.summary())
+    if plan.form == "auto":
+        try:
+            plan, result = resolve_auto(plan, report)
+            if result is not None:
+                best, runner = result.best, result.runner_up
+                lines.append(f"cost model chose: {best.label} ({float(best.step) * 1e3:.3g} ms/step)"
+                             + (f"; runner-up: {runner.label} ({float(runner.step) * 1e3:.3g} ms/step)"
+                                if runner else ""))
+                lines.append(result.table(limit=6))
+        except Exception as err:
+            lines.append(f"cost model could not choose a form: {type(err).__name__}: {err}")
+            return "\n".join(lines)
     for detail in report.details:
         if not detail.accepted or detail.spec is None:
             continue

@@ -31,6 +31,21 @@ def explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def search(args: argparse.Namespace) -> int:
+    import moepass
+
+    result = moepass.search(_load(args.target), (args.nodes, args.ranks_per_node), (args.batch, args.seq),
+                            profile=args.profile)
+    print(result.table(limit=args.limit))
+    return 0
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from cost_model.calibrate import main as calibrate_main
+
+    return calibrate_main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moepass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target", help="module:callable returning an nn.Module, e.g. samples.models:tiny_mixtral")
     p.add_argument("--form", default="single")
     p.set_defaults(fn=explain)
+    p = sub.add_parser("search", help="rank plans with the cost model")
+    p.add_argument("target", help="module:callable returning an nn.Module")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--profile", default=None, help="a100 | h100 | ascend910a | a calibration JSON (default: this machine)")
+    p.add_argument("--limit", type=int, default=12)
+    p.set_defaults(fn=search)
+    p = sub.add_parser("calibrate", help="measure this machine (gloo all-to-all, matmul) into a JSON profile")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for cost_model.calibrate")
+    p.set_defaults(fn=calibrate)
     args = parser.parse_args(argv)
     return int(args.fn(args))
 

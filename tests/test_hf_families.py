@@ -165,3 +165,42 @@ def test_explain_lists_blocks_and_dense_layers(family, built):
         assert f"== {spec.path} (" in text
     for path in H.DENSE_BLOCKS.get(family, []):
         assert f"{path}: dense FFN, not MoE" in text
+
+
+class LegacyTupleBlock(torch.nn.Module):
+    """A transformers 4.x-style block: returns (hidden_states, router_logits)."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.gate, self.experts = block.gate, block.experts
+
+    def forward(self, hidden_states: torch.Tensor):
+        B, S, D = hidden_states.shape
+        x_TD = hidden_states.view(-1, D)
+        router_logits, weights_TK, experts_TK = self.gate(x_TD)
+        return self.experts(x_TD, experts_TK, weights_TK).view(B, S, D), router_logits
+
+
+def test_tuple_output_block(built):
+    """A block returning (hidden, router_logits) gets the side output; without it the spec is rejected."""
+    from moepass.detect.check import check_specs
+
+    model, _, _ = built("mixtral")
+    block = LegacyTupleBlock(model.model.layers[0].mlp)
+    report = moepass.detect(block)
+    assert len(report.blocks) == 1, report.summary()
+    spec = report.blocks[0]
+    assert spec.side_outputs == ("router_logits",)
+    good, miss = check_specs(block, [spec, spec.replace(side_outputs=())])
+    assert good.accepted and not miss.accepted and "returns 1 value(s)" in miss.reason, miss.reason
+
+    compiled = moepass.compile(block)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    ref, got = block(x), compiled(x)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    (ref[0].sum() + ref[1].square().sum()).backward()
+    grad_ref = x.grad.clone()
+    x.grad = None
+    (got[0].sum() + got[1].square().sum()).backward()
+    torch.testing.assert_close(x.grad, grad_ref, rtol=RTOL, atol=ATOL)

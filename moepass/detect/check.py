@@ -173,6 +173,7 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
     except Exception as err:  # a hypothesis that does not even build is just a wrong hypothesis
         return CheckResult(spec, False, reason=f"canonical graph does not build: {err}")
     result = CheckResult(spec, True, max_error=0.0)
+    other_k = None  # the block's top-k over E used another k
     for x, original, seen in zip(inputs, originals, selections):
         cap = _Capture(gm, ("experts_TK", "logits_TE", "selection_bias_E"))
         try:
@@ -184,9 +185,10 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
             result.group_sensitive_tokens += _group_sensitive(spec, cap.values["logits_TE"].float(),
                                                               cap.values.get("selection_bias_E"))
         if seen.other_k is not None:
-            return CheckResult(spec, False, reason=f"selects {spec.top_k} experts per token, block selects "
-                                                   f"{seen.other_k} (its top-k over E={spec.num_experts} scores)")
-        if seen.indices is not None and seen.clear is not None and "experts_TK" in cap.values:
+            result.accepted = False
+            result.selection_observed = False
+            other_k = seen.other_k
+        elif seen.indices is not None and seen.clear is not None and "experts_TK" in cap.values:
             mine = cap.values["experts_TK"].sort(dim=-1).values
             theirs = seen.indices.sort(dim=-1).values
             if mine.shape != theirs.shape:
@@ -199,6 +201,9 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
                 result.mismatched_tokens += mismatched
         else:
             result.selection_observed = False
+        if len(_outputs(ours)) != len(original):
+            return CheckResult(spec, False, reason=f"returns {len(_outputs(ours))} value(s) (hidden states + side "
+                                                   f"outputs {list(spec.side_outputs)}), block returns {len(original)}")
         for a, b in zip(_outputs(ours), _outputs(original)):
             if a.shape != b.shape:
                 return CheckResult(spec, False, reason=f"output shape {tuple(a.shape)} != block's {tuple(b.shape)}")
@@ -208,6 +213,9 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
                 result.accepted = False
     if not result.accepted:
         parts = []
+        if other_k is not None:
+            parts.append(f"selects {spec.top_k} experts per token, block selects {other_k} "
+                         f"(its top-k over E={spec.num_experts} scores)")
         if result.mismatched_tokens:
             parts.append(f"{result.mismatched_tokens}/{result.compared_tokens} tokens select different experts")
         parts.append(f"outputs differ by up to {result.max_error:.2e}")

@@ -26,7 +26,7 @@ Shape legend: T tokens, D model width, E experts, F expert hidden width.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import product
 
 import torch
@@ -132,13 +132,15 @@ class HFBlock:
         value = _attr(self.c.module, JITTER_NAMES, (float, int))
         return float(value) if value else 0.0
 
-    def specs(self, name: str, routers: list[RouterSpec], capacities: tuple[CapacitySpec | None, ...] | list[CapacitySpec] = (None,),
+    def specs(self, name: str, routers: list[RouterSpec], capacities: Sequence[CapacitySpec | None] = (None,),
               notes: tuple[str, ...] = ()) -> list[MoESpec] | str:
         experts = self.experts()
         if isinstance(experts, str):
             return experts
+        # transformers 5.x blocks return the hidden states; 4.x-style blocks also return the router logits
         return [MoESpec(path=self.c.path, recogniser=name, router=r, experts=experts, shared=self.shared(),
-                        capacity=cap, notes=notes) for r, cap in product(routers, capacities)]
+                        capacity=cap, side_outputs=side, notes=notes)
+                for r, cap, side in product(routers, capacities, ((), ("router_logits",)))]
 
 
 def fused_experts_spec(c: Candidate, D: int) -> ExpertsSpec | str:

@@ -26,9 +26,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from moepass.rewrite.ep import EPLayout
+from moepass.rewrite.ep import EPLayout, expert_parameter_names
 
 
 def _ep_blocks(model: nn.Module) -> Iterator[tuple[str, EPLayout]]:
@@ -78,6 +78,7 @@ def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], str
     rewritten model, keeping only each rank's experts. `strict`: every tensor of the model must be
     covered (for ModuleList experts: this rank's experts)."""
     stacked = _stacked_keys(model)
+    experts = set(expert_parameter_names(model))
     missing: list[str] = []
     own = model.state_dict()
     for key, target in own.items():
@@ -99,6 +100,9 @@ def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], str
             if isinstance(value, DTensor):
                 if value is not target:
                     target.copy_(value.redistribute(target.device_mesh, target.placements))
+                continue
+            if key not in experts:  # a DTensor of another wrapper (FSDP2): distribute the full value
+                target.copy_(distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements))
                 continue
             local = target.to_local()
             rows = local.shape[0]

@@ -27,15 +27,31 @@ def all_reduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup | Non
         p.grad.div_(size)
 
 
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` over a mix of DTensor (expert) and replicated plain parameters.
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for EP models: the global norm over a mix of plain replicated
+    parameters (DDP), DTensor experts on the ("dp", "ep") mesh and FSDP2 DTensors on another mesh.
 
-    torch's version refuses to stack DTensor and plain-tensor norms; inside DTensor's
-    `implicit_replication()` the plain (replicated, already averaged) gradients count once and the
-    sharded expert gradients contribute their global norm. Returns the global norm as a plain tensor.
+    torch's version stacks the per-tensor norms in one list, which fails for plain + DTensor (and for
+    DTensors on different meshes). Here the norm is taken per mesh (plain tensors count once, as the
+    replicas agree), each reduced to a plain tensor (`full_tensor`), then combined; every group is then
+    scaled with torch's `clip_grads_with_norm_`. Returns the global norm as a plain tensor.
     """
     from torch.distributed.tensor.experimental import implicit_replication
 
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in [parameters] if isinstance(parameters, torch.Tensor) else parameters:
+        if p.grad is not None:
+            groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    if not groups:
+        return torch.tensor(0.0)
     with implicit_replication():
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, **kwargs)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norms = []
+        for params in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite, foreach)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        first = norms[0].device
+        total = torch.nn.utils.get_total_norm([n.to(first) for n in norms], norm_type, error_if_nonfinite, foreach)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total

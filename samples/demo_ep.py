@@ -70,7 +70,7 @@ def _step(rank: int, world: int, nodes: int, style: str) -> dict:
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     ref_mine = ref_logits[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
     grad_err, grad_rel = 0.0, 0.0
-    for name, (g, want) in _logical_grads(cm, ref_grads).items():
+    for g, want in _logical_grads(cm, ref_grads).values():
         grad_err = max(grad_err, (g - want).abs().max().item())
         grad_rel = max(grad_rel, ((g - want).abs() / (want.abs() + 1e-6)).max().item())
     return {

@@ -298,7 +298,7 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     for name in layout.expert_param_names():
         gm.get_parameter(name).register_hook(_expert_grad_hook(groups))
     gm.form = PASS
-    gm.ep_layout = layout
+    gm.ep_layout = layout  # type: ignore[assignment]
     return PassResult(gm, changed=True, stats=stats)
 
 

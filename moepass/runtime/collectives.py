@@ -46,7 +46,7 @@ def _check_enabled() -> bool:
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(group_name)
+    return dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
 
 
 def _peers(group_name: str) -> tuple[Topology, list[int]]:

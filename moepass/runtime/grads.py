@@ -48,7 +48,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     with implicit_replication():
         norms = []
         for params in groups.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite, foreach)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type, error_if_nonfinite, foreach)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         first = norms[0].device
         total = torch.nn.utils.get_total_norm([n.to(first) for n in norms], norm_type, error_if_nonfinite, foreach)

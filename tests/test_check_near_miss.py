@@ -15,7 +15,7 @@ import torch
 
 import moepass
 from moepass.detect.check import MIN_GROUP_TOKENS, check_specs
-from moepass.spec import CapacitySpec, MoESpec
+from moepass.spec import MoESpec
 from samples import hf_models as H
 
 pytest.importorskip("transformers")

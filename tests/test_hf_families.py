@@ -149,7 +149,7 @@ def test_switch_expert_dropout_is_rejected_with_reason():
     model, _ = H.build("switch", dropout=0.1)
     report = moepass.detect(model)
     assert len(report.blocks) == 0 and len(report.rejected) == 2
-    for path, reason in report.rejected:
+    for _path, reason in report.rejected:
         assert "dropout p=0.1" in reason and "dropout_rate=0" in reason, reason
     compiled = moepass.compile(model, report=report)
     assert not compiled.moepass_info.rewritten  # left untouched

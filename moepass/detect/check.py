@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -132,7 +133,8 @@ class _Capture(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, names: tuple[str, ...]):
         super().__init__(gm)
-        self.names, self.values = names, {}
+        self.names = names
+        self.values: dict[str, Any] = {}
 
     def run_node(self, n: fx.Node):
         value = super().run_node(n)
@@ -207,8 +209,8 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
         for a, b in zip(_outputs(ours), _outputs(original)):
             if a.shape != b.shape:
                 return CheckResult(spec, False, reason=f"output shape {tuple(a.shape)} != block's {tuple(b.shape)}")
-            err = (a - b).abs().max().item() if a.numel() else 0.0
-            result.max_error = max(result.max_error, err)
+            gap = (a - b).abs().max().item() if a.numel() else 0.0
+            result.max_error = max(result.max_error, gap)
             if not torch.allclose(a, b, atol=atol, rtol=rtol):
                 result.accepted = False
     if not result.accepted:
@@ -281,8 +283,8 @@ def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float
         probe.train(was_training)
     for a, b in zip(outs[1], outs[0]):
         if a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=rtol):
-            err = (a - b).abs().max().item() if a.shape == b.shape else float("nan")
-            return (f"train-mode outputs differ by up to {err:.2e} under the same seed: the block draws "
+            gap = (a - b).abs().max().item() if a.shape == b.shape else float("nan")
+            return (f"train-mode outputs differ by up to {gap:.2e} under the same seed: the block draws "
                     f"random numbers (jitter, dropout) that the spec does not reproduce in the same order")
     return None
 
@@ -352,10 +354,11 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
         inputs.append(draw(scale))
     observed = [_observe(probe, x, E, K) for x in inputs]
     extra = 0
-    while extra < MAX_EXTRA_PROBES and all(s.clear is not None for _, s in observed):  # re-probe near-ties
-        clear = sum(int(s.clear.sum()) for _, s in observed)  # type: ignore[union-attr]
-        total = sum(int(s.clear.numel()) for _, s in observed)  # type: ignore[union-attr]
-        if clear >= MIN_CLEAR_FRACTION * total:
+    while extra < MAX_EXTRA_PROBES:  # re-probe near-ties
+        masks = [s.clear for _, s in observed if s.clear is not None]
+        if len(masks) < len(observed) or sum(int(m.sum()) for m in masks) >= \
+                MIN_CLEAR_FRACTION * sum(m.numel() for m in masks):
+            break
             break
         inputs.append(draw())
         observed.append(_observe(probe, inputs[-1], E, K))

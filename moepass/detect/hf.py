@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from itertools import product
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +56,11 @@ JITTER_NAMES = ("jitter_noise", "router_jitter_noise")
 CAPACITY_NAMES = ("expert_capacity",)
 
 
-def _attr(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, ...]) -> object | None:
+def _attr(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, ...]) -> Any:
+    """The first of `names` on `module` that is an instance of `kind` (a bool counts only as bool)."""
     for name in names:
         value = getattr(module, name, None)
-        if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
             return value
     return None
 
@@ -72,7 +74,7 @@ class HFBlock:
         self.router: nn.Module = c.module.get_submodule(self.router_name)
         self.linear_path = c.router_path  # holds the [E, D] router weight (itself, or e.g. router.classifier)
         linear = c.module.get_submodule(self.linear_path)
-        self.weight: torch.Tensor = linear.weight
+        self.weight = linear.get_parameter("weight")
         bias = getattr(linear, "bias", None)
         self.bias = bias if isinstance(bias, nn.Parameter) else None
         self.E, self.D = self.weight.shape
@@ -171,7 +173,7 @@ def fused_experts_spec(c: Candidate, D: int) -> ExpertsSpec | str:
 
 def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
     """A ModuleDict of expert MLPs (wi/wo or gate/up/down linears), stacked per expert."""
-    expert = c.experts[c.expert_names[0]]
+    expert = c.experts.get_submodule(c.expert_names[0])
     dropout = [m.p for m in expert.modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if dropout:
         return (f"experts of {c.path or '<root>'} apply dropout p={dropout[0]} in train mode, which the canonical "
@@ -189,10 +191,11 @@ def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
             return None
         return TensorSource.stack([f"{c.experts_path}.{key}.{name}.{kind}" for key in c.expert_names])
 
-    lin = getattr(expert, gate)
+    lin, w_down = getattr(expert, gate), stacked(down, "weight")
+    assert w_down is not None
     return ExpertsSpec(num_experts=c.num_experts, hidden_dim=lin.in_features, ffn_dim=lin.out_features,
                        activation=activation, w_gate=stacked(gate, "weight"), w_up=stacked(up, "weight"),  # type: ignore[arg-type]
-                       w_down=stacked(down, "weight"), b_gate=stacked(gate, "bias"), b_up=stacked(up, "bias"),
+                       w_down=w_down, b_gate=stacked(gate, "bias"), b_up=stacked(up, "bias"),
                        b_down=stacked(down, "bias"), container=c.experts_path)
 
 
@@ -248,9 +251,9 @@ def sigmoid_group(c: Candidate) -> list[MoESpec] | str:
     if top_k is None or (bias is None and n_group == 1):
         return f"router {block.router_name} has no top_k, or neither a selection bias {SELECTION_BIAS_NAMES} nor groups"
     topk_group = _attr(r, TOPK_GROUP_NAMES, int) or n_group
-    scaling = float(_attr(r, SCALING_NAMES, (float, int)) or 1.0)
+    scaling = _attr(r, SCALING_NAMES, (float, int)) or 1.0
     renorm = _attr(r, RENORM_NAMES, bool)
-    common = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=scaling,
+    common = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(scaling),
                   selection_bias=None if bias is None else TensorSource.param(bias), jitter_eps=block.block_jitter())
     routers = [block.router_spec(index, score_func=score, renormalize=rn, group_score=gs, **common)
                for score, gs, rn in product(("sigmoid", "softmax"), ("top2_sum", "max"),
@@ -268,7 +271,7 @@ def top1_capacity(c: Candidate) -> list[MoESpec] | str:
     capacity = _attr(block.router, CAPACITY_NAMES, int)
     if capacity is None:
         return f"router {block.router_name} has no int {CAPACITY_NAMES[0]} attribute"
-    notes = ()
+    notes: tuple[str, ...] = ()
     if _attr(block.router, JITTER_NAMES, (float, int)):
         notes = (f"router jitter runs inside {block.router_name} (called by the graph)",)
     router = block.router_spec(index, top_k=1, score_func="softmax", renormalize=False, jitter_eps=block.block_jitter())
@@ -278,7 +281,7 @@ def top1_capacity(c: Candidate) -> list[MoESpec] | str:
     return block.specs("hf-top1-capacity", [router], capacities, notes=notes)
 
 
-RECOGNISERS: list[tuple[str, Callable[[Candidate], "list[MoESpec] | str"]]] = [
+RECOGNISERS: list[tuple[str, Callable[[Candidate], list[MoESpec] | str]]] = [
     ("hf-sigmoid-group", sigmoid_group),
     ("hf-top1-capacity", top1_capacity),
     ("hf-softmax-topk", softmax_topk),

@@ -7,6 +7,7 @@ all-to-all traffic and lower the hot regions to generated Triton kernels.
 """
 
 from moepass import dialect  # noqa: F401  (registers the moe:: ops)
+from moepass import lower  # noqa: F401  (registers the lower pass into pipeline.LOWER)
 from moepass import rewrite  # noqa: F401  (registers the parallel forms into pipeline.REWRITES)
 from moepass.api import CompileInfo, compile, explain
 from moepass.canonical import MoEGraphModule

@@ -88,8 +88,10 @@ def _default_topology() -> tuple[int, int]:
     return max(1, world // max(per_node, 1)), per_node
 
 
-def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True) -> str:
-    """A readable report of what `compile(model, plan)` would do. Never raises."""
+def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, sources: bool = False) -> str:
+    """A readable report of what `compile(model, plan)` would do. Never raises.
+
+    `sources=True` adds the generated Triton source of every lowered node (Plan.lowering)."""
     lines: list[str] = []
     try:
         plan = Plan() if plan is None else plan
@@ -135,6 +137,11 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True) 
                              f"{record.get('stats') or ''}".rstrip())
             if graphs:
                 lines.append(gm.print_readable(print_output=False).rstrip())
+            if sources:
+                from moepass.lower import sources as lowered_sources
+
+                for name, family, text in lowered_sources(gm):
+                    lines.append(f"-- generated Triton source of node {name} ({family}) --\n{text.rstrip()}")
         except Exception as err:
             lines.append(f"compile of this block would fail: {type(err).__name__}: {err}")
     return "\n".join(lines)

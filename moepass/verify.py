@@ -5,9 +5,9 @@ Rules (each violation names the rule, the node and what is wrong):
   V1 provenance   every node records the pass that made it: node.meta["moepass"]["pass"].
   V2 shapes       FakeTensor propagation succeeds from the block's input; every dialect op's fake
                   implementation validates its operands, so a wrong shape fails "while executing <node>".
-  V3 pairing      every `moe.permute` has its order consumed by exactly one inverse
-                  (`moe.unpermute`, or a lowered op fusing it) with the same top_k, and every
-                  inverse's order comes from a permute.
+  V3 pairing      every `moe.permute` (or `moe_lowered.permute`) has its order consumed by exactly
+                  one inverse (`moe.unpermute`, or a lowered op fusing it) with the same top_k, and
+                  every inverse's order comes from a permute (or a communication op).
   V4 split sums   split sizes that are Python ints add up to the rows they split (torch.split,
                   all_to_all_single input/output splits).
   V5 placement    dialect ops appear only in graphs marked as MoE dialect graphs; communication ops
@@ -57,8 +57,9 @@ def _getitem_user(node: fx.Node, index: int) -> list[fx.Node]:
 
 
 def _unpermute_top_k(node: fx.Node) -> int | None:
-    if node.target is dialect.UNPERMUTE:
-        return node.args[2]  # type: ignore[return-value]
+    """The top_k an inverse restores: arg 2 of moe.unpermute and of the lowered ops fusing it."""
+    if len(node.args) > 2 and isinstance(node.args[2], int):
+        return node.args[2]
     return None
 
 
@@ -102,7 +103,7 @@ def check_pairing(gm: fx.GraphModule) -> list[Violation]:
     out = []
     nodes = list(gm.graph.nodes)
     for n in nodes:
-        if n.op == "call_function" and n.target is dialect.PERMUTE:
+        if _is_permute(n):
             orders = _getitem_user(n, 2)
             inverses = [u for o in orders for u in o.users if _is_inverse(u)]
             if len(inverses) != 1:
@@ -117,10 +118,19 @@ def check_pairing(gm: fx.GraphModule) -> list[Violation]:
         if n.op == "call_function" and _is_inverse(n):
             order = n.args[1]
             src = order.args[0] if isinstance(order, fx.Node) and order.target is operator.getitem else None
-            if not (isinstance(src, fx.Node) and src.target is dialect.PERMUTE or _is_comm(src)):
+            if not (_is_permute(src) or _is_comm(src)):
                 out.append(Violation("V3 pairing", n.name, f"its order argument {getattr(order, 'name', order)!r} "
                                      "does not come from a moe.permute"))
     return out
+
+
+def _is_permute(node) -> bool:
+    """`moe.permute` or its lowering `moe_lowered.permute` (same outputs: x_ND, counts_E, order_N)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is dialect.PERMUTE:
+        return True
+    return _namespace(node.target) == LOWERED_NAMESPACE and node.target._opname == "permute"
 
 
 def _is_inverse(node: fx.Node) -> bool:

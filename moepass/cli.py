@@ -21,7 +21,13 @@ def _load(target: str):
 def demo(args: argparse.Namespace) -> int:
     from samples.demo import run
 
-    return run(style=args.style, steps=args.steps, show_graph=not args.no_graph)
+    status = run(style=args.style, steps=args.steps, show_graph=not args.no_graph)
+    if args.no_ep:
+        return status
+    from samples.demo_ep import main as demo_ep
+
+    print("\n== expert parallel: 4 gloo ranks as 2 simulated nodes x 2 ==")
+    return status or demo_ep(["--style", "loop" if args.style == "mixed" else args.style])
 
 
 def explain(args: argparse.Namespace) -> int:
@@ -53,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--style", default="mixed", choices=["loop", "fused", "gshard", "mixed"])
     p.add_argument("--steps", type=int, default=3, help="training steps compared against the original")
     p.add_argument("--no-graph", action="store_true", help="do not print the rewritten graph")
+    p.add_argument("--no-ep", action="store_true", help="skip the 4-rank expert-parallel part")
     p.set_defaults(fn=demo)
     p = sub.add_parser("explain", help="report what moepass would do to a model")
     p.add_argument("target", help="module:callable returning an nn.Module, e.g. samples.models:tiny_mixtral")

@@ -45,7 +45,7 @@ def test_explain_marks_blocks_left_alone():
 
 def test_cli_demo_runs_and_reports_parity():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "moepass", "demo", "--steps", "2"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "moepass", "demo", "--steps", "2", "--no-ep"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "PARITY OK" in out.stdout and "3 MoE block(s) accepted" in out.stdout

@@ -49,6 +49,7 @@ def _rewrite_single(gm: MoEGraphModule, plan: Plan) -> PassResult:
 
 REWRITES: dict[str, Pass] = {"single": _rewrite_single}  # later forms register here (moepass.rewrite.*)
 SCHEDULE: list[tuple[str, Pass]] = []  # moepass.schedule registers its passes here
+PLAN_RESOLVERS: list[Callable[[MoESpec, Plan], Plan]] = []  # per-block plan fixes before rewrite (schedule: packing -> ep_size)
 LOWER: list[tuple[str, Pass]] = []  # moepass.lower registers its pass here
 FINALIZERS: list[Callable[[nn.Module], None]] = []  # model-level set-up after all blocks (e.g. EP: DDP ignore list)
 
@@ -80,6 +81,8 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
         from moepass.verify import verify as run_verifier
 
         run_verifier(gm, after="canonical")
+    for resolve in PLAN_RESOLVERS:
+        plan = resolve(spec, plan)
     gm = run_pass(f"rewrite:{plan.form}", REWRITES[plan.form], gm, plan, verify)  # the parallel form
     for name, fn in SCHEDULE:  # partitioned, prioritised all-to-all
         gm = run_pass(name, fn, gm, plan, verify)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
-from moepass.runtime import stats
+from moepass.runtime import scheduler, stats
 from moepass.runtime.topology import Topology, group_info
 
 NAMESPACE = "moe_comm"
@@ -82,7 +82,8 @@ def _issue(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]
             assert all(type(s) is int for s in splits), f"moe_comm {kind}: {what} splits {splits} are not ints"
     row_bytes = inp.element_size() * (inp[0].numel() if inp.dim() > 1 else 1)
     record_bytes(kind, group_name, in_splits, row_bytes)
-    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=_group(group_name), async_op=True)
+    work = scheduler.issue_collective(kind, group_name, sum(in_splits) * row_bytes, lambda: dist.all_to_all_single(
+        out, inp, out_splits, in_splits, group=_group(group_name), async_op=True))  # tells the priority scheduler
     torch._C._distributed_c10d._register_work(out, work)
 
 

@@ -1,0 +1,155 @@
+"""Per-rank event log: every collective and compute region with start, end and bytes; a timeline plot.
+
+    log = EventLog(rank).start()          # listens to moepass.runtime.scheduler's registry
+    ... train ...
+    log.stop(); events = log.events        # list of Event (picklable; merge ranks' lists to plot)
+    plot_timeline(all_events, "timeline.png")   # PNG or SVG by suffix (matplotlib)
+
+Collectives: start = when the collective was queued (the listener hears it before the launch), end
+= when its work's future completed (`work.get_future().then(...)`, i.e. the backend's own
+completion, not a scheduler decision). Categories: "all_to_all" (every moe_comm all-to-all: counts,
+dispatch, combine and their backward) and "all_reduce" (gradient micro-ops, DDP buckets through
+`ddp_logging_hook`). Compute regions: expert compute per chunk from the `moe_sched.mark` nodes the
+schedule pass places around `moe.expert_ffn` ("expert_in" / "expert_out"), forward and backward;
+plus anything wrapped in `log.region(name)`.
+
+Timestamps are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: comparable across processes of one
+machine, also across network namespaces).
+
+`priority_waits(events)`: for each all-to-all, how many all-reduce micro-ops overlapped it (ran at
+some time between its queueing and its completion) — Lina's rule allows at most one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moepass.runtime import scheduler as sched
+
+
+@dataclass
+class Event:
+    rank: int
+    category: str  # "all_to_all" | "all_reduce" | "compute"
+    kind: str  # e.g. "dispatch", "combine_bwd", "grad_allreduce", "expert_fwd"
+    start: float
+    end: float
+    nbytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EventLog:
+    def __init__(self, rank: int | None = None):
+        self.rank = dist.get_rank() if rank is None and dist.is_initialized() else (rank or 0)
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
+        self._open: dict[str, float] = {}
+
+    def start(self) -> EventLog:
+        sched.add_listener(self)
+        return self
+
+    def stop(self) -> EventLog:
+        sched.remove_listener(self)
+        return self
+
+    def clear(self) -> None:
+        with self._lock:
+            self.events.clear()
+            self._open.clear()
+
+    # -- listener -------------------------------------------------------------------------------
+    def queued(self, kind: str, category: str, group_name: str, nbytes: int) -> Any:
+        return (kind, category, int(nbytes), time.perf_counter())
+
+    def completed(self, token: Any, end: float) -> None:
+        kind, category, nbytes, start = token
+        self.add(Event(self.rank, category, kind, start, end, nbytes))
+
+    def mark(self, name: str, phase: str) -> None:
+        now = time.perf_counter()
+        # forward: expert_in opens, expert_out closes; backward runs the other way round
+        opening = {("expert_in", "forward"), ("expert_out", "backward")}
+        key = phase
+        if (name, phase) in opening:
+            with self._lock:
+                self._open[key] = now
+        elif name in ("expert_in", "expert_out"):
+            with self._lock:
+                begin = self._open.pop(key, None)
+            if begin is not None:
+                self.add(Event(self.rank, "compute", f"expert_{'fwd' if phase == 'forward' else 'bwd'}", begin, now))
+
+    def add(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    @contextlib.contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(Event(self.rank, "compute", name, begin, time.perf_counter()))
+
+
+def ddp_logging_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Plain DDP all-reduce of a bucket (what DDP does by default), launched through the registry so
+    the event log sees it. `state` is the process group (None: the default group)."""
+    buffer = bucket.buffer()
+    world = dist.get_world_size(state)
+    work = sched.issue_collective("ddp_bucket", "ddp", buffer.numel() * buffer.element_size(),
+                                  lambda: dist.all_reduce(buffer, group=state, async_op=True), category=sched.ALL_REDUCE)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(world))
+
+
+def priority_waits(events: Iterable[Event]) -> list[int]:
+    """Per all-to-all of one rank's log: all-reduce micro-ops whose lifetime overlapped it."""
+    events = list(events)
+    reduces = [e for e in events if e.category == sched.ALL_REDUCE]
+    return [sum(1 for r in reduces if r.start < a.end and r.end > a.start)
+            for a in events if a.category == sched.A2A]
+
+
+COLORS = {"all_to_all": "tab:red", "all_reduce": "tab:blue", "compute": "tab:green"}
+
+
+def plot_timeline(events: Iterable[Event], path: str, title: str = "") -> None:
+    """One lane per (rank, category); PNG or SVG from the suffix of `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = list(events)
+    if not events:
+        raise ValueError("plot_timeline: no events to draw")
+    t0 = min(e.start for e in events)
+    lanes = sorted({(e.rank, e.category) for e in events})
+    fig, ax = plt.subplots(figsize=(12, 0.5 * len(lanes) + 1.5))
+    for y, (rank, category) in enumerate(lanes):
+        spans = [((e.start - t0) * 1e3, max((e.end - e.start) * 1e3, 1e-3)) for e in events
+                 if e.rank == rank and e.category == category]
+        ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS.get(category, "gray"), edgecolors="black",
+                       linewidth=0.2)
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([f"rank {r} {c}" for r, c in lanes])
+    ax.set_xlabel("ms")
+    ax.set_title(title or "moepass timeline: all-to-all (red), gradient all-reduce (blue), expert compute (green)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# DDP's register_comm_hook checks the annotations as objects (this module uses postponed annotations)
+ddp_logging_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})

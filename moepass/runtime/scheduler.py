@@ -1,0 +1,372 @@
+"""The priority scheduler for gradient synchronisation (Lina, ATC'23) and the collective callback registry.
+
+Collective registry (the hook the EP collectives call; tiny on purpose):
+
+    work = issue_collective(kind, group_name, nbytes, launch)   # launch() -> dist Work (async_op=True)
+
+Every listener (`add_listener`) hears `queued(kind, category, group_name, nbytes) -> token` BEFORE the
+launch, so a scheduler knows an all-to-all is queued before any byte moves, and `completed(token,
+end)` from the work's future (`work.get_future().then`). `moepass.runtime.collectives._issue` launches every `moe_comm` all-to-all (counts,
+dispatch, combine and their backward) through it; the scheduler's own all-reduce micro-ops go
+through it too (category "all_reduce"), which is how the event log sees both. With no listener it is
+just `launch()`. Marks (`notify_mark`) come from the `moe_sched.mark` op that the schedule pass puts
+in the graph: "moe_combine" in backward means "the backward is inside an MoE combine" (an
+all-to-all is imminent).
+
+Priority rule (one `PriorityScheduler` per rank, its own process group):
+  - gradients of replicated (non-expert) parameters are cut into micro-ops of `micro_op_bytes`
+    (every tensor cut on its own, no cross-tensor bucketing);
+  - a micro-op is launched only when no all-to-all is queued or running, backward is not inside an
+    MoE combine, and no other micro-op is in flight (at most one) — so an all-to-all waits behind at
+    most one all-reduce micro-op;
+  - micro-ops launch in one fixed order on every rank (reverse parameter order for `DataParallel`,
+    DDP's bucket order for the comm hook): the scheduler delays collectives, it never reorders them
+    within its group (otherwise ranks disagree and hang).
+
+Two ways in:
+    model = moepass.DataParallel(cm)                                    # wrapper; grads averaged after backward
+    ddp.register_comm_hook(PriorityScheduler(...), priority_hook)        # DDP communication hook
+
+Threads: a small daemon thread per scheduler launches micro-ops when the rule allows; completions
+come from `work.get_future()` callbacks. Waiting for the last micro-op is bounded by the group timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+A2A = "all_to_all"
+ALL_REDUCE = "all_reduce"
+
+# ----------------------------------------------------------------------------------------------
+# The registry.
+# ----------------------------------------------------------------------------------------------
+
+_listeners: list[Any] = []
+
+
+def add_listener(listener: Any) -> None:
+    """`listener` has queued(kind, category, group_name, nbytes) -> token, completed(token, end_time),
+    mark(name, phase)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def remove_listener(listener: Any) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+def issue_collective(kind: str, group_name: str, nbytes: int, launch: Callable[[], Any], category: str = A2A) -> Any:
+    """Launch one asynchronous collective, telling every listener before the launch and when its
+    work's future completes (one completion time, taken before any listener hears of it)."""
+    if not _listeners:
+        return launch()
+    listeners = list(_listeners)
+    tokens = [lst.queued(kind, category, group_name, nbytes) for lst in listeners]
+    work = launch()
+
+    def completed(fut: Any) -> None:
+        end = time.perf_counter()
+        for lst, token in zip(listeners, tokens):
+            lst.completed(token, end)
+
+    work.get_future().then(completed)
+    return work
+
+
+def notify_mark(name: str, phase: str) -> None:
+    """A `moe_sched.mark` node ran: phase "forward" or "backward"."""
+    for lst in list(_listeners):
+        lst.mark(name, phase)
+
+
+# ----------------------------------------------------------------------------------------------
+# moe_sched.mark: an identity op that tells the listeners when forward / backward reaches it.
+# ----------------------------------------------------------------------------------------------
+
+_lib = torch.library.Library("moe_sched", "FRAGMENT")
+_lib.define("mark(Tensor(a) t, str name) -> Tensor(a)")
+
+
+class _Mark(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: Tensor, name: str) -> Tensor:
+        ctx.name = name
+        if _listeners and not isinstance(t, torch._subclasses.FakeTensor):
+            notify_mark(name, "forward")
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if _listeners:
+            notify_mark(ctx.name, "backward")
+        return grad, None
+
+
+def _mark_impl(t: Tensor, name: str) -> Tensor:
+    return _Mark.apply(t, name)
+
+
+_lib.impl("mark", _mark_impl, "CompositeImplicitAutograd")
+MARK = torch.ops.moe_sched.mark.default
+COMBINE_REGION = "moe_combine"
+
+
+# ----------------------------------------------------------------------------------------------
+# The scheduler.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MicroOp:
+    flat: Tensor | None = None  # a contiguous 1-D view of the gradient bytes to all-reduce
+    done: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[[], None] | None = None
+
+
+class PriorityScheduler:
+    """One per rank. Launches all-reduce micro-ops on its own group when the priority rule allows."""
+
+    def __init__(self, micro_op_bytes: int, group: dist.ProcessGroup | None = None, timeout: float = 600.0,
+                 enabled: bool = True):
+        if micro_op_bytes < 1:
+            raise ValueError(f"PriorityScheduler(micro_op_bytes={micro_op_bytes}): use a positive byte count")
+        self.micro_op_bytes = int(micro_op_bytes)
+        ranks = list(range(dist.get_world_size()))
+        self.group = group if group is not None else dist.new_group(ranks, timeout=timedelta(seconds=timeout),
+                                                                    group_desc="moepass_grad_allreduce")
+        self.world = dist.get_world_size(self.group)
+        self.timeout = timeout
+        self.enabled = enabled  # False: launch as soon as ready (no priority) — the control in tests
+        self._cond = threading.Condition(threading.RLock())
+        self._queue: deque[MicroOp] = deque()  # FIFO; the head launches first, never reordered
+        self._a2a_pending = 0
+        self._in_combine = False
+        self._inflight = 0
+        self._stop = False
+        self.launched = 0
+        self._thread = threading.Thread(target=self._loop, name="moepass-priority", daemon=True)
+        self._thread.start()
+        add_listener(self)
+
+    # -- listener side --------------------------------------------------------------------------
+    def queued(self, kind: str, category: str, group_name: str, nbytes: int) -> Any:
+        if category != A2A:
+            return None
+        with self._cond:
+            self._a2a_pending += 1
+            self._in_combine = False  # the all-to-all the combine region was waiting for is here
+        return True
+
+    def completed(self, token: Any, end: float) -> None:
+        if token is None:
+            return
+        with self._cond:
+            self._a2a_pending -= 1
+            self._cond.notify_all()
+
+    def mark(self, name: str, phase: str) -> None:
+        if name == COMBINE_REGION and phase == "backward":
+            with self._cond:
+                self._in_combine = True
+
+    # -- micro-ops ----------------------------------------------------------------------------
+    def cut(self, flat: Tensor) -> list[Tensor]:
+        """Equal micro-ops of at most `micro_op_bytes` (the last may be shorter) of a 1-D tensor."""
+        per = max(1, self.micro_op_bytes // flat.element_size())
+        return list(flat.split(per)) if flat.numel() else []
+
+    def submit(self, op: MicroOp) -> None:
+        """Append to the FIFO (callers submit in the same order on every rank)."""
+        with self._cond:
+            self._queue.append(op)
+            self._cond.notify_all()
+
+    def placeholder(self) -> MicroOp:
+        """A slot reserved in the FIFO now, filled (`fill`) when its gradient is ready."""
+        op = MicroOp()
+        self.submit(op)
+        return op
+
+    def fill(self, op: MicroOp, flat: Tensor) -> None:
+        with self._cond:
+            op.flat = flat
+            self._cond.notify_all()
+
+    def end_backward(self) -> None:
+        """Backward is over: nothing is imminent any more."""
+        with self._cond:
+            self._in_combine = False
+            self._cond.notify_all()
+
+    def _can_launch(self) -> bool:
+        if not self._queue or self._queue[0].flat is None:
+            return False
+        if not self.enabled:
+            return True
+        return self._a2a_pending == 0 and not self._in_combine and self._inflight == 0
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._can_launch())
+                if self._stop:
+                    return
+                op = self._queue.popleft()
+                self._inflight += 1
+                self.launched += 1
+                flat = op.flat
+                assert flat is not None
+                nbytes = 2 * (self.world - 1) * flat.numel() * flat.element_size() // max(self.world, 1)
+                work = issue_collective("grad_allreduce", self.group.group_name, nbytes,
+                                        lambda: dist.all_reduce(flat, group=self.group, async_op=True),
+                                        category=ALL_REDUCE)
+                work.get_future().then(lambda fut, op=op: self._op_done(op))
+
+    def _op_done(self, op: MicroOp) -> None:
+        if op.on_done is not None:
+            op.on_done()
+        with self._cond:
+            self._inflight -= 1
+            op.done.set()
+            self._cond.notify_all()
+
+    def wait(self, ops: list[MicroOp]) -> None:
+        deadline = time.monotonic() + self.timeout
+        for op in ops:
+            if not op.done.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"moepass priority scheduler: a gradient all-reduce micro-op did not finish within "
+                                   f"{self.timeout:.0f} s (a peer is dead or ranks issued different collectives)")
+
+    def close(self) -> None:
+        remove_listener(self)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Way 1: the DataParallel wrapper.
+# ----------------------------------------------------------------------------------------------
+
+
+def replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters that every rank holds in full (expert DTensors are excluded)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+
+
+class DataParallel(nn.Module):
+    """Data parallel for the replicated parameters of a moepass-compiled model, under the priority rule.
+
+    After `loss.backward()` returns, every replicated gradient is the mean over the ranks (DDP's
+    convention); expert gradients are handled by the EP pass. Micro-ops launch in reverse parameter
+    order (the order backward produces them); a parameter whose gradient is late only delays the
+    ones after it. A parameter that got no gradient is reduced as zeros (every rank reduces the same
+    list). Construct on every rank in the same order (it creates a process group).
+    """
+
+    def __init__(self, module: nn.Module, micro_op_bytes: int | None = None, group: dist.ProcessGroup | None = None,
+                 priority: bool = True, timeout: float = 600.0):
+        super().__init__()
+        self.module = module
+        if micro_op_bytes is None:
+            info = getattr(module, "moepass_info", None)
+            from moepass.plan import DEFAULT_MICRO_OP_BYTES
+
+            micro_op_bytes = info.plan.micro_op_bytes if info is not None else DEFAULT_MICRO_OP_BYTES
+        self.scheduler = PriorityScheduler(micro_op_bytes, group, timeout, enabled=priority)
+        self._params = [p for _, p in reversed(replicated_parameters(module))]
+        self._slots: dict[int, list[MicroOp]] = {}
+        self._ops: list[MicroOp] = []
+        self._step_open = False
+        for index, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(lambda p, index=index: self._ready(index))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _open_step(self) -> None:
+        """First gradient of a backward: reserve every micro-op slot in the fixed order."""
+        self._step_open = True
+        self._slots, self._ops = {}, []
+        for index, p in enumerate(self._params):
+            per = max(1, self.scheduler.micro_op_bytes // p.element_size())  # as `cut` splits
+            count = -(-p.numel() // per)
+            self._slots[index] = [self.scheduler.placeholder() for _ in range(count)]
+            self._ops += self._slots[index]
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _ready(self, index: int) -> None:
+        if not self._step_open:
+            self._open_step()
+        p = self._params[index]
+        if not self._slots.get(index) or p.grad is None:
+            return
+        slots = self._slots.pop(index)
+        for op, piece in zip(slots, self.scheduler.cut(p.grad.view(-1))):
+            self.scheduler.fill(op, piece)
+
+    def _finish(self) -> None:
+        """End of backward: parameters without a gradient reduce zeros; wait; average."""
+        for index in list(self._slots):
+            p = self._params[index]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._ready(index)
+        self.scheduler.end_backward()
+        self.scheduler.wait(self._ops)
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.div_(self.scheduler.world)
+        self._step_open = False
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Way 2: a DDP communication hook.
+# ----------------------------------------------------------------------------------------------
+
+
+def priority_hook(state: PriorityScheduler, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """`ddp.register_comm_hook(PriorityScheduler(bytes), priority_hook)`: the bucket is cut into
+    micro-ops and averaged under the priority rule on the scheduler's own group."""
+    buffer = bucket.buffer()
+    fut: torch.futures.Future[Tensor] = torch.futures.Future()
+    pieces = state.cut(buffer)
+    if not pieces:
+        fut.set_result(buffer)
+        return fut
+    remaining = [len(pieces)]
+    lock = threading.Lock()
+
+    def one_done() -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            buffer.div_(state.world)
+            fut.set_result(buffer)
+
+    for piece in pieces:
+        state.submit(MicroOp(flat=piece, on_done=one_done))
+    return fut
+
+
+# DDP's register_comm_hook checks the annotations as objects (this module uses postponed annotations)
+priority_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]})

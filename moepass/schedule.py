@@ -1,0 +1,317 @@
+"""The schedule pass: partitioned, pipelined all-to-all and expert compute (Lina), and expert packing.
+
+Partitioning. The EP graph of a block sends all T tokens in one dispatch, computes, and sends them
+back in one combine. This pass cuts the tokens into n chunks (`torch.tensor_split`, so any T works)
+and clones the region from the token permute to its inverse once per chunk:
+
+    x_TD_c{j}, experts_TK_c{j} = tensor_split(x_TD, n)[j], tensor_split(experts_TK, n)[j]
+    permute_c{j} -> exchange_counts_c{j} -> dispatch_c{j} -> local permute -> expert_ffn -> combine_c{j}
+                 -> unpermute_c{j} (K)         and   y_TKD = cat(unpermute_c0 .. c{n-1})
+
+so the graph holds n count exchanges, n dispatch and n combine issue nodes and 3n waits. Pipelining
+is the order the clones are emitted in, with the waits moved:
+
+    permute + issue counts (all chunks) | wait counts 0, issue dispatch 0 |
+    for j: [wait counts j+1, issue dispatch j+1] [wait dispatch j, expert compute j, issue combine j] |
+    wait every combine, unpermute
+
+i.e. the transfer of chunk j+1 is in flight while chunk j computes. The region's nodes are put in
+those phases by which wait they depend on (counts / dispatch / combine), so the rewrite is generic
+over what EP put between permute and unpermute (capacity buckets, local permute, weight views).
+
+Exactness: permute, expert FFN rows, unpermute and combine are per token, so the chunked block gives
+the same outputs and input gradients bit for bit in fp32, provided the BLAS computes a row the same
+way whatever the number of rows of its GEMM. On this machine's MKL that holds for GEMMs of >= 4 rows
+(1-3 rows take another kernel and round differently): tests keep every expert chunk >= 4 rows.
+Weight gradients sum over rows in another order: equal within rtol 1e-6. Backward is not pipelined:
+the all-to-all backward (moepass.runtime.collectives) issues and waits in one step.
+
+The chunk count: `Plan(a2a_chunks=n)`, or "auto": the cost model's `optimal_chunks(transfer, compute,
+alpha)` (`cost_model.schedule`) for this block with `Plan.batch` tokens per rank on this machine's
+calibrated figures (`cost_model.presets.this_machine`). Without `Plan.batch` there is no basis:
+n = 1 (recorded in the pass stats).
+
+Marks. The pass also places `moe_sched.mark` identity nodes: "expert_in"/"expert_out" around every
+expert FFN (compute regions for the event log) and "moe_combine" on the combine output, whose
+backward tells the priority scheduler that an all-to-all is imminent (moepass.runtime.scheduler).
+
+Expert packing (`Plan(packing=k)`): each device hosts k times the experts of plain EP: the experts
+span ep_size/k ranks and are replicated k times (data parallel over the replicas; the EP pass
+reduces their gradients over them). Tokens for co-located experts stay local, so the all-to-all
+bytes fall by exactly the rows whose expert moved onto the sender. It is applied before the EP
+rewrite (`pipeline.PLAN_RESOLVERS`). "auto" doubles k from 1 while the cost model says expert
+compute per micro-op < transfer per micro-op (dispatch + combine share the link: t_c < 2 t_a) and
+the EP degree still divides. k is FIXED AT COMPILE TIME from the cost model (it needs `Plan.batch`);
+there is no run-time re-packing, so no parameter or optimizer-state migration.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from moepass import dialect
+from moepass.canonical import MoEGraphModule
+from moepass.errors import PlanError
+from moepass.pipeline import PLAN_RESOLVERS, SCHEDULE, PassResult
+from moepass.plan import Plan
+from moepass.runtime import collectives as comm
+from moepass.runtime.scheduler import COMBINE_REGION, MARK
+from moepass.spec import MoESpec
+
+PASS = "schedule"
+COUNTS, DISPATCH, COMBINE = 1, 2, 3  # phases: depends on the counts / dispatch / combine wait
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost model: how many chunks, how much packing.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Forward seconds of one MoE layer on one rank: all-to-all transfer per direction, expert compute."""
+
+    transfer: float
+    compute: float
+    alpha: float
+
+    def chunks(self) -> int:
+        from cost_model.schedule import optimal_chunks
+
+        return optimal_chunks(self.transfer, self.compute, self.alpha)
+
+    def compute_bound(self, n: int) -> bool:
+        """Expert compute per micro-op >= transfer per micro-op (dispatch and combine share the link)."""
+        return self.compute / n >= 2 * (self.alpha + self.transfer / n)
+
+
+def layer_times(spec: MoESpec, tokens: int, ep: int, ranks_per_node: int, hardware: Any = None) -> LayerTimes:
+    from cost_model.ep import a2a_bytes, expert_flops, matmuls
+    from cost_model.presets import this_machine
+
+    hw = this_machine() if hardware is None else hardware
+    x = hw.values()
+    E, K, D, F = spec.num_experts, spec.top_k, spec.experts.hidden_dim, spec.experts.ffn_dim
+    intra, inter = a2a_bytes(tokens, K, D, ep, ranks_per_node, x["b"]) if ep > 1 else (0.0, 0.0)
+    transfer = intra / x["B_intra"] + inter / x["B_inter"]
+    compute = expert_flops(tokens * K, D, F, matmuls(spec.experts.gated)) / (x["R"] * x["eta"])
+    del E
+    return LayerTimes(float(transfer), float(compute), float(x["alpha"]))
+
+
+def _tokens(plan: Plan) -> int | None:
+    return None if plan.batch is None else int(plan.batch[0]) * int(plan.batch[1])
+
+
+def choose_chunks(spec: MoESpec, plan: Plan, ep: int, ranks_per_node: int) -> tuple[int, str]:
+    if plan.a2a_chunks != "auto":
+        return int(plan.a2a_chunks), "plan"
+    tokens = _tokens(plan)
+    if tokens is None or ep == 1:
+        return 1, "auto: no Plan.batch, no basis for the cost model" if tokens is None else "auto: ep=1"
+    times = layer_times(spec, tokens, ep, ranks_per_node)
+    return times.chunks(), (f"auto: cost model transfer={times.transfer * 1e3:.3g} ms compute="
+                            f"{times.compute * 1e3:.3g} ms alpha={times.alpha * 1e6:.3g} us")
+
+
+def choose_packing(spec: MoESpec, plan: Plan, ep: int, ranks_per_node: int) -> int:
+    """k for `Plan(packing="auto")`: double while compute per micro-op < transfer per micro-op."""
+    tokens = _tokens(plan)
+    if tokens is None:
+        raise PlanError(f"Plan.packing='auto' needs Plan.batch=(batch, seq) tokens per rank for the cost model "
+                        f"(block {spec.path or '<root>'}); pass it, or give packing as an int.")
+    k = 1
+    while True:
+        times = layer_times(spec, tokens, ep // k, ranks_per_node)
+        n = plan.a2a_chunks if isinstance(plan.a2a_chunks, int) else times.chunks()
+        nxt = ep // (2 * k)
+        if times.compute_bound(n) or ep % (2 * k) or nxt < 1 or spec.num_experts % nxt:
+            return k
+        k *= 2
+
+
+def resolve_packing(spec: MoESpec, plan: Plan) -> Plan:
+    """Before the EP rewrite: packing k -> experts over ep_size/k ranks (see the module doc)."""
+    if plan.form != "ep" or plan.packing == 1:
+        return plan
+    from moepass.runtime.topology import resolve
+
+    topology, ep = resolve(plan.topology, plan.ep_size)
+    k = choose_packing(spec, plan, ep, topology.ranks_per_node) if plan.packing == "auto" else int(plan.packing)
+    if ep % k or spec.num_experts % (ep // k):
+        raise PlanError(f"Plan.packing={plan.packing!r} is invalid for block {spec.path or '<root>'}: {k} experts "
+                        f"groups per device need ep_size {ep} divisible by {k} and {spec.num_experts} experts "
+                        f"divisible by {ep // max(k, 1)} ranks; use a packing dividing {ep}.")
+    return plan.replace(ep_size=ep // k, packing=k)
+
+
+# ----------------------------------------------------------------------------------------------
+# The graph rewrite.
+# ----------------------------------------------------------------------------------------------
+
+
+def _calls(graph: fx.Graph, target: Any) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def _stamp(node: fx.Node, block: str, **extra: Any) -> fx.Node:
+    node.meta["moepass"] = {"pass": PASS, "block": block, **extra}
+    return node
+
+
+def _mark_after(graph: fx.Graph, node: fx.Node, name: str, block: str) -> fx.Node:
+    with graph.inserting_after(node):
+        mark = _stamp(graph.create_node("call_function", MARK, (node, name), name=f"{node.name}_{name}"), block)
+    node.replace_all_uses_with(mark, delete_user_cb=lambda user: user is not mark)
+    return mark
+
+
+def _region(permute: fx.Node, unpermute: fx.Node) -> list[fx.Node] | None:
+    """Nodes between the token permute and its inverse (both included), in graph order; None if a
+    node depending on the permute escapes the region other than through the inverse."""
+    down, todo = set(), [permute]
+    while todo:
+        n = todo.pop()
+        if n not in down:
+            down.add(n)
+            todo.extend(n.users)
+    up, todo = set(), [unpermute]
+    while todo:
+        n = todo.pop()
+        if n not in up:
+            up.add(n)
+            todo.extend(n.all_input_nodes)
+    region = down & up
+    beyond = set()
+    todo = [unpermute]
+    while todo:
+        n = todo.pop()
+        if n not in beyond:
+            beyond.add(n)
+            todo.extend(n.users)
+    if down - region - beyond:
+        return None
+    return [n for n in permute.graph.nodes if n in region]
+
+
+def _phases(region: list[fx.Node]) -> dict[fx.Node, int]:
+    inside = set(region)
+    phase: dict[fx.Node, int] = {}
+    for n in region:
+        p = max((phase[i] for i in n.all_input_nodes if i in inside), default=0)
+        if n.op == "call_function" and n.target is comm.WAIT:
+            issue = n.args[0]
+            if issue.target is comm.EXCHANGE_COUNTS:
+                p = max(p, COUNTS)
+            elif issue.target is comm.ALL_TO_ALL:
+                p = max(p, DISPATCH if issue.args[4] == "dispatch" else COMBINE)
+        phase[n] = p
+    return phase
+
+
+def pipeline_order(n: int) -> list[tuple[int, int]]:
+    """(phase, chunk) in emission order: see the module doc."""
+    order = [(0, j) for j in range(n)] + [(COUNTS, 0)]
+    for j in range(n):
+        if j + 1 < n:
+            order.append((COUNTS, j + 1))
+        order.append((DISPATCH, j))
+    return order + [(COMBINE, j) for j in range(n)]
+
+
+def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
+    """Cut the dispatch / expert compute / combine of an EP graph into n pipelined chunks (in place)."""
+    graph, block = gm.graph, gm.spec.path
+    dispatch = [a for a in _calls(graph, comm.ALL_TO_ALL) if a.args[4] == "dispatch"]
+    if len(dispatch) != 1:
+        raise ValueError(f"schedule: expected one dispatch all-to-all in block {block or '<root>'}, "
+                         f"found {len(dispatch)} (already chunked?)")
+    permute = dispatch[0].args[0].args[0]
+    assert permute.target is dialect.PERMUTE, permute
+    order = [u for u in permute.users if u.args[1] == 2]
+    inverses = [u for o in order for u in o.users if u.target is dialect.UNPERMUTE]
+    assert len(inverses) == 1, inverses
+    unpermute = inverses[0]
+    region = _region(permute, unpermute)
+    if region is None:
+        raise ValueError(f"schedule: a node of block {block or '<root>'} uses the routed rows outside the "
+                         "dispatch/compute/combine region; cannot chunk it")
+    phase = _phases(region)
+    x_TD, experts_TK = permute.args[0], permute.args[1]
+    clones: list[dict[fx.Node, fx.Node]] = [{} for _ in range(n)]
+    with graph.inserting_before(unpermute):
+        pieces = []
+        for what, src in (("x_TD", x_TD), ("experts_TK", experts_TK)):
+            split = _stamp(graph.create_node("call_function", torch.tensor_split, (src, n, 0), name=f"{what}_chunks"),
+                           block)
+            items = []
+            for j in range(n):
+                item = _stamp(graph.create_node("call_function", operator.getitem, (split, j), name=f"{what}_c{j}"),
+                              block, chunk=j)
+                items.append(item)
+            pieces.append(items)
+        by_phase: dict[int, list[fx.Node]] = defaultdict(list)
+        for node in region:
+            by_phase[phase[node]].append(node)
+        for p, j in pipeline_order(n):
+            env = clones[j]
+            for node in by_phase[p]:
+                if node is permute:
+                    args = (pieces[0][j], pieces[1][j], *permute.args[2:])
+                else:
+                    args = fx.map_arg(node.args, lambda a, env=env: env.get(a, a))
+                kwargs = fx.map_arg(node.kwargs, lambda a, env=env: env.get(a, a))
+                new = graph.create_node(node.op, node.target, args, kwargs, name=f"{node.name}_c{j}")
+                env[node] = _stamp(new, block, chunk=j)
+        cat = _stamp(graph.create_node("call_function", torch.cat, ([env[unpermute] for env in clones], 0),
+                                       name="y_TKD_chunked"), block)
+    unpermute.replace_all_uses_with(cat)
+    for node in reversed(region):
+        graph.erase_node(node)
+    graph.lint()
+    return {"region_nodes": len(region)}
+
+
+def add_marks(gm: MoEGraphModule) -> int:
+    """moe_sched.mark nodes: around every expert FFN and on the combine output (see module doc)."""
+    graph, block = gm.graph, gm.spec.path
+    count = 0
+    for ffn in _calls(graph, dialect.EXPERT_FFN):
+        with graph.inserting_before(ffn):
+            into = _stamp(graph.create_node("call_function", MARK, (ffn.args[0], "expert_in"),
+                                            name=f"{ffn.args[0].name}_expert_in"), block)
+        ffn.args = (into, *ffn.args[1:])
+        _mark_after(graph, ffn, "expert_out", block)
+        count += 2
+    for combine in _calls(graph, dialect.COMBINE):
+        _mark_after(graph, combine, COMBINE_REGION, block)
+        count += 1
+    return count
+
+
+def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
+    """Chunk and pipeline the block's all-to-all and expert compute; place the scheduler's marks."""
+    layout = getattr(gm, "ep_layout", None)
+    if gm.form != "ep" or layout is None:
+        return PassResult(gm, changed=False, stats={"reason": f"form {gm.form!r} has no all-to-all to schedule"})
+    n, why = choose_chunks(gm.spec, plan, layout.groups.ep_size, layout.groups.topology.ranks_per_node)
+    stats: dict[str, Any] = {"chunks": n, "chunks_from": why, "packing": plan.packing,
+                             "ep_size": layout.groups.ep_size}
+    stats["marks"] = add_marks(gm)
+    if n > 1:
+        stats.update(chunk_graph(gm, n))
+    counts = {name: len(_calls(gm.graph, t)) for name, t in
+              (("exchange_counts", comm.EXCHANGE_COUNTS), ("all_to_all", comm.ALL_TO_ALL), ("wait", comm.WAIT))}
+    stats.update(counts)
+    gm.recompile()
+    return PassResult(gm, changed=True, stats=stats)
+
+
+SCHEDULE.append((PASS, schedule_pass))
+PLAN_RESOLVERS.append(resolve_packing)

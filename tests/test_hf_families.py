@@ -23,7 +23,7 @@ FAMILIES = {
     "qwen2_moe": ("hf-softmax-topk", "input"),
     "qwen3_moe": ("hf-softmax-topk", "input"),  # Qwen2/OLMoE's router under another class name: no new code
     "olmoe": ("hf-softmax-topk", "input"),
-    "deepseek_v3": ("hf-sigmoid-group", "float32"),
+    "deepseek_v3": ("hf-group-limited", "float32"),
     "switch": ("hf-top1-capacity", "float32"),
 }
 RTOL, ATOL = 1e-5, 1e-6

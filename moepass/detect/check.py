@@ -173,7 +173,7 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
     try:
         gm = canonical.build(spec, probe)
     except Exception as err:  # a hypothesis that does not even build is just a wrong hypothesis
-        return CheckResult(spec, False, reason=f"canonical graph does not build: {err}")
+        return CheckResult(spec, False, float("inf"), reason=f"canonical graph does not build: {err}")
     result = CheckResult(spec, True, max_error=0.0)
     other_k = None  # the block's top-k over E used another k
     for x, original, seen in zip(inputs, originals, selections):
@@ -182,7 +182,7 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
             with torch.no_grad():
                 ours = cap.run(x)
         except Exception as err:
-            return CheckResult(spec, False, reason=f"canonical graph fails on a probe input: {err}")
+            return CheckResult(spec, False, float("inf"), reason=f"canonical graph fails on a probe input: {err}")
         if spec.router.n_group > 1 and "logits_TE" in cap.values:
             result.group_sensitive_tokens += _group_sensitive(spec, cap.values["logits_TE"].float(),
                                                               cap.values.get("selection_bias_E"))
@@ -194,7 +194,7 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
             mine = cap.values["experts_TK"].sort(dim=-1).values
             theirs = seen.indices.sort(dim=-1).values
             if mine.shape != theirs.shape:
-                return CheckResult(spec, False, reason=f"selects {mine.shape[-1]} experts per token ({mine.shape[0]} "
+                return CheckResult(spec, False, float("inf"), reason=f"selects {mine.shape[-1]} experts per token ({mine.shape[0]} "
                                                        f"tokens), block selects {theirs.shape[-1]} ({theirs.shape[0]})")
             mismatched = int(((mine != theirs).any(dim=-1) & seen.clear).sum())
             result.compared_tokens += int(seen.clear.sum())
@@ -204,11 +204,11 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
         else:
             result.selection_observed = False
         if len(_outputs(ours)) != len(original):
-            return CheckResult(spec, False, reason=f"returns {len(_outputs(ours))} value(s) (hidden states + side "
+            return CheckResult(spec, False, float("inf"), reason=f"returns {len(_outputs(ours))} value(s) (hidden states + side "
                                                    f"outputs {list(spec.side_outputs)}), block returns {len(original)}")
         for a, b in zip(_outputs(ours), _outputs(original)):
             if a.shape != b.shape:
-                return CheckResult(spec, False, reason=f"output shape {tuple(a.shape)} != block's {tuple(b.shape)}")
+                return CheckResult(spec, False, float("inf"), reason=f"output shape {tuple(a.shape)} != block's {tuple(b.shape)}")
             gap = (a - b).abs().max().item() if a.numel() else 0.0
             result.max_error = max(result.max_error, gap)
             if not torch.allclose(a, b, atol=atol, rtol=rtol):

@@ -11,7 +11,7 @@ a ModuleDict of expert MLPs.
 The recognisers key on what the router module holds and does, never on class names alone:
 
     softmax_topk   weight [E, D], top_k [, norm_topk_prob]      Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...
-    sigmoid_group  + a selection bias [E] (e_score_correction_bias), n_group, topk_group,
+    group_limited  + a selection bias [E] (e_score_correction_bias), n_group, topk_group,
                      routed_scaling_factor, norm_topk_prob       DeepSeek-V3 and look-alikes
     top1_capacity  a classifier Linear to E, expert_capacity      SwitchTransformers
 
@@ -222,7 +222,7 @@ def softmax_topk(c: Candidate) -> list[MoESpec] | str:
     if top_k is None:
         return f"router {block.router_name} has no int top_k attribute"
     if _attr(block.router, N_GROUP_NAMES, int) or _selection_bias(block) is not None:
-        return f"router {block.router_name} has groups or a selection bias: a sigmoid_group router"
+        return f"router {block.router_name} has groups or a selection bias: a group_limited router"
     renorm = _attr(block.router, RENORM_NAMES, bool)
     routers = [block.router_spec(index, top_k=top_k, score_func="softmax", renormalize=r, jitter_eps=block.block_jitter())
                for r in ([renorm] if renorm is not None else [True, False])]
@@ -237,7 +237,7 @@ def _selection_bias(block: HFBlock) -> str | None:
     return None
 
 
-def sigmoid_group(c: Candidate) -> list[MoESpec] | str:
+def group_limited(c: Candidate) -> list[MoESpec] | str:
     """DeepSeek-V3: sigmoid scores (+ selection-only bias) → group-limited top-k → weights from the
     unbiased scores, renormalised if `norm_topk_prob`, times `routed_scaling_factor`."""
     found = _router_block(c)
@@ -250,7 +250,9 @@ def sigmoid_group(c: Candidate) -> list[MoESpec] | str:
     n_group = _attr(r, N_GROUP_NAMES, int) or 1
     if top_k is None or (bias is None and n_group == 1):
         return f"router {block.router_name} has no top_k, or neither a selection bias {SELECTION_BIAS_NAMES} nor groups"
-    topk_group = _attr(r, TOPK_GROUP_NAMES, int) or n_group
+    if _attr(r, ("topk_method",), str) == "greedy":  # DeepSeek-V2: groups configured but not used
+        n_group = 1
+    topk_group = min(_attr(r, TOPK_GROUP_NAMES, int) or n_group, n_group)
     scaling = _attr(r, SCALING_NAMES, (float, int)) or 1.0
     renorm = _attr(r, RENORM_NAMES, bool)
     common = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(scaling),
@@ -258,7 +260,7 @@ def sigmoid_group(c: Candidate) -> list[MoESpec] | str:
     routers = [block.router_spec(index, score_func=score, renormalize=rn, group_score=gs, **common)
                for score, gs, rn in product(("sigmoid", "softmax"), ("top2_sum", "max"),
                                             [renorm] if renorm is not None else [True, False])]
-    return block.specs("hf-sigmoid-group", routers)
+    return block.specs("hf-group-limited", routers)
 
 
 def top1_capacity(c: Candidate) -> list[MoESpec] | str:
@@ -282,7 +284,7 @@ def top1_capacity(c: Candidate) -> list[MoESpec] | str:
 
 
 RECOGNISERS: list[tuple[str, Callable[[Candidate], list[MoESpec] | str]]] = [
-    ("hf-sigmoid-group", sigmoid_group),
+    ("hf-group-limited", group_limited),
     ("hf-top1-capacity", top1_capacity),
     ("hf-softmax-topk", softmax_topk),
 ]

@@ -246,3 +246,25 @@ def test_sources_match_the_registry_for_each_lowered_node():
         ("route_lowered", "gating"), ("permute_lowered", "permute"), ("y_ND_lowered", "grouped_gemm"),
         ("out_TD_lowered", "combine")]
     assert all("import triton" in text for _, _, text in found)
+
+
+def test_ep_graph_on_the_fake_process_group_lowers_both_permutes_and_verifies():
+    """EP at W=4 (graph only): the local permute is lowered too; the lone K=1 unpermute stays dialect."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moepass.runtime.topology import reset_groups
+    from samples.models import tiny_mixtral as sample_mixtral
+
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    try:
+        model = sample_mixtral(style="fused", vocab_size=32, dim=16, ffn_dim=16, num_experts=8, top_k=2, layers=1)
+        plan = moepass.Plan(form="ep", topology=moepass.Topology(2, 2), lowering="triton")
+        compiled = moepass.compile(model, plan)  # MOEPASS_VERIFY=1: the verifier runs after the lower pass
+        assert lower_stats(compiled)["layers.0.mlp"]["lowered"] == {**PER_BLOCK, "permute": 2}
+        assert moe_ops(compiled.layers[0].mlp) == [
+            "moe_lowered.route", "moe_lowered.permute", "moe_lowered.permute", "moe_lowered.expert_ffn",
+            "moe.unpermute", "moe_lowered.unpermute_combine"]
+    finally:
+        dist.destroy_process_group()
+        reset_groups()

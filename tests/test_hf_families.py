@@ -204,3 +204,13 @@ def test_tuple_output_block(built):
     x.grad = None
     (got[0].sum() + got[1].square().sum()).backward()
     torch.testing.assert_close(x.grad, grad_ref, rtol=RTOL, atol=ATOL)
+
+
+def test_detection_leaves_the_global_rng_alone(built):
+    """Seeded jitter parity relies on it: detecting (probes, train-mode check) draws from its own generators."""
+    model, _, _ = built("mixtral", jitter=0.1)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    assert len(moepass.detect(model).blocks) == H.MOE_BLOCKS["mixtral"]
+    assert torch.equal(torch.rand(3), expected)

@@ -78,6 +78,7 @@ class HFBlock:
         bias = getattr(linear, "bias", None)
         self.bias = bias if isinstance(bias, nn.Parameter) else None
         self.E, self.D = self.weight.shape
+        self._dtype: str | None = None
 
     def logits_index(self) -> int | None | str:
         """Which output of the router module is `x @ W.T (+ b)`: an index, None (a plain tensor), or why not."""
@@ -100,15 +101,17 @@ class HFBlock:
 
     def logits_dtype(self, index: int | None) -> str:
         """'float32' if the router computes fp32 logits for a bf16 input and bf16 weights, else 'input'."""
-        router = copy.deepcopy(self.router).to(torch.bfloat16).eval()
-        x = torch.randn(2, 3, self.D, dtype=torch.bfloat16)
-        try:
-            with torch.no_grad():
-                out = router(x)
-            logits = out if index is None else out[index]
-            return "float32" if logits.dtype == torch.float32 else "input"
-        except Exception:
-            return "input"
+        if self._dtype is None:
+            router = copy.deepcopy(self.router).to(torch.bfloat16).eval()
+            x = torch.randn(2, 3, self.D, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+            try:
+                with torch.no_grad():
+                    out = router(x)
+                logits = out if index is None else out[index]
+                self._dtype = "float32" if logits.dtype == torch.float32 else "input"
+            except Exception:
+                self._dtype = "input"
+        return self._dtype
 
     def router_spec(self, index: int | None, **fields: object) -> RouterSpec:
         return RouterSpec(

@@ -1,0 +1,312 @@
+"""Step time: partitioned + prioritised (Lina) vs plain EP + DDP, with all-to-all and the DDP bucket
+all-reduce sharing the links; a timeline of one step; the chunk count the cost model picks for three
+compute/transfer ratios.
+
+    .venv/bin/python benchmarks/schedule.py            # W=2 on loopback + W=4 in network namespaces (root)
+    .venv/bin/python benchmarks/schedule.py --no-netns # W=2 only
+
+plain   : Plan(form="ep", a2a_chunks=1) wrapped in DDP (default 25 MB buckets, gloo, world group).
+lina    : Plan(form="ep", a2a_chunks=n) wrapped in moepass.DataParallel (micro-ops of MICRO_OP_BYTES,
+          priority rule, its own group); n from the cost model for the link (see `pick_chunks`).
+W=4     : ranks 0,1 = "node A", ranks 2,3 = "node B", each rank in its own network namespace with a veth
+          into its node's bridge (unlimited: intra-node); the two bridges are joined by one veth pair
+          limited with `tc tbf` in both directions (inter-node). 4 ranks share 2 cores: the W=4 times
+          include CPU contention (ENVIRONMENT.md), the link limit is what makes communication matter.
+Writes benchmarks/results/schedule.json and schedule_timeline.png (+ .svg).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+RESULTS = REPO / "benchmarks" / "results"
+MODEL = dict(style="fused", vocab_size=2048, dim=256, ffn_dim=256, num_experts=8, top_k=2, layers=2, heads=4)
+BATCH, SEQ = 4, 64  # per rank
+MICRO_OP_BYTES = 256 * 1024
+WARMUP, STEPS = 2, 5
+NETNS = dict(prefix="mpb", subnet="10.77.0", rate="100mbit", burst="64kb", latency="100ms", delay="1ms")
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunk count from the cost model.
+# ----------------------------------------------------------------------------------------------
+
+
+def pick_chunks(spec, tokens, ep, per_node, bandwidth, flops, alpha):
+    from cost_model.presets import this_machine
+    from moepass.schedule import layer_times
+
+    hw = this_machine().with_figures("benchmark", flops=flops, intra_bw=bandwidth, inter_bw=bandwidth, alpha=alpha)
+    times = layer_times(spec, tokens, ep, per_node, hardware=hw)
+    return times.compute / times.transfer, times.chunks()
+
+
+# ----------------------------------------------------------------------------------------------
+# One rank.
+# ----------------------------------------------------------------------------------------------
+
+
+def worker(rank, world, addr, port, mode, chunks, out_dir, nodes):
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import moepass
+    from moepass.runtime import events
+    from samples.models import tiny_mixtral
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    torch.manual_seed(0)
+    model = tiny_mixtral(**MODEL)
+    plan = moepass.Plan(form="ep", a2a_chunks=chunks, topology=moepass.Topology(nodes, world // nodes),
+                        micro_op_bytes=MICRO_OP_BYTES)
+    cm = moepass.compile(model, plan)
+    wrapped = DDP(cm) if mode == "plain" else moepass.DataParallel(cm)
+    if mode == "plain":
+        wrapped.register_comm_hook(None, events.ddp_logging_hook)  # DDP's all-reduce, seen by the event log
+    opt = torch.optim.SGD(cm.parameters(), lr=0.01)
+    log = events.EventLog(rank).start()
+    times = []
+    for step in range(WARMUP + STEPS):
+        tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+        dist.barrier()
+        log.clear()
+        start = time.perf_counter()
+        with log.region("forward"):
+            out = wrapped(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1))
+        with log.region("backward"):
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    log.stop()
+    waits = events.priority_waits(log.events)
+    result = {"rank": rank, "mode": mode, "chunks": chunks, "step_s": times[WARMUP:],
+              "max_allreduce_per_a2a": max(waits) if waits else 0,
+              "events": [e.to_json() for e in log.events]}
+    Path(out_dir, f"{mode}_{rank}.json").write_text(json.dumps(result))
+    if mode == "lina":
+        wrapped.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn_target(rank, world, port, mode, chunks, out_dir, nodes):
+    worker(rank, world, "127.0.0.1", port, mode, chunks, out_dir, nodes)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_loopback(world, mode, chunks, out_dir):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawn_target, args=(world, _free_port(), mode, chunks, out_dir, 1), nprocs=world, join=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Network namespaces (W=4, two simulated nodes, a tc-limited inter-node link).
+# ----------------------------------------------------------------------------------------------
+
+
+def _sh(cmd):
+    subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True)
+
+
+def netns_up(world=4):
+    p, net = NETNS["prefix"], NETNS["subnet"]
+    netns_down(world)
+    _sh(f"ip netns add {p}sw")
+    for br in ("A", "B"):
+        _sh(f"ip -n {p}sw link add br{br} type bridge && ip -n {p}sw link set br{br} up")
+    _sh(f"ip -n {p}sw link add xa type veth peer name xb")
+    _sh(f"ip -n {p}sw link set xa master brA && ip -n {p}sw link set xb master brB")
+    _sh(f"ip -n {p}sw link set xa up && ip -n {p}sw link set xb up")
+    for dev in ("xa", "xb"):  # the inter-node link, both directions
+        _sh(f"ip netns exec {p}sw tc qdisc add dev {dev} root handle 1: netem delay {NETNS['delay']}")
+        _sh(f"ip netns exec {p}sw tc qdisc add dev {dev} parent 1: handle 2: tbf rate {NETNS['rate']} "
+            f"burst {NETNS['burst']} latency {NETNS['latency']}")
+    for r in range(world):
+        _sh(f"ip netns add {p}{r}")
+        _sh(f"ip link add {p}v{r} type veth peer name {p}e{r}")
+        _sh(f"ip link set {p}v{r} netns {p}{r} && ip link set {p}e{r} netns {p}sw")
+        _sh(f"ip -n {p}sw link set {p}e{r} master br{'A' if r < world // 2 else 'B'} && ip -n {p}sw link set {p}e{r} up")
+        _sh(f"ip -n {p}{r} addr add {net}.{r + 1}/24 dev {p}v{r} && ip -n {p}{r} link set {p}v{r} up "
+            f"&& ip -n {p}{r} link set lo up")
+
+
+def netns_down(world=4):
+    p = NETNS["prefix"]
+    for name in [f"{p}{r}" for r in range(world)] + [f"{p}sw"]:
+        subprocess.run(f"ip netns del {name}", shell=True, capture_output=True)
+
+
+def run_netns(world, mode, chunks, out_dir):
+    p, net = NETNS["prefix"], NETNS["subnet"]
+    port = 29611
+    procs = []
+    for r in range(world):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": f"{p}v{r}"}
+        cmd = ["ip", "netns", "exec", f"{p}{r}", sys.executable, __file__, "--worker", str(r), str(world),
+               f"{net}.1", str(port), mode, str(chunks), out_dir, "2"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errors = []
+    for pr in procs:
+        _, err = pr.communicate(timeout=900)
+        if pr.returncode:
+            errors.append(err[-2000:])
+    if errors:
+        raise RuntimeError("netns workers failed:\n" + "\n".join(errors))
+
+
+# ----------------------------------------------------------------------------------------------
+# Main.
+# ----------------------------------------------------------------------------------------------
+
+
+def collect(out_dir, mode, world):
+    runs = [json.loads(Path(out_dir, f"{mode}_{r}.json").read_text()) for r in range(world)]
+    per_step = [max(r["step_s"][i] for r in runs) for i in range(STEPS)]  # a step ends on its slowest rank
+    per_step.sort()
+    return {"median_step_s": per_step[len(per_step) // 2], "steps_s": per_step, "chunks": runs[0]["chunks"],
+            "max_allreduce_per_a2a": max(r["max_allreduce_per_a2a"] for r in runs)}, runs
+
+
+def measure(world, runner, chunks_lina, label):
+    out = {}
+    events = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, chunks in (("plain", 1), ("lina", chunks_lina)):
+            runner(world, mode, chunks, tmp)
+            out[mode], runs = collect(tmp, mode, world)
+            events[mode] = runs
+    out["ratio_plain_over_lina"] = out["plain"]["median_step_s"] / out["lina"]["median_step_s"]
+    print(f"{label}: plain {out['plain']['median_step_s'] * 1e3:.1f} ms, lina (n={chunks_lina}) "
+          f"{out['lina']['median_step_s'] * 1e3:.1f} ms, ratio {out['ratio_plain_over_lina']:.3f}; "
+          f"max all-reduce ops per a2a: plain {out['plain']['max_allreduce_per_a2a']}, "
+          f"lina {out['lina']['max_allreduce_per_a2a']}", flush=True)
+    return out, events
+
+
+def breakdown(world, runner, chunks):
+    """Each ingredient alone: chunking without priority, priority without chunking."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, n in (("plain", 1), ("plain", chunks), ("lina", 1), ("lina", chunks)):
+            runner(world, mode, n, tmp)
+            out[f"{mode}_n{n}"] = collect(tmp, mode, world)[0]["median_step_s"]
+            print(f"  {mode} n={n}: {out[f'{mode}_n{n}'] * 1e3:.1f} ms", flush=True)
+    return out
+
+
+def plot(events_by_mode, path_stem, title):
+    from moepass.runtime.events import Event, plot_timeline
+
+    evs = []
+    for mode, runs in events_by_mode.items():
+        for r in runs:
+            for e in r["events"]:
+                e = dict(e)
+                e["rank"] = f"{mode} r{e['rank']}"
+                evs.append(Event(**e))
+    # one lane set per mode, each mode's step starting at 0
+    for mode in events_by_mode:
+        mine = [e for e in evs if e.rank.startswith(mode)]
+        t0 = min(e.start for e in mine)
+        for e in mine:
+            e.start, e.end = e.start - t0, e.end - t0
+    for suffix in (".png", ".svg"):
+        plot_timeline(evs, str(path_stem) + suffix, title)
+
+
+def ratio_configs():
+    """Three configurations (expert width x link) and the n the cost model picks for each."""
+    import torch
+
+    import moepass
+    from samples.models import FusedMoE
+
+    rows = []
+    for name, ffn, bandwidth in (("transfer-bound", 64, 2.5e7), ("balanced", 512, 1.25e8), ("compute-bound", 2048, 1e9)):
+        torch.manual_seed(0)
+        spec = moepass.detect(FusedMoE(256, ffn, 8, 2)).blocks[0]
+        ratio, n = pick_chunks(spec, BATCH * SEQ, 4, 2, bandwidth, flops=2e9, alpha=2e-3)
+        rows.append({"config": name, "ffn_dim": ffn, "bandwidth_Bps": bandwidth, "compute_over_transfer": ratio,
+                     "chosen_chunks": n})
+        print(f"{name}: F={ffn} B={bandwidth:.3g} B/s compute/transfer={ratio:.3g} -> n={n}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-netns", action="store_true")
+    parser.add_argument("--worker", nargs=8)
+    parser.add_argument("--breakdown", type=int, default=0, help="W=2: plain/lina at n=1 and n=N, then exit")
+    args = parser.parse_args(argv)
+    if args.breakdown:
+        print(breakdown(2, run_loopback, args.breakdown))
+        return 0
+    if args.worker:
+        r, w, addr, port, mode, chunks, out_dir, nodes = args.worker
+        worker(int(r), int(w), addr, int(port), mode, int(chunks), out_dir, int(nodes))
+        return 0
+    import torch
+
+    import moepass
+    from samples.models import tiny_mixtral
+
+    torch.manual_seed(0)
+    spec = moepass.detect(tiny_mixtral(**MODEL)).blocks[0]
+    result = {"model": MODEL, "batch_per_rank": [BATCH, SEQ], "micro_op_bytes": MICRO_OP_BYTES, "steps": STEPS,
+              "warmup": WARMUP, "ratio_configs": ratio_configs()}
+    # W=2 loopback: figures of this machine (gloo loopback, 1 thread)
+    # alpha: the per-chunk overhead measured here (--breakdown: ~2 ms per extra chunk and collective)
+    _, n2 = pick_chunks(spec, BATCH * SEQ, 2, 2, bandwidth=1e9, flops=2e9, alpha=2e-3)
+    result["w2_loopback"], ev2 = measure(2, run_loopback, max(n2, 2), "W=2 loopback")
+    result["w2_loopback"]["cost_model_chunks"] = n2
+    plot(ev2, RESULTS / "schedule_timeline", "W=2 loopback, last step: plain (DDP buckets, n=1) vs lina "
+         "(chunked + prioritised)")
+    if not args.no_netns:
+        try:
+            netns_up()
+            rate_Bps = 100e6 / 8
+            _, n4 = pick_chunks(spec, BATCH * SEQ, 4, 2, bandwidth=rate_Bps, flops=1e9, alpha=2e-3)
+            result["w4_netns"], ev4 = measure(4, run_netns, max(n4, 2), "W=4 netns")
+            result["w4_netns"]["cost_model_chunks"] = n4
+            result["w4_netns"]["settings"] = {**NETNS, "nodes": 2, "ranks_per_node": 2,
+                                              "intra": "veth into a per-node bridge, no limit",
+                                              "inter": f"one veth pair between the bridges: netem delay "
+                                                       f"{NETNS['delay']} + tbf rate {NETNS['rate']} burst "
+                                                       f"{NETNS['burst']} latency {NETNS['latency']}, both directions"}
+            plot(ev4, RESULTS / "schedule_timeline_w4", "W=4 netns (tc-limited inter-node link), last step")
+        except Exception as err:  # report exactly what blocked it
+            result["w4_netns"] = {"error": f"{type(err).__name__}: {err}"[:3000]}
+            print("W=4 netns failed:", err, flush=True)
+        finally:
+            netns_down()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "schedule.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--style", default="loop", choices=["loop", "fused", "gshard", "mixed"])
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     results = {

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from moepass import dialect
+import moepass  # noqa: F401  (registers the moe:: ops)
 
 T, D, F, E, K = 11, 8, 12, 5, 2  # E not a power of two
 ACTIVATIONS = ["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu"]

@@ -130,10 +130,9 @@ def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
 
 def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float) -> Tensor:
     """The expert activation, `act(gate) [* up]`."""
-    if activation == "swiglu":
-        return F.silu(h_gate) * h_up
-    if activation == "geglu":
-        return F.gelu(h_gate) * h_up
+    if activation in ("swiglu", "geglu"):
+        assert h_up is not None, f"{activation} is gated: it needs an up projection"
+        return (F.silu(h_gate) if activation == "swiglu" else F.gelu(h_gate)) * h_up
     if activation == "gelu":
         return F.gelu(h_gate)
     if activation == "gelu_tanh":

@@ -163,10 +163,11 @@ def check_splits(gm: fx.GraphModule) -> list[Violation]:
                 pairs.append(("split sizes", n.args[1], int(val.shape[dim])))
         if _namespace(n.target) in COMM_NAMESPACES and "all_to_all" in str(n.target):
             out_splits, in_splits = n.args[1], n.args[2]
-            if isinstance(in_splits, (list, tuple)) and _rows(n.args[0]) is not None:
-                pairs.append(("input splits", in_splits, _rows(n.args[0])))
-            if isinstance(out_splits, (list, tuple)) and _rows(n) is not None:
-                pairs.append(("output splits", out_splits, _rows(n)))
+            in_rows, out_rows = _rows(n.args[0]), _rows(n)
+            if isinstance(in_splits, (list, tuple)) and in_rows is not None:
+                pairs.append(("input splits", in_splits, in_rows))
+            if isinstance(out_splits, (list, tuple)) and out_rows is not None:
+                pairs.append(("output splits", out_splits, out_rows))
         for what, sizes, rows in pairs:
             if all(isinstance(s, int) for s in sizes) and sum(sizes) != rows:
                 out.append(Violation("V4 split sums", n.name, f"{what} {list(sizes)} sum to {sum(sizes)}, "

@@ -66,7 +66,7 @@ def _bias(c: Candidate, role: str, shape: tuple[int, int]) -> TensorSource | Non
 def recognise(c: Candidate, capacity: CapacitySpec | None = None, name: str = NAME) -> list[MoESpec] | str:
     if c.experts_kind != "fused":
         return "experts are not fused 3-D weights"
-    D = c.module.get_submodule(c.router_path).weight.shape[1]
+    D = int(c.module.get_submodule(c.router_path).weight.shape[1])  # type: ignore[index]
     layouts = expert_layouts(c, D)
     if not layouts:
         return f"3-D parameters {c.fused_params} do not read as gate/up [E, D, F|2F] and down [E, F, D] with D={D}"

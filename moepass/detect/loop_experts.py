@@ -22,7 +22,7 @@ PLAIN = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "relu": "relu"}
 def recognise(c: Candidate) -> list[MoESpec] | str:
     if c.experts_kind != "modulelist":
         return "experts are not a ModuleList"
-    expert = c.experts[0]
+    expert = next(iter(c.experts.children()))
     gate, up, down = first_child(expert, GATE_NAMES), first_child(expert, UP_NAMES), first_child(expert, DOWN_NAMES)
     if gate is None or down is None:
         return f"expert {type(expert).__name__} has no recognisable gate/down linears (looked for {GATE_NAMES}, {DOWN_NAMES})"
@@ -43,7 +43,8 @@ def recognise(c: Candidate) -> list[MoESpec] | str:
         b_gate=stacked(gate, "bias"), b_up=stacked(up, "bias"), b_down=stacked(down, "bias"),
         container=c.experts_path,
     )
-    top_ks = [read_top_k(c.module)] if read_top_k(c.module) else [1, 2]
+    top_k = read_top_k(c.module)
+    top_ks = [top_k] if top_k is not None else [1, 2]
     return [
         MoESpec(path=c.path, recogniser=NAME, router=router, experts=experts)
         for k in top_ks

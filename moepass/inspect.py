@@ -1,0 +1,264 @@
+"""Looking at rewritten graphs: `diff`, `draw`, `set_debug`.
+
+    print(moepass.diff(block, cm.layers[0].mlp))     # original block (traced) vs its dialect graph
+    moepass.draw(cm, "model.svg")                    # every rewritten block, nodes coloured by pass
+    moepass.set_debug(True)                          # log each pass with its time and counts
+
+Provenance: every node a pass makes carries `node.meta["moepass"] = {"pass": ..., "block": ...}`
+(the backend adds `"via": "backend"`); `draw` colours nodes by that pass. Communication nodes
+(functional collectives, `moe_comm::*`) are labelled with their bytes and predicted time when the
+node records them (`meta["moepass"]["bytes"]`, `["predicted_s"]`) or when a function registered in
+`COMM_ANNOTATORS` returns them (the cost model's hook).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+log = logging.getLogger("moepass")
+
+# ----------------------------------------------------------------------------------------------
+# Debug logging.
+# ----------------------------------------------------------------------------------------------
+
+_HANDLER: logging.Handler | None = None
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Log every pass (name, block, time, counts) and every backend decision to stderr.
+
+    The same as `MOEPASS_DEBUG=1` at import, but at any time; `set_debug(False)` undoes it.
+    """
+    global _HANDLER
+    if enabled:
+        if _HANDLER is None:
+            _HANDLER = logging.StreamHandler()
+            _HANDLER.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            log.addHandler(_HANDLER)
+        log.setLevel(logging.DEBUG)
+    else:
+        if _HANDLER is not None:
+            log.removeHandler(_HANDLER)
+            _HANDLER = None
+        log.setLevel(logging.NOTSET)
+
+
+if os.environ.get("MOEPASS_DEBUG") and not log.handlers and not logging.getLogger().handlers:
+    set_debug(True)
+
+# ----------------------------------------------------------------------------------------------
+# diff.
+# ----------------------------------------------------------------------------------------------
+
+
+def _target(node: fx.Node) -> str:
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", None) if not isinstance(node.target, torch._ops.OpOverload) \
+            else str(node.target)  # type: ignore[return-value]
+    return str(node.target)
+
+
+def _arg(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_arg(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+    return repr(a)
+
+
+def node_line(node: fx.Node) -> str:
+    """One readable line per node: `name = op target(args)` (placeholders and outputs shortened)."""
+    if node.op == "placeholder":
+        return f"input {node.name}"
+    if node.op == "output":
+        return f"return {_arg(node.args[0])}"
+    if node.op == "get_attr":
+        return f"{node.name} = self.{node.target}"
+    args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
+    prefix = {"call_method": ".", "call_module": "self."}.get(node.op, "")
+    return f"{node.name} = {prefix}{_target(node)}({args})"
+
+
+def _as_graph(obj: fx.GraphModule | fx.Graph | nn.Module, example_inputs: Iterable[Any] | None) -> fx.Graph:
+    if isinstance(obj, fx.Graph):
+        return obj
+    if isinstance(obj, fx.GraphModule):
+        return obj.graph
+    if isinstance(obj, nn.Module):
+        try:
+            return fx.symbolic_trace(obj).graph
+        except Exception as err:
+            if example_inputs is None:
+                raise ValueError(
+                    f"moepass.diff: {type(obj).__name__} does not trace with torch.fx ({type(err).__name__}: {err}); "
+                    f"pass example_inputs=(x,) to capture it with Dynamo instead"
+                ) from err
+            return capture(obj, *example_inputs).graph
+    raise ValueError(f"moepass.diff: expected a GraphModule, fx.Graph or nn.Module, got {type(obj).__name__}")
+
+
+def capture(module: nn.Module, *inputs: Any) -> fx.GraphModule:
+    """The Dynamo graph of `module(*inputs)` (the module is run, not changed).
+
+    With graph breaks Dynamo makes several graphs: the largest is returned and
+    `gm.meta["moepass_graphs"]` says how many there were.
+    """
+    graphs: list[fx.GraphModule] = []
+
+    def keep(gm: fx.GraphModule, _example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=keep)(*inputs)
+    torch._dynamo.reset()
+    if not graphs:
+        raise ValueError(f"moepass.capture: Dynamo produced no graph for {type(module).__name__}")
+    largest = max(graphs, key=lambda g: len(g.graph.nodes))
+    largest.meta["moepass_graphs"] = len(graphs)
+    return largest
+
+
+def diff(before: fx.GraphModule | fx.Graph | nn.Module, after: fx.GraphModule | fx.Graph | nn.Module,
+         example_inputs: Iterable[Any] | None = None, context: int = 2) -> str:
+    """A readable unified diff of two graphs, one node per line, with a summary of ops added/removed.
+
+    `before`/`after` may be GraphModules, fx Graphs, or modules: a module is traced with torch.fx, or
+    captured with Dynamo on `example_inputs` (Hugging Face blocks do not trace with FX).
+    """
+    graphs = [_as_graph(g, example_inputs) for g in (before, after)]
+    old, new = ([node_line(n) for n in g.nodes] for g in graphs)
+    old_ops, new_ops = (_op_counts(g) for g in graphs)
+    removed = {k: v - new_ops.get(k, 0) for k, v in old_ops.items() if v > new_ops.get(k, 0)}
+    added = {k: v - old_ops.get(k, 0) for k, v in new_ops.items() if v > old_ops.get(k, 0)}
+    lines = [f"graph diff: {len(old)} -> {len(new)} nodes",
+             "  removed: " + (", ".join(f"{k} x{v}" for k, v in sorted(removed.items())) or "nothing"),
+             "  added:   " + (", ".join(f"{k} x{v}" for k, v in sorted(added.items())) or "nothing")]
+    for side, g in zip(("before", "after"), graphs):
+        count = getattr(g.owning_module, "meta", {}).get("moepass_graphs", 1) if g.owning_module else 1
+        if count > 1:
+            lines.append(f"  note: {side} was captured by Dynamo as {count} graphs (graph breaks); the largest is shown")
+    body = list(difflib.unified_diff(old, new, "before", "after", n=context, lineterm=""))
+    return "\n".join(lines + (body or ["(same nodes)"]))
+
+
+def _op_counts(graph: fx.Graph) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            key = _target(node) if node.op != "call_module" else f"module {node.target}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------
+# draw.
+# ----------------------------------------------------------------------------------------------
+
+PASS_COLOURS = {  # fill colour per pass that made a node; other passes get a colour from PALETTE
+    None: "white",  # the user's own nodes (not made by moepass)
+    "canonical": "#cfe2f3",
+    "rewrite:ep": "#d9ead3",
+    "schedule": "#fff2cc",
+    "lower": "#f4cccc",
+}
+PALETTE = ("#d9d2e9", "#fce5cd", "#d0e0e3", "#ead1dc", "#c9daf8", "#b6d7a8")
+COMM_NAMESPACES = ("_c10d_functional", "c10d_functional", "moe_comm")
+
+# A communication node's extra label, e.g. from the cost model: node -> (bytes, predicted seconds) or None.
+CommAnnotator = Callable[[fx.Node], "tuple[int | None, float | None] | None"]
+COMM_ANNOTATORS: list[CommAnnotator] = []
+
+
+def pass_of(node: fx.Node) -> str | None:
+    return (node.meta.get("moepass") or {}).get("pass")
+
+
+def is_comm(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in COMM_NAMESPACES
+
+
+def _comm_label(node: fx.Node, annotate: CommAnnotator | None) -> str:
+    meta = node.meta.get("moepass") or {}
+    sent, seconds = meta.get("bytes"), meta.get("predicted_s")
+    for fn in ([annotate] if annotate else []) + COMM_ANNOTATORS:
+        found = fn(node)
+        if found:
+            sent, seconds = sent if found[0] is None else found[0], seconds if found[1] is None else found[1]
+    parts = [f"{sent / 2**20:.2f} MiB" if isinstance(sent, (int, float)) else "bytes: run-time",
+             f"{seconds * 1e3:.3f} ms predicted" if isinstance(seconds, (int, float)) else ""]
+    return " | ".join(p for p in parts if p)
+
+
+def _graphs_of(obj: nn.Module | fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
+    if isinstance(obj, fx.GraphModule):
+        return [("", obj)]
+    found = [(path, m) for path, m in obj.named_modules() if isinstance(m, fx.GraphModule)]
+    if not found:
+        raise ValueError(f"moepass.draw: {type(obj).__name__} holds no graph; pass a GraphModule or a model "
+                         f"returned by moepass.compile (its MoE blocks are graph modules)")
+    return found
+
+
+def to_dot(obj: nn.Module | fx.GraphModule, annotate: CommAnnotator | None = None) -> Any:
+    """A pydot graph: one cluster per graph module, nodes coloured by the pass that made them."""
+    import pydot
+
+    dot = pydot.Dot("moepass", graph_type="digraph", rankdir="TB", fontname="Helvetica")
+    colours = dict(PASS_COLOURS)
+    used: dict[str | None, str] = {}
+    for index, (path, gm) in enumerate(_graphs_of(obj)):
+        cluster = pydot.Cluster(f"g{index}", label=f'"{path or type(gm).__name__}"', style="rounded")
+        ids = {}
+        for node in gm.graph.nodes:
+            made_by = pass_of(node)
+            if made_by not in colours:
+                colours[made_by] = PALETTE[(len(colours) - len(PASS_COLOURS)) % len(PALETTE)]
+            used[made_by] = colours[made_by]
+            label = f"{node.name}\\n{_target(node) if node.op != 'placeholder' else 'input'}"
+            shape = "box"
+            if is_comm(node):
+                label += "\\n" + _comm_label(node, annotate)
+                shape = "hexagon"
+            ids[node] = f"g{index}_{node.name}"
+            cluster.add_node(pydot.Node(ids[node], label=f'"{label}"', shape=shape, style="filled",
+                                        fillcolor=colours[made_by], fontname="Helvetica", fontsize="10",
+                                        tooltip=f'"{made_by or "user"}"'))
+        for node in gm.graph.nodes:
+            for arg in node.all_input_nodes:
+                cluster.add_edge(pydot.Edge(ids[arg], ids[node]))
+        dot.add_subgraph(cluster)  # type: ignore[arg-type]  (pydot stubs: Cluster is a Subgraph)
+    legend = pydot.Cluster("legend", label='"made by pass"', style="dashed")
+    for i, (name, colour) in enumerate(used.items()):
+        legend.add_node(pydot.Node(f"legend{i}", label=f'"{name or "user / Dynamo"}"', shape="box", style="filled",
+                                   fillcolor=colour, fontname="Helvetica", fontsize="10"))
+    dot.add_subgraph(legend)  # type: ignore[arg-type]
+    return dot
+
+
+def draw(obj: nn.Module | fx.GraphModule, path: str, annotate: CommAnnotator | None = None) -> str:
+    """Write the graph(s) of `obj` to `path`; the format comes from the suffix (.svg, .png, .pdf, .dot).
+
+    Rendering needs graphviz's `dot` (Debian: `apt-get install graphviz`); `.dot` is written without it.
+    Returns the path written.
+    """
+    dot = to_dot(obj, annotate)
+    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "svg"
+    if fmt in ("dot", "gv"):
+        dot.write_raw(path)
+        return path
+    if shutil.which("dot") is None:
+        raise RuntimeError(f"moepass.draw: rendering {path!r} needs graphviz's `dot` executable, which is not "
+                           f"installed (apt-get install graphviz); write a .dot file instead")
+    dot.write(path, format=fmt)
+    return path

@@ -237,7 +237,7 @@ def to_dot(obj: nn.Module | fx.GraphModule, annotate: CommAnnotator | None = Non
         for node in gm.graph.nodes:
             for arg in node.all_input_nodes:
                 cluster.add_edge(pydot.Edge(ids[arg], ids[node]))
-        dot.add_subgraph(cluster)  # type: ignore[arg-type]  (pydot stubs: Cluster is a Subgraph)
+        dot.add_subgraph(cluster)  # type: ignore[arg-type]
     legend = pydot.Cluster("legend", label='"made by pass"', style="dashed")
     for i, (name, colour) in enumerate(used.items()):
         legend.add_node(pydot.Node(f"legend{i}", label=f'"{name or "user / Dynamo"}"', shape="box", style="filled",

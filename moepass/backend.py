@@ -112,11 +112,17 @@ class BackendReport:
 
 _REPORTS: collections.deque[BackendReport] = collections.deque(maxlen=MAX_REPORTS)
 _GRAPHS = 0
+_LAST_GRAPH: weakref.ref[fx.GraphModule] | None = None
 
 
 def last_report() -> BackendReport | None:
     """What the backend did to the last graph it was given (None before the first)."""
     return _REPORTS[-1] if _REPORTS else None
+
+
+def last_graph() -> fx.GraphModule | None:
+    """The last graph the backend handed to its inner compiler (after the rewrite)."""
+    return _LAST_GRAPH() if _LAST_GRAPH is not None else None
 
 
 def reports() -> list[BackendReport]:
@@ -569,7 +575,7 @@ def transform(gm: fx.GraphModule, plan: Plan, report: BackendReport, scope: dict
 def moepass_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
                     **kwargs: Any) -> Any:
     """torch.compile backend: rewrite MoE regions to the dialect, then hand the graph to `inner`."""
-    global _GRAPHS
+    global _GRAPHS, _LAST_GRAPH
     if kwargs:
         options = {**(options or {}), **kwargs}
     plan, inner = _options(options)
@@ -579,6 +585,7 @@ def moepass_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     _REPORTS.append(report)
     _count("graphs")
     transform(gm, plan, report, _frame_scope())
+    _LAST_GRAPH = weakref.ref(gm)
     report.seconds = time.perf_counter() - start
     for action in ("rewritten", "kept", "passthrough"):
         _count(f"regions_{action}", report.count(action))

@@ -121,6 +121,17 @@ def test_sample_parity_and_regions_rewritten(style):
     assert all(r.nodes_removed > 0 and r.nodes_added > 0 for r in report.regions)
 
 
+def test_new_sequence_length_recompiles_with_dynamic_shapes_and_rewrites_again():
+    model = TinyMoELM(SampleConfig(style="fused", layers=1))
+    compiled = torch.compile(model, backend="moepass", options=backend_options())
+    for length in (9, 13, 17):  # the second shape makes Dynamo mark the sequence dim dynamic
+        tokens = torch.randint(0, 256, (2, length))
+        torch.testing.assert_close(compiled(tokens), model(tokens), rtol=RTOL, atol=ATOL)
+    assert len(B.reports()) == 2 and [r.rewritten for r in B.reports()] == [1, 1]
+    assert any(n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.SymInt)
+               for n in B.last_graph().graph.nodes), "the second graph has a symbolic size input"
+
+
 @pytest.mark.parametrize("family,implementation", [
     ("mixtral", "grouped_mm"),
     ("mixtral", "batched_mm"),

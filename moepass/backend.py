@@ -471,13 +471,16 @@ def rewrite_region(gm: fx.GraphModule, block: _Block, plan: Plan, tensors: dict[
     if len(results) != len(outputs):
         raise Decline(f"{len(outputs)} of its values are used after it ({[n.name for n in outputs]}), the spec "
                       f"returns {len(results)}")
-    if len(outputs) > 1:  # match by shape: the hidden states and the router logits differ
-        by_shape = {_shape_of(o): o for o in outputs}
-        if len(by_shape) != len(outputs) or None in by_shape:
-            raise Decline("several values of the block are used after it and their shapes do not tell them apart")
-        outputs = sorted(outputs, key=lambda o: order[o])  # the spec's order: hidden states first
-        if _shape_of(outputs[0]) is None:
-            raise Decline("its output has no shape metadata")
+    if len(outputs) > 1:  # hidden states (the input's shape) first, then the side output (router logits)
+        hidden = [o for o in outputs if _shape_of(o) is not None and _shape_of(o) == _shape_of(inputs[0])]
+        if len(outputs) > 2 or len(hidden) != 1:
+            raise Decline(f"its values used after it ({[n.name for n in outputs]}) cannot be told apart by shape")
+        outputs = hidden + [o for o in outputs if o is not hidden[0]]
+
+    # Submodules the spec calls run on the graph's inputs (checked before the graph is touched).
+    callers = {node: _functional_caller(dialect.get_submodule(node.target),
+                                        f"{block.path}.{node.target}".lstrip("."), tensors)
+               for node in dialect.graph.nodes if node.op == "call_module"}
 
     # Splice, after the block's last node.
     env: dict[fx.Node, Any] = dict(zip(placeholders, inputs))
@@ -496,8 +499,7 @@ def rewrite_region(gm: fx.GraphModule, block: _Block, plan: Plan, tensors: dict[
             args = fx.map_arg(node.args, env.__getitem__)
             kwargs = fx.map_arg(node.kwargs, env.__getitem__)
             if node.op == "call_module":  # the user's submodule (router, shared expert), on the graph's inputs
-                sub = dialect.get_submodule(node.target)
-                caller, weights = _functional_caller(sub, f"{block.path}.{node.target}".lstrip("."), tensors)
+                caller, weights = callers[node]
                 new = gm.graph.call_function(caller, (*args, *weights), kwargs)
             else:
                 new = gm.graph.create_node(node.op, node.target, args, kwargs, name=node.name)

@@ -4,26 +4,36 @@ all-to-all traffic and lower the hot regions to generated Triton kernels.
     report = moepass.detect(model)
     cm = moepass.compile(model, moepass.Plan(form="single"))
     print(moepass.explain(model, plan))
+    torch.compile(model, backend="moepass")
 """
 
-from moepass import dialect  # noqa: F401  (registers the moe:: ops)
-from moepass import lower  # noqa: F401  (registers the lower pass into pipeline.LOWER)
-from moepass import rewrite  # noqa: F401  (registers the parallel forms into pipeline.REWRITES)
+# Registration order matters only in that every module below must be imported once: each registers
+# itself (dialect ops, parallel forms, schedule and lower passes, the torch.compile backend).
+from cost_model.search import search  # moepass.search: ranked plans from the cost model
+from moepass import (
+    backend,  # noqa: F401  (registers the torch.compile backend "moepass")
+    dialect,  # noqa: F401  (registers the moe:: ops)
+    lower,  # noqa: F401  (registers the lower pass into pipeline.LOWER)
+    rewrite,  # noqa: F401  (registers the parallel forms into pipeline.REWRITES)
+    schedule,  # noqa: F401  (registers the schedule pass into pipeline.SCHEDULE)
+)
 from moepass.api import CompileInfo, compile, explain
 from moepass.canonical import MoEGraphModule
 from moepass.checkpoint import load_logical_state_dict, logical_state_dict
 from moepass.detect import DetectionReport, detect, register_recogniser
 from moepass.errors import DetectionError, MoepassError, PlanError
+from moepass.inspect import diff, draw, set_debug
 from moepass.plan import Plan
-from moepass.runtime import Topology, comm_stats, reset_comm_stats
+from moepass.runtime import DataParallel, Topology, comm_stats, reset_comm_stats
+from moepass.runtime.grads import clip_grad_norm_
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 from moepass.verify import VerificationError, verify
-from cost_model.search import search  # noqa: E402  (moepass.search: ranked plans from the cost model)
 
 __all__ = [
-    "CapacitySpec", "CompileInfo", "DetectionError", "DetectionReport", "ExpertsSpec", "MoEGraphModule",
-    "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec", "TensorSource",
-    "Topology", "VerificationError", "comm_stats", "compile", "detect", "explain", "load_logical_state_dict",
-    "logical_state_dict", "register_recogniser", "reset_comm_stats", "search", "verify",
+    "CapacitySpec", "CompileInfo", "DataParallel", "DetectionError", "DetectionReport", "ExpertsSpec",
+    "MoEGraphModule", "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec",
+    "TensorSource", "Topology", "VerificationError", "clip_grad_norm_", "comm_stats", "compile", "detect",
+    "diff", "draw", "explain", "load_logical_state_dict", "logical_state_dict", "register_recogniser",
+    "reset_comm_stats", "search", "set_debug", "verify",
 ]
 __version__ = "0.1.0"

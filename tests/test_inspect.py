@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def sample():
 
 
 def test_explain_sample_matches_golden(sample):
-    text = moepass.explain(sample[0], moepass.Plan()) + "\n"
+    # measured errors depend on the BLAS build: the snapshot keeps their place, not their digits
+    text = re.sub(r"max error [0-9.e+-]+", "max error <err>", moepass.explain(sample[0], moepass.Plan())) + "\n"
     if os.environ.get("MOEPASS_UPDATE_GOLDEN"):
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text(), "explain changed: if deliberate, rerun with MOEPASS_UPDATE_GOLDEN=1"

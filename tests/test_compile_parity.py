@@ -1,10 +1,9 @@
 """moepass.compile(form="single") gives the original model's outputs and gradients.
 
-fp32 tolerances: rtol 1e-5, atol 1e-6. The verifier runs after every pass (MOEPASS_VERIFY=1).
+fp32 tolerances: rtol 1e-5, atol 1e-6. The verifier runs after every pass (MOEPASS_VERIFY=1, conftest).
 """
 
 import copy
-import os
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from torch import nn
 import moepass
 from samples.models import ExpertMLP, FusedMoE, GShardMoE, LoopMoE, SampleConfig, TinyMoELM
 
-os.environ["MOEPASS_VERIFY"] = "1"
 RTOL, ATOL = 1e-5, 1e-6
 STYLES = ["loop", "fused", "gshard", "mixed"]
 

@@ -1,36 +1,57 @@
 """Cost-model fidelity: predicted vs measured EP layer time on this machine (W=2, gloo).
 
-SKELETON: the prediction half runs today (`--predict-only`); the measurement half needs moepass's EP
-runtime (`moepass.compile(block, Plan(form="ep", ...))` under a gloo process group, and
-`moepass.comm_stats()`), which is being written. Once it lands:
+    python -m cost_model.calibrate --out benchmarks/results/cost_profile.json   # the figures, same conditions
+    python benchmarks/cost_fidelity.py                                          # 12 configs, ~1-2 min
 
-    python -m cost_model.calibrate --out benchmarks/results/cost_profile.json   # alpha, bandwidth, FLOP/s
-    python benchmarks/cost_fidelity.py                                          # 10 configs, ~1-2 min
+Two spawned gloo ranks (one thread each) build a bare fused MoE block (`samples.models.FusedMoE`, SwiGLU
+experts, m=3 GEMMs) per configuration, compile it with `moepass.compile(block, Plan(form="ep",
+topology=Topology(1, 2), a2a_chunks=1, capacity_factor=...))` and time forward + backward of the
+block (input requires grad, so all four token all-to-alls run). Timing: every configuration is built
+first; then `--rounds` rounds go over all configurations (interleaved, so a load change on the shared
+cores hits every configuration alike), each doing one warm-up step and `--steps` timed steps
+(barrier, step, per-step max over the two ranks); a configuration's measured time is the median of
+its rounds x steps samples.
 
-For each of the 10 configurations below: two spawned gloo ranks (one thread each) run a bare fused
-MoE block (samples.models.FusedMoE) rewritten to EP over both ranks, time forward+backward (median
-of a few steps after warm-up), and read the dispatch/combine byte counters. The result: Spearman's
-rank correlation of predicted vs measured time (the claim to check: >= 0.8, i.e. the model orders
-plans correctly even if absolute times are off), the ratio measured/predicted per config, bytes
-measured vs the K*T*D*(W-1)/W formula, a JSON (benchmarks/results/cost_fidelity.json) and a
-log-log scatter plot (benchmarks/results/cost_fidelity.png).
+Prediction: `cost_model.ep.ep_layer` on the calibrated profile (`this_machine(profile)`), dropless or
+capacity by the config. The routing factor (rho for dropless, the kept fraction c_f for capacity) is
+the busiest rank's routed rows / (T*K) read from one untimed step's byte counters (the routing of a
+random router on random tokens: an input of the model, not a timing); `predicted_uniform` is the same
+formula with rho = 1 (dropless) and c_f = the capacity factor. No figure is fitted to these configs.
+
+Chunked all-to-all (a2a_chunks > 1) is not measured here: moepass pipelines only the forward, so
+`ep_layer`'s pipelined backward would not describe what runs.
+
+Output: per-config predicted / measured / relative error, Spearman's rank correlation, the median
+absolute relative error, the load average, `benchmarks/results/cost_fidelity.json` and a log-log
+scatter plot `benchmarks/results/cost_fidelity.png`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import queue
+import socket
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from cost_model import ep as cm
-from cost_model.presets import Hardware, this_machine
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cost_model import ep as cm  # noqa: E402
+from cost_model.presets import Hardware, this_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROFILE = RESULTS / "cost_profile.json"
+W = 2
+BYTES = 4  # fp32
 
 
 @dataclass(frozen=True)
@@ -40,55 +61,124 @@ class Config:
     F: int
     E: int
     K: int
-    chunks: int
+    capacity: float | None = None  # Plan.capacity_factor (None: dropless)
 
 
-# Spread over the regimes the model distinguishes: latency-bound, bandwidth-bound, compute-bound,
-# chunking that helps and chunking that hurts. Small enough for 2 CPU ranks (<= ~1 s per step).
+# Varies T, D, F, E, K and capacity; sized so the measured steps lie within ~4x of each other
+# (~30-110 ms here), spread so neighbours differ by ~10-20%.
 CONFIGS = (
-    Config(256, 64, 128, 4, 1, 1),
-    Config(256, 64, 128, 4, 2, 1),
-    Config(1024, 128, 256, 4, 2, 1),
-    Config(1024, 128, 256, 4, 2, 4),
-    Config(2048, 256, 512, 8, 2, 1),
-    Config(2048, 256, 512, 8, 2, 4),
-    Config(2048, 256, 512, 8, 4, 2),
-    Config(4096, 256, 1024, 8, 2, 1),
-    Config(4096, 256, 1024, 8, 2, 8),
-    Config(1024, 512, 2048, 4, 1, 2),
+    Config(1024, 128, 256, 4, 2),
+    Config(2048, 128, 256, 8, 1),
+    Config(1024, 128, 256, 32, 2),
+    Config(1024, 160, 320, 8, 2),
+    Config(2048, 128, 256, 8, 2, capacity=0.75),
+    Config(2048, 64, 512, 16, 2),
+    Config(1024, 128, 256, 8, 4),
+    Config(1536, 192, 256, 8, 2),
+    Config(2048, 128, 384, 8, 2),
+    Config(4096, 128, 256, 8, 2, capacity=0.5),
+    Config(1024, 256, 512, 4, 2),
+    Config(2048, 192, 384, 16, 2),
 )
 
 
-def predict(cfg: Config, hw: Hardware, W: int = 2) -> dict[str, float]:
-    """Cost-model step time of one EP layer (fwd+bwd) and the dispatch bytes per rank, uniform routing."""
-    x = {
-        **hw.values(),
-        "T": cfg.tokens,
-        "K": cfg.K,
-        "D": cfg.D,
-        "F": cfg.F,
-        "m": 3,
-        "E": cfg.E,
-        "G": W,
-        "rho": 1.0,
-        "c_f": 1.0,
-    }
-    terms = cm.ep_layer(x, ep=W, n=cfg.chunks, dp=1, dropless=True, cross_node_dp=False)
-    return {"step_s": float(terms.step), "dispatch_bytes": float(terms.a2a_bytes)}
+def predict(cfg: Config, hw: Hardware, factor: float | None = None) -> dict[str, float]:
+    """Cost-model step time (s) of one EP layer fwd+bwd and its terms; `factor`: rho (dropless) or the
+    kept fraction c_f (capacity) of the busiest rank, None for uniform routing."""
+    dropless = cfg.capacity is None
+    if factor is None:
+        factor = 1.0 if dropless else cfg.capacity
+    x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
+         "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor}
+    t = cm.ep_layer(x, ep=W, n=1, dp=1, dropless=dropless, cross_node_dp=False)
+    return {"step_s": float(t.step), "compute_s": float(t.compute), "a2a_s": float(t.a2a_exposed),
+            "host_s": float(t.host), "dispatch_bytes": float(t.a2a_bytes), "factor": float(factor)}
 
 
-def measure(cfg: Config, W: int = 2) -> dict[str, float]:
-    """Measured step time and dispatch bytes per rank. Needs the EP runtime (see the docstring)."""
-    import moepass
+def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, steps: int, results, timeout_s: float):
+    import torch
+    import torch.distributed as dist
 
-    if not hasattr(moepass, "comm_stats"):
-        raise NotImplementedError("moepass.comm_stats / the EP runtime is not available yet: run --predict-only")
-    # TODO(EP runtime): spawn W gloo ranks (cost_model.calibrate's worker pattern: set_num_threads(1),
-    # timeout, barrier before destroy_process_group); in each: FusedMoE(D, F, E, K) with a shared seed,
-    # cm = moepass.compile(block, moepass.Plan(form="ep", ep_size=W, a2a_chunks=cfg.chunks,
-    # topology=moepass.Topology(1, W))); 2 warm-up steps, then median of 5 timed fwd+bwd steps after a
-    # barrier; moepass.reset_comm_stats() before one step and comm_stats()["dispatch"] after it.
-    raise NotImplementedError("measurement is wired once the EP runtime lands")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=W, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        import moepass
+        from samples.models import FusedMoE
+
+        layers, inputs, routing = [], [], []
+        for i, c in enumerate(configs):
+            torch.manual_seed(i)  # the same block on both ranks
+            plan = moepass.Plan(form="ep", topology=moepass.Topology(1, W), a2a_chunks=1, capacity_factor=c.capacity)
+            layer = moepass.compile(FusedMoE(c.D, c.F, c.E, c.K), plan)
+            x = torch.randn(c.tokens, c.D, generator=torch.Generator().manual_seed(1000 * i + rank)).requires_grad_()
+            moepass.reset_comm_stats()
+            layer(x).sum().backward()  # warm-up, and the routing's byte counters
+            stats = moepass.comm_stats()
+            gathered: list = [None] * W
+            dist.all_gather_object(gathered, {k: stats[k] for k in ("dispatch", "combine", "dispatch_bwd",
+                                                                      "combine_bwd", "counts") if k in stats})
+            layers.append(layer)
+            inputs.append(x)
+            routing.append(gathered)
+        samples = [[] for _ in configs]
+        for _ in range(rounds):
+            for i, (layer, x) in enumerate(zip(layers, inputs)):
+                times = []
+                for j in range(steps + 1):
+                    for p in layer.parameters():
+                        p.grad = None
+                    x.grad = None
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    layer(x).sum().backward()
+                    if j:  # one warm-up step per round
+                        times.append(time.perf_counter() - t0)
+                slowest = torch.tensor(times, dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                samples[i] += slowest.tolist()
+        if rank == 0:
+            results.put([{"samples_s": s, "stats": r} for s, r in zip(samples, routing)])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(configs: tuple[Config, ...], rounds: int = 3, steps: int = 3, timeout_s: float = 600.0) -> list[dict]:
+    """Per config: every timed step (s, max over ranks) and both ranks' byte counters of one step."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    procs = [ctx.Process(target=_worker, args=(r, port, configs, rounds, steps, results, timeout_s), daemon=True)
+             for r in range(W)]
+    for p in procs:
+        p.start()
+    try:
+        out = results.get(timeout=timeout_s)
+        for p in procs:
+            p.join(timeout=60)
+    except queue.Empty as e:
+        raise TimeoutError(f"no measurement within {timeout_s:.0f} s") from e
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    return out
+
+
+def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
+    """[src rank, dst rank] rows of the forward dispatch, from both ranks' counters (W=2: self and intra)."""
+    row = cfg.D * BYTES
+    rows = np.zeros((W, W))
+    for r, s in enumerate(stats):
+        rows[r, r] = s["dispatch"]["self"] / row
+        rows[r, 1 - r] = (s["dispatch"]["intra"] + s["dispatch"]["inter"]) / row
+    return rows
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -107,7 +197,7 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, rho: float, med: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,6 +209,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.loglog(pred, meas, "o")
     lo, hi = min(pred + meas) / 1.5, max(pred + meas) * 1.5
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = predicted")
+    ax.set_title(f"EP layer fwd+bwd, W=2 gloo: Spearman {rho:.2f}, median |err| {100 * med:.0f}%", fontsize=8)
     ax.set_xlabel("predicted ms / step")
     ax.set_ylabel("measured ms / step")
     ax.legend()
@@ -126,28 +217,77 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--predict-only", action="store_true", help="print predictions; no measurement")
     parser.add_argument("--profile", type=Path, default=PROFILE)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", type=int, default=None, help="the first N configurations (development)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "cost_fidelity.json")
     args = parser.parse_args(argv)
-    hw = this_machine(args.profile if args.profile.is_file() else None)
-    rows = [{"config": asdict(c), "predicted": predict(c, hw)} for c in CONFIGS]
+    hw = this_machine(args.profile)
+    configs = CONFIGS[: args.only] if args.only else CONFIGS
     if args.predict_only:
-        for r in rows:
-            print(r["config"], f"{r['predicted']['step_s'] * 1e3:.3f} ms", f"{r['predicted']['dispatch_bytes']:.0f} B")
+        for c in configs:
+            p = predict(c, hw)
+            print(asdict(c), f"{p['step_s'] * 1e3:.2f} ms (compute {p['compute_s'] * 1e3:.2f}, a2a "
+                  f"{p['a2a_s'] * 1e3:.2f}, host {p['host_s'] * 1e3:.2f})")
         return 0
-    try:
-        for r, c in zip(rows, CONFIGS):
-            r["measured"] = measure(c)
-    except NotImplementedError as e:
-        print(f"cost_fidelity: {e}", file=sys.stderr)
-        return 2
-    rho = spearman([r["predicted"]["step_s"] for r in rows], [r["measured"]["step_s"] for r in rows])
-    out = {"hardware": hw.name, "calibrated": hw.calibrated, "spearman": rho, "configs": rows}
-    (RESULTS / "cost_fidelity.json").write_text(json.dumps(out, indent=1) + "\n")
-    plot(rows, RESULTS / "cost_fidelity.png")
-    print(f"Spearman(predicted, measured) = {rho:.3f} over {len(rows)} configurations")
+    load_before = os.getloadavg()
+    t0 = time.time()
+    measured = measure(configs, args.rounds, args.steps)
+    load_after = os.getloadavg()
+    rows = []
+    for c, m in zip(configs, measured):
+        rows_SR = routing_rows(c, m["stats"])
+        factor = float(rows_SR.sum(axis=0).max() / (c.tokens * c.K))
+        exact = cm.exact_a2a(rows_SR, c.D, BYTES, G=W)
+        pred = predict(c, hw, factor)
+        meas = float(np.median(m["samples_s"]))
+        rows.append({
+            "config": asdict(c),
+            "predicted": pred,
+            "predicted_uniform": predict(c, hw),
+            "measured": {"step_s": meas, "samples_s": m["samples_s"],
+                         "dispatch_bytes": [s["dispatch"]["intra"] + s["dispatch"]["inter"] for s in m["stats"]]},
+            "exact_dispatch_bytes": exact.sent.tolist(),
+            "rel_error": (pred["step_s"] - meas) / meas,
+        })
+    pred_s = [r["predicted"]["step_s"] for r in rows]
+    meas_s = [r["measured"]["step_s"] for r in rows]
+    rho = spearman(pred_s, meas_s)
+    med = float(np.median([abs(r["rel_error"]) for r in rows]))
+    med_uniform = float(np.median([abs(r["predicted_uniform"]["step_s"] - r["measured"]["step_s"])
+                                   / r["measured"]["step_s"] for r in rows]))
+    profile = json.loads(args.profile.read_text())
+    out = {
+        "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
+        "profile_created": profile.get("created"),
+        "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
+                                                "row_cost", "act_cost", "flops_one_process")},
+        "world_size": W, "rounds": args.rounds, "steps_per_round": args.steps,
+        "load_average_before": list(load_before), "load_average_after": list(load_after),
+        "seconds": time.time() - t0,
+        "spearman": rho, "median_abs_rel_error": med, "median_abs_rel_error_uniform_routing": med_uniform,
+        "measured_spread": max(meas_s) / min(meas_s),
+        "configs": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    plot(rows, args.out.with_suffix(".png"), rho, med)
+    print(f"{'T':>5} {'D':>4} {'F':>4} {'E':>3} {'K':>2} {'cap':>5} {'factor':>6} {'pred ms':>8} {'meas ms':>8} {'err':>7}")
+    for r in rows:
+        c = r["config"]
+        print(f"{c['tokens']:>5} {c['D']:>4} {c['F']:>4} {c['E']:>3} {c['K']:>2} {str(c['capacity']):>5} "
+              f"{r['predicted']['factor']:>6.3f} {r['predicted']['step_s'] * 1e3:>8.2f} "
+              f"{r['measured']['step_s'] * 1e3:>8.2f} {100 * r['rel_error']:>+6.1f}%")
+    print(f"Spearman = {rho:.3f}, median |rel err| = {100 * med:.1f}% (uniform routing: {100 * med_uniform:.1f}%), "
+          f"measured spread {out['measured_spread']:.2f}x, load {load_before[0]:.2f} -> {load_after[0]:.2f}")
     return 0
 
 

@@ -4,6 +4,18 @@
   sizes: fits t = alpha + bytes / bandwidth, where bytes are what one rank SENDS to the other rank
   (size * (W-1)/W: the rank's own slice stays local), the convention of `cost_model.ep`.
 - fp32 matmul throughput by size: fits t = overhead + flops / rate -> effective FLOP/s.
+- host overheads of moepass's EP layer (`cost_model.ep.host_time`), each from its own microbenchmark,
+  none from the configurations `benchmarks/cost_fidelity.py` checks:
+  * the EP layer (2 gloo ranks, `moepass.compile(FusedMoE, Plan(form="ep"))`, forward + backward) at a
+    vanishing size (T=16, D=F=16, K=1) for E = 2..64 experts: t = intercept + slope * E/2 local experts.
+    slope -> `expert_overhead` (the expert FFN kernel's per-expert loop), intercept - 5 alpha ->
+    `layer_overhead` (graph, router, split-size syncs, DTensor wrapping; the 5 all-to-alls' latency is
+    alpha's);
+  * the data movement around the experts (moe.permute -> local permute -> unpermute x2 -> combine,
+    forward + backward) over routed elements rows x D: slope -> `row_cost`;
+  * the expert FFN's elementwise work on one expert's [M, F] hidden tensors (`moepass.dialect.activate`
+    forward, again as the backward recomputes it, `activate_backward`) over M x F: slope -> `act_cost`.
+  These run on WORLD concurrent ranks with sustained timings, like the workload (see `_host_worker`).
 
 Usage: `python -m cost_model.calibrate [--out PATH] [--quick]` (moepass wires `python -m moepass
 calibrate` to `main`). A full run takes well under a minute here; the profile goes to
@@ -33,6 +45,10 @@ WORLD = 2
 FULL_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB per all_to_all_single input
 QUICK_SIZES = (4096, 65536, 1 << 20)
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
+LAYER_EXPERTS = (2, 8, 16, 32, 64)  # E of the vanishing-size EP layer (E/2 local experts per rank)
+SUSTAIN_S = 0.08  # seconds per timed repetition of the concurrent host benchmarks (see _host_worker.timed)
+ROW_SIZES = ((1024, 64), (4096, 64), (4096, 128), (16384, 128))  # (routed rows, D)
+ACT_SIZES = ((128, 256), (512, 256), (1024, 512), (2048, 512))  # (rows of one expert, F)
 
 
 def fit_latency_rate(amounts: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -54,6 +70,12 @@ def fit_latency_rate(amounts: Sequence[float], seconds: Sequence[float]) -> tupl
     if inv_rate <= 0:
         raise ValueError("timings do not grow with size: cannot fit a rate")
     return float(latency), float(1.0 / inv_rate)
+
+
+def _fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = intercept + slope * x."""
+    slope, intercept = np.polyfit(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), 1)
+    return float(intercept), float(slope)
 
 
 def _free_port() -> int:
@@ -91,6 +113,146 @@ def _a2a_worker(rank: int, port: int, sizes: Sequence[int], reps: int, results: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _rows_step(ops: Any, x: Any, experts_TK: Any, weights_TK: Any, local_N1: Any, E: int, K: int) -> None:
+    """The EP graph's data movement around the experts, forward + backward: moe.permute (T*K rows) ->
+    local permute -> unpermute (K=1) -> unpermute (K) -> weighted combine."""
+    x_ND, _, order_N = ops.permute(x, experts_TK, E)
+    x_MD, _, order_M = ops.permute(x_ND, local_N1, E // 2)
+    y_ND = ops.unpermute(x_MD, order_M, 1).flatten(0, 1)
+    ops.combine(ops.unpermute(y_ND, order_N, K), weights_TK).sum().backward()
+
+
+def _act_step(h_gate: Any, h_up: Any, grad_a: Any) -> None:
+    """The SwiGLU elementwise work of the expert FFN kernel on one expert: forward, the backward's
+    recompute, and the backward (`moepass.dialect.expert_ffn_ref` / `expert_ffn_backward_ref`)."""
+    from moepass import dialect
+
+    dialect.activate(h_gate, h_up, "swiglu", 0.0, 0.0)
+    dialect.activate(h_gate, h_up, "swiglu", 0.0, 0.0)
+    dialect.activate_backward(grad_a, h_gate, h_up, "swiglu", 0.0, 0.0)
+
+
+def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: Sequence[tuple[int, int]],
+                 act_sizes: Sequence[tuple[int, int]], experts: Sequence[int], reps: int, results: Any,
+                 timeout_s: float) -> None:
+    """One of WORLD gloo ranks running the same microbenchmark AT THE SAME TIME (the workload's process
+    layout: W single-threaded ranks sharing this machine); per size, the median over repetitions of
+    the slower rank's time: fp32 matmuls, the data movement around the experts, and moepass's EP
+    layer at a vanishing size per expert count. Rank 0 reports (kind, size, seconds). Sustained
+    timings (see `timed`): on shared cores a rank is descheduled for a fraction of a long step that a
+    single short call can miss."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def timed(kind: str, size: int, step: Any, warmup: int = 2) -> None:
+        """Sustained timing: each repetition runs `step` back to back for >= SUSTAIN_S (the same count
+        on every rank), so a time-sliced share of a busy CPU shows as it does in a whole training step."""
+        t_est = torch.zeros((), dtype=torch.float64)
+        for _ in range(warmup):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            t_est.fill_(time.perf_counter() - t0)
+        dist.all_reduce(t_est, op=dist.ReduceOp.MAX)
+        inner = max(1, int(np.ceil(SUSTAIN_S / max(float(t_est), 1e-7))))
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                step()
+            times.append((time.perf_counter() - t0) / inner)
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            results.put((kind, size, float(slowest.median())))
+
+    try:
+        import moepass
+        from samples.models import FusedMoE
+
+        for n in matmul_sizes:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            timed("matmul", n, lambda a=a, b=b: torch.mm(a, b))
+        ops, E, K = torch.ops.moe, 8, 2
+        for rows, D in row_sizes:
+            gen = torch.Generator().manual_seed(rows + D + rank)
+            x = torch.randn(rows // K, D, generator=gen).requires_grad_()
+            experts_TK = torch.rand(rows // K, E, generator=gen).topk(K, dim=1).indices
+            weights_TK = torch.rand(rows // K, K, generator=gen)
+            local_N1 = (torch.arange(rows) % (E // 2)).unsqueeze(1)
+            timed("rows", rows * D, lambda x=x, e=experts_TK, w=weights_TK, i=local_N1: _rows_step(ops, x, e, w, i, E, K))
+        for M, F in act_sizes:
+            gen = torch.Generator().manual_seed(M + F + rank)
+            h_gate, h_up, grad_a = (torch.randn(M, F, generator=gen) for _ in range(3))
+            timed("act", M * F, lambda g=h_gate, u=h_up, a=grad_a: _act_step(g, u, a))
+        for j, E in enumerate((experts[0], *experts)):  # the first run warms the process up: discarded
+            torch.manual_seed(0)
+            plan = moepass.Plan(form="ep", topology=moepass.Topology(1, WORLD), a2a_chunks=1)
+            layer = moepass.compile(FusedMoE(16, 16, E, 1), plan)
+            x = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+
+            def step(layer: Any = layer, x: Any = x) -> None:
+                for p in layer.parameters():
+                    p.grad = None
+                layer(x).sum().backward()
+
+            if j == 0:
+                for _ in range(3):
+                    step()
+            else:
+                timed("layer", E, step, warmup=3)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_host(
+    matmul_sizes: Sequence[int] = MATMUL_SIZES,
+    row_sizes: Sequence[tuple[int, int]] = ROW_SIZES,
+    experts: Sequence[int] = LAYER_EXPERTS,
+    act_sizes: Sequence[tuple[int, int]] = ACT_SIZES,
+    reps: int = 5,
+    timeout_s: float = 120.0,
+    progress: Any = None,
+) -> dict[str, list[tuple[int, float]]]:
+    """{kind: [(size, seconds)]} from `_host_worker` on WORLD concurrent ranks: "matmul" (n), "rows"
+    (routed elements rows*D), "act" (hidden elements M*F), "layer" (E, at T=16, D=F=16, K=1)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    args = (tuple(matmul_sizes), tuple(row_sizes), tuple(act_sizes), tuple(experts), reps, results, timeout_s)
+    procs = [ctx.Process(target=_host_worker, args=(r, port, *args), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "layer": []}
+    try:
+        for _ in range(len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(experts)):
+            try:
+                kind, size, seconds = results.get(timeout=timeout_s)
+            except queue.Empty as e:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                raise TimeoutError(f"no host timing within {timeout_s:.0f} s (worker exit codes {dead})") from e
+            out[kind].append((size, seconds))
+            if progress is not None:
+                progress.update(1)
+        for p in procs:
+            p.join(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    return out
 
 
 def measure_a2a(
@@ -166,17 +328,43 @@ def calibrate(
     timeout_s: float = 60.0,
     matmul_sizes: Sequence[int] = MATMUL_SIZES,
     show_progress: bool = True,
+    host: bool = True,
+    layer_experts: Sequence[int] = LAYER_EXPERTS,
+    row_sizes: Sequence[tuple[int, int]] = ROW_SIZES,
 ) -> dict[str, Any]:
     """Run both microbenchmarks and return the profile (not yet written)."""
     import torch
     from tqdm import tqdm
 
-    with tqdm(total=len(sizes) + len(matmul_sizes), desc="calibrate", unit="size", disable=not show_progress) as bar:
+    total = len(sizes) + len(matmul_sizes) * (2 if host else 1)
+    total += len(layer_experts) + len(row_sizes) + len(ACT_SIZES) if host else 0
+    with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
         mm = measure_matmul(matmul_sizes, progress=bar)
+        concurrent = (
+            measure_host(matmul_sizes, row_sizes, layer_experts, timeout_s=max(timeout_s, 120.0), progress=bar)
+            if host
+            else {}
+        )
     sent = [size * (WORLD - 1) / WORLD for size, _ in a2a]
     alpha, bandwidth = fit_latency_rate(sent, [s for _, s in a2a])
-    _, flops = fit_latency_rate([2.0 * n**3 for n, _ in mm], [s for _, s in mm])
+    _, flops_one = fit_latency_rate([2.0 * n**3 for n, _ in mm], [s for _, s in mm])
+    flops = flops_one
+    extra: dict[str, Any] = {"flops_one_process": flops_one}
+    if host:
+        mm_w = concurrent["matmul"]
+        _, flops = fit_latency_rate([2.0 * n**3 for n, _ in mm_w], [s for _, s in mm_w])
+        layer, moves = concurrent["layer"], concurrent["rows"]
+        intercept, per_expert = _fit_line([E / WORLD for E, _ in layer], [s for _, s in layer])
+        _, row_rate = fit_latency_rate([n for n, _ in moves], [s for _, s in moves])
+        _, act_rate = fit_latency_rate([n for n, _ in concurrent["act"]], [s for _, s in concurrent["act"]])
+        extra.update({
+            "layer_overhead": max(0.0, intercept - 5 * alpha),
+            "layer_intercept": intercept,
+            "expert_overhead": max(0.0, per_expert),
+            "row_cost": 1.0 / row_rate,
+            "act_cost": 1.0 / act_rate,
+        })
     return {
         "version": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -188,14 +376,36 @@ def calibrate(
         "bandwidth": bandwidth,
         "flops": flops,
         "matmul_threads": 1,
+        **extra,
         "units": {
             "alpha": "s per all_to_all_single call",
             "bandwidth": "bytes sent per rank per s",
-            "flops": "fp32 FLOP/s (effective)",
+            "flops": "fp32 FLOP/s per rank (effective), measured on W concurrent single-threaded ranks",
+            "flops_one_process": "fp32 FLOP/s of one single-threaded process alone",
+            "layer_overhead": "s per EP layer step (fwd+bwd), besides 5 alpha",
+            "expert_overhead": "s per local expert per EP layer step (fwd+bwd)",
+            "row_cost": "s per routed element (rows x D) per EP layer step (fwd+bwd)",
+            "act_cost": "s per hidden element (rows x F) per EP layer step (fwd + recompute + bwd)",
         },
+        "load_average": list(os.getloadavg()),
         "samples": {
             "a2a": [{"input_bytes": s, "sent_bytes": b, "seconds": t} for (s, t), b in zip(a2a, sent)],
-            "matmul": [{"n": n, "seconds": t, "flops": 2.0 * n**3 / t} for n, t in mm],
+            "matmul_one_process": [{"n": n, "seconds": t, "flops": 2.0 * n**3 / t} for n, t in mm],
+            **(
+                {}
+                if host
+                else {"matmul": [{"n": n, "seconds": t, "flops": 2.0 * n**3 / t} for n, t in mm]}
+            ),
+            **(
+                {
+                    "matmul": [{"n": n, "seconds": t, "flops": 2.0 * n**3 / t} for n, t in concurrent["matmul"]],
+                    "layer": [{"experts": E, "local_experts": E // WORLD, "seconds": t} for E, t in concurrent["layer"]],
+                    "rows": [{"elements": n, "seconds": t} for n, t in concurrent["rows"]],
+                    "act": [{"elements": n, "seconds": t} for n, t in concurrent["act"]],
+                }
+                if host
+                else {}
+            ),
         },
     }
 
@@ -207,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20, help="all_to_all repetitions per size (fewer for large sizes)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck worker is an error")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-host", action="store_true", help="skip the EP-layer host-overhead benchmarks")
     args = parser.parse_args(argv)
     try:
         profile = calibrate(
@@ -215,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=args.timeout,
             matmul_sizes=MATMUL_SIZES[:3] if args.quick else MATMUL_SIZES,
             show_progress=not args.no_progress,
+            host=not args.no_host,
+            layer_experts=LAYER_EXPERTS[::2] if args.quick else LAYER_EXPERTS,
+            row_sizes=ROW_SIZES[:2] if args.quick else ROW_SIZES,
         )
     except (TimeoutError, RuntimeError, ValueError) as e:
         print(f"calibration failed: {e}", file=sys.stderr)
@@ -224,7 +438,16 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"alpha = {profile['alpha'] * 1e6:.1f} us, bandwidth = {profile['bandwidth'] / 1e9:.3f} GB/s "
         f"(gloo all_to_all_single, W={WORLD}), matmul = {profile['flops'] / 1e9:.2f} GFLOP/s fp32 "
-        f"({profile['matmul_threads']} threads) -> {args.out}"
+        f"per rank ({profile['matmul_threads']} thread, {WORLD} concurrent ranks; alone "
+        f"{profile['flops_one_process'] / 1e9:.2f})"
+        + (
+            f", layer overhead = {profile['layer_overhead'] * 1e3:.2f} ms + "
+            f"{profile['expert_overhead'] * 1e6:.0f} us/local expert, row cost = {profile['row_cost'] * 1e9:.2f} ns/element, "
+            f"activation = {profile['act_cost'] * 1e9:.2f} ns/hidden element"
+            if "row_cost" in profile
+            else ""
+        )
+        + f" -> {args.out}"
     )
     return 0
 

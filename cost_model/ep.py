@@ -51,9 +51,32 @@ def expert_flops(rows, D, F, m):
     return 2 * rows * D * F * m
 
 
-def compute_time(rows, D, F, m, R, eta):
-    """Forward + backward expert GEMM time on one rank."""
-    return FWD_BWD * expert_flops(rows, D, F, m) / (R * eta)
+def compute_time(rows, D, F, m, R, eta, *, recompute=0):
+    """Forward + backward expert GEMM time on one rank.
+
+    `recompute` = 1 when the backward kernel recomputes the m-1 input-side GEMMs (gate, up) instead of
+    saving their outputs: moepass's reference kernel (`moepass.dialect.expert_ffn_backward_ref`, what
+    runs on CPU) does, so a step costs 3 + (m-1)/m forward passes of GEMMs instead of 3.
+    """
+    return (FWD_BWD + recompute * (m - 1) / m) * expert_flops(rows, D, F, m) / (R * eta)
+
+
+def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0):
+    """Host-side time of one EP layer step (forward + backward) that is not GEMM FLOPs or all-to-all
+    transfer; zero unless calibrated (`cost_model.calibrate`, CPU):
+
+    - c_layer: fixed seconds per layer step: graph interpretation, router, top-k, host syncs for the
+      split sizes, DTensor wrapping of the sharded weights (the EP layer's intercept at vanishing size,
+      minus its 5 all-to-all latencies, which `alpha` models);
+    - c_expert: seconds per local expert (E/ep of them): the per-expert loop of the expert FFN kernel
+      forward and backward (op launches on tiny GEMMs);
+    - c_row: seconds per routed element (rows x D): the gathers/scatters around the experts (permute,
+      local permute, unpermute x2, weighted combine, forward and backward) -- memory traffic;
+    - c_act: seconds per hidden element (rows x F): the expert FFN's elementwise activation work,
+      act(gate) * up forward, again when the backward recomputes it, and its backward -- memory traffic
+      on [rows, F] tensors that the GEMM FLOPs do not count.
+    """
+    return c_layer + c_expert * E / ep + c_row * rows * D + c_act * rows * F
 
 
 # ---- all-to-all under uniform routing ------------------------------------------------------------
@@ -121,37 +144,41 @@ class LayerTerms:
     other_comm: Any
     memory: Any
     a2a_bytes: Any  # bytes sent per rank per direction (intra + inter), forward dispatch
+    host: Any = 0  # host_time: fixed/per-expert/per-row overheads (0 unless calibrated)
 
     @property
     def step(self) -> Any:
-        return self.compute + self.a2a_exposed + self.other_comm
+        return self.compute + self.a2a_exposed + self.other_comm + self.host
 
     def __add__(self, other: LayerTerms) -> LayerTerms:
         return LayerTerms(*(a + o for a, o in zip(self._tuple(), other._tuple())))
 
     def _tuple(self) -> tuple[Any, ...]:
-        return (self.compute, self.a2a_exposed, self.other_comm, self.memory, self.a2a_bytes)
+        return (self.compute, self.a2a_exposed, self.other_comm, self.memory, self.a2a_bytes, self.host)
 
 
 def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cross_node_dp: bool) -> LayerTerms:
     """Step terms of one EP layer (ep = 1: every rank keeps all experts; no all-to-all).
 
     `x` maps symbol names of `cost_model.symbols` to numbers or symbols (T, K, D, F, m, E, G, b,
-    b_g, s, B_intra, B_inter, alpha, R, eta, rho, c_f). The discrete plan choices (ep, n, dp,
-    dropless) are Python values, so the result is a closed formula for that plan.
+    b_g, s, B_intra, B_inter, alpha, R, eta, rho, c_f; optionally the calibrated host figures
+    c_layer, c_expert, c_row, c_act and the kernel's recompute flag r_c, see `host_time` and `compute_time`,
+    0 when absent). The discrete plan choices (ep, n, dp, dropless) are Python values, so the result
+    is a closed formula for that plan.
     """
     from cost_model.schedule import pipeline_time
 
     factor = x["rho"] if dropless else x["c_f"]
     rows = x["T"] * x["K"] * factor
-    compute = compute_time(rows, x["D"], x["F"], x["m"], x["R"], x["eta"])
-    fwd_compute = compute / FWD_BWD
+    compute = compute_time(rows, x["D"], x["F"], x["m"], x["R"], x["eta"], recompute=x.get("r_c", 0))
+    fwd_compute = compute_time(rows, x["D"], x["F"], x["m"], x["R"], x["eta"]) / FWD_BWD
+    bwd_compute = compute - fwd_compute
     if ep > 1:
         intra, inter = a2a_bytes(x["T"], x["K"], x["D"], ep, x["G"], x["b"], factor=factor)
         transfer = intra / x["B_intra"] + inter / x["B_inter"]
         a2a = (
             pipeline_time(n, transfer, fwd_compute, x["alpha"])
-            + pipeline_time(n, transfer, 2 * fwd_compute, x["alpha"])
+            + pipeline_time(n, transfer, bwd_compute, x["alpha"])
             - compute
         )
         if dropless:
@@ -163,7 +190,10 @@ def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
     ar = allreduce_time(grad_bytes, dp, x["B_inter"] if cross_node_dp else x["B_intra"], x["alpha"])
     other = smax(0, ar - 2 * fwd_compute)  # overlaps the backward GEMMs of the next layer down
     memory = memory_per_rank(x["E"], ep, x["D"], x["F"], x["m"], x["s"], rows, x["b"])
-    return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=other, memory=memory, a2a_bytes=sent)
+    host = host_time(rows, x["D"], x["F"], x["E"], ep, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
+                     c_row=x.get("c_row", 0), c_act=x.get("c_act", 0))
+    return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=other, memory=memory, a2a_bytes=sent,
+                      host=host)
 
 
 # ---- exact counts from a routed-row matrix ----------------------------------------------------------

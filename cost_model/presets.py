@@ -21,6 +21,9 @@ NVLINK_EFFICIENCY = 216.3 / 300.0  # LAER-MoE profiled A100 NVLink, over the 300
 IB_EFFICIENCY = 88.95 / 100.0  # LAER-MoE profiled 800 Gb/s InfiniBand (100 GB/s)
 
 
+_NOT_MODELLED = "not modelled: host overheads assumed hidden behind GPU kernels"
+
+
 @dataclass(frozen=True)
 class Figure:
     value: float
@@ -46,6 +49,13 @@ class Hardware:
     grad_bytes: Figure  # b_g: gradients in the all-reduce
     state_bytes: Figure  # s: weights + grads + optimizer state per parameter
     calibrated: bool = True
+    # host-side terms of `cost_model.ep.host_time` and the kernel's recompute flag (`compute_time`):
+    # measured on this machine by `cost_model.calibrate`; not modelled (0) for the GPU presets
+    layer_overhead: Figure = Figure(0.0, _NOT_MODELLED)  # c_layer, s per EP layer step
+    expert_overhead: Figure = Figure(0.0, _NOT_MODELLED)  # c_expert, s per local expert per step
+    row_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_row, s per routed element (rows x D) per step
+    act_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_act, s per hidden element (rows x F) per step
+    recompute: Figure = Figure(0.0, "GPU kernels assumed to save the gate/up GEMM outputs for backward")
 
     def values(self) -> dict[str, float]:
         """Figures keyed by the symbol names of `cost_model.symbols`."""
@@ -58,6 +68,11 @@ class Hardware:
             "b": float(self.bytes_per_element),
             "b_g": float(self.grad_bytes),
             "s": float(self.state_bytes),
+            "c_layer": float(self.layer_overhead),
+            "c_expert": float(self.expert_overhead),
+            "c_row": float(self.row_cost),
+            "c_act": float(self.act_cost),
+            "r_c": float(self.recompute),
         }
 
     def sources(self) -> dict[str, str]:
@@ -154,6 +169,15 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
             calibrated=False,
         )
     src = f"calibrated {data.get('created', '?')} ({path})"
+    host = {
+        key: Figure(data[key], f"{src}: {what}") if key in data else Figure(0.0, f"not in the profile ({path})")
+        for key, what in (
+            ("layer_overhead", "2-rank EP layer at vanishing size, intercept minus 5 alpha"),
+            ("expert_overhead", "2-rank EP layer at vanishing size, slope per local expert"),
+            ("row_cost", "permute/unpermute/combine chain fwd+bwd, slope per routed element"),
+            ("act_cost", "SwiGLU activation fwd + recompute + bwd, slope per hidden element"),
+        )
+    }
     return Hardware(
         name="this-machine",
         device=f"this machine ({data.get('backend', 'gloo')}, W={data.get('world_size', 2)})",
@@ -166,6 +190,11 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         bytes_per_element=Figure(4, "fp32 on CPU"),
         grad_bytes=Figure(4, "fp32 on CPU"),
         state_bytes=Figure(16, "fp32 Adam: weights, grads, 2 moments"),
+        layer_overhead=host["layer_overhead"],
+        expert_overhead=host["expert_overhead"],
+        row_cost=host["row_cost"],
+        act_cost=host["act_cost"],
+        recompute=Figure(1.0, "moepass.dialect.expert_ffn_backward_ref (the CPU kernel) recomputes gate/up GEMMs"),
     )
 
 

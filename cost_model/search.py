@@ -196,9 +196,12 @@ def topology_of(topology: Any) -> tuple[int, int]:
 
 
 def specs_of(specs_or_model: Any) -> list[Any]:
-    """A list of MoESpec from a spec, a list of specs, or a model (via moepass.detect, if present)."""
+    """A list of MoESpec (or BlockShape) from a spec, a list, or a model (via moepass.detect, if present)."""
     from moepass.spec import MoESpec
 
+    if isinstance(specs_or_model, list | tuple) and specs_or_model and all(
+            isinstance(s, BlockShape) for s in specs_or_model):
+        return list(specs_or_model)
     if isinstance(specs_or_model, MoESpec):
         return [specs_or_model]
     if isinstance(specs_or_model, list | tuple) and all(isinstance(s, MoESpec) for s in specs_or_model):
@@ -262,7 +265,7 @@ def search(
     W = world_size or nodes * per_node
     T = int(batch[0]) * int(batch[1])
     hw = hardware_of(profile)
-    shapes = [BlockShape.of(s, T) for s in specs_of(specs_or_model)]
+    shapes = [s if isinstance(s, BlockShape) else BlockShape.of(s, T) for s in specs_of(specs_or_model)]
     if not shapes:
         raise ValueError("search got no MoE blocks: nothing to plan")
     restricted = ep_sizes is not None
@@ -331,3 +334,22 @@ def _winner_expressions(
         x = {**_figures(shape, hw, 0, G, rho, cf), "T": S.T}
         substituted += formula(x, cf)
     return generic, sympy.simplify(substituted).evalf(4)
+
+
+def search_scenario(scenario: Any, **options: Any) -> list[tuple[str, SearchResult]]:
+    """`search` for every case of a published set-up (`../shared/scenarios/*.json`): (case label, result).
+
+    The scenario's figures fill the hardware (nulls from the named preset, as `simulate` reports);
+    every layer of a case is one block of its shape.
+    """
+    from cost_model.simulate import cases
+
+    read = cases(scenario)
+    results = []
+    for case in read.cases:
+        shape = BlockShape(E=case.E, K=case.K, D=case.D, F=case.F, m=matmuls(case.gated), cf=None)
+        seq = case.seq or 1
+        batch = (max(1, case.tokens // seq), seq)
+        results.append((case.label, search([shape] * case.layers, (case.nodes, case.per_node), batch,
+                                           profile=read.hardware, **options)))
+    return results

@@ -351,25 +351,33 @@ def _is_gated(model: dict[str, Any]) -> bool:
     return any(f in str(model.get("id", "")).lower() for f in GATED_FAMILIES)
 
 
-def simulate(scenario: str | Path | dict[str, Any]) -> SimResult:
-    """Predict every compared system of one set-up (see the module docstring)."""
+@dataclass
+class ScenarioCases:
+    """A scenario file read into concrete cases, with the figures presets filled and what was assumed."""
+
+    scenario: dict[str, Any]
+    hardware: Hardware
+    cases: list[Case]
+    filled: dict[str, str]
+    assumptions: list[str]
+
+
+def cases(scenario: str | Path | dict[str, Any]) -> ScenarioCases:
+    """Every (model variant, cluster size) of a scenario as a `Case` (EP-form models only)."""
     sc = load(scenario)
     filled: dict[str, str] = {}
     assumptions: list[str] = []
     cluster = sc["cluster"]
     hw = _hardware(cluster, filled)
-    micro_op = float(sc.get("micro_op_bytes") or 30 * 2**20)
-    models = sc.get("models") or [sc["model"]]
-    systems = sc.get("systems") or []
-    predictions: list[Prediction] = []
-    for model in models:
+    found: list[Case] = []
+    for model in sc.get("models") or [sc["model"]]:
         if model.get("form") not in (None, "ep"):
-            continue  # a model of another form (e.g. HP's own architecture): its system is listed below
+            continue  # a model of another form (e.g. HP's own architecture): its system is listed separately
         for variant in _model_variants(model, assumptions):
             for nodes, per_node in _cluster_sizes(cluster, sc, int(variant["experts"])):
                 W = nodes * per_node
                 tokens, seq = _tokens(sc, W, assumptions)
-                case = Case(
+                found.append(Case(
                     label=f"{variant['id']} W={W}",
                     layers=int(variant.get("layers") or variant["moe_layers"]),
                     D=int(variant["hidden"]),
@@ -382,13 +390,22 @@ def simulate(scenario: str | Path | dict[str, Any]) -> SimResult:
                     tokens=tokens,
                     seq=seq,
                     ep=_ep_degree(variant, int(variant["experts"]), W),
-                )
-                for system in systems:
-                    predictions.append(_predict_system(system, case, hw, sc, micro_op, assumptions))
+                ))
+    return ScenarioCases(sc, hw, found, filled, assumptions)
+
+
+def simulate(scenario: str | Path | dict[str, Any]) -> SimResult:
+    """Predict every compared system of one set-up (see the module docstring)."""
+    read = cases(scenario)
+    sc, hw = read.scenario, read.hardware
+    micro_op = float(sc.get("micro_op_bytes") or 30 * 2**20)
+    systems = sc.get("systems") or []
+    predictions = [_predict_system(system, case, hw, sc, micro_op, read.assumptions)
+                   for case in read.cases for system in systems]
     for system in systems:
         if system.get("form") != "ep":
             predictions.append(Prediction(system["id"], "-", system.get("form", "?"), modelled=False))
-    return SimResult(sc.get("name", "scenario"), predictions, filled, assumptions)
+    return SimResult(sc.get("name", "scenario"), predictions, read.filled, read.assumptions)
 
 
 def _predict_system(

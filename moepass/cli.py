@@ -40,6 +40,22 @@ def explain(args: argparse.Namespace) -> int:
 def search(args: argparse.Namespace) -> int:
     import moepass
 
+    if args.scenario:
+        from cost_model.search import search_scenario
+        from cost_model.simulate import cases
+
+        read = cases(args.scenario)
+        print(f"scenario {read.scenario.get('name', args.scenario)}: hardware {read.hardware.name}")
+        for figure, source in read.filled.items():
+            print(f"  filled {figure}: {source}")
+        for assumption in read.assumptions:
+            print(f"  assumed: {assumption}")
+        for label, result in search_scenario(args.scenario):
+            print(f"\n== {label}")
+            print(result.table(limit=args.limit))
+        return 0
+    if args.target is None:
+        raise SystemExit("moepass search: give a model (module:callable) or --scenario FILE")
     result = moepass.search(_load(args.target), (args.nodes, args.ranks_per_node), (args.batch, args.seq),
                             profile=args.profile)
     print(result.table(limit=args.limit))
@@ -66,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--form", default="single")
     p.set_defaults(fn=explain)
     p = sub.add_parser("search", help="rank plans with the cost model")
-    p.add_argument("target", help="module:callable returning an nn.Module")
+    p.add_argument("target", nargs="?", help="module:callable returning an nn.Module")
+    p.add_argument("--scenario", help="a published set-up (e.g. ../shared/scenarios/lina_priority.json)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")

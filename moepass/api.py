@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import traceback
 from dataclasses import dataclass, field
@@ -88,6 +89,29 @@ def _default_topology() -> tuple[int, int]:
     return max(1, world // max(per_node, 1)), per_node
 
 
+@contextlib.contextmanager
+def _world_for(plan: Plan):
+    """For a distributed form with no process group: the "fake" process group at the plan's world size.
+
+    It runs no real communication: `explain` can show the distributed graph of any world size on one
+    machine. An initialised process group is used as it is.
+    """
+    import torch.distributed as dist
+
+    if plan.form == "single" or dist.is_initialized():
+        yield None
+        return
+    topology = plan.topology
+    world = topology.world_size if topology is not None else (plan.ep_size or 1)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield f"(no process group: graph built on the fake process group at world size {world}, as rank 0)"
+    finally:
+        dist.destroy_process_group()
+
+
 def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, sources: bool = False) -> str:
     """A readable report of what `compile(model, plan)` would do. Never raises.
 
@@ -131,7 +155,10 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
             continue
         try:
             block = copy.deepcopy(model.get_submodule(detail.spec.path) if detail.spec.path else model)
-            gm = compile_block(detail.spec, block, block_plan)
+            with _world_for(block_plan) as note:
+                if note:
+                    lines.append(note)
+                gm = compile_block(detail.spec, block, block_plan)
             for record in gm.history[1:]:
                 lines.append(f"pass {record['pass']}: {'changed' if record.get('changed') else 'unchanged'} "
                              f"{record.get('stats') or ''}".rstrip())

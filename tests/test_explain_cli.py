@@ -66,3 +66,15 @@ def test_compiled_model_pickles_through_deepcopy_and_state_dict_loads_into_origi
     fresh.load_state_dict(compiled.state_dict())
     tokens = torch.randint(0, 256, (2, 9))
     torch.testing.assert_close(fresh(tokens), compiled(tokens), rtol=1e-5, atol=1e-6)
+
+
+def test_explain_a_distributed_form_without_a_cluster():
+    import torch.distributed as dist
+
+    from samples.models import tiny_mixtral
+
+    text = moepass.explain(tiny_mixtral(num_experts=64), moepass.Plan(form="ep", topology=moepass.Topology(8, 8)))
+    assert "fake process group at world size 64" in text
+    assert text.count("torch.ops.moe_comm.all_to_all.default") == 4  # dispatch + combine, 2 blocks
+    assert "'local_experts': 1, 'ep_size': 64" in text
+    assert not dist.is_initialized()  # explain leaves no process group behind

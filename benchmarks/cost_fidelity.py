@@ -1,7 +1,12 @@
 """Cost-model fidelity: predicted vs measured EP layer time on this machine (W=2, gloo).
 
     python -m cost_model.calibrate --out benchmarks/results/cost_profile.json   # the figures, same conditions
-    python benchmarks/cost_fidelity.py                                          # 12 configs, ~1-2 min
+    python benchmarks/cost_fidelity.py                                          # 12 configs, ~1 min
+
+or both in one go, the calibration immediately before the measurement, after waiting (polling every
+60 s, up to 45 min) for the 1-minute load average to fall below 2.5 on these shared cores:
+
+    python benchmarks/cost_fidelity.py --calibrate --wait-load 2.5
 
 Two spawned gloo ranks (one thread each) build a bare fused MoE block (`samples.models.FusedMoE`, SwiGLU
 experts, m=3 GEMMs) per configuration, compile it with `moepass.compile(block, Plan(form="ep",
@@ -13,7 +18,7 @@ cores hits every configuration alike), each doing one warm-up step and `--steps`
 its rounds x steps samples.
 
 Prediction: `cost_model.ep.ep_layer` on the calibrated profile (`this_machine(profile)`), dropless or
-capacity by the config. The routing factor (rho for dropless, the kept fraction c_f for capacity) is
+capacity by the config, with the expert GEMMs' FLOP/s `Hardware.gemm_rate(D, rows per expert)`. The routing factor (rho for dropless, the kept fraction c_f for capacity) is
 the busiest rank's routed rows / (T*K) read from one untimed step's byte counters (the routing of a
 random router on random tokens: an input of the model, not a timing); `predicted_uniform` is the same
 formula with rho = 1 (dropless) and c_f = the capacity factor. No figure is fitted to these configs.
@@ -67,18 +72,18 @@ class Config:
 # Varies T, D, F, E, K and capacity; sized so the measured steps lie within ~4x of each other
 # (~30-110 ms here), spread so neighbours differ by ~10-20%.
 CONFIGS = (
-    Config(1024, 128, 256, 4, 2),
+    Config(1024, 112, 256, 4, 2),
     Config(2048, 128, 256, 8, 1),
-    Config(1024, 128, 256, 32, 2),
+    Config(1024, 128, 288, 32, 2),
+    Config(2048, 128, 256, 8, 2, capacity=0.625),
     Config(1024, 160, 320, 8, 2),
-    Config(2048, 128, 256, 8, 2, capacity=0.75),
     Config(2048, 64, 512, 16, 2),
     Config(1024, 128, 256, 8, 4),
     Config(1536, 192, 256, 8, 2),
+    Config(4096, 128, 256, 8, 2, capacity=0.6),
     Config(2048, 128, 384, 8, 2),
-    Config(4096, 128, 256, 8, 2, capacity=0.5),
-    Config(1024, 256, 512, 4, 2),
-    Config(2048, 192, 384, 16, 2),
+    Config(1024, 256, 448, 4, 2),
+    Config(2048, 176, 384, 16, 2),
 )
 
 
@@ -87,12 +92,15 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None) -> dict[str,
     kept fraction c_f (capacity) of the busiest rank, None for uniform routing."""
     dropless = cfg.capacity is None
     if factor is None:
-        factor = 1.0 if dropless else cfg.capacity
+        factor = 1.0 if cfg.capacity is None else cfg.capacity
+    rows_per_expert = cfg.tokens * cfg.K * factor / (cfg.E / W)
     x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
-         "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor}
+         "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
+         "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0}
     t = cm.ep_layer(x, ep=W, n=1, dp=1, dropless=dropless, cross_node_dp=False)
     return {"step_s": float(t.step), "compute_s": float(t.compute), "a2a_s": float(t.a2a_exposed),
-            "host_s": float(t.host), "dispatch_bytes": float(t.a2a_bytes), "factor": float(factor)}
+            "host_s": float(t.host), "dispatch_bytes": float(t.a2a_bytes), "factor": float(factor),
+            "gemm_flops": float(x["R"])}
 
 
 def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, steps: int, results, timeout_s: float):
@@ -121,7 +129,7 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
             layers.append(layer)
             inputs.append(x)
             routing.append(gathered)
-        samples = [[] for _ in configs]
+        samples: list[list[float]] = [[] for _ in configs]
         for _ in range(rounds):
             for i, (layer, x) in enumerate(zip(layers, inputs)):
                 times = []
@@ -229,7 +237,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", type=int, default=None, help="the first N configurations (development)")
     parser.add_argument("--out", type=Path, default=RESULTS / "cost_fidelity.json")
+    parser.add_argument("--calibrate", action="store_true", help="run cost_model.calibrate into --profile first")
+    parser.add_argument("--wait-load", type=float, default=None, metavar="L",
+                        help="first wait (poll every 60 s, up to --wait-max s) for the 1-min load average < L")
+    parser.add_argument("--wait-max", type=float, default=45 * 60)
     args = parser.parse_args(argv)
+    waited = 0.0
+    if args.wait_load is not None and not args.predict_only:
+        while load_average() >= args.wait_load and waited < args.wait_max:
+            print(f"load average {load_average():.2f} >= {args.wait_load}: waiting ({waited / 60:.0f} min so far)",
+                  flush=True)
+            time.sleep(60)
+            waited += 60
+        print(f"load average {load_average():.2f} after waiting {waited / 60:.0f} min", flush=True)
+    load_at_calibration = None
+    if args.calibrate and not args.predict_only:
+        from cost_model import calibrate
+
+        load_at_calibration = list(os.getloadavg())
+        if calibrate.main(["--out", str(args.profile), "--no-progress"]) != 0:
+            return 1
     hw = this_machine(args.profile)
     configs = CONFIGS[: args.only] if args.only else CONFIGS
     if args.predict_only:
@@ -271,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
                                                 "row_cost", "act_cost", "flops_one_process")},
         "world_size": W, "rounds": args.rounds, "steps_per_round": args.steps,
+        "load_average_at_calibration": load_at_calibration, "waited_for_load_s": waited,
         "load_average_before": list(load_before), "load_average_after": list(load_after),
         "seconds": time.time() - t0,
         "spearman": rho, "median_abs_rel_error": med, "median_abs_rel_error_uniform_routing": med_uniform,

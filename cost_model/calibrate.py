@@ -13,6 +13,9 @@
     alpha's);
   * the data movement around the experts (moe.permute -> local permute -> unpermute x2 -> combine,
     forward + backward) over routed elements rows x D: slope -> `row_cost`;
+  * the expert FFN kernel's GEMMs on one expert (x @ W^T forward; g @ W and g^T @ a backward; the
+    kernel's own layouts) at width D in GEMM_D (F = 2D) and M rows in GEMM_M: FLOP/s by (D, M) ->
+    `gemm` (`Hardware.gemm_rate` interpolates; small D or M run well below the square-matmul rate);
   * the expert FFN's elementwise work on one expert's [M, F] hidden tensors (`moepass.dialect.activate`
     forward, again as the backward recomputes it, `activate_backward`) over M x F: slope -> `act_cost`.
   These run on WORLD concurrent ranks with sustained timings, like the workload (see `_host_worker`).
@@ -49,6 +52,8 @@ LAYER_EXPERTS = (2, 8, 16, 32, 64)  # E of the vanishing-size EP layer (E/2 loca
 SUSTAIN_S = 0.08  # seconds per timed repetition of the concurrent host benchmarks (see _host_worker.timed)
 ROW_SIZES = ((1024, 64), (4096, 64), (4096, 128), (16384, 128))  # (routed rows, D)
 ACT_SIZES = ((128, 256), (512, 256), (1024, 512), (2048, 512))  # (rows of one expert, F)
+GEMM_D = (64, 128, 256, 512)  # width D of the expert GEMM benchmark (F = 2D)
+GEMM_M = (64, 256, 1024)  # rows per expert
 
 
 def fit_latency_rate(amounts: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -135,8 +140,8 @@ def _act_step(h_gate: Any, h_up: Any, grad_a: Any) -> None:
 
 
 def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: Sequence[tuple[int, int]],
-                 act_sizes: Sequence[tuple[int, int]], experts: Sequence[int], reps: int, results: Any,
-                 timeout_s: float) -> None:
+                 act_sizes: Sequence[tuple[int, int]], gemm_dims: Sequence[int], gemm_rows: Sequence[int],
+                 experts: Sequence[int], reps: int, results: Any, timeout_s: float) -> None:
     """One of WORLD gloo ranks running the same microbenchmark AT THE SAME TIME (the workload's process
     layout: W single-threaded ranks sharing this machine); per size, the median over repetitions of
     the slower rank's time: fp32 matmuls, the data movement around the experts, and moepass's EP
@@ -189,6 +194,17 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
             weights_TK = torch.rand(rows // K, K, generator=gen)
             local_N1 = (torch.arange(rows) % (E // 2)).unsqueeze(1)
             timed("rows", rows * D, lambda x=x, e=experts_TK, w=weights_TK, i=local_N1: _rows_step(ops, x, e, w, i, E, K))
+        for D in gemm_dims:
+            for M in gemm_rows:
+                gen = torch.Generator().manual_seed(D + M + rank)
+                x, w, g = torch.randn(M, D, generator=gen), torch.randn(2 * D, D, generator=gen), torch.randn(M, 2 * D)
+
+                def gemms(x: Any = x, w: Any = w, g: Any = g) -> None:
+                    torch.nn.functional.linear(x, w)  # forward: [M, D] @ [D, F]
+                    g @ w  # backward d(input): [M, F] @ [F, D]
+                    g.t() @ x  # backward d(weight): [F, M] @ [M, D]
+
+                timed("gemm", D * 100_000 + M, gemms)
         for M, F in act_sizes:
             gen = torch.Generator().manual_seed(M + F + rank)
             h_gate, h_up, grad_a = (torch.randn(M, F, generator=gen) for _ in range(3))
@@ -219,6 +235,8 @@ def measure_host(
     row_sizes: Sequence[tuple[int, int]] = ROW_SIZES,
     experts: Sequence[int] = LAYER_EXPERTS,
     act_sizes: Sequence[tuple[int, int]] = ACT_SIZES,
+    gemm_dims: Sequence[int] = GEMM_D,
+    gemm_rows: Sequence[int] = GEMM_M,
     reps: int = 5,
     timeout_s: float = 120.0,
     progress: Any = None,
@@ -230,13 +248,15 @@ def measure_host(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    args = (tuple(matmul_sizes), tuple(row_sizes), tuple(act_sizes), tuple(experts), reps, results, timeout_s)
+    args = (tuple(matmul_sizes), tuple(row_sizes), tuple(act_sizes), tuple(gemm_dims), tuple(gemm_rows),
+            tuple(experts), reps, results, timeout_s)
     procs = [ctx.Process(target=_host_worker, args=(r, port, *args), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
-    out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "layer": []}
+    out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "gemm": [], "layer": []}
     try:
-        for _ in range(len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(experts)):
+        for _ in range(len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(gemm_dims) * len(gemm_rows)
+                       + len(experts)):
             try:
                 kind, size, seconds = results.get(timeout=timeout_s)
             except queue.Empty as e:
@@ -337,7 +357,7 @@ def calibrate(
     from tqdm import tqdm
 
     total = len(sizes) + len(matmul_sizes) * (2 if host else 1)
-    total += len(layer_experts) + len(row_sizes) + len(ACT_SIZES) if host else 0
+    total += len(layer_experts) + len(row_sizes) + len(ACT_SIZES) + len(GEMM_D) * len(GEMM_M) if host else 0
     with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
         mm = measure_matmul(matmul_sizes, progress=bar)
@@ -364,6 +384,11 @@ def calibrate(
             "expert_overhead": max(0.0, per_expert),
             "row_cost": 1.0 / row_rate,
             "act_cost": 1.0 / act_rate,
+            "gemm": [
+                {"D": key // 100_000, "M": key % 100_000, "seconds": t,
+                 "flops": 3 * 2.0 * (key % 100_000) * (key // 100_000) * 2 * (key // 100_000) / t}
+                for key, t in concurrent["gemm"]
+            ],
         })
     return {
         "version": 1,
@@ -386,6 +411,7 @@ def calibrate(
             "expert_overhead": "s per local expert per EP layer step (fwd+bwd)",
             "row_cost": "s per routed element (rows x D) per EP layer step (fwd+bwd)",
             "act_cost": "s per hidden element (rows x F) per EP layer step (fwd + recompute + bwd)",
+            "gemm": "FLOP/s per rank of the expert FFN GEMM trio at width D (F = 2D), M rows per expert",
         },
         "load_average": list(os.getloadavg()),
         "samples": {
@@ -443,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         + (
             f", layer overhead = {profile['layer_overhead'] * 1e3:.2f} ms + "
             f"{profile['expert_overhead'] * 1e6:.0f} us/local expert, row cost = {profile['row_cost'] * 1e9:.2f} ns/element, "
-            f"activation = {profile['act_cost'] * 1e9:.2f} ns/hidden element"
+            f"activation = {profile['act_cost'] * 1e9:.2f} ns/hidden element, expert GEMMs "
+            + " ".join(f"D{g['D']}/M{g['M']}:{g['flops'] / 1e9:.0f}" for g in profile["gemm"])
+            + " GFLOP/s"
             if "row_cost" in profile
             else ""
         )

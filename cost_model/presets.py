@@ -56,6 +56,36 @@ class Hardware:
     row_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_row, s per routed element (rows x D) per step
     act_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_act, s per hidden element (rows x F) per step
     recompute: Figure = Figure(0.0, "GPU kernels assumed to save the gate/up GEMM outputs for backward")
+    # measured FLOP/s of the expert FFN's GEMMs by (width D, rows per expert M); empty: `flops` for all
+    gemm_table: tuple[tuple[int, int, float], ...] = ()
+
+    def gemm_rate(self, D: float, M: float) -> float:
+        """Effective FLOP/s of the expert GEMMs at width D and M rows per expert: bilinear interpolation
+        in (log D, log M) of `gemm_table` (clamped at its edges), else the flat `flops` x `efficiency`.
+        Small GEMMs run below the large-square rate: the inner dimension D and the row count M
+        set how well the BLAS micro-kernel's panels fill and how often each expert's weights are packed."""
+        if not self.gemm_table:
+            return float(self.flops) * float(self.efficiency)
+        import numpy as np
+
+        Ds = sorted({d for d, _, _ in self.gemm_table})
+        Ms = sorted({m for _, m, _ in self.gemm_table})
+        rate = {(d, m): r for d, m, r in self.gemm_table}
+        grid = np.array([[np.log(rate[(d, m)]) for m in Ms] for d in Ds])
+
+        def axis(values: list[int], v: float) -> tuple[int, int, float]:
+            lv = np.log(np.clip(v, values[0], values[-1]))
+            j = int(np.clip(np.searchsorted(np.log(values), lv) - 1, 0, max(len(values) - 2, 0)))
+            if len(values) == 1:
+                return 0, 0, 0.0
+            w = (lv - np.log(values[j])) / (np.log(values[j + 1]) - np.log(values[j]))
+            return j, j + 1, float(w)
+
+        i0, i1, wd = axis(Ds, D)
+        j0, j1, wm = axis(Ms, M)
+        top = grid[i0, j0] * (1 - wm) + grid[i0, j1] * wm
+        bottom = grid[i1, j0] * (1 - wm) + grid[i1, j1] * wm
+        return float(np.exp(top * (1 - wd) + bottom * wd))
 
     def values(self) -> dict[str, float]:
         """Figures keyed by the symbol names of `cost_model.symbols`."""
@@ -195,6 +225,7 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         row_cost=host["row_cost"],
         act_cost=host["act_cost"],
         recompute=Figure(1.0, "moepass.dialect.expert_ffn_backward_ref (the CPU kernel) recomputes gate/up GEMMs"),
+        gemm_table=tuple((int(g["D"]), int(g["M"]), float(g["flops"])) for g in data.get("gemm", ())),
     )
 
 

@@ -114,3 +114,46 @@ def test_uniform_formula_is_the_mean_of_exact_counts():
         exact = cm.exact_a2a(cm.rank_rows(counts, ep), D, BYTES, G)
         intra, inter = cm.a2a_bytes(T_, K, D, ep, G, BYTES)
         assert np.allclose(exact.sent_intra, float(intra)) and np.allclose(exact.sent_inter, float(inter))
+
+
+# ---- the host terms and the GEMM table (pure, no ranks) -------------------------------------------
+
+
+def test_gpu_presets_have_no_host_terms():
+    """The CPU-only terms are zero for the GPU presets: their layer time is the plain formula."""
+    from cost_model.presets import PRESETS
+
+    for hw in PRESETS.values():
+        v = hw.values()
+        assert v["c_layer"] == v["c_expert"] == v["c_row"] == v["c_act"] == v["r_c"] == 0.0
+        x = {**v, "T": 4096, "K": 2, "D": 1024, "F": 4096, "m": 3, "E": 8, "G": 8, "rho": 1.0, "c_f": 1.0}
+        terms = cm.ep_layer(x, ep=8, n=1, dp=1, dropless=True, cross_node_dp=False)
+        assert terms.host == 0
+        assert float(terms.compute) == pytest.approx(float(cm.compute_time(4096 * 2, 1024, 4096, 3, v["R"], v["eta"])))
+
+
+def test_host_terms_and_recompute_add_up():
+    from cost_model.presets import A100
+
+    x = {**A100.values(), "T": 1000, "K": 2, "D": 64, "F": 128, "m": 3, "E": 8, "G": 2, "rho": 1.0, "c_f": 1.0}
+    base = cm.ep_layer(x, ep=2, n=1, dp=1, dropless=True, cross_node_dp=False)
+    host = {"c_layer": 1e-3, "c_expert": 1e-5, "c_row": 1e-9, "c_act": 2e-9}
+    more = cm.ep_layer({**x, **host}, ep=2, n=1, dp=1, dropless=True, cross_node_dp=False)
+    assert float(more.host) == pytest.approx(1e-3 + 1e-5 * 4 + 1e-9 * 2000 * 64 + 2e-9 * 2000 * 128)
+    assert float(more.step - base.step) == pytest.approx(float(more.host))
+    rec = cm.ep_layer({**x, "r_c": 1.0}, ep=2, n=1, dp=1, dropless=True, cross_node_dp=False)
+    assert float(rec.compute / base.compute) == pytest.approx((3 + 2 / 3) / 3)  # gate + up recomputed
+
+
+def test_gemm_rate_interpolates_the_table():
+    import dataclasses
+
+    from cost_model.presets import A100
+
+    table = ((64, 64, 1e9), (64, 1024, 4e9), (512, 64, 2e9), (512, 1024, 8e9))
+    hw = dataclasses.replace(A100, gemm_table=table)
+    for D, M, rate in table:
+        assert hw.gemm_rate(D, M) == pytest.approx(rate)
+    assert hw.gemm_rate(16, 16) == pytest.approx(1e9) and hw.gemm_rate(4096, 1 << 20) == pytest.approx(8e9)
+    assert hw.gemm_rate(64, 256) == pytest.approx(2e9)  # halfway in log M between 1e9 and 4e9: geometric mean
+    assert A100.gemm_rate(64, 64) == pytest.approx(float(A100.flops) * float(A100.efficiency))

@@ -47,6 +47,7 @@ there is no run-time re-packing, so no parameter or optimizer-state migration.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -215,6 +216,11 @@ def _phases(region: list[fx.Node]) -> dict[fx.Node, int]:
     return phase
 
 
+def _renamed(env: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:
+    """`node`'s clone in this chunk, or `node` itself when it lies outside the chunked region."""
+    return env.get(node, node)
+
+
 def pipeline_order(n: int) -> list[tuple[int, int]]:
     """(phase, chunk) in emission order: see the module doc."""
     order = [(0, j) for j in range(n)] + [(COUNTS, 0)]
@@ -233,11 +239,11 @@ def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
         raise ValueError(f"schedule: expected one dispatch all-to-all in block {block or '<root>'}, "
                          f"found {len(dispatch)} (already chunked?)")
     permute = dispatch[0].args[0].args[0]
-    assert permute.target is dialect.PERMUTE, permute
+    assert isinstance(permute, fx.Node) and permute.target is dialect.PERMUTE, permute
     order = [u for u in permute.users if u.args[1] == 2]
     inverses = [u for o in order for u in o.users if u.target is dialect.UNPERMUTE]
     assert len(inverses) == 1, inverses
-    unpermute = inverses[0]
+    unpermute: fx.Node = inverses[0]
     region = _region(permute, unpermute)
     if region is None:
         raise ValueError(f"schedule: a node of block {block or '<root>'} uses the routed rows outside the "
@@ -265,8 +271,8 @@ def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
                 if node is permute:
                     args = (pieces[0][j], pieces[1][j], *permute.args[2:])
                 else:
-                    args = fx.map_arg(node.args, lambda a, env=env: env.get(a, a))
-                kwargs = fx.map_arg(node.kwargs, lambda a, env=env: env.get(a, a))
+                    args = fx.map_arg(node.args, functools.partial(_renamed, env))
+                kwargs = fx.map_arg(node.kwargs, functools.partial(_renamed, env))
                 new = graph.create_node(node.op, node.target, args, kwargs, name=f"{node.name}_c{j}")
                 env[node] = _stamp(new, block, chunk=j)
         cat = _stamp(graph.create_node("call_function", torch.cat, ([env[unpermute] for env in clones], 0),

@@ -210,19 +210,34 @@ def plot(rows: list[dict], path: Path, rho: float, med: float) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     pred = [r["predicted"]["step_s"] * 1e3 for r in rows]
     meas = [r["measured"]["step_s"] * 1e3 for r in rows]
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    ax.loglog(pred, meas, "o")
-    lo, hi = min(pred + meas) / 1.5, max(pred + meas) * 1.5
+    fig, ax = plt.subplots(figsize=(5, 5))
+    lo, hi = min(pred + meas) / 1.3, max(pred + meas) * 1.3
+    ax.fill_between([lo, hi], [lo / 1.25, hi / 1.25], [lo / 0.75, hi / 0.75], color="0.9",
+                    label="|predicted - measured| <= 25% of measured")
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = predicted")
-    ax.set_title(f"EP layer fwd+bwd, W=2 gloo: Spearman {rho:.2f}, median |err| {100 * med:.0f}%", fontsize=8)
-    ax.set_xlabel("predicted ms / step")
-    ax.set_ylabel("measured ms / step")
-    ax.legend()
+    ax.loglog(pred, meas, "o")
+    for i, (p, m) in enumerate(zip(pred, meas)):
+        ax.annotate(str(i + 1), (p, m), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+    ticks = [t for t in (20, 30, 50, 70, 100, 150, 200, 300, 500) if lo <= t <= hi]
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
+    ax.set_title(f"EP layer fwd+bwd, W=2 gloo, {len(rows)} configs (numbered as in the JSON)\n"
+                 f"Spearman {rho:.2f}, median |rel err| {100 * med:.0f}%", fontsize=8)
+    ax.set_xlabel("predicted ms / step (cost model, calibrated profile)")
+    ax.set_ylabel("measured ms / step (median)")
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def load_average() -> float:
@@ -241,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-load", type=float, default=None, metavar="L",
                         help="first wait (poll every 60 s, up to --wait-max s) for the 1-min load average < L")
     parser.add_argument("--wait-max", type=float, default=45 * 60)
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's JSON")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        saved = json.loads(args.out.read_text())
+        plot(saved["configs"], args.out.with_suffix(".png"), saved["spearman"], saved["median_abs_rel_error"])
+        return 0
     waited = 0.0
     if args.wait_load is not None and not args.predict_only:
         while load_average() >= args.wait_load and waited < args.wait_max:

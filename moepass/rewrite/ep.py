@@ -278,8 +278,12 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     groups = ep_groups(plan.topology, plan.ep_size, device.type)
     E, P = spec.num_experts, groups.ep_size
     if E % P:
-        raise PlanError(f"Plan.ep_size={P} is invalid for block {spec.path or '<root>'}: its {E} experts do not "
-                        f"split evenly; use an ep_size dividing {E}.")
+        world = groups.world_size
+        given = f"Plan.ep_size={P}" if plan.ep_size is not None else f"Plan.ep_size=None (the world size, {P})"
+        valid = [d for d in range(1, world + 1) if world % d == 0 and E % d == 0]
+        raise PlanError(f"{given} is invalid for block {spec.path or '<root>'}: its {E} experts do not split evenly "
+                        f"over {P} EP ranks; use an ep_size dividing both {E} and the world size {world} "
+                        f"(valid: {valid}), or leave this block alone with Plan(blocks={{{spec.path!r}: None}}).")
     capacity = ep_capacity(spec, plan)
     if capacity != spec.capacity:  # capacity mode is a spec change: regenerate the canonical graph from it
         old_names = {n.name for n in gm.graph.nodes}

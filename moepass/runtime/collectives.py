@@ -19,7 +19,9 @@ issue op, to hand Python-int splits to the backend.
 
 Fake implementations: the dynamic row count comes from `ctx.new_dynamic_size()` (Dynamo-friendly);
 in a FakeTensorMode without a ShapeEnv (which cannot represent such a size) the send-side row count
-stands in, so plain shape propagation still runs.
+stands in, so plain shape propagation still runs. Under Dynamo without fullgraph=True (its ShapeEnv
+forbids dynamic output shapes) the op raises, so Dynamo graph-breaks around it rather than baking in a
+wrong size.
 
 Checks: with `MOEPASS_CHECK_COLLECTIVES=1` (the tests set it) every collective asserts that all its
 tensors are on the input's device and that its split sizes are Python ints.
@@ -27,6 +29,7 @@ tensors are on the input's device and that its split sizes are Python ints.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -80,7 +83,7 @@ def _issue(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]
         assert out.device == inp.device, f"moe_comm {kind}: output on {out.device}, input on {inp.device}"
         for what, splits in (("output", out_splits), ("input", in_splits)):
             assert all(type(s) is int for s in splits), f"moe_comm {kind}: {what} splits {splits} are not ints"
-    row_bytes = inp.element_size() * (inp[0].numel() if inp.dim() > 1 else 1)
+    row_bytes = inp.element_size() * math.prod(inp.shape[1:])  # not inp[0]: a rank may send 0 rows
     record_bytes(kind, group_name, in_splits, row_bytes)
     work = scheduler.issue_collective(kind, group_name, sum(in_splits) * row_bytes, lambda: dist.all_to_all_single(
         out, inp, out_splits, in_splits, group=_group(group_name), async_op=True))  # tells the priority scheduler
@@ -140,10 +143,16 @@ def _(x_XD, send_counts_E, recv_counts_E, group_name, kind, out_rows):
     if out_rows >= 0:
         rows = out_rows
     else:
+        ctx = torch.library.get_ctx()
         try:
-            rows = torch.library.get_ctx().new_dynamic_size()
-        except DynamicOutputShapeException:  # no ShapeEnv: the send-side rows stand in (see module doc)
-            rows = x_XD.shape[0]
+            rows = ctx.new_dynamic_size()
+        except DynamicOutputShapeException:
+            if getattr(ctx, "_shape_env", None) is not None:
+                # a ShapeEnv that forbids dynamic output shapes (Dynamo without fullgraph=True or
+                # capture_dynamic_output_shape_ops): a stand-in size would be baked into the graph and
+                # fail at run time, so let Dynamo graph-break here and run this op eagerly
+                raise
+            rows = x_XD.shape[0]  # no ShapeEnv: the send-side rows stand in (see module doc)
     return x_XD.new_empty((rows, *x_XD.shape[1:]))
 
 

@@ -6,7 +6,11 @@
 or both in one go, the calibration immediately before the measurement, after waiting (polling every
 60 s, up to 45 min) for the 1-minute load average to fall below 2.5 on these shared cores:
 
-    python benchmarks/cost_fidelity.py --calibrate --wait-load 2.5
+    python benchmarks/cost_fidelity.py --calibrate --wait-load 2.5 [--calibrate-after]
+
+(`--calibrate-after` re-runs the calibration after measuring and reports those predictions too: on
+shared cores the per-rank CPU share changes within a minute, and the prediction is only as good as
+the calibration's conditions match the measurement's.)
 
 Two spawned gloo ranks (one thread each) build a bare fused MoE block (`samples.models.FusedMoE`, SwiGLU
 experts, m=3 GEMMs) per configuration, compile it with `moepass.compile(block, Plan(form="ep",
@@ -257,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="first wait (poll every 60 s, up to --wait-max s) for the 1-min load average < L")
     parser.add_argument("--wait-max", type=float, default=45 * 60)
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's JSON")
+    parser.add_argument("--calibrate-after", action="store_true",
+                        help="also calibrate right after measuring and report those predictions (drift check)")
     args = parser.parse_args(argv)
     if args.plot_only:
         saved = json.loads(args.out.read_text())
@@ -289,6 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     measured = measure(configs, args.rounds, args.steps)
     load_after = os.getloadavg()
+    after: dict | None = None
+    if args.calibrate_after:  # the same calibration right after: did the conditions drift meanwhile?
+        import tempfile
+
+        from cost_model import calibrate
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "profile_after.json"
+            if calibrate.main(["--out", str(path), "--no-progress"]) == 0:
+                after = {"hw": this_machine(path), "profile": json.loads(path.read_text()),
+                         "load_average": list(os.getloadavg())}
     rows = []
     for c, m in zip(configs, measured):
         rows_SR = routing_rows(c, m["stats"])
@@ -305,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             "exact_dispatch_bytes": exact.sent.tolist(),
             "rel_error": (pred["step_s"] - meas) / meas,
         })
+        if after is not None:
+            rows[-1]["predicted_after"] = predict(c, after["hw"], factor)
     pred_s = [r["predicted"]["step_s"] for r in rows]
     meas_s = [r["measured"]["step_s"] for r in rows]
     rho = spearman(pred_s, meas_s)
@@ -325,6 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         "measured_spread": max(meas_s) / min(meas_s),
         "configs": rows,
     }
+    if after is not None:
+        pred_after = [r["predicted_after"]["step_s"] for r in rows]
+        out["calibration_after"] = {
+            "note": "the same calibration re-run right after the measurement (not used for 'predicted'): "
+                    "how far the shared machine's conditions drifted during the run",
+            "load_average": after["load_average"],
+            "figures": {k: after["profile"].get(k) for k in out["figures"]},
+            "spearman": spearman(pred_after, meas_s),
+            "median_abs_rel_error": float(np.median([abs(p - m) / m for p, m in zip(pred_after, meas_s)])),
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"), rho, med)
@@ -336,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['measured']['step_s'] * 1e3:>8.2f} {100 * r['rel_error']:>+6.1f}%")
     print(f"Spearman = {rho:.3f}, median |rel err| = {100 * med:.1f}% (uniform routing: {100 * med_uniform:.1f}%), "
           f"measured spread {out['measured_spread']:.2f}x, load {load_before[0]:.2f} -> {load_after[0]:.2f}")
+    if "calibration_after" in out:
+        a = out["calibration_after"]
+        print(f"calibration re-run after the measurement (load {a['load_average'][0]:.2f}): Spearman "
+              f"{a['spearman']:.3f}, median |rel err| {100 * a['median_abs_rel_error']:.1f}%")
     return 0
 
 

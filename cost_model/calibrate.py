@@ -15,7 +15,9 @@
     forward + backward) over routed elements rows x D: slope -> `row_cost`;
   * the expert FFN kernel's GEMMs on one expert (x @ W^T forward; g @ W and g^T @ a backward; the
     kernel's own layouts) at width D in GEMM_D (F = 2D) and M rows in GEMM_M: FLOP/s by (D, M) ->
-    `gemm` (`Hardware.gemm_rate` interpolates; small D or M run well below the square-matmul rate);
+    `gemm`, as an efficiency relative to a 256^3 square matmul timed in the same window (so the
+    table does not move with the load between cells); `Hardware.gemm_rate` interpolates it and
+    multiplies by `flops` (small D or M run below the square-matmul rate);
   * the expert FFN's elementwise work on one expert's [M, F] hidden tensors (`moepass.dialect.activate`
     forward, again as the backward recomputes it, `activate_backward`) over M x F: slope -> `act_cost`.
   These run on WORLD concurrent ranks with sustained timings, like the workload (see `_host_worker`).
@@ -54,6 +56,7 @@ ROW_SIZES = ((1024, 64), (4096, 64), (4096, 128), (16384, 128))  # (routed rows,
 ACT_SIZES = ((128, 256), (512, 256), (1024, 512), (2048, 512))  # (rows of one expert, F)
 GEMM_D = (64, 128, 256, 512)  # width D of the expert GEMM benchmark (F = 2D)
 GEMM_M = (64, 256, 1024)  # rows per expert
+GEMM_REF = 256  # the square matmul each expert-GEMM timing is taken relative to
 
 
 def fit_latency_rate(amounts: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -156,9 +159,8 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=timeout_s))
 
-    def timed(kind: str, size: int, step: Any, warmup: int = 2) -> None:
-        """Sustained timing: each repetition runs `step` back to back for >= SUSTAIN_S (the same count
-        on every rank), so a time-sliced share of a busy CPU shows as it does in a whole training step."""
+    def sustained(step: Any, warmup: int) -> int:
+        """Back-to-back calls of `step` that take >= SUSTAIN_S (the same count on every rank)."""
         t_est = torch.zeros((), dtype=torch.float64)
         for _ in range(warmup):
             dist.barrier()
@@ -166,18 +168,30 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
             step()
             t_est.fill_(time.perf_counter() - t0)
         dist.all_reduce(t_est, op=dist.ReduceOp.MAX)
-        inner = max(1, int(np.ceil(SUSTAIN_S / max(float(t_est), 1e-7))))
+        return max(1, int(np.ceil(SUSTAIN_S / max(float(t_est), 1e-7))))
+
+    def timed(kind: str, size: int, step: Any, warmup: int = 2, ref: Any = None) -> None:
+        """Sustained timing: each repetition runs `step` back to back for >= SUSTAIN_S (the same count
+        on every rank), so a time-sliced share of a busy CPU shows as it does in a whole training step.
+        With `ref`, each repetition also runs `ref` right after and the result is the time ratio
+        step / ref: a relative figure that a load change between repetitions does not move."""
+        inner = sustained(step, warmup)
+        inner_ref = sustained(ref, warmup) if ref is not None else 0
         times = []
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(inner):
                 step()
-            times.append((time.perf_counter() - t0) / inner)
+            t1 = time.perf_counter()
+            for _ in range(inner_ref):
+                ref()
+            times.append([(t1 - t0) / inner, (time.perf_counter() - t1) / max(inner_ref, 1)])
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        value = slowest[:, 0] / slowest[:, 1] if ref is not None else slowest[:, 0]
         if rank == 0:
-            results.put((kind, size, float(slowest.median())))
+            results.put((kind, size, float(value.median())))
 
     try:
         import moepass
@@ -194,6 +208,7 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
             weights_TK = torch.rand(rows // K, K, generator=gen)
             local_N1 = (torch.arange(rows) % (E // 2)).unsqueeze(1)
             timed("rows", rows * D, lambda x=x, e=experts_TK, w=weights_TK, i=local_N1: _rows_step(ops, x, e, w, i, E, K))
+        ref_a = torch.randn(GEMM_REF, GEMM_REF)
         for D in gemm_dims:
             for M in gemm_rows:
                 gen = torch.Generator().manual_seed(D + M + rank)
@@ -204,7 +219,7 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
                     g @ w  # backward d(input): [M, F] @ [F, D]
                     g.t() @ x  # backward d(weight): [F, M] @ [M, D]
 
-                timed("gemm", D * 100_000 + M, gemms)
+                timed("gemm", D * 100_000 + M, gemms, ref=lambda a=ref_a: torch.mm(a, a))
         for M, F in act_sizes:
             gen = torch.Generator().manual_seed(M + F + rank)
             h_gate, h_up, grad_a = (torch.randn(M, F, generator=gen) for _ in range(3))
@@ -385,9 +400,10 @@ def calibrate(
             "row_cost": 1.0 / row_rate,
             "act_cost": 1.0 / act_rate,
             "gemm": [
-                {"D": key // 100_000, "M": key % 100_000, "seconds": t,
-                 "flops": 3 * 2.0 * (key % 100_000) * (key // 100_000) * 2 * (key // 100_000) / t}
-                for key, t in concurrent["gemm"]
+                {"D": key // 100_000, "M": key % 100_000, "time_ratio": ratio,
+                 "efficiency": 3 * 2.0 * (key % 100_000) * (key // 100_000) * 2 * (key // 100_000)
+                 / (2.0 * GEMM_REF**3) / ratio}
+                for key, ratio in concurrent["gemm"]
             ],
         })
     return {
@@ -411,7 +427,8 @@ def calibrate(
             "expert_overhead": "s per local expert per EP layer step (fwd+bwd)",
             "row_cost": "s per routed element (rows x D) per EP layer step (fwd+bwd)",
             "act_cost": "s per hidden element (rows x F) per EP layer step (fwd + recompute + bwd)",
-            "gemm": "FLOP/s per rank of the expert FFN GEMM trio at width D (F = 2D), M rows per expert",
+            "gemm": "efficiency of the expert FFN GEMM trio at width D (F = 2D), M rows per expert: its FLOP/s "
+                    "over the 256^3 matmul's, timed back to back on WORLD concurrent ranks",
         },
         "load_average": list(os.getloadavg()),
         "samples": {
@@ -470,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             f", layer overhead = {profile['layer_overhead'] * 1e3:.2f} ms + "
             f"{profile['expert_overhead'] * 1e6:.0f} us/local expert, row cost = {profile['row_cost'] * 1e9:.2f} ns/element, "
             f"activation = {profile['act_cost'] * 1e9:.2f} ns/hidden element, expert GEMMs "
-            + " ".join(f"D{g['D']}/M{g['M']}:{g['flops'] / 1e9:.0f}" for g in profile["gemm"])
-            + " GFLOP/s"
+            + " ".join(f"D{g['D']}/M{g['M']}:{g['efficiency']:.2f}" for g in profile["gemm"])
+            + " x the 256^3 matmul rate"
             if "row_cost" in profile
             else ""
         )

@@ -56,16 +56,17 @@ class Hardware:
     row_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_row, s per routed element (rows x D) per step
     act_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_act, s per hidden element (rows x F) per step
     recompute: Figure = Figure(0.0, "GPU kernels assumed to save the gate/up GEMM outputs for backward")
-    # measured FLOP/s of the expert FFN's GEMMs by (width D, rows per expert M); empty: `flops` for all
+    # measured efficiency of the expert FFN's GEMMs (x `flops`) by (width D, rows per expert M)
     gemm_table: tuple[tuple[int, int, float], ...] = ()
 
     def gemm_rate(self, D: float, M: float) -> float:
-        """Effective FLOP/s of the expert GEMMs at width D and M rows per expert: bilinear interpolation
-        in (log D, log M) of `gemm_table` (clamped at its edges), else the flat `flops` x `efficiency`.
+        """Effective FLOP/s of the expert GEMMs at width D and M rows per expert: `flops` x `efficiency`
+        x the bilinear interpolation in (log D, log M) of `gemm_table` (clamped at its edges), 1 if empty.
         Small GEMMs run below the large-square rate: the inner dimension D and the row count M
         set how well the BLAS micro-kernel's panels fill and how often each expert's weights are packed."""
+        peak = float(self.flops) * float(self.efficiency)
         if not self.gemm_table:
-            return float(self.flops) * float(self.efficiency)
+            return peak
         import numpy as np
 
         Ds = sorted({d for d, _, _ in self.gemm_table})
@@ -85,7 +86,7 @@ class Hardware:
         j0, j1, wm = axis(Ms, M)
         top = grid[i0, j0] * (1 - wm) + grid[i0, j1] * wm
         bottom = grid[i1, j0] * (1 - wm) + grid[i1, j1] * wm
-        return float(np.exp(top * (1 - wd) + bottom * wd))
+        return peak * float(np.exp(top * (1 - wd) + bottom * wd))
 
     def values(self) -> dict[str, float]:
         """Figures keyed by the symbol names of `cost_model.symbols`."""
@@ -225,7 +226,8 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         row_cost=host["row_cost"],
         act_cost=host["act_cost"],
         recompute=Figure(1.0, "moepass.dialect.expert_ffn_backward_ref (the CPU kernel) recomputes gate/up GEMMs"),
-        gemm_table=tuple((int(g["D"]), int(g["M"]), float(g["flops"])) for g in data.get("gemm", ())),
+        gemm_table=tuple((int(g["D"]), int(g["M"]), float(g["efficiency"])) for g in data.get("gemm", ())
+                         if "efficiency" in g),
     )
 
 

@@ -150,10 +150,11 @@ def test_gemm_rate_interpolates_the_table():
 
     from cost_model.presets import A100
 
-    table = ((64, 64, 1e9), (64, 1024, 4e9), (512, 64, 2e9), (512, 1024, 8e9))
+    table = ((64, 64, 0.1), (64, 1024, 0.4), (512, 64, 0.2), (512, 1024, 0.8))
     hw = dataclasses.replace(A100, gemm_table=table)
-    for D, M, rate in table:
-        assert hw.gemm_rate(D, M) == pytest.approx(rate)
-    assert hw.gemm_rate(16, 16) == pytest.approx(1e9) and hw.gemm_rate(4096, 1 << 20) == pytest.approx(8e9)
-    assert hw.gemm_rate(64, 256) == pytest.approx(2e9)  # halfway in log M between 1e9 and 4e9: geometric mean
+    peak = float(A100.flops) * float(A100.efficiency)
+    for D, M, eff in table:
+        assert hw.gemm_rate(D, M) == pytest.approx(eff * peak)
+    assert hw.gemm_rate(16, 16) == pytest.approx(0.1 * peak) and hw.gemm_rate(4096, 1 << 20) == pytest.approx(0.8 * peak)
+    assert hw.gemm_rate(64, 256) == pytest.approx(0.2 * peak)  # halfway in log M between 0.1 and 0.4: geometric mean
     assert A100.gemm_rate(64, 64) == pytest.approx(float(A100.flops) * float(A100.efficiency))

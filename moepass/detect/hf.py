@@ -35,16 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepass.detect.candidates import (
-    DOWN_NAMES,
-    GATE_NAMES,
-    UP_NAMES,
     Candidate,
     activation_of,
-    first_child,
     shared_expert_of,
 )
 from moepass.detect.fused_experts import expert_layouts
-from moepass.detect.loop_experts import GATED, PLAIN
+from moepass.detect.loop_experts import GATED, PLAIN, stacked_experts_spec
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 
 SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "selection_bias")
@@ -181,25 +177,7 @@ def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
     if dropout:
         return (f"experts of {c.path or '<root>'} apply dropout p={dropout[0]} in train mode, which the canonical "
                 f"graph does not reproduce; set the config's dropout_rate=0 to rewrite this block")
-    gate, up, down = first_child(expert, GATE_NAMES), first_child(expert, UP_NAMES), first_child(expert, DOWN_NAMES)
-    if gate is None or down is None:
-        return f"expert {type(expert).__name__} has no gate/down linears (looked for {GATE_NAMES}, {DOWN_NAMES})"
-    act = activation_of(expert)
-    activation = (GATED if up else PLAIN).get(act or "")
-    if activation is None:
-        return f"expert activation {act!r} with{'' if up else 'out'} an up projection is not supported"
-
-    def stacked(name: str | None, kind: str) -> TensorSource | None:
-        if name is None or (kind == "bias" and getattr(expert, name).bias is None):
-            return None
-        return TensorSource.stack([f"{c.experts_path}.{key}.{name}.{kind}" for key in c.expert_names])
-
-    lin, w_down = getattr(expert, gate), stacked(down, "weight")
-    assert w_down is not None
-    return ExpertsSpec(num_experts=c.num_experts, hidden_dim=lin.in_features, ffn_dim=lin.out_features,
-                       activation=activation, w_gate=stacked(gate, "weight"), w_up=stacked(up, "weight"),  # type: ignore[arg-type]
-                       w_down=w_down, b_gate=stacked(gate, "bias"), b_up=stacked(up, "bias"),
-                       b_down=stacked(down, "bias"), container=c.experts_path)
+    return stacked_experts_spec(c, list(c.expert_names))
 
 
 def _router_block(c: Candidate) -> tuple[HFBlock, int | None] | str:

@@ -63,6 +63,9 @@ from typing import Any
 
 import torch
 
+# Autocast policy of lowered ops: the dialect's registration (same policies as the ops they replace).
+from moepass.dialect import register_autocast  # noqa: F401
+
 KiB = 1024
 # Maximum dynamic shared memory per block after opt-in (CUDA programming guide, compute capabilities).
 SHARED_LIMIT_BYTES = {80: 163 * KiB, 86: 99 * KiB, 89: 99 * KiB, 90: 227 * KiB}
@@ -425,47 +428,6 @@ def _child_main() -> None:
         except Exception:  # reported to the parent, which raises with the kernel's name
             results.append({"error": traceback.format_exc()})
     print(json.dumps(results))
-
-
-# ----------------------------------------------------------------------------------------------
-# Autocast policy of lowered ops (same policies as the dialect ops they replace).
-# ----------------------------------------------------------------------------------------------
-
-_AUTOCAST_LIBS: dict[str, Any] = {}
-AUTOCAST_POLICIES = ("fp32", "compute", "preserve")
-
-
-def register_autocast(op: Any, policy: str) -> None:
-    """Declare how `op` (a custom op's OpOverload) behaves under autocast on CPU and CUDA.
-
-    "fp32": floating inputs cast to fp32 (routers). "compute": cast to the autocast dtype (expert
-    GEMMs). "preserve": inputs keep their dtypes (data movement); declared explicitly so eager and
-    compiled runs agree rather than depending on the fallthrough.
-    """
-    if policy not in AUTOCAST_POLICIES:
-        raise ValueError(f"register_autocast: policy {policy!r} is not one of {AUTOCAST_POLICIES}")
-    namespace, op_name = op._schema.name.split("::")
-    lib = _AUTOCAST_LIBS.get(namespace)
-    if lib is None:
-        lib = _AUTOCAST_LIBS[namespace] = torch.library.Library(namespace, "IMPL")
-    for device_type in ("cpu", "cuda"):
-        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-        keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-
-        def kernel(_keyset, *args, _device_type=device_type, _excluded=keyset):
-            if policy == "preserve":
-                cast_args = args
-            else:
-                dtype = torch.float32 if policy == "fp32" else torch.get_autocast_dtype(_device_type)
-                cast_args = tuple(
-                    a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                    and a.device.type == _device_type else a
-                    for a in args
-                )
-            with torch._C._ExcludeDispatchKeyGuard(_excluded):
-                return op(*cast_args)
-
-        lib.impl(op_name, kernel, key, with_keyset=True)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--build"]:

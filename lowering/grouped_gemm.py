@@ -825,18 +825,7 @@ def _(grad_y_ND, x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_
     return [x_ND.new_empty(0) if t is None else torch.empty_like(t) for t in inputs]
 
 
-def _ffn_bwd(ctx, grad_y_ND):
-    saved = iter(ctx.saved_tensors)
-    inputs = [next(saved) if present else None for present in ctx.present]
-    grads = torch.ops.moe_lowered.expert_ffn_backward(grad_y_ND.to(inputs[0].dtype), *inputs, *ctx.options)
-    result: list[Tensor | None] = [None] * (8 + len(ctx.options))
-    for slot, i in enumerate(dialect._FFN_DIFFERENTIABLE):  # grads come in this order
-        if inputs[i] is not None:
-            result[i] = grads[slot]
-    return tuple(result)
-
-
-expert_ffn.register_autograd(_ffn_bwd, setup_context=dialect._ffn_setup)
+dialect.register_ffn_autograd(expert_ffn, torch.ops.moe_lowered.expert_ffn_backward)
 _codegen.register_autocast(torch.ops.moe_lowered.expert_ffn.default, "compute")
 
 LOWERING = lowering.register(lowering.Lowering(

@@ -503,48 +503,70 @@ def _ffn_setup(ctx, inputs, output):
     ctx.options = inputs[8:]
 
 
-def _ffn_bwd(ctx, grad_y_ND):
-    saved = iter(ctx.saved_tensors)
-    inputs = [next(saved) if present else None for present in ctx.present]
-    grads = torch.ops.moe.expert_ffn_backward(grad_y_ND, *inputs, *ctx.options)
-    result: list[Tensor | None] = [None] * (8 + len(ctx.options))
-    for slot, i in enumerate(_FFN_DIFFERENTIABLE):  # grads come in _FFN_DIFFERENTIABLE order
-        if inputs[i] is not None:
-            result[i] = grads[slot]
-    return tuple(result)
+def register_ffn_autograd(op, backward_op) -> None:
+    """Autograd for an op with `moe.expert_ffn`'s schema whose gradients come from `backward_op`
+    (same schema as `moe.expert_ffn_backward`: grads in `_FFN_DIFFERENTIABLE` order, empty for absent inputs).
+    """
+
+    def backward(ctx, grad_y_ND):
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if present else None for present in ctx.present]
+        grads = backward_op(grad_y_ND.to(inputs[0].dtype), *inputs, *ctx.options)
+        result: list[Tensor | None] = [None] * (8 + len(ctx.options))
+        for slot, i in enumerate(_FFN_DIFFERENTIABLE):  # grads come in _FFN_DIFFERENTIABLE order
+            if inputs[i] is not None:
+                result[i] = grads[slot]
+        return tuple(result)
+
+    op.register_autograd(backward, setup_context=_ffn_setup)
 
 
-expert_ffn.register_autograd(_ffn_bwd, setup_context=_ffn_setup)
+register_ffn_autograd(expert_ffn, torch.ops.moe.expert_ffn_backward)
 
 
 # ----------------------------------------------------------------------------------------------
 # Autocast: the router in fp32, the experts in the autocast compute dtype.
 # ----------------------------------------------------------------------------------------------
 
-_lib = torch.library.Library(NAMESPACE, "IMPL")
+AUTOCAST_POLICIES = ("fp32", "compute", "preserve")
+_AUTOCAST_LIBS: dict[str, torch.library.Library] = {}
 
 
-def _register_autocast(op: torch._ops.OpOverload, to_compute_dtype: bool) -> None:
+def register_autocast(op: torch._ops.OpOverload, policy: str) -> None:
+    """Declare how `op` (a custom op's OpOverload, any namespace) behaves under autocast on CPU and CUDA.
+
+    "fp32": floating inputs cast to fp32 (routers). "compute": cast to the autocast dtype (expert
+    GEMMs). "preserve": inputs keep their dtypes (data movement); declared explicitly so eager and
+    compiled runs agree rather than depending on the fallthrough.
+    """
+    if policy not in AUTOCAST_POLICIES:
+        raise ValueError(f"register_autocast: policy {policy!r} is not one of {AUTOCAST_POLICIES}")
+    namespace, op_name = op._schema.name.split("::")
+    lib = _AUTOCAST_LIBS.get(namespace)
+    if lib is None:
+        lib = _AUTOCAST_LIBS[namespace] = torch.library.Library(namespace, "IMPL")
     for device_type in ("cpu", "cuda"):
         key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
         keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
-        def kernel(_keyset, *args, _device_type=device_type, _keyset_excl=keyset):
-            dtype = torch.get_autocast_dtype(_device_type) if to_compute_dtype else torch.float32
+        def kernel(_keyset, *args, _device_type=device_type, _excluded=keyset):
+            if policy == "preserve":
+                cast_args = args
+            else:
+                dtype = torch.float32 if policy == "fp32" else torch.get_autocast_dtype(_device_type)
+                cast_args = tuple(
+                    a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() and a.device.type == _device_type
+                    else a
+                    for a in args
+                )
+            with torch._C._ExcludeDispatchKeyGuard(_excluded):
+                return op(*cast_args)
 
-            def cast(a):
-                if isinstance(a, Tensor) and a.is_floating_point() and a.device.type == _device_type:
-                    return a.to(dtype)
-                return a
-
-            with torch._C._ExcludeDispatchKeyGuard(_keyset_excl):
-                return op(*[cast(a) for a in args])
-
-        _lib.impl(op._schema.name.split("::")[1], kernel, key, with_keyset=True)
+        lib.impl(op_name, kernel, key, with_keyset=True)
 
 
-_register_autocast(torch.ops.moe.route.default, to_compute_dtype=False)
-_register_autocast(torch.ops.moe.expert_ffn.default, to_compute_dtype=True)
+register_autocast(torch.ops.moe.route.default, "fp32")
+register_autocast(torch.ops.moe.expert_ffn.default, "compute")
 
 # Ops of the dialect, by role (the verifier and the passes use these sets).
 ROUTE = torch.ops.moe.route.default

@@ -41,8 +41,6 @@ import argparse
 import datetime
 import json
 import os
-import queue
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -158,28 +156,9 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
 
 def measure(configs: tuple[Config, ...], rounds: int = 3, steps: int = 3, timeout_s: float = 600.0) -> list[dict]:
     """Per config: every timed step (s, max over ranks) and both ranks' byte counters of one step."""
-    import multiprocessing as mp
+    from cost_model.calibrate import spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    procs = [ctx.Process(target=_worker, args=(r, port, configs, rounds, steps, results, timeout_s), daemon=True)
-             for r in range(W)]
-    for p in procs:
-        p.start()
-    try:
-        out = results.get(timeout=timeout_s)
-        for p in procs:
-            p.join(timeout=60)
-    except queue.Empty as e:
-        raise TimeoutError(f"no measurement within {timeout_s:.0f} s") from e
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+    (out,) = spawn_ranks(_worker, (configs, rounds, steps), 1, "measurement", timeout_s, world=W)
     return out
 
 

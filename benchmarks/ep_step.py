@@ -169,8 +169,9 @@ class _Runner:
         module = model.model.layers[0].mlp if self.workload == "layer" else model
         if self.system != "moepass_ep":
             return module
-        import moepass
         from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import moepass
 
         cm = moepass.compile(module, moepass.Plan(form="ep", topology=moepass.Topology(1, W)))
         self.compiled = cm

@@ -245,6 +245,39 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
         dist.destroy_process_group()
 
 
+def spawn_ranks(worker: Any, args: tuple, messages: int, what: str, timeout_s: float, progress: Any = None,
+                world: int = WORLD) -> list[Any]:
+    """Run `worker(rank, port, *args, results, timeout_s)` on `world` spawned gloo ranks; the first
+    `messages` items they put on `results`, in order. A rank silent for `timeout_s` raises TimeoutError;
+    every process is joined or terminated on the way out."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, *args, results, timeout_s), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: list[Any] = []
+    try:
+        while len(out) < messages:
+            try:
+                out.append(results.get(timeout=timeout_s))
+            except queue.Empty as e:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                raise TimeoutError(f"no {what} within {timeout_s:.0f} s (worker exit codes {dead})") from e
+            if progress is not None:
+                progress.update(1)
+        for p in procs:
+            p.join(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    return out
+
+
 def measure_host(
     matmul_sizes: Sequence[int] = MATMUL_SIZES,
     row_sizes: Sequence[tuple[int, int]] = ROW_SIZES,
@@ -258,35 +291,12 @@ def measure_host(
 ) -> dict[str, list[tuple[int, float]]]:
     """{kind: [(size, seconds)]} from `_host_worker` on WORLD concurrent ranks: "matmul" (n), "rows"
     (routed elements rows*D), "act" (hidden elements M*F), "layer" (E, at T=16, D=F=16, K=1)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
     args = (tuple(matmul_sizes), tuple(row_sizes), tuple(act_sizes), tuple(gemm_dims), tuple(gemm_rows),
-            tuple(experts), reps, results, timeout_s)
-    procs = [ctx.Process(target=_host_worker, args=(r, port, *args), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
+            tuple(experts), reps)
+    count = len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(gemm_dims) * len(gemm_rows) + len(experts)
     out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "gemm": [], "layer": []}
-    try:
-        for _ in range(len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(gemm_dims) * len(gemm_rows)
-                       + len(experts)):
-            try:
-                kind, size, seconds = results.get(timeout=timeout_s)
-            except queue.Empty as e:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                raise TimeoutError(f"no host timing within {timeout_s:.0f} s (worker exit codes {dead})") from e
-            out[kind].append((size, seconds))
-            if progress is not None:
-                progress.update(1)
-        for p in procs:
-            p.join(timeout=timeout_s)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+    for kind, size, seconds in spawn_ranks(_host_worker, args, count, "host timing", timeout_s, progress):
+        out[kind].append((size, seconds))
     return out
 
 
@@ -294,36 +304,8 @@ def measure_a2a(
     sizes: Sequence[int], reps: int = 20, timeout_s: float = 60.0, progress: Any = None
 ) -> list[tuple[int, float]]:
     """[(input bytes per rank, seconds)] of gloo all_to_all_single at W=2, in spawned processes."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_a2a_worker, args=(r, port, tuple(sizes), reps, results, timeout_s), daemon=True)
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    out: list[tuple[int, float]] = []
-    try:
-        while len(out) < len(sizes):
-            try:
-                _, size, seconds = results.get(timeout=timeout_s)
-            except queue.Empty as e:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                raise TimeoutError(f"no all_to_all timing within {timeout_s:.0f} s (worker exit codes {dead})") from e
-            out.append((size, seconds))
-            if progress is not None:
-                progress.update(1)
-        for p in procs:
-            p.join(timeout=timeout_s)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-    return out
+    timings = spawn_ranks(_a2a_worker, (tuple(sizes), reps), len(sizes), "all_to_all timing", timeout_s, progress)
+    return [(size, seconds) for _, size, seconds in timings]
 
 
 def measure_matmul(sizes: Sequence[int] = MATMUL_SIZES, reps: int = 5, progress: Any = None) -> list[tuple[int, float]]:

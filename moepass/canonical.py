@@ -118,6 +118,10 @@ class GraphBuilder:
             return None
         parts = [self.attr(p) for p in source.paths]
         node = self.fn(torch.stack, parts, name=f"{name}_stacked") if source.stacked else parts[0]
+        return self.view(source, node, name)
+
+    def view(self, source: TensorSource, node: fx.Node, name: str) -> fx.Node:
+        """`source`'s chunk and transpose applied to an already read (stacked or sharded) tensor."""
         if source.chunk is not None:
             index, count = source.chunk
             chunks = self.method("chunk", node, count, source.chunk_dim, name=f"{name}_chunks")

@@ -218,13 +218,7 @@ def _only(graph: fx.Graph, target, what: str) -> fx.Node:
 def _local_weight(b: GraphBuilder, attr: str, source: TensorSource, role: str) -> fx.Node:
     """get_attr → local shard → the source's chunk / transpose (as the canonical graph reads it)."""
     node = b.fn(ep_local, b.attr(attr, name=f"{role}_param"), name=f"{role}_local")
-    if source.chunk is not None:
-        index, count = source.chunk
-        chunks = b.method("chunk", node, count, source.chunk_dim, name=f"{role}_local_chunks")
-        node = b.item(chunks, index, name=f"{role}_local_chunk")
-    if source.transpose:
-        node = b.method("transpose", node, -2, -1, name=f"{role}_local_t")
-    return node
+    return b.view(source, node, f"{role}_local")
 
 
 def rewrite_graph(gm: MoEGraphModule, weight_attrs: dict[str, str], layout: EPLayout) -> dict[str, int]:

@@ -30,6 +30,7 @@ class Plan:
     slots_per_device: int | None = None
     lowering: str = "auto"
     deterministic: bool = False
+    expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
     blocks: Any = None  # {module path or glob: dict of overrides | None (leave the block alone)}
     batch: Any = None  # (batch, seq) for form="auto"
 
@@ -68,6 +69,8 @@ class Plan:
             raise PlanError(f"Plan.slots_per_device={self.slots_per_device!r} is invalid: use an int >= 1.")
         if not isinstance(self.deterministic, bool):
             raise PlanError(f"Plan.deterministic={self.deterministic!r} is invalid: use True or False.")
+        if not isinstance(self.expert_recompute, bool):
+            raise PlanError(f"Plan.expert_recompute={self.expert_recompute!r} is invalid: use True or False.")
         for pattern, override in self.blocks.items():
             if override is None:
                 continue

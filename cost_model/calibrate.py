@@ -18,7 +18,7 @@
     `gemm`, as an efficiency relative to a 256^3 square matmul timed in the same window (so the
     table does not move with the load between cells); `Hardware.gemm_rate` interpolates it and
     multiplies by `flops` (small D or M run below the square-matmul rate);
-  * the expert FFN's elementwise work on one expert's [M, F] hidden tensors (`moepass.dialect.activate`
+  * the expert FFN's elementwise work on one expert's [M, F] hidden tensors (`moepass.activations.activate`
     forward, again as the backward recomputes it, `activate_backward`) over M x F: slope -> `act_cost`.
   These run on WORLD concurrent ranks with sustained timings, like the workload (see `_host_worker`).
 
@@ -133,13 +133,13 @@ def _rows_step(ops: Any, x: Any, experts_TK: Any, weights_TK: Any, local_N1: Any
 
 
 def _act_step(h_gate: Any, h_up: Any, grad_a: Any) -> None:
-    """The SwiGLU elementwise work of the expert FFN kernel on one expert: forward, the backward's
-    recompute, and the backward (`moepass.dialect.expert_ffn_ref` / `expert_ffn_backward_ref`)."""
-    from moepass import dialect
+    """The SwiGLU elementwise work of the expert FFN (`moepass.grouped_ffn`) on one expert: forward, the
+    backward's recompute of act(gate) * up from the kept pre-activations, and the activation's backward."""
+    from moepass.activations import activate, activate_backward
 
-    dialect.activate(h_gate, h_up, "swiglu", 0.0, 0.0)
-    dialect.activate(h_gate, h_up, "swiglu", 0.0, 0.0)
-    dialect.activate_backward(grad_a, h_gate, h_up, "swiglu", 0.0, 0.0)
+    activate(h_gate, h_up, "swiglu", 0.0, 0.0)
+    activate(h_gate, h_up, "swiglu", 0.0, 0.0)
+    activate_backward(grad_a, h_gate, h_up, "swiglu", 0.0, 0.0)
 
 
 def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: Sequence[tuple[int, int]],

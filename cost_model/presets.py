@@ -225,7 +225,8 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         expert_overhead=host["expert_overhead"],
         row_cost=host["row_cost"],
         act_cost=host["act_cost"],
-        recompute=Figure(1.0, "moepass.dialect.expert_ffn_backward_ref (the CPU kernel) recomputes gate/up GEMMs"),
+        recompute=Figure(0.0, "moepass.grouped_ffn keeps the gate/up pre-activations for backward "
+                              "(Plan.expert_recompute=True recomputes them: r_c = 1)"),
         gemm_table=tuple((int(g["D"]), int(g["M"]), float(g["efficiency"])) for g in data.get("gemm", ())
                          if "efficiency" in g),
     )

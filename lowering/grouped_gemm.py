@@ -21,8 +21,8 @@ and the Triton grouped-GEMM tutorial's schedules do): no host sync and no per-ex
 is sized by the host-known bound cdiv(N, BLOCK_M) + E; programs past the last tile exit at once.
 Precondition (what `moe.permute` produces): sum(counts_E) == N.
 
-Backward recomputes: the op's forward saves only its inputs (autograd sees one opaque op with the
-dialect's signature, so it cannot hand intermediates over). The backward's first kernel recomputes
+Backward recomputes: the Triton forward keeps only its inputs (`dialect.define_expert_ffn` would let it
+hand h_gate/h_up over, as the torch path does; these kernels do not write them). The backward's first kernel recomputes
 h_gate/h_up in registers while computing grad_a over the same reduction dimension D, which costs one
 extra gate/up GEMM (4NDF of the backward's 16NDF FLOPs, gated) and saves keeping 2 x N x F
 pre-activations alive between forward and backward.
@@ -52,13 +52,12 @@ from torch import Tensor
 import lowering
 from lowering import _codegen
 from moepass import dialect
+from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
 # ----------------------------------------------------------------------------------------------
 # The spec a generated module is specialised to.
 # ----------------------------------------------------------------------------------------------
 
-GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
-ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh", "relu")
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -601,7 +600,7 @@ def validate(
     b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
 ) -> None:
     """Raise ValueError naming the dimension / dtype / device that does not fit the kernels."""
-    dialect._check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    dialect.check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
     E, F, D = w_gate_EFD.shape
     for name, b, want in (("b_gate_EF", b_gate_EF, (E, F)), ("b_up_EF", b_up_EF, (E, F)), ("b_down_ED", b_down_ED, (E, D))):
         if b is not None and tuple(b.shape) != want:
@@ -766,8 +765,8 @@ def generated_source(
                                         b_down_ED, activation, clamp_limit, alpha))
 
 
-@torch.library.custom_op("moe_lowered::expert_ffn", mutates_args=())
-def expert_ffn(
+@torch.library.custom_op("moe_lowered::expert_ffn_forward", mutates_args=())
+def expert_ffn_forward_op(
     x_ND: Tensor,
     counts_E: Tensor,
     w_gate_EFD: Tensor,
@@ -779,25 +778,33 @@ def expert_ffn(
     activation: str,
     clamp_limit: float,
     alpha: float,
-) -> Tensor:
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """y_ND with the Triton kernels; nothing kept for backward (its first kernel recomputes gate/up)."""
     args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
             alpha)
     if eligible(*args) is None:
-        return expert_ffn_forward(*args)
-    with torch.no_grad():  # the torch fallback: the dialect's reference
-        return dialect.expert_ffn_ref(*args)
+        return expert_ffn_forward(*args), x_ND.new_empty(0), x_ND.new_empty(0)
+    return torch.ops.moe.expert_ffn_forward(*args, save)  # the torch fallback
 
 
-@expert_ffn.register_fake
-def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit, alpha):
-    dialect._check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
-    return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
+@expert_ffn_forward_op.register_fake
+def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+      alpha, save):
+    dialect.check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+            alpha)
+    keep = save and eligible(*args) is not None  # only the torch fallback keeps pre-activations
+    return (x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1]),
+            *dialect.saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, keep))
 
 
 @torch.library.custom_op("moe_lowered::expert_ffn_backward", mutates_args=())
 def expert_ffn_backward_op(
     grad_y_ND: Tensor,
     x_ND: Tensor,
+    h_gate_NF: Tensor,
+    h_up_NF: Tensor,
     counts_E: Tensor,
     w_gate_EFD: Tensor,
     w_up_EFD: Tensor | None,
@@ -814,19 +821,21 @@ def expert_ffn_backward_op(
             alpha)
     if eligible(*args) is None:
         grads = expert_ffn_backward(grad_y_ND, *args)
-    else:
-        grads = dialect.expert_ffn_backward_ref(grad_y_ND, *args)
-    return [x_ND.new_empty(0) if g is None else g for g in grads]
+        return [x_ND.new_empty(0) if g is None else g for g in grads]
+    return torch.ops.moe.expert_ffn_backward(grad_y_ND, x_ND, h_gate_NF, h_up_NF, *args[1:])  # torch fallback
 
 
 @expert_ffn_backward_op.register_fake
-def _(grad_y_ND, x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, *options):
+def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
+      b_down_ED, *options):
     inputs = [x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED]
-    return [x_ND.new_empty(0) if t is None else torch.empty_like(t) for t in inputs]
+    return [x_ND.new_empty(0) if t is None else t.new_empty(t.shape) for t in inputs]  # contiguous, as computed
 
 
-dialect.register_ffn_autograd(expert_ffn, torch.ops.moe_lowered.expert_ffn_backward)
+expert_ffn = dialect.define_expert_ffn("moe_lowered::expert_ffn", torch.ops.moe_lowered.expert_ffn_forward,
+                                       torch.ops.moe_lowered.expert_ffn_backward)
 _codegen.register_autocast(torch.ops.moe_lowered.expert_ffn.default, "compute")
+_codegen.register_autocast(torch.ops.moe_lowered.expert_ffn_forward.default, "compute")
 
 LOWERING = lowering.register(lowering.Lowering(
     family="grouped_gemm",

@@ -15,6 +15,7 @@ Shape legend: B batch, S sequence, T = B*S tokens, D model width, E experts, K t
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,6 +60,67 @@ def adopt_state(gm: nn.Module, block: nn.Module) -> None:
     gm.train(block.training)
 
 
+def adjacent_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The `[E, ...]` tensor that E same-shaped contiguous tensors already form when they lie one after
+    another in one storage (see `relayout_stacked`), as a view; None otherwise (or for fake tensors)."""
+    first = tensors[0]
+    try:
+        base = first.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake / functional tensors have no data
+        return None
+    n = first.numel()
+    for e, t in enumerate(tensors):
+        if (t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != base or t.storage_offset() != first.storage_offset() + e * n):
+            return None
+    return first.detach().as_strided((len(tensors), *first.shape), (n, *first.stride()), first.storage_offset())
+
+
+class _StackExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *tensors):  # type: ignore[override]
+        view = adjacent_view(tensors)
+        return torch.stack(tensors) if view is None else view
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad.unbind(0)
+
+
+def stack_experts(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.stack(tensors)` that copies nothing when the tensors are adjacent in one storage.
+
+    ModuleList experts keep one parameter per expert; `relayout_stacked` puts each role's parameters
+    one after another in one buffer at compile time, and this reads them as one `[E, ...]` view each
+    step. If something re-allocated them since (`model.to(...)`, a load that replaced the tensors),
+    it stacks them (a copy): slower, never wrong; so does a Dynamo trace. The backward hands each
+    parameter its slice.
+    """
+    if torch.compiler.is_compiling():  # traced: parameters are graph inputs, the compiler owns their layout
+        return torch.stack(tensors)
+    return _StackExperts.apply(*tensors)
+
+
+def relayout_stacked(gm: nn.Module, spec: MoESpec) -> int:
+    """Move the per-expert parameters of every stacked TensorSource into one contiguous buffer each,
+    keeping the Parameter objects (and their names and values): `p.data` becomes a slice of the buffer.
+    Returns how many parameters moved."""
+    moved = 0
+    for role in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"):
+        source: TensorSource | None = getattr(spec.experts, role)
+        if source is None or not source.stacked:
+            continue
+        params = [gm.get_parameter(p) for p in source.paths]
+        if adjacent_view(params) is not None or len({(p.shape, p.dtype, p.device) for p in params}) != 1:
+            continue
+        with torch.no_grad():
+            buffer = torch.stack([p.detach() for p in params])
+        for e, p in enumerate(params):
+            p.data = buffer[e]
+            moved += 1
+    return moved
+
+
 def jitter(x: torch.Tensor, eps: float, training: bool) -> torch.Tensor:
     """Train-mode multiplicative input noise U(1-eps, 1+eps), drawn as Mixtral draws it."""
     if not training or eps <= 0:
@@ -86,6 +148,10 @@ class GraphBuilder:
         self.graph = fx.Graph()
         self.pass_name = pass_name
         self.block_path = block_path
+        # One read of each weight and one chunk of it, however many roles use its pieces: two reads
+        # would give autograd two chunk backwards, each zero-filling and concatenating a full gradient.
+        self._reads: dict[tuple[str, ...], fx.Node] = {}
+        self._chunks: dict[tuple[str, int, int], fx.Node] = {}
 
     def _stamp(self, node: fx.Node) -> fx.Node:
         node.meta["moepass"] = {"pass": self.pass_name, "block": self.block_path}
@@ -116,16 +182,21 @@ class GraphBuilder:
         """Nodes reading one canonical weight from the block's parameters (see TensorSource)."""
         if source is None:
             return None
-        parts = [self.attr(p) for p in source.paths]
-        node = self.fn(torch.stack, parts, name=f"{name}_stacked") if source.stacked else parts[0]
+        node = self._reads.get(source.paths)
+        if node is None:
+            parts = [self.attr(p) for p in source.paths]
+            node = self.fn(stack_experts, parts, name=f"{name}_stacked") if source.stacked else parts[0]
+            self._reads[source.paths] = node
         return self.view(source, node, name)
 
     def view(self, source: TensorSource, node: fx.Node, name: str) -> fx.Node:
         """`source`'s chunk and transpose applied to an already read (stacked or sharded) tensor."""
         if source.chunk is not None:
             index, count = source.chunk
-            chunks = self.method("chunk", node, count, source.chunk_dim, name=f"{name}_chunks")
-            node = self.item(chunks, index, name=f"{name}_chunk")
+            key = (node.name, count, source.chunk_dim)
+            if key not in self._chunks:
+                self._chunks[key] = self.method("chunk", node, count, source.chunk_dim, name=f"{name}_chunks")
+            node = self.item(self._chunks[key], index, name=f"{name}_chunk")
         if source.transpose:
             node = self.method("transpose", node, -2, -1, name=f"{name}_t")
         return node

@@ -23,9 +23,14 @@ expert; nothing else in this file syncs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from moepass import grouped_ffn
+from moepass.activations import activate, activate_backward
 
 NAMESPACE = "moe"
 
@@ -128,25 +133,6 @@ def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
     return torch.einsum("tkd,tk->td", y_TKD.float(), weights_TK.float()).to(y_TKD.dtype)
 
 
-def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float) -> Tensor:
-    """The expert activation, `act(gate) [* up]`."""
-    if activation in ("swiglu", "geglu"):
-        assert h_up is not None, f"{activation} is gated: it needs an up projection"
-        return (F.silu(h_gate) if activation == "swiglu" else F.gelu(h_gate)) * h_up
-    if activation == "gelu":
-        return F.gelu(h_gate)
-    if activation == "gelu_tanh":
-        return F.gelu(h_gate, approximate="tanh")
-    if activation == "relu":
-        return F.relu(h_gate)
-    if activation == "clamped_swiglu":  # GPT-OSS
-        assert h_up is not None
-        g = h_gate.clamp(max=clamp_limit)
-        u = h_up.clamp(min=-clamp_limit, max=clamp_limit)
-        return (u + 1) * (g * torch.sigmoid(g * alpha))
-    raise ValueError(f"unknown expert activation {activation!r}")
-
-
 def _split_sizes(counts_E: Tensor) -> list[int]:
     """Host sync point: per-expert row counts as Python ints."""
     return [int(c) for c in counts_E.tolist()]
@@ -182,7 +168,7 @@ def expert_ffn_ref(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_ffn_shapes(x_ND: Tensor, counts_E: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor) -> None:
+def check_ffn_shapes(x_ND: Tensor, counts_E: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor) -> None:
     E, F_, D = w_gate.shape
     if x_ND.dim() != 2 or x_ND.shape[1] != D:
         raise ValueError(f"moe.expert_ffn: x_ND has shape {tuple(x_ND.shape)}, expected (N, D={D}) from w_gate_EFD")
@@ -365,61 +351,6 @@ def _combine_bwd(ctx, grad_TD):
 combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
 
 
-@torch.library.custom_op("moe::expert_ffn", mutates_args=())
-def expert_ffn(
-    x_ND: Tensor,
-    counts_E: Tensor,
-    w_gate_EFD: Tensor,
-    w_up_EFD: Tensor | None,
-    w_down_EDF: Tensor,
-    b_gate_EF: Tensor | None,
-    b_up_EF: Tensor | None,
-    b_down_ED: Tensor | None,
-    activation: str,
-    clamp_limit: float,
-    alpha: float,
-) -> Tensor:
-    _check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
-    with torch.no_grad():
-        return expert_ffn_ref(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED,
-                              activation, clamp_limit, alpha)
-
-
-@expert_ffn.register_fake
-def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
-      alpha):
-    _check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
-    return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
-
-
-_FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
-
-
-def activate_backward(
-    grad_a: Tensor, h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float
-) -> tuple[Tensor, Tensor | None]:
-    """Gradients of `activate` w.r.t. the gate and up pre-activations."""
-    aten = torch.ops.aten
-    if activation in ("gelu", "gelu_tanh", "relu"):
-        if activation == "relu":
-            return aten.threshold_backward(grad_a, h_gate, 0), None
-        return aten.gelu_backward(grad_a, h_gate, approximate="tanh" if activation == "gelu_tanh" else "none"), None
-    assert h_up is not None
-    if activation == "swiglu":
-        return aten.silu_backward(grad_a * h_up, h_gate), grad_a * F.silu(h_gate)
-    if activation == "geglu":
-        return aten.gelu_backward(grad_a * h_up, h_gate), grad_a * F.gelu(h_gate)
-    if activation == "clamped_swiglu":
-        g = h_gate.clamp(max=clamp_limit)
-        u = h_up.clamp(min=-clamp_limit, max=clamp_limit)
-        s = torch.sigmoid(g * alpha)
-        glu = g * s
-        grad_g = grad_a * (u + 1) * (s + alpha * g * s * (1 - s)) * (h_gate <= clamp_limit)
-        grad_u = grad_a * glu * ((h_up >= -clamp_limit) & (h_up <= clamp_limit))
-        return grad_g, grad_u
-    raise ValueError(f"unknown expert activation {activation!r}")
-
-
 def expert_ffn_backward_ref(
     grad_y_ND: Tensor,
     x_ND: Tensor,
@@ -470,10 +401,122 @@ def expert_ffn_backward_ref(
     return [grad_x, grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]
 
 
+_FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
+FFN_ARGS = ("Tensor x_ND, Tensor counts_E, Tensor w_gate_EFD, Tensor? w_up_EFD, Tensor w_down_EDF, "
+            "Tensor? b_gate_EF, Tensor? b_up_EF, Tensor? b_down_ED, str activation, float clamp_limit, float alpha")
+_FFN_LIBS: list[torch.library.Library] = []
+
+
+def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch._ops.OpOverload:
+    """Define an op with `moe.expert_ffn`'s schema whose autograd can keep intermediates.
+
+    The op is what graphs show (one node, y_ND only). Underneath, autograd and AOT see two ops:
+    `forward_op(*ffn_args, save) -> (y_ND, h_gate_NF, h_up_NF)` — the pre-activations when `save`,
+    else empty tensors — and `backward_op(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, weights...,
+    biases..., options...) -> grads` in `_FFN_DIFFERENTIABLE` order (empty for absent inputs), which
+    recomputes the pre-activations it was not given. `recompute=True` on the op saves only the inputs
+    (`Plan.expert_recompute`). A `custom_op`'s autograd hands `setup_context` the op's output only,
+    so the op is defined with `torch.library` and an Autograd kernel of its own instead.
+    """
+    namespace, name = qualname.split("::")
+    lib = torch.library.Library(namespace, "FRAGMENT")
+    _FFN_LIBS.append(lib)
+    lib.define(f"{name}({FFN_ARGS}, bool recompute=False) -> Tensor")
+
+    def run(*args: Any) -> Tensor:  # no autograd: nothing to keep
+        return forward_op(*args[:11], False)[0]
+
+    class ExpertFFN(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):  # type: ignore[override]
+            inputs, options, recompute = args[:8], args[8:11], args[11]
+            y_ND, h_gate_NF, h_up_NF = forward_op(*inputs, *options, not recompute)
+            ctx.present = [t is not None for t in inputs]
+            ctx.save_for_backward(h_gate_NF, h_up_NF, *[t for t in inputs if t is not None])
+            ctx.options = options
+            return y_ND
+
+        @staticmethod
+        def backward(ctx, grad_y_ND):  # type: ignore[override]
+            h_gate_NF, h_up_NF, *saved = ctx.saved_tensors
+            it = iter(saved)
+            inputs = [next(it) if present else None for present in ctx.present]
+            x_ND = inputs[0]
+            grads = backward_op(grad_y_ND.to(x_ND.dtype), x_ND, h_gate_NF, h_up_NF, *inputs[1:], *ctx.options)
+            result: list[Tensor | None] = [None] * 12
+            for slot, i in enumerate(_FFN_DIFFERENTIABLE):
+                if inputs[i] is not None:
+                    result[i] = grads[slot]
+            return tuple(result)
+
+    def autograd_kernel(*args: Any) -> Tensor:
+        args = args + (False,) * (12 - len(args))  # the dispatcher drops trailing defaults
+        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args[:8]):
+            return ExpertFFN.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return run(*args)
+
+    lib.impl(name, run, "CompositeExplicitAutograd")
+    lib.impl(name, autograd_kernel, "Autograd")
+
+    def fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, *rest):
+        check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+        return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
+
+    torch.library.register_fake(qualname, fake, lib=lib)
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+def saved_activations(x_ND: Tensor, w_gate_EFD: Tensor, gated: bool, save: bool) -> tuple[Tensor, Tensor]:
+    """Fake (h_gate_NF, h_up_NF) of an expert-FFN forward op: [N, F] when kept, else empty."""
+    N, F_ = x_ND.shape[0], w_gate_EFD.shape[1]
+    h_gate = x_ND.new_empty(N, F_) if save else x_ND.new_empty(0)
+    return h_gate, (x_ND.new_empty(N, F_) if save and gated else x_ND.new_empty(0))
+
+
+def kept(h_NF: Tensor, x_ND: Tensor) -> Tensor | None:
+    """A saved pre-activation, or None where the forward kept nothing (the backward recomputes)."""
+    return h_NF if h_NF.dim() == 2 and h_NF.shape[0] == x_ND.shape[0] else None
+
+
+@torch.library.custom_op("moe::expert_ffn_forward", mutates_args=())
+def expert_ffn_forward(
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """y_ND and, when `save`, the pre-activations h_gate_NF, h_up_NF (else empty tensors)."""
+    check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    y_ND, h_gate, h_up = grouped_ffn.forward(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF,
+                                             b_up_EF, b_down_ED, activation, clamp_limit, alpha)
+    if not save:
+        return y_ND, x_ND.new_empty(0), x_ND.new_empty(0)
+    return y_ND, h_gate, x_ND.new_empty(0) if h_up is None else h_up
+
+
+@expert_ffn_forward.register_fake
+def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+      alpha, save):
+    check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    return (x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1]),
+            *saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, save))
+
+
 @torch.library.custom_op("moe::expert_ffn_backward", mutates_args=())
 def expert_ffn_backward(
     grad_y_ND: Tensor,
     x_ND: Tensor,
+    h_gate_NF: Tensor,
+    h_up_NF: Tensor,
     counts_E: Tensor,
     w_gate_EFD: Tensor,
     w_up_EFD: Tensor | None,
@@ -486,42 +529,21 @@ def expert_ffn_backward(
     alpha: float,
 ) -> list[Tensor]:
     """Backward of `expert_ffn`; absent optional inputs get an empty tensor in their slot."""
-    grads = expert_ffn_backward_ref(grad_y_ND, x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF,
-                                    b_up_EF, b_down_ED, activation, clamp_limit, alpha)
+    grads = grouped_ffn.backward(grad_y_ND, x_ND, kept(h_gate_NF, x_ND), kept(h_up_NF, x_ND), counts_E,
+                                 w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
+                                 clamp_limit, alpha)
     return [x_ND.new_empty(0) if g is None else g for g in grads]
 
 
 @expert_ffn_backward.register_fake
-def _(grad_y_ND, x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, *options):
+def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
+      b_down_ED, *options):
     inputs = [x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED]
-    return [x_ND.new_empty(0) if t is None else torch.empty_like(t) for t in inputs]
+    return [x_ND.new_empty(0) if t is None else grouped_ffn.gradient_like(t) for t in inputs]
 
 
-def _ffn_setup(ctx, inputs, output):
-    ctx.present = [t is not None for t in inputs[:8]]
-    ctx.save_for_backward(*[t for t in inputs[:8] if t is not None])
-    ctx.options = inputs[8:]
-
-
-def register_ffn_autograd(op, backward_op) -> None:
-    """Autograd for an op with `moe.expert_ffn`'s schema whose gradients come from `backward_op`
-    (same schema as `moe.expert_ffn_backward`: grads in `_FFN_DIFFERENTIABLE` order, empty for absent inputs).
-    """
-
-    def backward(ctx, grad_y_ND):
-        saved = iter(ctx.saved_tensors)
-        inputs = [next(saved) if present else None for present in ctx.present]
-        grads = backward_op(grad_y_ND.to(inputs[0].dtype), *inputs, *ctx.options)
-        result: list[Tensor | None] = [None] * (8 + len(ctx.options))
-        for slot, i in enumerate(_FFN_DIFFERENTIABLE):  # grads come in _FFN_DIFFERENTIABLE order
-            if inputs[i] is not None:
-                result[i] = grads[slot]
-        return tuple(result)
-
-    op.register_autograd(backward, setup_context=_ffn_setup)
-
-
-register_ffn_autograd(expert_ffn, torch.ops.moe.expert_ffn_backward)
+expert_ffn = define_expert_ffn("moe::expert_ffn", torch.ops.moe.expert_ffn_forward,
+                               torch.ops.moe.expert_ffn_backward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -567,6 +589,7 @@ def register_autocast(op: torch._ops.OpOverload, policy: str) -> None:
 
 register_autocast(torch.ops.moe.route.default, "fp32")
 register_autocast(torch.ops.moe.expert_ffn.default, "compute")
+register_autocast(torch.ops.moe.expert_ffn_forward.default, "compute")
 
 # Ops of the dialect, by role (the verifier and the passes use these sets).
 ROUTE = torch.ops.moe.route.default

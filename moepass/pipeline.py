@@ -43,8 +43,21 @@ Pass = Callable[[MoEGraphModule, Plan], PassResult]
 
 
 def _rewrite_single(gm: MoEGraphModule, plan: Plan) -> PassResult:
-    """form="single": the canonical graph is already the single-device form."""
-    return PassResult(gm, changed=False)
+    """form="single": the canonical graph is already the single-device form. Per-expert (ModuleList)
+    weights are re-laid once into one buffer per role, so the graph reads them without a copy."""
+    moved = canonical.relayout_stacked(gm, gm.spec)
+    return PassResult(gm, changed=False, stats={"relaid_expert_params": moved})
+
+
+def expert_recompute(gm: MoEGraphModule, plan: Plan) -> PassResult:
+    """Plan.expert_recompute: every expert FFN's backward recomputes gate/up instead of keeping them."""
+    from moepass import dialect
+
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == dialect.EXPERT_FFN]
+    for node in nodes:
+        node.args = (*node.args[:11], True)
+    gm.recompile()
+    return PassResult(gm, changed=bool(nodes), stats={"expert_ffn_recompute": len(nodes)})
 
 
 REWRITES: dict[str, Pass] = {"single": _rewrite_single}  # later forms register here (moepass.rewrite.*)
@@ -84,6 +97,8 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
     for resolve in PLAN_RESOLVERS:
         plan = resolve(spec, plan)
     gm = run_pass(f"rewrite:{plan.form}", REWRITES[plan.form], gm, plan, verify)  # the parallel form
+    if plan.expert_recompute:  # after the rewrite made the expert compute nodes, before chunking copies them
+        gm = run_pass("expert_recompute", expert_recompute, gm, plan, verify)
     for name, fn in SCHEDULE:  # partitioned, prioritised all-to-all
         gm = run_pass(name, fn, gm, plan, verify)
     for name, fn in LOWER:  # Triton kernels where eligible

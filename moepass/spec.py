@@ -15,14 +15,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 from moepass.errors import PlanError, nearest
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 Activation = Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
 GROUP_SCORES = ("top2_sum", "max")
 CAPACITY_SCOPES = ("batch", "sequence")
 CAPACITY_PRIORITIES = ("k_major", "token_major")

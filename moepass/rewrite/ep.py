@@ -215,10 +215,14 @@ def _only(graph: fx.Graph, target, what: str) -> fx.Node:
     return found[0]
 
 
-def _local_weight(b: GraphBuilder, attr: str, source: TensorSource, role: str) -> fx.Node:
-    """get_attr → local shard → the source's chunk / transpose (as the canonical graph reads it)."""
-    node = b.fn(ep_local, b.attr(attr, name=f"{role}_param"), name=f"{role}_local")
-    return b.view(source, node, f"{role}_local")
+def _local_weight(b: GraphBuilder, attr: str, source: TensorSource, role: str, reads: dict[str, fx.Node]) -> fx.Node:
+    """get_attr → local shard → the source's chunk / transpose (as the canonical graph reads it).
+
+    A parameter several roles read (gate and up halves of one tensor) is read and chunked once.
+    """
+    if attr not in reads:
+        reads[attr] = b.fn(ep_local, b.attr(attr, name=f"{role}_param"), name=f"{role}_local")
+    return b.view(source, reads[attr], f"{role}_local")
 
 
 def rewrite_graph(gm: MoEGraphModule, weight_attrs: dict[str, str], layout: EPLayout) -> dict[str, int]:
@@ -249,8 +253,9 @@ def rewrite_graph(gm: MoEGraphModule, weight_attrs: dict[str, str], layout: EPLa
         ids_R1 = b.fn(LOCAL_EXPERT_IDS, recv_counts_E, L, rows_R, name="local_experts_R1")
         local = b.fn(dialect.PERMUTE, x_RD, ids_R1, L, name="local_permute")
         x_MD, counts_L, order_R = b.item(local, 0, "x_MD"), b.item(local, 1, "counts_L"), b.item(local, 2, "order_R")
+        reads: dict[str, fx.Node] = {}
         weights = [None if weight_attrs.get(role) is None else
-                   _local_weight(b, weight_attrs[role], getattr(spec.experts, role), role) for role in ROLES]
+                   _local_weight(b, weight_attrs[role], getattr(spec.experts, role), role, reads) for role in ROLES]
         y_MD = b.fn(dialect.EXPERT_FFN, x_MD, counts_L, *weights, *ffn.args[8:], name="y_MD")
         y_R1D = b.fn(dialect.UNPERMUTE, y_MD, order_R, 1, name="y_R1D")
         y_RD = b.method("flatten", y_R1D, 0, 1, name="y_RD")

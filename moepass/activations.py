@@ -1,0 +1,76 @@
+"""The expert activations: one table, their forward and their backward (torch).
+
+`act(gate) [* up]` for the gated ones. Every place that names an activation (MoESpec validation,
+the dialect, the torch expert FFN, the Triton grouped GEMM) reads `ACTIVATIONS` / `GATED_ACTIVATIONS`
+from here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu")
+
+
+def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float) -> Tensor:
+    """The expert activation, `act(gate) [* up]`."""
+    if activation in ("swiglu", "geglu"):
+        assert h_up is not None, f"{activation} is gated: it needs an up projection"
+        return (F.silu(h_gate) if activation == "swiglu" else F.gelu(h_gate)) * h_up
+    if activation == "gelu":
+        return F.gelu(h_gate)
+    if activation == "gelu_tanh":
+        return F.gelu(h_gate, approximate="tanh")
+    if activation == "relu":
+        return F.relu(h_gate)
+    if activation == "clamped_swiglu":  # GPT-OSS
+        assert h_up is not None
+        g = h_gate.clamp(max=clamp_limit)
+        u = h_up.clamp(min=-clamp_limit, max=clamp_limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+    raise ValueError(f"unknown expert activation {activation!r}: use one of {list(ACTIVATIONS)}")
+
+
+def activate_backward(
+    grad_a: Tensor, h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float
+) -> tuple[Tensor, Tensor | None]:
+    """Gradients of `activate` w.r.t. the gate and up pre-activations."""
+    aten = torch.ops.aten
+    if activation in ("gelu", "gelu_tanh", "relu"):
+        if activation == "relu":
+            return aten.threshold_backward(grad_a, h_gate, 0), None
+        return aten.gelu_backward(grad_a, h_gate, approximate="tanh" if activation == "gelu_tanh" else "none"), None
+    assert h_up is not None
+    if activation == "swiglu":
+        return aten.silu_backward(grad_a * h_up, h_gate), grad_a * F.silu(h_gate)
+    if activation == "geglu":
+        return aten.gelu_backward(grad_a * h_up, h_gate), grad_a * F.gelu(h_gate)
+    if activation == "clamped_swiglu":
+        g = h_gate.clamp(max=clamp_limit)
+        u = h_up.clamp(min=-clamp_limit, max=clamp_limit)
+        s = torch.sigmoid(g * alpha)
+        glu = g * s
+        grad_g = grad_a * (u + 1) * (s + alpha * g * s * (1 - s)) * (h_gate <= clamp_limit)
+        grad_u = grad_a * glu * ((h_up >= -clamp_limit) & (h_up <= clamp_limit))
+        return grad_g, grad_u
+    raise ValueError(f"unknown expert activation {activation!r}: use one of {list(ACTIVATIONS)}")
+
+
+def activate_and_backward(
+    grad_a: Tensor, h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`activate(...)` and `activate_backward(...)` together, sharing what both compute: the backward
+    of the expert FFN needs the activation output (for the down projection's weight gradient) and the
+    pre-activation gradients. SwiGLU: 5 elementwise passes instead of 6."""
+    if activation == "swiglu":
+        assert h_up is not None
+        silu_g = F.silu(h_gate)
+        a = silu_g * h_up
+        grad_up = silu_g.mul_(grad_a)  # silu(g) is not needed after this
+        grad_gate = torch.ops.aten.silu_backward(grad_a * h_up, h_gate)
+        return a, grad_gate, grad_up
+    a = activate(h_gate, h_up, activation, clamp_limit, alpha)
+    return (a, *activate_backward(grad_a, h_gate, h_up, activation, clamp_limit, alpha))

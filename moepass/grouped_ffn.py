@@ -1,0 +1,216 @@
+"""The expert FFN over expert-sorted rows, in torch: grouped GEMMs, every gradient written once.
+
+This is what `moe.expert_ffn` runs when it is not lowered to Triton (the torch path, any device).
+`moepass.dialect.expert_ffn_ref` / `expert_ffn_backward_ref` stay the semantics; this file is the
+fast implementation of the same function:
+
+    forward   h_gate_NF = x_ND @ w_gate[e]^T (+ b_gate[e])      one grouped GEMM (two when gated)
+              h_up_NF   = x_ND @ w_up[e]^T   (+ b_up[e])
+              y_ND      = act(h_gate, h_up) @ w_down[e]^T (+ b_down[e])
+    backward  grad_a_NF   = grad_y_ND @ w_down[e]                 (rows)
+              grad_w_down = grad_y[rows_e]^T @ a[rows_e]           (weight gradient, [E, D, F] at once)
+              grad_gate, grad_up = act'(grad_a, h_gate, h_up)
+              grad_w_gate/up = grad_gate/up[rows_e]^T @ x[rows_e]
+              grad_x_ND   = grad_gate @ w_gate[e] + grad_up @ w_up[e]
+
+Every weight gradient is one `[E, ...]` tensor written once by a grouped GEMM (or expert slice by
+expert slice into one `empty` buffer): no per-expert full-size gradient is ever allocated, zeroed or
+summed, which is what slicing `w[e]` under autograd costs (O(E^2) memory traffic).
+
+Saved for backward: the inputs and the pre-activations h_gate, h_up (2·N·F elements), so the
+backward runs 6 GEMMs (gated; 4 otherwise) instead of recomputing 2 of the forward's 3.
+`Plan(expert_recompute=True)` keeps only the inputs and recomputes h_gate/h_up in the backward: 2·N·F
+fewer elements alive between forward and backward for 2/3 more forward GEMM work (gated), the
+trade `cost_model.ep.compute_time(recompute=1)` prices. The activation output a = act(h_gate, h_up)
+is recomputed from the saved pre-activations (elementwise, cheap) rather than kept.
+
+GEMM engine, per call (`grouped_mm_ok`): `torch._grouped_mm` (one kernel for all experts, row groups
+given by `offs = cumsum(counts_E)` on the device: no host sync) where it runs — CPU in fp32/bf16/fp16
+and CUDA in bf16 on sm_90+, each with 16-byte aligned strides —, else a loop over experts writing into
+preallocated outputs (`torch.mm(out=...)`), which reads `counts_E` on the host once per call.
+
+Shape legend: N rows sorted by expert, D model width, F expert hidden width, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moepass.activations import activate, activate_and_backward
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_ok(*mats: Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs these operands (as laid out) on their device."""
+    first = mats[0]
+    if first.device.type == "cpu":
+        if first.dtype not in GROUPED_MM_DTYPES:
+            return False
+    elif first.device.type == "cuda":
+        # The documented fast path (CUTLASS, sm_90+, bf16); other CUDA cases take the expert loop.
+        if first.dtype != torch.bfloat16 or torch.cuda.get_device_capability(first.device) < (9, 0):
+            return False
+    else:
+        return False
+    for m in mats:
+        if m.dtype != first.dtype:
+            return False
+        step = 16 // m.element_size()
+        inner = m.stride()[-2:]
+        if 1 not in inner or any(s % step for s in inner if s != 1) or m.data_ptr() % 16:
+            return False
+    return True
+
+
+def offsets(counts_E: Tensor) -> Tensor:
+    """Row group ends for `torch._grouped_mm` (int32, on the counts' device)."""
+    return torch.cumsum(counts_E, 0, dtype=torch.int32)
+
+
+def row_experts(counts_E: Tensor, rows: int) -> Tensor:
+    """Expert of each sorted row, on the device (no host sync: `rows` is known statically)."""
+    return torch.repeat_interleave(torch.arange(counts_E.shape[0], device=counts_E.device), counts_E,
+                                   output_size=rows)
+
+
+class Rows:
+    """The row grouping of one call: grouped GEMMs over experts, with a per-expert loop fallback."""
+
+    def __init__(self, counts_E: Tensor, rows: int):
+        self.counts_E = counts_E
+        self.rows = rows
+        self._offs: Tensor | None = None
+        self._sizes: list[int] | None = None
+        self._experts: Tensor | None = None
+
+    @property
+    def offs(self) -> Tensor:
+        if self._offs is None:
+            self._offs = offsets(self.counts_E)
+        return self._offs
+
+    @property
+    def sizes(self) -> list[int]:
+        """Host sync point of the fallback: rows per expert as Python ints."""
+        if self._sizes is None:
+            self._sizes = [int(c) for c in self.counts_E.tolist()]
+        return self._sizes
+
+    def mm(self, a_NK: Tensor, b_EKQ: Tensor) -> Tensor:
+        """out_NQ[rows_e] = a_NK[rows_e] @ b_EKQ[e]."""
+        if grouped_mm_ok(a_NK, b_EKQ):
+            return torch._grouped_mm(a_NK, b_EKQ, offs=self.offs)
+        out_NQ = a_NK.new_empty(a_NK.shape[0], b_EKQ.shape[-1])
+        start = 0
+        for e, n in enumerate(self.sizes):
+            if n:
+                torch.mm(a_NK[start:start + n], b_EKQ[e], out=out_NQ[start:start + n])
+            start += n
+        return out_NQ
+
+    def wgrad(self, a_NP: Tensor, b_NQ: Tensor) -> Tensor:
+        """out_EPQ[e] = a_NP[rows_e]^T @ b_NQ[rows_e]; zero for experts without rows."""
+        a_PN = a_NP.t()
+        if grouped_mm_ok(a_PN, b_NQ):
+            return torch._grouped_mm(a_PN, b_NQ, offs=self.offs)
+        out_EPQ = a_NP.new_empty(len(self.sizes), a_NP.shape[1], b_NQ.shape[1])
+        start = 0
+        for e, n in enumerate(self.sizes):
+            if n:
+                torch.mm(a_PN[:, start:start + n], b_NQ[start:start + n], out=out_EPQ[e])
+            else:
+                out_EPQ[e].zero_()
+            start += n
+        return out_EPQ
+
+    def add_bias(self, h_NQ: Tensor, b_EQ: Tensor | None) -> Tensor:
+        if b_EQ is None:
+            return h_NQ
+        return h_NQ.add_(b_EQ.index_select(0, self.experts))
+
+    def bias_grad(self, g_NQ: Tensor, like_EQ: Tensor | None) -> Tensor | None:
+        """Per-expert column sums of g (the gradient of a per-expert bias)."""
+        if like_EQ is None:
+            return None
+        return g_NQ.new_zeros(like_EQ.shape).index_add_(0, self.experts, g_NQ)
+
+    @property
+    def experts(self) -> Tensor:
+        if self._experts is None:
+            self._experts = row_experts(self.counts_E, self.rows)
+        return self._experts
+
+
+def transposed(w: Tensor) -> bool:
+    """A weight read as a transposed view of a contiguous tensor (e.g. a `[E, F, D]` parameter read as `[E, D, F]`)."""
+    return not w.is_contiguous() and w.transpose(-2, -1).is_contiguous()
+
+
+def gradient_like(w: Tensor) -> Tensor:
+    """An empty tensor laid out as `backward` returns the gradient of `w` (for fake implementations)."""
+    return torch.empty_like(w) if transposed(w) else w.new_empty(w.shape)
+
+
+def weight_grad(rows: Rows, a_NP: Tensor, b_NQ: Tensor, w_EPQ: Tensor) -> Tensor:
+    """`rows.wgrad(a, b)` in the layout of `w`: a transposed-view weight gets the transpose of a
+    contiguous `[E, Q, P]` result, so autograd hands the parameter a contiguous gradient (no copy)."""
+    if transposed(w_EPQ):
+        return rows.wgrad(b_NQ, a_NP).transpose(-2, -1)
+    return rows.wgrad(a_NP, b_NQ)
+
+
+def pre_activations(
+    rows: Rows, x_ND: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    h_gate = rows.add_bias(rows.mm(x_ND, w_gate_EFD.transpose(-2, -1)), b_gate_EF)
+    h_up = None if w_up_EFD is None else rows.add_bias(rows.mm(x_ND, w_up_EFD.transpose(-2, -1)), b_up_EF)
+    return h_gate, h_up
+
+
+def forward(
+    x_ND: Tensor, counts_E: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
+    clamp_limit: float, alpha: float,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """y_ND and the pre-activations (h_gate_NF, h_up_NF or None) the backward can reuse."""
+    rows = Rows(counts_E, x_ND.shape[0])
+    x_ND = x_ND.contiguous()
+    h_gate, h_up = pre_activations(rows, x_ND, w_gate_EFD, w_up_EFD, b_gate_EF, b_up_EF)
+    a_NF = activate(h_gate, h_up, activation, clamp_limit, alpha)
+    y_ND = rows.add_bias(rows.mm(a_NF, w_down_EDF.transpose(-2, -1)), b_down_ED)
+    return y_ND, h_gate, h_up
+
+
+def backward(
+    grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor | None, h_up_NF: Tensor | None, counts_E: Tensor,
+    w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor, b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str, clamp_limit: float, alpha: float,
+) -> list[Tensor | None]:
+    """Gradients for (x, w_gate, w_up, w_down, b_gate, b_up, b_down); None for absent inputs.
+
+    `h_gate_NF is None` means the forward kept only its inputs: the pre-activations are recomputed.
+    """
+    rows = Rows(counts_E, x_ND.shape[0])
+    x_ND, grad_y_ND = x_ND.contiguous(), grad_y_ND.contiguous()  # an expanded (stride-0) grad is legal
+    if h_gate_NF is None:
+        h_gate_NF, h_up_NF = pre_activations(rows, x_ND, w_gate_EFD, w_up_EFD, b_gate_EF, b_up_EF)
+    grad_a_NF = rows.mm(grad_y_ND, w_down_EDF)
+    a_NF, grad_gate, grad_up = activate_and_backward(grad_a_NF, h_gate_NF, h_up_NF, activation, clamp_limit, alpha)
+    del grad_a_NF
+    grad_w_down = weight_grad(rows, grad_y_ND, a_NF, w_down_EDF)
+    grad_b_down = rows.bias_grad(grad_y_ND, b_down_ED)
+    del a_NF
+    grad_gate, grad_up = grad_gate.contiguous(), None if grad_up is None else grad_up.contiguous()
+    grad_w_gate = weight_grad(rows, grad_gate, x_ND, w_gate_EFD)
+    grad_b_gate = rows.bias_grad(grad_gate, b_gate_EF)
+    grad_x_ND = rows.mm(grad_gate, w_gate_EFD)
+    grad_w_up = grad_b_up = None
+    if grad_up is not None:
+        assert w_up_EFD is not None
+        grad_w_up = weight_grad(rows, grad_up, x_ND, w_up_EFD)
+        grad_b_up = rows.bias_grad(grad_up, b_up_EF)
+        grad_x_ND += rows.mm(grad_up, w_up_EFD)
+    return [grad_x_ND, grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]

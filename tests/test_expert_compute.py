@@ -1,0 +1,180 @@
+"""The expert FFN's torch implementation (`moepass.grouped_ffn`): parity with the dialect's reference,
+the GEMM engine it picks, what it allocates in one backward, and `Plan(expert_recompute=True)`.
+
+Legend: N rows sorted by expert, D width, F expert width, E experts.
+"""
+
+import pytest
+import torch
+
+import moepass
+from moepass import dialect, grouped_ffn
+from samples.models import FusedMoE, LoopMoE
+
+ACTIVATIONS = ["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu"]
+GATED = ("swiglu", "geglu", "clamped_swiglu")
+COUNTS = torch.tensor([3, 0, 7, 1, 11, 0])  # empty experts, E=6
+
+
+class OpLog:
+    """Every op run inside the block (custom ops' insides included: the profiler, not a dispatch mode),
+    with its input shapes and the bytes it allocated itself."""
+
+    def __enter__(self):
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                           profile_memory=True)
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.prof.__exit__(*exc)
+        self.events = [e for e in self.prof.events() if e.name.startswith("aten::")]
+
+    def count(self, name: str) -> int:
+        return sum(1 for e in self.events if e.name == name)
+
+
+def ffn_args(activation, D, F, bias, dtype=torch.float32, counts=COUNTS):
+    gen = torch.Generator().manual_seed(0)
+    E, gated = counts.shape[0], activation in GATED
+    w = lambda *s: (torch.randn(*s, generator=gen) * 0.3).to(dtype).requires_grad_()  # noqa: E731
+    x = w(int(counts.sum()), D)
+    return [x, counts, w(E, F, D), w(E, F, D) if gated else None, w(E, D, F),
+            w(E, F) if bias else None, w(E, F) if bias and gated else None, w(E, D) if bias else None,
+            activation, 1.5, 1.702]
+
+
+def grads_of(fn, args, probe):
+    inputs = [a for i, a in enumerate(args) if i in dialect._FFN_DIFFERENTIABLE and a is not None]
+    y = fn(*args)
+    return [y, *torch.autograd.grad((y * probe).sum(), inputs)]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("D,F,engine", [(16, 32, "grouped_mm"), (6, 10, "loop")])
+def test_matches_the_reference_forward_and_every_gradient(activation, bias, recompute, D, F, engine):
+    args = ffn_args(activation, D, F, bias)
+    probe = torch.randn(args[0].shape[0], D)
+    with OpLog() as log:
+        got = grads_of(lambda *a: torch.ops.moe.expert_ffn(*a, recompute), args, probe)
+    want = grads_of(dialect.expert_ffn_ref, args, probe)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    grouped = log.count("aten::_grouped_mm")
+    gemms = (2 if activation in GATED else 1) + 1  # forward GEMMs
+    bwd = 6 if activation in GATED else 4  # backward: grad_a, wgrad down, and wgrad + grad_x per projection
+    expected = gemms + bwd + (gemms - 1 if recompute else 0)
+    assert grouped == (expected if engine == "grouped_mm" else 0)
+
+
+def test_bf16_matches_the_reference_computed_in_fp32():
+    args = ffn_args("swiglu", 16, 32, bias=True, dtype=torch.bfloat16)
+    probe = torch.randn(args[0].shape[0], 16, dtype=torch.bfloat16)
+    got = grads_of(torch.ops.moe.expert_ffn, args, probe)
+    fp32 = [a.detach().float().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args]
+    want = grads_of(dialect.expert_ffn_ref, fp32, probe.float())
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=2e-2)
+
+
+def test_no_rows_at_all_gives_zero_weight_gradients():
+    args = ffn_args("swiglu", 16, 32, bias=True, counts=torch.zeros(4, dtype=torch.int64))
+    y, *grads = grads_of(torch.ops.moe.expert_ffn, args, torch.randn(0, 16))
+    assert y.shape == (0, 16)
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_engine_choice():
+    x, w = torch.randn(8, 16), torch.randn(3, 16, 8)
+    assert grouped_ffn.grouped_mm_ok(x, w)
+    assert grouped_ffn.grouped_mm_ok(x, w.transpose(-2, -1).contiguous().transpose(-2, -1))
+    assert not grouped_ffn.grouped_mm_ok(x.double(), w.double())  # dtype
+    assert not grouped_ffn.grouped_mm_ok(torch.randn(8, 6), torch.randn(3, 6, 8))  # 24-byte rows: unaligned
+    assert not grouped_ffn.grouped_mm_ok(x, w.bfloat16())  # mixed dtypes
+
+
+def _backward_log(block, x):
+    y = block(x)
+    probe = torch.randn_like(y)
+    loss = (y * probe).sum()
+    with OpLog() as log:
+        loss.backward()
+    return log
+
+
+@pytest.mark.parametrize("style", ["fused", "loop"])
+def test_one_backward_allocates_each_expert_weight_gradient_once(style):
+    """The O(E^2) pattern (a zero-filled full-size [E, ...] gradient per expert) must not come back."""
+    torch.manual_seed(0)
+    E, D, F = 8, 32, 64
+    block = FusedMoE(D, F, E, 2) if style == "fused" else LoopMoE(D, F, E, 2)
+    compiled = moepass.compile(block, moepass.Plan(form="single"))
+    log = _backward_log(compiled, torch.randn(4, 16, D, requires_grad=True))
+    full = E * F * D * 4  # bytes of one [E, F, D] fp32 weight
+    big = [(e.name, e.input_shapes) for e in log.events if e.self_cpu_memory_usage >= full]
+    # grad_w_gate, grad_w_up, grad_w_down once each, + the fused [E, D, 2F] gradient where the block
+    # stores gate and up in one tensor (one chunk backward: one concatenation). Never one buffer per expert.
+    assert len(big) == (4 if style == "fused" else 3), big
+    fills = [(e.name, e.input_shapes) for e in log.events
+             if e.name in ("aten::fill_", "aten::zero_") and _numel(e.input_shapes[0]) >= E * F * D // 4]
+    assert not fills, fills
+    allocated = sum(max(e.self_cpu_memory_usage, 0) for e in log.events)
+    weight_bytes = sum(p.numel() * 4 for p in compiled.parameters())
+    assert allocated < 4 * weight_bytes, (allocated, weight_bytes)
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def test_expert_recompute_keeps_fewer_activations_and_the_same_gradients():
+    torch.manual_seed(0)
+    block = FusedMoE(32, 64, 4, 2)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    saved_bytes, grads = {}, {}
+    for recompute in (False, True):
+        cm = moepass.compile(block, moepass.Plan(form="single", expert_recompute=recompute))
+        passes = [h["pass"] for h in cm.history]
+        assert ("expert_recompute" in passes) == recompute
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = cm(x)
+        (y * y).sum().backward()
+        saved_bytes[recompute] = total
+        grads[recompute] = [p.grad.clone() for p in cm.parameters()]
+    rows = 2 * 16 * 2  # N = T * K
+    assert saved_bytes[False] - saved_bytes[True] == 2 * rows * 64 * 4  # h_gate, h_up: 2 * N * F fp32
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_modulelist_experts_are_read_in_place_not_stacked_each_step():
+    torch.manual_seed(0)
+    block = LoopMoE(32, 64, 4, 2)
+    compiled = moepass.compile(block, moepass.Plan(form="single"))
+    assert compiled.history[1]["stats"] == {"relaid_expert_params": 12}  # w1, w3, w2 of 4 experts
+    assert list(compiled.state_dict()) == list(block.state_dict())
+    x = torch.randn(2, 8, 32)
+    with OpLog() as log:
+        y = compiled(x)
+    assert log.count("aten::stack") == 0 and log.count("aten::cat") == 0
+    torch.testing.assert_close(y, block(x), rtol=1e-5, atol=1e-6)
+    # something re-allocates the parameters (here a dtype change): the read falls back to a copy, still exact
+    compiled.double()
+    with OpLog() as log:
+        y64 = compiled(x.double())
+    assert log.count("aten::cat") + log.count("aten::stack") >= 3
+    torch.testing.assert_close(y64, block.double()(x.double()))

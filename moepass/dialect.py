@@ -130,7 +130,12 @@ def unpermute_ref(y_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
 
 def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
     """Weighted sum over the K choices, accumulated in fp32, returned in y's dtype."""
-    return torch.einsum("tkd,tk->td", y_TKD.float(), weights_TK.float()).to(y_TKD.dtype)
+    # K fused multiply-adds over [T, D] (einsum would run T tiny batched GEMMs: ~5x slower on CPU)
+    y_f32, w_f32 = y_TKD.float(), weights_TK.float()
+    out_TD = y_f32[:, 0] * w_f32[:, :1]
+    for k in range(1, y_TKD.shape[1]):
+        out_TD.addcmul_(y_f32[:, k], w_f32[:, k:k + 1])
+    return out_TD.to(y_TKD.dtype)
 
 
 def _split_sizes(counts_E: Tensor) -> list[int]:
@@ -344,7 +349,7 @@ def _combine_bwd(ctx, grad_TD):
     y_TKD, weights_TK = ctx.saved_tensors
     g_TD = grad_TD.float()
     grad_y = (g_TD.unsqueeze(1) * weights_TK.float().unsqueeze(-1)).to(y_TKD.dtype)
-    grad_w = torch.einsum("td,tkd->tk", g_TD, y_TKD.float()).to(weights_TK.dtype)
+    grad_w = (y_TKD.float() * g_TD.unsqueeze(1)).sum(-1).to(weights_TK.dtype)
     return grad_y, grad_w
 
 

@@ -183,10 +183,9 @@ def _expert_grad_hook(groups: EPGroups):
 
     def hook(grad: Tensor) -> Tensor:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        local = local.clone()
-        if groups.dp_size > 1:
+        local = local.div(world)  # a new tensor (a hook must not modify its argument), one pass
+        if groups.dp_size > 1:  # sum over replicas of g / W: exact when W is a power of two
             comm.all_reduce_sum_(local, groups.dp_group)
-        local.div_(world)
         if isinstance(grad, DTensor):
             return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
         return local

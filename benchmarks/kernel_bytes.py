@@ -23,7 +23,6 @@ import json
 import math
 import os
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,11 +175,11 @@ def rows(name: str) -> list[dict]:
 
     def unfused_combine_backward(grad_TD, y_ND, order_N, w_TK):
         y_TKD = dialect.unpermute_ref(y_ND, order_N, K)
-        grad_y_TKD, grad_w_TK = dialect._combine_bwd(types.SimpleNamespace(saved_tensors=(y_TKD, w_TK)), grad_TD)
-        return dialect._unpermute_bwd(types.SimpleNamespace(saved_tensors=(order_N,)), grad_y_TKD)[0], grad_w_TK
+        grad_y_TKD, grad_w_TK = dialect.combine_backward(grad_TD, y_TKD, w_TK)
+        return dialect.unpermute_backward(grad_y_TKD, order_N), grad_w_TK
 
     def unfused_permute_backward(grad_ND, order_N):
-        return dialect._permute_bwd(types.SimpleNamespace(saved_tensors=(order_N,), top_k=K), grad_ND, None, None)[0]
+        return dialect.permute_backward(grad_ND, order_N, K)
 
     table = [
         ("route forward", gating_bytes(GatingSpec.from_args(*route_args), T), count_reference(dialect.route_ref,

@@ -99,11 +99,11 @@ def analytic(shape: Shape, tokens: int) -> dict:
 def timing_blocker() -> str | None:
     import torch
 
-    from lowering import _codegen
+    from lowering import codegen
 
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False): timing needs a GPU"
-    if _codegen.is_interpreted():
+    if codegen.is_interpreted():
         return "TRITON_INTERPRET=1: interpreted kernels are not timed"
     return None
 
@@ -123,21 +123,21 @@ def launches(shape: Shape, tokens: int, device: str, dtype):
     w_down_EDF = torch.randn(E, D, F, **t) / F**0.5
     args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, None, None, None, "swiglu", 7.0, 1.702)
     spec = gg.spec_of(*args)
-    a_NF, grad_gate_NF, grad_up_NF = gg._gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD, w_up_EFD,
+    a_NF, grad_gate_NF, grad_up_NF = gg.gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD, w_up_EFD,
                                                         w_down_EDF, None, None, 7.0, 1.702)
     y_ND = torch.empty_like(x_ND)
     return {
-        "gate_up_kernel": lambda: gg._gate_up_launch(spec, x_ND, None, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF,
+        "gate_up_kernel": lambda: gg.gate_up_launch(spec, x_ND, None, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF,
                                                      None, None, 7.0, 1.702),
-        "rows_kernel (down)": lambda: gg._rows_launch(spec, y_ND, a_NF, w_down_EDF, None, None, None, counts_E,
+        "rows_kernel (down)": lambda: gg.rows_launch(spec, y_ND, a_NF, w_down_EDF, None, None, None, counts_E,
                                                       transpose_b=True),
-        "gate_up_kernel.backward": lambda: gg._gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD,
+        "gate_up_kernel.backward": lambda: gg.gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD,
                                                               w_up_EFD, w_down_EDF, None, None, 7.0, 1.702),
-        "rows_kernel (grad_x)": lambda: gg._rows_launch(spec, y_ND, grad_gate_NF, w_gate_EFD, grad_up_NF, w_up_EFD,
+        "rows_kernel (grad_x)": lambda: gg.rows_launch(spec, y_ND, grad_gate_NF, w_gate_EFD, grad_up_NF, w_up_EFD,
                                                         None, counts_E, transpose_b=False),
-        "wgrad_kernel (w_gate)": lambda: gg._wgrad_launch(spec, grad_gate_NF, x_ND, counts_E, False),
-        "wgrad_kernel (w_up)": lambda: gg._wgrad_launch(spec, grad_up_NF, x_ND, counts_E, False),
-        "wgrad_kernel (w_down)": lambda: gg._wgrad_launch(spec, grad_y_ND, a_NF, counts_E, False),
+        "wgrad_kernel (w_gate)": lambda: gg.wgrad_launch(spec, grad_gate_NF, x_ND, counts_E, False),
+        "wgrad_kernel (w_up)": lambda: gg.wgrad_launch(spec, grad_up_NF, x_ND, counts_E, False),
+        "wgrad_kernel (w_down)": lambda: gg.wgrad_launch(spec, grad_y_ND, a_NF, counts_E, False),
     }
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lowering import Lowering, register
-from lowering import _codegen as cg
+from lowering import codegen as cg
 from moepass import dialect
 
 FALLBACKS = {"unpermute_combine": 0, "unpermute_combine_backward": 0}

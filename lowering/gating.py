@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lowering import Lowering, register
-from lowering import _codegen as cg
+from lowering import codegen as cg
 from moepass import dialect
 from moepass.spec import GROUP_SCORES, SCORE_FUNCS
 
@@ -338,7 +338,7 @@ def _(*args):
 
 
 # Same backward as the dialect op (selection has no gradient; weights via route_backward_ref).
-route.register_autograd(dialect._route_bwd, setup_context=dialect._route_setup)
+dialect.register_route_autograd(route)
 cg.register_autocast(torch.ops.moe_lowered.route.default, "fp32")
 
 LOWERING = register(Lowering(

@@ -32,7 +32,7 @@ grad_gate_NF, grad_up_NF) are in the compute dtype, as in the torch reference. f
 products unless torch allows TF32 (`torch.backends.cuda.matmul.allow_tf32`). Interpreted
 (TRITON_INTERPRET=1), fp16/bf16 tiles are upcast to fp32 before tl.dot (the interpreter's bf16 dot
 is wrong, triton-lang/triton#11584), and bf16 stores round to nearest even by hand
-(`_codegen.round_bf16`: the interpreter's fp32 -> bf16 cast truncates, doubling the error).
+(`codegen.round_bf16`: the interpreter's fp32 -> bf16 cast truncates, doubling the error).
 
 Block sizes: on a GPU every kernel is `@triton.autotune`d over its config list (keyed on the
 dimensions and a power-of-two bucket of rows per expert; configs over the device's shared memory are
@@ -50,7 +50,7 @@ import triton
 from torch import Tensor
 
 import lowering
-from lowering import _codegen
+from lowering import codegen
 from moepass import dialect
 from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
@@ -96,7 +96,7 @@ def spec_of(
         has_b_up=b_up_EF is not None,
         has_b_down=b_down_ED is not None,
         dtype=DTYPES.get(x_ND.dtype, str(x_ND.dtype)),
-        interpreted=_codegen.is_interpreted() if interpreted is None else interpreted,
+        interpreted=codegen.is_interpreted() if interpreted is None else interpreted,
         tf32=bool(torch.backends.cuda.matmul.allow_tf32),
     )
 
@@ -511,7 +511,7 @@ DOT_PRECISION = tl.constexpr("{'tf32' if spec.tf32 else 'ieee'}")  # fp32 produc
 ROUND_BF16 = tl.constexpr({spec.interpreted and spec.dtype == "bfloat16"})  # round by hand: interpreted casts truncate
 '''
     gelu = _GELU_SOURCE if spec.activation in ("gelu", "geglu") else ""
-    return header + _codegen.ROUND_BF16_SOURCE + gelu + _ACTIVATION_SOURCE[spec.activation] + _KERNEL_SOURCE
+    return header + codegen.ROUND_BF16_SOURCE + gelu + _ACTIVATION_SOURCE[spec.activation] + _KERNEL_SOURCE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,7 +529,7 @@ _LOADED: dict[FfnSpec, dict[str, Any]] = {}
 
 def kernel_module(spec: FfnSpec) -> Any:
     """The imported generated module of `spec` (its functions are the raw @triton.jit kernels)."""
-    return _codegen.load_kernel_module(generated_source_for(spec), "grouped_gemm")
+    return codegen.load_kernel_module(generated_source_for(spec), "grouped_gemm")
 
 
 def _kernels(spec: FfnSpec) -> dict[str, Any]:
@@ -555,7 +555,7 @@ def _pruner(role: str, elem_bytes: int, gated: bool):
 
     def prune(configs, named_args, **kwargs):
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        limit = getattr(props, "shared_memory_per_block_optin", None) or _codegen.SHARED_LIMIT_BYTES.get(
+        limit = getattr(props, "shared_memory_per_block_optin", None) or codegen.SHARED_LIMIT_BYTES.get(
             10 * props.major + props.minor, 48 * 1024)
         keep = [c for c in configs if fits(role, _as_block_config(role, c), elem_bytes, limit, gated)]
         return keep or configs[-1:]
@@ -628,7 +628,7 @@ def validate(
                          f"on {counts_E.device}")
 
 
-def _rows_launch(spec, out_NQ, a1_NK, b1, a2_NK, b2, bias_EQ, counts_E, transpose_b: bool) -> None:
+def rows_launch(spec, out_NQ, a1_NK, b1, a2_NK, b2, bias_EQ, counts_E, transpose_b: bool) -> None:
     """out = a1 @ b1[e] (+ a2 @ b2[e]) (+ bias[e]) over expert-sorted rows; b read as [E, K, Q]."""
     N, K = a1_NK.shape
     Q, E = out_NQ.shape[1], counts_E.shape[0]
@@ -641,7 +641,7 @@ def _rows_launch(spec, out_NQ, a1_NK, b1, a2_NK, b2, bias_EQ, counts_E, transpos
             (triton.cdiv(N, E), Q, K))
 
 
-def _wgrad_launch(spec, a_NP: Tensor, b_NQ: Tensor, counts_E: Tensor, with_bias: bool) -> tuple[Tensor, Tensor | None]:
+def wgrad_launch(spec, a_NP: Tensor, b_NQ: Tensor, counts_E: Tensor, with_bias: bool) -> tuple[Tensor, Tensor | None]:
     """grad_w_EPQ[e] = a[rows_e]^T @ b[rows_e], and the bias gradient (column sums of a[rows_e])."""
     N, P = a_NP.shape
     Q, E = b_NQ.shape[1], counts_E.shape[0]
@@ -654,7 +654,7 @@ def _wgrad_launch(spec, a_NP: Tensor, b_NQ: Tensor, counts_E: Tensor, with_bias:
     return out_EPQ, bias_EP
 
 
-def _gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
+def gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
                     clamp_limit, alpha) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """a_NF (and with grad_y_ND: grad_gate_NF, grad_up_NF)."""
     N, D = x_ND.shape
@@ -692,11 +692,11 @@ def expert_ffn_forward(
     spec = spec_of(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
                    clamp_limit, alpha)
     x_ND, counts_E, b_gate_EF, b_up_EF, b_down_ED = _contiguous(x_ND, counts_E, b_gate_EF, b_up_EF, b_down_ED)
-    a_NF, _, _ = _gate_up_launch(spec, x_ND, None, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
+    a_NF, _, _ = gate_up_launch(spec, x_ND, None, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
                                  clamp_limit, alpha)
     y_ND = x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
     if x_ND.shape[0]:
-        _rows_launch(spec, y_ND, a_NF, w_down_EDF, None, None, b_down_ED, counts_E, transpose_b=True)
+        rows_launch(spec, y_ND, a_NF, w_down_EDF, None, None, b_down_ED, counts_E, transpose_b=True)
     return y_ND
 
 
@@ -717,16 +717,16 @@ def expert_ffn_backward(
     spec = spec_of(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
                    clamp_limit, alpha)
     grad_y_ND, x_ND, counts_E, b_gate_EF, b_up_EF = _contiguous(grad_y_ND, x_ND, counts_E, b_gate_EF, b_up_EF)
-    a_NF, grad_gate_NF, grad_up_NF = _gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD, w_up_EFD,
+    a_NF, grad_gate_NF, grad_up_NF = gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD, w_up_EFD,
                                                      w_down_EDF, b_gate_EF, b_up_EF, clamp_limit, alpha)
     grad_x_ND = torch.empty_like(x_ND)
     if x_ND.shape[0]:
-        _rows_launch(spec, grad_x_ND, grad_gate_NF, w_gate_EFD, grad_up_NF, w_up_EFD, None, counts_E,
+        rows_launch(spec, grad_x_ND, grad_gate_NF, w_gate_EFD, grad_up_NF, w_up_EFD, None, counts_E,
                      transpose_b=False)
-    grad_w_gate, grad_b_gate = _wgrad_launch(spec, grad_gate_NF, x_ND, counts_E, b_gate_EF is not None)
-    grad_w_up, grad_b_up = (None, None) if grad_up_NF is None else _wgrad_launch(spec, grad_up_NF, x_ND, counts_E,
+    grad_w_gate, grad_b_gate = wgrad_launch(spec, grad_gate_NF, x_ND, counts_E, b_gate_EF is not None)
+    grad_w_up, grad_b_up = (None, None) if grad_up_NF is None else wgrad_launch(spec, grad_up_NF, x_ND, counts_E,
                                                                                  b_up_EF is not None)
-    grad_w_down, grad_b_down = _wgrad_launch(spec, grad_y_ND, a_NF, counts_E, b_down_ED is not None)
+    grad_w_down, grad_b_down = wgrad_launch(spec, grad_y_ND, a_NF, counts_E, b_down_ED is not None)
     return [grad_x_ND, grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]
 
 
@@ -743,7 +743,7 @@ def eligible(
     clamp_limit: float, alpha: float,
 ) -> str | None:
     """None if the Triton kernels can run these arguments (real or fake tensors), else why not."""
-    blocker = _codegen.launch_blocker(x_ND.device)
+    blocker = codegen.launch_blocker(x_ND.device)
     if blocker is not None:
         return blocker
     try:
@@ -834,8 +834,8 @@ def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, w_gate_EFD, w_up_EFD, w_dow
 
 expert_ffn = dialect.define_expert_ffn("moe_lowered::expert_ffn", torch.ops.moe_lowered.expert_ffn_forward,
                                        torch.ops.moe_lowered.expert_ffn_backward)
-_codegen.register_autocast(torch.ops.moe_lowered.expert_ffn.default, "compute")
-_codegen.register_autocast(torch.ops.moe_lowered.expert_ffn_forward.default, "compute")
+codegen.register_autocast(torch.ops.moe_lowered.expert_ffn.default, "compute")
+codegen.register_autocast(torch.ops.moe_lowered.expert_ffn_forward.default, "compute")
 
 LOWERING = lowering.register(lowering.Lowering(
     family="grouped_gemm",
@@ -862,7 +862,7 @@ _NOT_DIVISIBLE = ("E", "rows_bucket", "limit", "alpha")  # ints a real launch wo
 
 def gpu_build_requests(spec: FfnSpec, arch: int, num_experts: int = 128,
                        which: str = "all") -> list[tuple[str, BlockConfig, Any]]:
-    """(role, config, `_codegen.BuildRequest`) for every kernel role and config ("all") or the
+    """(role, config, `codegen.BuildRequest`) for every kernel role and config ("all") or the
     first and last config of each role ("ends").
 
     The signature is what a launch on row-major weights with 16-byte aligned tensors and dimensions
@@ -876,7 +876,7 @@ def gpu_build_requests(spec: FfnSpec, arch: int, num_experts: int = 128,
     for role in ROLES:
         name = role.split(".")[0]
         kernel = getattr(module, name)
-        raw = _codegen._unwrap(kernel)
+        raw = codegen.unwrap(kernel)
         arg_names = raw.__code__.co_varnames[: raw.__code__.co_argcount]
         configs = configs_for(role, spec.dtype)
         for cfg in configs if which == "all" else dict.fromkeys((configs[0], configs[-1])):
@@ -886,6 +886,6 @@ def gpu_build_requests(spec: FfnSpec, arch: int, num_experts: int = 128,
                              else "fp32" if a in ("limit", "alpha") else "i32")
                          for a in arg_names if a not in constexprs}
             divisible = tuple(a for a in signature if a not in _NOT_DIVISIBLE)
-            out.append((role, cfg, _codegen.BuildRequest.of(kernel, signature, constexprs, arch, cfg.num_warps,
+            out.append((role, cfg, codegen.BuildRequest.of(kernel, signature, constexprs, arch, cfg.num_warps,
                                                             cfg.num_stages, divisible=divisible)))
     return out

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lowering import Lowering, combine, register
-from lowering import _codegen as cg
+from lowering import codegen as cg
 from moepass import dialect
 
 MAX_EXPERTS = 1024

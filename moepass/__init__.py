@@ -19,7 +19,7 @@ from moepass import (
 )
 from moepass.api import CompileInfo, compile, explain
 from moepass.canonical import MoEGraphModule
-from moepass.checkpoint import load_logical_state_dict, logical_state_dict
+from moepass.checkpoint import load_logical_state_dict, logical_grads, logical_state_dict
 from moepass.detect import DetectionReport, detect, register_recogniser
 from moepass.errors import DetectionError, MoepassError, PlanError
 from moepass.inspect import diff, draw, set_debug
@@ -33,7 +33,7 @@ __all__ = [
     "CapacitySpec", "CompileInfo", "DataParallel", "DetectionError", "DetectionReport", "ExpertsSpec",
     "MoEGraphModule", "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec",
     "TensorSource", "Topology", "VerificationError", "clip_grad_norm_", "comm_stats", "compile", "detect",
-    "diff", "draw", "explain", "load_logical_state_dict", "logical_state_dict", "register_recogniser",
+    "diff", "draw", "explain", "load_logical_state_dict", "logical_grads", "logical_state_dict", "register_recogniser",
     "reset_comm_stats", "search", "set_debug", "verify",
 ]
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ class CompileInfo:
     skipped: dict[str, str] = field(default_factory=dict)  # path -> reason (plan said leave it)
 
 
-def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, module)
@@ -56,7 +56,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         gm = compile_block(spec, block, block_plan)
         info.rewritten[spec.path] = gm
         if spec.path:
-            _set_submodule(target, spec.path, gm)
+            set_submodule(target, spec.path, gm)
         else:
             target = gm
     for finalize in FINALIZERS:  # model-level set-up of the rewritten forms

@@ -121,6 +121,33 @@ def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], str
                        f"pass strict=False to load a partial state dict.")
 
 
+def logical_grads(model: nn.Module) -> dict[str, tuple[Tensor, slice | None]]:
+    """This rank's gradients under the original model's names: {name: (gradient, rows)}.
+
+    `rows` is the slice of the original tensor's leading (expert) dim the gradient covers on this
+    rank (an EP-sharded fused weight), or None when it is the whole tensor (replicated parameters,
+    and each ModuleList expert's own parameter). Parameters without a gradient are left out.
+    Compare with a reference as `ref_grads[name][rows or slice(None)]`.
+    """
+    stacked = _stacked_keys(model)
+    experts = set(expert_parameter_names(model))
+    out: dict[str, tuple[Tensor, slice | None]] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if name in stacked:
+            layout, originals, _ = stacked[name]
+            for i in range(layout.local_experts):
+                out[originals[layout.first_expert + i]] = (grad[i], None)
+        elif name in experts:
+            layout = _block_layout(model, name)
+            out[name] = (grad, slice(layout.first_expert, layout.first_expert + layout.local_experts))
+        else:
+            out[name] = (grad, None)
+    return out
+
+
 def _plain(value: Tensor) -> Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 

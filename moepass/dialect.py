@@ -257,7 +257,13 @@ def _route_bwd(ctx, grad_weights_TK, _grad_experts):
     return (grad.to(logits_TE.dtype),) + (None,) * 9
 
 
-route.register_autograd(_route_bwd, setup_context=_route_setup)
+def register_route_autograd(op: Any) -> None:
+    """Autograd for an op with `moe.route`'s schema (the dialect's and the lowered gating kernel's):
+    `route_backward_ref` on the selected experts."""
+    op.register_autograd(_route_bwd, setup_context=_route_setup)
+
+
+register_route_autograd(route)
 
 
 @torch.library.custom_op("moe::capacity_keep", mutates_args=())
@@ -293,10 +299,14 @@ def _permute_setup(ctx, inputs, output):
     ctx.save_for_backward(output[2])
 
 
+def permute_backward(grad_x_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
+    """grad_x_TD of `permute`: each token's K routed rows summed."""
+    return torch.ops.moe.unpermute(grad_x_ND, order_N, top_k).sum(dim=1)
+
+
 def _permute_bwd(ctx, grad_x_ND, _grad_counts, _grad_order):
     (order_N,) = ctx.saved_tensors
-    grad_TKD = torch.ops.moe.unpermute(grad_x_ND, order_N, ctx.top_k)
-    return grad_TKD.sum(dim=1), None, None
+    return permute_backward(grad_x_ND, order_N, ctx.top_k), None, None
 
 
 permute.register_autograd(_permute_bwd, setup_context=_permute_setup)
@@ -319,10 +329,14 @@ def _unpermute_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[1])
 
 
+def unpermute_backward(grad_y_TKD: Tensor, order_N: Tensor) -> Tensor:
+    """grad_y_ND of `unpermute`: the gradient rows gathered back into expert order."""
+    return grad_y_TKD.reshape(-1, grad_y_TKD.shape[-1]).index_select(0, order_N)
+
+
 def _unpermute_bwd(ctx, grad_y_TKD):
     (order_N,) = ctx.saved_tensors
-    D = grad_y_TKD.shape[-1]
-    return grad_y_TKD.reshape(-1, D).index_select(0, order_N), None, None
+    return unpermute_backward(grad_y_TKD, order_N), None, None
 
 
 unpermute.register_autograd(_unpermute_bwd, setup_context=_unpermute_setup)
@@ -345,12 +359,16 @@ def _combine_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _combine_bwd(ctx, grad_TD):
-    y_TKD, weights_TK = ctx.saved_tensors
+def combine_backward(grad_TD: Tensor, y_TKD: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_y_TKD, grad_weights_TK) of `combine`, in fp32, returned in the inputs' dtypes."""
     g_TD = grad_TD.float()
     grad_y = (g_TD.unsqueeze(1) * weights_TK.float().unsqueeze(-1)).to(y_TKD.dtype)
     grad_w = (y_TKD.float() * g_TD.unsqueeze(1)).sum(-1).to(weights_TK.dtype)
     return grad_y, grad_w
+
+
+def _combine_bwd(ctx, grad_TD):
+    return combine_backward(grad_TD, *ctx.saved_tensors)
 
 
 combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
@@ -406,7 +424,7 @@ def expert_ffn_backward_ref(
     return [grad_x, grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]
 
 
-_FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
+FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
 FFN_ARGS = ("Tensor x_ND, Tensor counts_E, Tensor w_gate_EFD, Tensor? w_up_EFD, Tensor w_down_EDF, "
             "Tensor? b_gate_EF, Tensor? b_up_EF, Tensor? b_down_ED, str activation, float clamp_limit, float alpha")
 _FFN_LIBS: list[torch.library.Library] = []
@@ -418,7 +436,7 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
     The op is what graphs show (one node, y_ND only). Underneath, autograd and AOT see two ops:
     `forward_op(*ffn_args, save) -> (y_ND, h_gate_NF, h_up_NF)` — the pre-activations when `save`,
     else empty tensors — and `backward_op(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, weights...,
-    biases..., options...) -> grads` in `_FFN_DIFFERENTIABLE` order (empty for absent inputs), which
+    biases..., options...) -> grads` in `FFN_DIFFERENTIABLE` order (empty for absent inputs), which
     recomputes the pre-activations it was not given. `recompute=True` on the op saves only the inputs
     (`Plan.expert_recompute`). A `custom_op`'s autograd hands `setup_context` the op's output only,
     so the op is defined with `torch.library` and an Autograd kernel of its own instead.
@@ -449,7 +467,7 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
             x_ND = inputs[0]
             grads = backward_op(grad_y_ND.to(x_ND.dtype), x_ND, h_gate_NF, h_up_NF, *inputs[1:], *ctx.options)
             result: list[Tensor | None] = [None] * 12
-            for slot, i in enumerate(_FFN_DIFFERENTIABLE):
+            for slot, i in enumerate(FFN_DIFFERENTIABLE):
                 if inputs[i] is not None:
                     result[i] = grads[slot]
             return tuple(result)

@@ -134,7 +134,7 @@ def _registry(gm: MoEGraphModule, plan: Plan, device: torch.device) -> list | No
 
     Plan.lowering='triton' raises PlanError when they cannot; 'auto' returns None.
     """
-    from lowering import _codegen as cg
+    from lowering import codegen as cg
     from lowering import registry
 
     blocker = cg.launch_blocker(device)

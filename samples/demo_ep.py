@@ -86,25 +86,10 @@ def _step(rank: int, world: int, nodes: int, style: str) -> dict:
 
 def _logical_grads(cm, ref_grads: dict) -> dict:
     """{original name: (this rank's gradient, the reference's matching rows)}."""
-    from torch.distributed.tensor import DTensor
+    import moepass
 
-    from moepass import checkpoint
-
-    stacked = checkpoint._stacked_keys(cm)
-    out = {}
-    for name, p in cm.named_parameters():
-        if name in stacked:
-            layout, originals, _ = stacked[name]
-            for i in range(layout.local_experts):
-                orig = originals[layout.first_expert + i]
-                out[orig] = (p.grad.to_local()[i], ref_grads[orig])
-        elif isinstance(p, DTensor):
-            lo = checkpoint._block_layout(cm, name).first_expert
-            local = p.grad.to_local()
-            out[name] = (local, ref_grads[name][lo:lo + local.shape[0]])
-        else:
-            out[name] = (p.grad, ref_grads[name])
-    return out
+    return {name: (grad, ref_grads[name] if rows is None else ref_grads[name][rows])
+            for name, (grad, rows) in moepass.logical_grads(cm).items()}
 
 
 def _free_port() -> int:

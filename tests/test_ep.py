@@ -47,39 +47,21 @@ def _reference_with_capacity(model, plan):
 
     import moepass
     from moepass import canonical
-    from moepass.api import _set_submodule
+    from moepass.api import set_submodule
     from moepass.rewrite.ep import ep_capacity
 
     ref = copy.deepcopy(model)
     for spec in moepass.detect(model).blocks:
         spec = spec.replace(capacity=ep_capacity(spec, plan))
-        _set_submodule(ref, spec.path, canonical.build(spec, ref.get_submodule(spec.path)))
+        set_submodule(ref, spec.path, canonical.build(spec, ref.get_submodule(spec.path)))
     return ref
 
 
 def local_logical_grads(cm):
     """{original name: (this rank's gradient, rows of the original tensor it covers or None)}."""
+    import moepass
 
-    from moepass import checkpoint
-    from moepass.rewrite.ep import expert_parameter_names
-
-    stacked = checkpoint._stacked_keys(cm)
-    experts = set(expert_parameter_names(cm))
-    out = {}
-    for name, p in cm.named_parameters():
-        if p.grad is None:
-            continue
-        if name in stacked:
-            layout, originals, _ = stacked[name]
-            local = p.grad.to_local()
-            for i in range(layout.local_experts):
-                out[originals[layout.first_expert + i]] = (local[i], None)
-        elif name in experts:
-            layout = checkpoint._block_layout(cm, name)
-            out[name] = (p.grad.to_local(), slice(layout.first_expert, layout.first_expert + layout.local_experts))
-        else:
-            out[name] = (p.grad, None)
-    return out
+    return moepass.logical_grads(cm)
 
 
 def _max_err(a, b):

@@ -45,7 +45,7 @@ def ffn_args(activation, D, F, bias, dtype=torch.float32, counts=COUNTS):
 
 
 def grads_of(fn, args, probe):
-    inputs = [a for i, a in enumerate(args) if i in dialect._FFN_DIFFERENTIABLE and a is not None]
+    inputs = [a for i, a in enumerate(args) if i in dialect.FFN_DIFFERENTIABLE and a is not None]
     y = fn(*args)
     return [y, *torch.autograd.grad((y * probe).sum(), inputs)]
 

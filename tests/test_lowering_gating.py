@@ -14,7 +14,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from lowering import _codegen as cg
+from lowering import codegen as cg
 from lowering import gating
 from moepass import dialect
 

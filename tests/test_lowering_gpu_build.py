@@ -1,7 +1,7 @@
 """Compile-only GPU check: every generated kernel family builds to PTX + cubin for sm_80 and sm_90.
 
 Runs on CPU: `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` with the ptxas and
-cuobjdump that ship with triton, in one clean child process (`lowering._codegen.build_many`). Asserts
+cuobjdump that ship with triton, in one clean child process (`lowering.codegen.build_many`). Asserts
 no local memory (register spills) and shared memory within the per-block opt-in limit.
 
 Specialisations built (meta tensors: only shapes and dtypes matter):
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowering import _codegen as cg
+from lowering import codegen as cg
 from lowering import combine, gating, permute
 
 ARCHS = (80, 90)

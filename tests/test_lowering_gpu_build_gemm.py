@@ -2,7 +2,7 @@
 
 Every kernel role (gate_up forward, gate_up backward, rows, wgrad) in its widest variant (every
 optional operand present) x every config it may be autotuned over, built to PTX + cubin in one child
-process (`_codegen.build_many`), then `cuobjdump --dump-resource-usage`: shared memory within the
+process (`codegen.build_many`), then `cuobjdump --dump-resource-usage`: shared memory within the
 arch's limit and no register spills (local memory / stack).
 
 The build sees what a real launch specialises to (`gpu_build_requests`): 16-byte aligned pointers,
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowering import _codegen
+from lowering import codegen
 
 gg = pytest.importorskip("lowering.grouped_gemm")
 
@@ -30,7 +30,7 @@ BUILDS = (
 def reports():
     requests = [(spec, role, cfg, request) for spec, which in BUILDS for arch in ARCHS
                 for role, cfg, request in gg.gpu_build_requests(spec, arch, which=which)]
-    built = _codegen.build_many([r[-1] for r in requests])
+    built = codegen.build_many([r[-1] for r in requests])
     return [(spec, role, cfg, report) for (spec, role, cfg, _), report in zip(requests, built)]
 
 

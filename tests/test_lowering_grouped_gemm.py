@@ -86,7 +86,7 @@ def _leaves(args: tuple, dtype: torch.dtype | None = None) -> tuple:
 def _run(fn, args: tuple, grad_y: torch.Tensor) -> list[torch.Tensor | None]:
     """[y, grad x, grad w_gate, grad w_up, grad w_down, grad b_gate, grad b_up, grad b_down]."""
     y = fn(*args)
-    inputs = [args[i] for i in dialect._FFN_DIFFERENTIABLE]
+    inputs = [args[i] for i in dialect.FFN_DIFFERENTIABLE]
     present = [t for t in inputs if t is not None]
     grads = iter(torch.autograd.grad(y, present, grad_y.to(y.dtype), allow_unused=True))
     return [y.detach()] + [None if t is None else next(grads) for t in inputs]
@@ -150,7 +150,7 @@ def test_eligibility_on_fake_tensors_and_declines_with_reasons(monkeypatch):
     mixed = (args[0].double(),) + args[1:]
     assert "dtype" in gg.eligible(*mixed)
     assert "activation" in gg.eligible(*args[:8], "swish", 1.0, 1.0)
-    monkeypatch.setattr(gg._codegen, "is_interpreted", lambda: False)
+    monkeypatch.setattr(gg.codegen, "is_interpreted", lambda: False)
     reason = gg.eligible(*args)
     assert reason is not None and "CPU" in reason
     # Declined: the op falls back to the dialect reference instead of launching.

@@ -12,7 +12,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from lowering import _codegen as cg
+from lowering import codegen as cg
 from lowering import permute
 from moepass import dialect
 

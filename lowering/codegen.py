@@ -243,7 +243,7 @@ class BuildReport:
         return out
 
 
-def _unwrap(kernel_fn: Any) -> Any:
+def unwrap(kernel_fn: Any) -> Any:
     """The plain Python function under @triton.jit / InterpretedFunction / @triton.heuristics."""
     fn = kernel_fn
     while hasattr(fn, "fn"):
@@ -306,7 +306,7 @@ class BuildRequest:
     @classmethod
     def of(cls, kernel_fn: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int,
            num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] = ()) -> BuildRequest:
-        raw = _unwrap(kernel_fn)
+        raw = unwrap(kernel_fn)
         return cls(raw.__code__.co_filename, raw.__name__, dict(signature), dict(constexprs), arch, num_warps,
                    num_stages, tuple(divisible))
 
@@ -360,7 +360,7 @@ def build_many(requests: list[BuildRequest]) -> list[BuildReport]:
     payload = json.dumps([dataclasses.asdict(r) for r in requests])
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-m", "lowering._codegen", "--build"], input=payload, text=True,
+    done = subprocess.run([sys.executable, "-m", "lowering.codegen", "--build"], input=payload, text=True,
                           capture_output=True, env=env, cwd=root)
     if done.returncode != 0:
         raise RuntimeError(f"GPU build child process failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -388,7 +388,7 @@ def _build_here(request: BuildRequest) -> BuildReport:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    jit_fn = JITFunction(_unwrap(getattr(module, request.kernel)))
+    jit_fn = JITFunction(unwrap(getattr(module, request.kernel)))
     constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
                   for k, v in request.constexprs.items()}
     full_sig = {name: ("constexpr" if name in constexprs else request.signature[name]) for name in jit_fn.arg_names}

@@ -1,0 +1,144 @@
+"""The seams between first-party packages: no private (underscore) name used across packages, no
+import cycle between first-party modules.
+
+Packages: moepass, lowering, cost_model, samples, benchmarks, tests. A private name may be used inside
+its own package; another package gets a public name (promote what two packages share into a public
+helper).
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("moepass", "lowering", "cost_model", "samples", "benchmarks", "tests")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources() -> dict[str, tuple[Path, ast.Module]]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            out[module_name(path)] = (path, ast.parse(path.read_text(), filename=str(path)))
+    return out
+
+
+def first_party(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def imports(tree: ast.Module, module: str):
+    """(imported module, imported name or None, alias bound, node) for every import in the file."""
+    package = module.rsplit(".", 1)[0] if "." in module else module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, None, a.asname or a.name.split(".")[0], node
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                yield base, a.name, a.asname or a.name, node
+
+
+def cross_package_private_uses() -> list[str]:
+    found = []
+    all_sources = sources()
+    for module, (path, tree) in all_sources.items():
+        top = module.split(".")[0]
+        aliases = {}  # local name -> first-party module of another package
+        for target, name, alias, node in imports(tree, module):
+            if not first_party(target) or target.split(".")[0] == top:
+                continue
+            full = f"{target}.{name}" if name else target
+            if any(private(part) for part in full.split(".")):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {full}")
+            if name is None or f"{target}.{name}" in all_sources:
+                aliases[alias] = f"{target}.{name}" if name else target
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and private(node.attr)):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_a_package():
+    assert cross_package_private_uses() == []
+
+
+def test_the_check_sees_a_private_import(tmp_path, monkeypatch):
+    """The checker itself: a file of one package reaching into another's private names is reported."""
+    fake = ROOT / "samples" / "_seam_probe.py"
+    fake.write_text("from moepass.dialect import _route_bwd\nfrom moepass import checkpoint\ncheckpoint._plain(1)\n")
+    try:
+        found = cross_package_private_uses()
+    finally:
+        fake.unlink()
+    assert any("imports moepass.dialect._route_bwd" in f for f in found)
+    assert any("uses moepass.checkpoint._plain" in f for f in found)
+
+
+def import_graph() -> dict[str, set[str]]:
+    all_sources = sources()
+    graph: dict[str, set[str]] = {m: set() for m in all_sources}
+    for module, (_, tree) in all_sources.items():
+        for node in tree.body:  # module-level imports: the ones that run when the module is imported
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target, name, _, _ in imports(ast.Module(body=[node], type_ignores=[]), module):
+                for candidate in (f"{target}.{name}" if name else None, target):
+                    if candidate in all_sources and candidate != module:
+                        graph[module].add(candidate)
+                        break
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_first_party_modules():
+    # a package's __init__ re-exporting its modules is not a cycle of design: drop package -> child edges
+    graph = {m: {t for t in targets if not t.startswith(m + ".")} for m, targets in import_graph().items()}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

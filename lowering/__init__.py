@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("gating", "permute", "combine", "grouped_gemm")
+FAMILIES = ("gating", "permute", "grouped_gemm", "combine")  # in graph order; moepass.lower reads this list
 
 
 @dataclass(frozen=True)

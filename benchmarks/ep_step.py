@@ -93,7 +93,7 @@ SHAPES = {
 # ----------------------------------------------------------------------------------------------
 
 
-def _mixtral_config(hidden, intermediate, experts, top_k, layers, heads, kv_heads, vocab, seq):
+def mixtral_config(hidden, intermediate, experts, top_k, layers, heads, kv_heads, vocab, seq):
     from transformers import MixtralConfig
 
     return MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -109,11 +109,11 @@ def save_checkpoints(directory: Path, shapes: dict) -> dict[str, str]:
     from transformers import MixtralForCausalLM
 
     s = shapes["layer"]
-    layer_cfg = _mixtral_config(s["hidden"], s["intermediate"], s["experts"], s["top_k"], layers=1, heads=8,
-                                kv_heads=4, vocab=64, seq=s["seq"])
+    layer_cfg = mixtral_config(s["hidden"], s["intermediate"], s["experts"], s["top_k"], layers=1, heads=8,
+                               kv_heads=4, vocab=64, seq=s["seq"])
     m = shapes["model"]
-    model_cfg = _mixtral_config(m["hidden"], m["intermediate"], m["experts"], m["top_k"], m["layers"], m["heads"],
-                                m["kv_heads"], m["vocab"], m["seq"])
+    model_cfg = mixtral_config(m["hidden"], m["intermediate"], m["experts"], m["top_k"], m["layers"], m["heads"],
+                               m["kv_heads"], m["vocab"], m["seq"])
     paths = {}
     for name, cfg in (("layer", layer_cfg), ("model", model_cfg)):
         torch.manual_seed(0)
@@ -128,7 +128,7 @@ def save_checkpoints(directory: Path, shapes: dict) -> dict[str, str]:
 # ----------------------------------------------------------------------------------------------
 
 
-class _Runner:
+class Runner:
     """Builds one workload for one system; `step()` runs one training step and returns the loss."""
 
     def __init__(self, system: str, workload: str, path: str, shape: dict, rank: int, world: int):
@@ -223,9 +223,9 @@ def worker(args) -> int:
     out: dict = {"system": system, "threads": torch.get_num_threads(), "workloads": {}}
     for workload in WORKLOADS:
         t_build = time.perf_counter()
-        runner = _Runner(system, workload, paths[workload], shapes[workload],
-                         dist.get_rank() if dist.is_initialized() else 0,
-                         dist.get_world_size() if dist.is_initialized() else 1)
+        runner = Runner(system, workload, paths[workload], shapes[workload],
+                        dist.get_rank() if dist.is_initialized() else 0,
+                        dist.get_world_size() if dist.is_initialized() else 1)
         build_s = time.perf_counter() - t_build
         rank = runner.rank
         times, losses = [], []
@@ -294,7 +294,7 @@ def _launch(system: str, paths: dict, shapes: dict, args, tmp: Path, index: int)
     return None, log
 
 
-def _wait_for_load(threshold: float, max_s: float) -> float:
+def wait_for_load(threshold: float, max_s: float) -> float:
     """Poll every 30 s until the 1-minute load average is below `threshold` (at most `max_s`)."""
     t0 = time.perf_counter()
     while os.getloadavg()[0] >= threshold and time.perf_counter() - t0 < max_s:
@@ -303,7 +303,7 @@ def _wait_for_load(threshold: float, max_s: float) -> float:
     return time.perf_counter() - t0
 
 
-def _summary(values: list[float]) -> dict:
+def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
@@ -320,7 +320,7 @@ def orchestrate(args) -> int:
     t0 = time.perf_counter()
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     if args.wait_load:
-        waited = _wait_for_load(args.wait_load, args.wait_max)
+        waited = wait_for_load(args.wait_load, args.wait_max)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ep_step_") as tmpdir:
         tmp = Path(tmpdir)
@@ -365,7 +365,7 @@ def orchestrate(args) -> int:
             first = mine[0]["workloads"][workload]
             per[system] = {
                 "launch_medians_s": medians,
-                **{f"{k}_s": v for k, v in _summary(medians).items() if k != "n"},
+                **{f"{k}_s": v for k, v in summary(medians).items() if k != "n"},
                 "launches": len(medians),
                 # the fastest single step over all launches: a load-insensitive floor, not the headline
                 "best_step_s": min(min(r["workloads"][workload]["step_s"]) for r in mine),
@@ -419,12 +419,12 @@ def orchestrate(args) -> int:
         "load_average": {
             "wait_load": args.wait_load, "waited_s": waited if args.wait_load else 0.0,
             "at_start": list(load_start), "at_end": list(load_end),
-            "load1_during": _summary(loads) if loads else None,
+            "load1_during": summary(loads) if loads else None,
             "note": "includes this benchmark's own 2 busy threads; 2 cores shared with other agents",
         },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__,
-                    "accelerate": _version("accelerate")},
+                    "accelerate": package_version("accelerate")},
         "wall_s": time.perf_counter() - t0,
         "launches": launches,
     }
@@ -436,7 +436,7 @@ def orchestrate(args) -> int:
     return 0 if not disabled else 1
 
 
-def _version(name: str) -> str | None:
+def package_version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

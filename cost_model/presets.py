@@ -235,13 +235,41 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
 PRESETS: dict[str, Hardware] = {hw.name: hw for hw in (A100, H100, ASCEND_910A)}
 
 
+PRESET_NAMES: tuple[str, ...] = (*PRESETS, "this-machine")
+
+
 def preset(name: str, profile: str | os.PathLike[str] | None = None) -> Hardware:
     """A preset by name ('a100', 'h100', 'ascend910a', 'this-machine')."""
     if name == "this-machine":
         return this_machine(profile)
     if name not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}: use one of {[*PRESETS, 'this-machine']}")
+        raise ValueError(f"unknown hardware preset {name!r}: use one of {list(PRESET_NAMES)}")
     return PRESETS[name]
+
+
+def is_profile_path(value: object) -> bool:
+    """A calibration profile given by path (a `os.PathLike`, or a str ending in .json)."""
+    return isinstance(value, os.PathLike) or (isinstance(value, str) and value.endswith(".json"))
+
+
+def resolve_hardware(hardware: Hardware | str | os.PathLike[str] | None) -> Hardware:
+    """The figures a compile-time decision prices with (`Plan.hardware`, `search(profile=...)`).
+
+    None: the documented default, `this_machine()`: the calibration profile at `DEFAULT_PROFILE`
+    (~/.cache/moepass/profile.json, written by `python -m moepass calibrate`) if present, else the
+    uncalibrated CPU defaults. A preset name (`PRESET_NAMES`), a calibration profile path, or a
+    `Hardware` are used as given.
+    """
+    if hardware is None:
+        return this_machine()
+    if isinstance(hardware, Hardware):
+        return hardware
+    if is_profile_path(hardware):
+        return this_machine(hardware)
+    if isinstance(hardware, str):
+        return preset(hardware)
+    raise TypeError(f"hardware={hardware!r} is invalid: use None, a preset name {list(PRESET_NAMES)}, "
+                    f"a calibration profile path (.json) or a cost_model.presets.Hardware")
 
 
 def for_device(device: str | None) -> Hardware | None:

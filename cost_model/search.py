@@ -25,7 +25,7 @@ import sympy
 
 from cost_model import symbols as S
 from cost_model.ep import LayerTerms, ep_layer, matmuls
-from cost_model.presets import Hardware, preset, this_machine
+from cost_model.presets import Hardware, resolve_hardware
 from cost_model.schedule import DEFAULT_CHUNKS
 
 CAPACITY_FACTORS: tuple[float | None, ...] = (None, 1.0, 1.25, 2.0)
@@ -214,13 +214,8 @@ def specs_of(specs_or_model: Any) -> list[Any]:
 
 
 def hardware_of(profile: Any) -> Hardware:
-    if profile is None:
-        return this_machine()
-    if isinstance(profile, Hardware):
-        return profile
-    if isinstance(profile, str) and not profile.endswith(".json"):
-        return preset(profile)
-    return this_machine(profile)
+    """`search`'s `profile` as figures: `cost_model.presets.resolve_hardware` (None: this machine)."""
+    return resolve_hardware(profile)
 
 
 def _figures(shape: BlockShape, hw: Hardware, T: float, G: int, rho: float, cf: float | None) -> dict[str, Any]:

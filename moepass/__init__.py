@@ -7,15 +7,12 @@ all-to-all traffic and lower the hot regions to generated Triton kernels.
     torch.compile(model, backend="moepass")
 """
 
-# Registration order matters only in that every module below must be imported once: each registers
-# itself (dialect ops, parallel forms, schedule and lower passes, the torch.compile backend).
+# Imported for their registrations with torch: the moe:: ops and the torch.compile backend. The
+# passes need none: moepass/pipeline.py imports and orders them.
 from cost_model.search import search  # moepass.search: ranked plans from the cost model
 from moepass import (
-    backend,  # noqa: F401  (registers the torch.compile backend "moepass")
-    dialect,  # noqa: F401  (registers the moe:: ops)
-    lower,  # noqa: F401  (registers the lower pass into pipeline.LOWER)
-    rewrite,  # noqa: F401  (registers the parallel forms into pipeline.REWRITES)
-    schedule,  # noqa: F401  (registers the schedule pass into pipeline.SCHEDULE)
+    backend,  # noqa: F401  (the torch.compile backend "moepass")
+    dialect,  # noqa: F401  (the moe:: ops)
 )
 from moepass.api import CompileInfo, compile, explain
 from moepass.canonical import MoEGraphModule

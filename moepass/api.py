@@ -12,7 +12,7 @@ from torch import nn
 from moepass.canonical import MoEGraphModule
 from moepass.detect import DetectionReport, detect
 from moepass.errors import PlanError
-from moepass.pipeline import FINALIZERS, compile_block
+from moepass.pipeline import compile_block, finalize
 from moepass.plan import Plan
 
 
@@ -59,14 +59,14 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
             set_submodule(target, spec.path, gm)
         else:
             target = gm
-    for finalize in FINALIZERS:  # model-level set-up of the rewritten forms
-        finalize(target)
+    finalize(target)  # model-level set-up of the rewritten forms
     object.__setattr__(target, "moepass_info", info)
     return target
 
 
 def resolve_auto(plan: Plan, report: DetectionReport):
-    """`form="auto"`: ask the cost model; returns (the concrete plan, the search result or None)."""
+    """`form="auto"`: ask the cost model, priced with `Plan.hardware`; returns (the concrete plan, the
+    search result or None)."""
     if plan.form != "auto":
         return plan, None
     if plan.batch is None:
@@ -75,7 +75,7 @@ def resolve_auto(plan: Plan, report: DetectionReport):
     from cost_model.search import search
 
     topology = plan.topology if plan.topology is not None else _default_topology()
-    result = search(report.blocks, topology, plan.batch) if report.blocks else None
+    result = search(report.blocks, topology, plan.batch, profile=plan.hardware) if report.blocks else None
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
     return plan.replace(**chosen), result
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from torch import fx, nn
 from moepass import dialect
 from moepass.spec import CapacitySpec, MoESpec, TensorSource
 
+if TYPE_CHECKING:
+    from moepass.rewrite.ep import EPLayout
+
 CANONICAL_PASS = "canonical"
 
 
@@ -32,8 +35,12 @@ class MoEGraphModule(fx.GraphModule):
     """An MoE block rewritten as a dialect graph. Owns the original block's children and tensors.
 
     `spec` is the block's MoESpec, `form` the parallel form of the graph, `history` the passes that
-    produced it (name, seconds, counts).
+    produced it (name, seconds, counts), `layout` where its experts live when a distributed form
+    placed them (`moepass.rewrite.ep.EPLayout` for EP; None for the single form). Every form fills
+    `layout` the same way; checkpoints, gradients and the schedule read it from here.
     """
+
+    layout: EPLayout | None
 
     def __init__(self, block: nn.Module, graph: fx.Graph, spec: MoESpec, form: str = "single"):
         super().__init__(block, graph, class_name="MoEGraphModule")
@@ -41,6 +48,7 @@ class MoEGraphModule(fx.GraphModule):
         self.spec = spec
         self.form = form
         self.history: list[dict[str, Any]] = []
+        self.layout = None
         self.meta["moepass_dialect"] = True
 
 

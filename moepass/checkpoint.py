@@ -28,12 +28,13 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moepass.canonical import MoEGraphModule
 from moepass.rewrite.ep import EPLayout, expert_parameter_names
 
 
 def _ep_blocks(model: nn.Module) -> Iterator[tuple[str, EPLayout]]:
     for path, module in model.named_modules():
-        layout = getattr(module, "ep_layout", None)
+        layout = module.layout if isinstance(module, MoEGraphModule) else None
         if isinstance(layout, EPLayout):
             yield path, layout
 

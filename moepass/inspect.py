@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from moepass.envflags import flag
+
 log = logging.getLogger("moepass")
 
 # ----------------------------------------------------------------------------------------------
@@ -51,7 +53,7 @@ def set_debug(enabled: bool = True) -> None:
         log.setLevel(logging.NOTSET)
 
 
-if os.environ.get("MOEPASS_DEBUG") and not log.handlers and not logging.getLogger().handlers:
+if flag("MOEPASS_DEBUG") and not log.handlers and not logging.getLogger().handlers:
     set_debug(True)
 
 # ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from lowering import FAMILIES  # the family list only: importing `lowering` imports no kernel (no Triton)
 from moepass.canonical import MoEGraphModule
 from moepass.errors import PlanError
-from moepass.pipeline import LOWER, PassResult
+from moepass.passes import PassResult
 from moepass.plan import Plan
 
 PASS_NAME = "lower"
@@ -211,7 +211,3 @@ def _op_name(op: Any) -> str:
 
 
 __all__ = ["PASS_NAME", "example_inputs", "lower_pass", "propagate_fake_values", "sources"]
-
-
-if all(name != PASS_NAME for name, _ in LOWER):  # import registers the pass (moepass/__init__ imports this)
-    LOWER.append((PASS_NAME, lower_pass))

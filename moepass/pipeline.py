@@ -1,9 +1,13 @@
 """The compiler order, on one screen. Each stage is a plain function GraphModule -> PassResult.
 
-    MoESpec ─canonical─► dialect graph ─rewrite[form]─► distributed graph ─schedule─► ─lower─► runnable
+    MoESpec ─resolve─► MoESpec, Plan ─canonical─► dialect graph ─rewrite[form]─► distributed graph
+            ─expert_recompute─► ─schedule─► ─lower─► runnable
 
 Ordering rules:
-- rewrite comes first: it decides which communication exists; schedule can only split what exists.
+- the plan and the spec are resolved first (packing -> EP degree, chunks, EP capacity): the canonical
+  graph is generated once, from the spec the rewrite will use.
+- rewrite comes next: it decides which communication exists; schedule can only split what exists.
+- expert_recompute marks the expert FFN nodes the rewrite made, before chunking copies them.
 - schedule before lower: lowering replaces dialect nodes by kernels, after which chunking cannot
   see the expert compute any more.
 - the verifier runs after every pass when MOEPASS_VERIFY=1 (the test suite sets it).
@@ -12,34 +16,23 @@ Ordering rules:
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
-from moepass import canonical
+from moepass import canonical, dialect, lower, schedule
 from moepass.canonical import MoEGraphModule
+from moepass.envflags import flag
 from moepass.errors import PlanError
+from moepass.passes import Pass, PassResult
 from moepass.plan import Plan
+from moepass.rewrite import ep
 from moepass.spec import MoESpec
 
 log = logging.getLogger("moepass")
-if os.environ.get("MOEPASS_DEBUG"):
+if flag("MOEPASS_DEBUG"):
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     log.setLevel(logging.DEBUG)
-
-
-@dataclass
-class PassResult:
-    gm: MoEGraphModule
-    changed: bool
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-Pass = Callable[[MoEGraphModule, Plan], PassResult]
 
 
 def _rewrite_single(gm: MoEGraphModule, plan: Plan) -> PassResult:
@@ -51,8 +44,6 @@ def _rewrite_single(gm: MoEGraphModule, plan: Plan) -> PassResult:
 
 def expert_recompute(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """Plan.expert_recompute: every expert FFN's backward recomputes gate/up instead of keeping them."""
-    from moepass import dialect
-
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == dialect.EXPERT_FFN]
     for node in nodes:
         node.args = (*node.args[:11], True)
@@ -60,11 +51,23 @@ def expert_recompute(gm: MoEGraphModule, plan: Plan) -> PassResult:
     return PassResult(gm, changed=bool(nodes), stats={"expert_ffn_recompute": len(nodes)})
 
 
-REWRITES: dict[str, Pass] = {"single": _rewrite_single}  # later forms register here (moepass.rewrite.*)
-SCHEDULE: list[tuple[str, Pass]] = []  # moepass.schedule registers its passes here
-PLAN_RESOLVERS: list[Callable[[MoESpec, Plan], Plan]] = []  # per-block plan fixes before rewrite (schedule: packing -> ep_size)
-LOWER: list[tuple[str, Pass]] = []  # moepass.lower registers its pass here
-FINALIZERS: list[Callable[[nn.Module], None]] = []  # model-level set-up after all blocks (e.g. EP: DDP ignore list)
+REWRITES: dict[str, Pass] = {  # one pass per parallel form
+    "single": _rewrite_single,
+    "ep": ep.rewrite_ep,
+}
+
+
+def resolve(spec: MoESpec, plan: Plan) -> tuple[MoESpec, Plan]:
+    """The block's plan and spec before any graph exists: packing -> EP degree, the EP capacity."""
+    plan = schedule.resolve_packing(spec, plan)  # k experts per device -> ep_size / k EP ranks
+    if plan.form == "ep":
+        spec = spec.replace(capacity=ep.ep_capacity(spec, plan))  # capacity per (source rank, expert)
+    return spec, plan
+
+
+def finalize(model: nn.Module) -> None:
+    """Model-level set-up after every block is rewritten (EP: DDP ignores the expert parameters)."""
+    ep.finalize_model(model)
 
 
 def run_pass(name: str, fn: Pass, gm: MoEGraphModule, plan: Plan, verify: bool) -> MoEGraphModule:
@@ -83,24 +86,21 @@ def run_pass(name: str, fn: Pass, gm: MoEGraphModule, plan: Plan, verify: bool) 
 
 def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | None = None) -> MoEGraphModule:
     """One block from spec to runnable graph module."""
-    verify = bool(os.environ.get("MOEPASS_VERIFY")) if verify is None else verify
+    verify = flag("MOEPASS_VERIFY") if verify is None else verify
     if plan.form not in REWRITES:
         raise PlanError(
             f"Plan.form={plan.form!r} is not available in this build for block {spec.path or '<root>'}: "
             f"available forms are {sorted(REWRITES)}; use form='single' or a form listed there."
         )
+    spec, plan = resolve(spec, plan)
     gm = canonical.build(spec, block)  # MoESpec -> canonical dialect graph
     if verify:
         from moepass.verify import verify as run_verifier
 
         run_verifier(gm, after="canonical")
-    for resolve in PLAN_RESOLVERS:
-        plan = resolve(spec, plan)
     gm = run_pass(f"rewrite:{plan.form}", REWRITES[plan.form], gm, plan, verify)  # the parallel form
-    if plan.expert_recompute:  # after the rewrite made the expert compute nodes, before chunking copies them
+    if plan.expert_recompute:  # the expert FFN keeps only its inputs for backward
         gm = run_pass("expert_recompute", expert_recompute, gm, plan, verify)
-    for name, fn in SCHEDULE:  # partitioned, prioritised all-to-all
-        gm = run_pass(name, fn, gm, plan, verify)
-    for name, fn in LOWER:  # Triton kernels where eligible
-        gm = run_pass(name, fn, gm, plan, verify)
+    gm = run_pass(schedule.PASS, schedule.schedule_pass, gm, plan, verify)  # partitioned, prioritised all-to-all
+    gm = run_pass(lower.PASS_NAME, lower.lower_pass, gm, plan, verify)  # Triton kernels where eligible
     return gm

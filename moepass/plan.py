@@ -7,9 +7,11 @@ impossible value raises `PlanError` naming the field, the value and the fix.
 from __future__ import annotations
 
 import fnmatch
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from cost_model.presets import PRESET_NAMES, Hardware, is_profile_path
 from moepass.errors import PlanError, nearest
 
 FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")
@@ -33,6 +35,11 @@ class Plan:
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
     blocks: Any = None  # {module path or glob: dict of overrides | None (leave the block alone)}
     batch: Any = None  # (batch, seq) for form="auto"
+    # figures the compile-time decisions price with (a2a_chunks/packing="auto", form="auto"): None is
+    # the documented default (the calibration profile ~/.cache/moepass/profile.json if present, else
+    # CPU defaults); a preset name (cost_model.presets.PRESET_NAMES, e.g. "h100"), a calibration
+    # profile path (.json) or a cost_model.presets.Hardware
+    hardware: Any = None
 
     def __init__(self, **kwargs: Any) -> None:
         names = [f.name for f in fields(self)]
@@ -71,6 +78,8 @@ class Plan:
             raise PlanError(f"Plan.deterministic={self.deterministic!r} is invalid: use True or False.")
         if not isinstance(self.expert_recompute, bool):
             raise PlanError(f"Plan.expert_recompute={self.expert_recompute!r} is invalid: use True or False.")
+        _not_implemented(self)
+        _hardware(self.hardware)
         for pattern, override in self.blocks.items():
             if override is None:
                 continue
@@ -109,6 +118,32 @@ class Plan:
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise PlanError(f"Plan.{name}={value!r} is invalid: use one of {list(choices)}.{nearest(value, choices)}")
+
+
+def _not_implemented(plan: Plan) -> None:
+    """Fields a plan may name but nothing in this build reads: setting one is an error, not a no-op."""
+    if plan.deterministic:
+        raise PlanError("Plan.deterministic=True is not implemented in this build: no pass reads it, so it would "
+                        "promise bit-reproducible training without providing it. Leave it False (the default); for "
+                        "PyTorch's own deterministic kernels call torch.use_deterministic_algorithms(True).")
+    if plan.slots_per_device is not None:
+        raise PlanError(f"Plan.slots_per_device={plan.slots_per_device!r} is not implemented in this build: it sizes "
+                        f"the expert slots of FSEP (form='fsep'), which is not built yet. Leave it None (the "
+                        f"default); to host more experts per device use form='ep' with packing=k.")
+
+
+def _hardware(value: object) -> None:
+    if value is None or isinstance(value, Hardware):
+        return
+    if is_profile_path(value):
+        if not os.path.isfile(value):  # type: ignore[arg-type]
+            raise PlanError(f"Plan.hardware={value!r} is invalid: no calibration profile at that path; run "
+                            f"`python -m moepass calibrate --out {value}`, or use a preset {list(PRESET_NAMES)}.")
+        return
+    if not isinstance(value, str) or value not in PRESET_NAMES:
+        raise PlanError(f"Plan.hardware={value!r} is invalid: use a preset name {list(PRESET_NAMES)}, a calibration "
+                        f"profile path (.json), a cost_model.presets.Hardware, or None for this machine's profile "
+                        f"(~/.cache/moepass/profile.json, else CPU defaults).{nearest(value, PRESET_NAMES)}")
 
 
 def _count_or_auto(name: str, value: object) -> None:

@@ -27,9 +27,10 @@ Weight gradients sum over rows in another order: equal within rtol 1e-6. Backwar
 the all-to-all backward (moepass.runtime.collectives) issues and waits in one step.
 
 The chunk count: `Plan(a2a_chunks=n)`, or "auto": the cost model's `optimal_chunks(transfer, compute,
-alpha)` (`cost_model.schedule`) for this block with `Plan.batch` tokens per rank on this machine's
-calibrated figures (`cost_model.presets.this_machine`). Without `Plan.batch` there is no basis:
-n = 1 (recorded in the pass stats).
+alpha)` (`cost_model.schedule`) for this block with `Plan.batch` tokens per rank, priced with
+`Plan.hardware` (None: this machine's calibrated figures, `cost_model.presets.this_machine`; or a
+preset such as "h100"; the figures' name is recorded in the pass stats). Without `Plan.batch` there
+is no basis: n = 1 (recorded in the pass stats).
 
 Marks. The pass also places `moe_sched.mark` identity nodes: "expert_in"/"expert_out" around every
 expert FFN (compute regions for the event log) and "moe_combine" on the combine output, whose
@@ -39,9 +40,9 @@ Expert packing (`Plan(packing=k)`): each device hosts k times the experts of pla
 span ep_size/k ranks and are replicated k times (data parallel over the replicas; the EP pass
 reduces their gradients over them). Tokens for co-located experts stay local, so the all-to-all
 bytes fall by exactly the rows whose expert moved onto the sender. It is applied before the EP
-rewrite (`pipeline.PLAN_RESOLVERS`). "auto" doubles k from 1 while the cost model says expert
-compute per micro-op < transfer per micro-op (dispatch + combine share the link: t_c < 2 t_a) and
-the EP degree still divides. k is FIXED AT COMPILE TIME from the cost model (it needs `Plan.batch`);
+rewrite (`pipeline.resolve`). "auto" doubles k from 1 while the cost model says expert
+compute per micro-op < transfer per micro-op (dispatch + combine share the link: t_c < 2 t_a, on
+`Plan.hardware`'s figures) and the EP degree still divides. k is FIXED AT COMPILE TIME from the cost model (it needs `Plan.batch`);
 there is no run-time re-packing, so no parameter or optimizer-state migration.
 """
 
@@ -59,7 +60,7 @@ from torch import fx
 from moepass import dialect
 from moepass.canonical import MoEGraphModule
 from moepass.errors import PlanError
-from moepass.pipeline import PLAN_RESOLVERS, SCHEDULE, PassResult
+from moepass.passes import PassResult
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
 from moepass.runtime.scheduler import COMBINE_REGION, MARK
@@ -81,6 +82,7 @@ class LayerTimes:
     transfer: float
     compute: float
     alpha: float
+    hardware: str = ""  # name of the figures priced with (`Plan.hardware`)
 
     def chunks(self) -> int:
         from cost_model.schedule import optimal_chunks
@@ -93,17 +95,18 @@ class LayerTimes:
 
 
 def layer_times(spec: MoESpec, tokens: int, ep: int, ranks_per_node: int, hardware: Any = None) -> LayerTimes:
+    """`hardware`: what `Plan.hardware` accepts (None: this machine's profile, else CPU defaults)."""
     from cost_model.ep import a2a_bytes, expert_flops, matmuls
-    from cost_model.presets import this_machine
+    from cost_model.presets import resolve_hardware
 
-    hw = this_machine() if hardware is None else hardware
+    hw = resolve_hardware(hardware)
     x = hw.values()
     E, K, D, F = spec.num_experts, spec.top_k, spec.experts.hidden_dim, spec.experts.ffn_dim
     intra, inter = a2a_bytes(tokens, K, D, ep, ranks_per_node, x["b"]) if ep > 1 else (0.0, 0.0)
     transfer = intra / x["B_intra"] + inter / x["B_inter"]
     compute = expert_flops(tokens * K, D, F, matmuls(spec.experts.gated)) / (x["R"] * x["eta"])
     del E
-    return LayerTimes(float(transfer), float(compute), float(x["alpha"]))
+    return LayerTimes(float(transfer), float(compute), float(x["alpha"]), hw.name)
 
 
 def _tokens(plan: Plan) -> int | None:
@@ -116,8 +119,8 @@ def choose_chunks(spec: MoESpec, plan: Plan, ep: int, ranks_per_node: int) -> tu
     tokens = _tokens(plan)
     if tokens is None or ep == 1:
         return 1, "auto: no Plan.batch, no basis for the cost model" if tokens is None else "auto: ep=1"
-    times = layer_times(spec, tokens, ep, ranks_per_node)
-    return times.chunks(), (f"auto: cost model transfer={times.transfer * 1e3:.3g} ms compute="
+    times = layer_times(spec, tokens, ep, ranks_per_node, hardware=plan.hardware)
+    return times.chunks(), (f"auto: cost model on {times.hardware} transfer={times.transfer * 1e3:.3g} ms compute="
                             f"{times.compute * 1e3:.3g} ms alpha={times.alpha * 1e6:.3g} us")
 
 
@@ -129,7 +132,7 @@ def choose_packing(spec: MoESpec, plan: Plan, ep: int, ranks_per_node: int) -> i
                         f"(block {spec.path or '<root>'}); pass it, or give packing as an int.")
     k = 1
     while True:
-        times = layer_times(spec, tokens, ep // k, ranks_per_node)
+        times = layer_times(spec, tokens, ep // k, ranks_per_node, hardware=plan.hardware)
         n = plan.a2a_chunks if isinstance(plan.a2a_chunks, int) else times.chunks()
         nxt = ep // (2 * k)
         if times.compute_bound(n) or ep % (2 * k) or nxt < 1 or spec.num_experts % nxt:
@@ -303,7 +306,7 @@ def add_marks(gm: MoEGraphModule) -> int:
 
 def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """Chunk and pipeline the block's all-to-all and expert compute; place the scheduler's marks."""
-    layout = getattr(gm, "ep_layout", None)
+    layout = gm.layout
     if gm.form != "ep" or layout is None:
         return PassResult(gm, changed=False, stats={"reason": f"form {gm.form!r} has no all-to-all to schedule"})
     n, why = choose_chunks(gm.spec, plan, layout.groups.ep_size, layout.groups.topology.ranks_per_node)
@@ -319,5 +322,3 @@ def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     return PassResult(gm, changed=True, stats=stats)
 
 
-SCHEDULE.append((PASS, schedule_pass))
-PLAN_RESOLVERS.append(resolve_packing)

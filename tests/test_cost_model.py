@@ -4,7 +4,6 @@ cases with a known answer, the scenario simulator, and calibration's fit."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,11 @@ from cost_model.timeline import Timeline
 from moepass import Plan
 from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
-SCENARIOS = sorted(simulate.SCENARIO_DIR.resolve().glob("*.json"))
+# The published set-ups, copied from ../shared/scenarios so that no case is lost when that folder is
+# absent (a missing copy fails its test; test_scenario_copies_match_shared catches drift).
+SCENARIO_DIR = Path(__file__).parent / "data" / "scenarios"
+SCENARIO_NAMES = ("laer_moe_fsep", "lina_priority", "locmoe_locality", "mh_latentmoe_hp")
+SCENARIOS = [SCENARIO_DIR / f"{name}.json" for name in SCENARIO_NAMES]
 
 
 def spec(E: int, K: int, D: int, F: int, gated: bool = True) -> MoESpec:
@@ -270,10 +273,9 @@ def test_fit_recovers_alpha_beta(alpha, beta):
 
 @pytest.mark.dist
 def test_calibration_smoke_run():
-    start = time.perf_counter()
+    # its wall time is measured by benchmarks/tool_time.py (no timing asserts on shared cores)
     out = calibrate.measure_a2a([65536], reps=3, timeout_s=30)
     assert len(out) == 1 and out[0][1] > 0
-    assert time.perf_counter() - start < 15
 
 
 # ---- timeline and simulator ---------------------------------------------------------------------------
@@ -292,6 +294,16 @@ def test_priority_all_to_all_waits_at_most_one_micro_op():
         waits[policy] = tl.breakdown()
     assert waits["priority"]["max_a2a_wait"] <= 0.5 + 1e-12
     assert waits["priority"]["exposed_a2a"] < waits["fair"]["exposed_a2a"]
+
+
+def test_scenario_copies_match_shared():
+    """The copies under tests/data/scenarios are the published set-ups (checked where ../shared is present)."""
+    shared = simulate.SCENARIO_DIR.resolve()
+    if not shared.is_dir():
+        pytest.skip(f"{shared} not present: the copies in {SCENARIO_DIR} are used as they are")
+    assert sorted(p.name for p in shared.glob("*.json")) == sorted(p.name for p in SCENARIOS)
+    for path in SCENARIOS:
+        assert path.read_text() == (shared / path.name).read_text(), f"{path} differs from {shared / path.name}"
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
@@ -315,14 +327,14 @@ def test_every_scenario_simulates(path: Path):
 
 
 def test_simulator_names_the_preset_for_null_figures():
-    lina = simulate.simulate(simulate.SCENARIO_DIR / "lina_priority.json")
+    lina = simulate.simulate(SCENARIO_DIR / "lina_priority.json")
     assert "preset a100" in lina.filled["intra_node_bw"]
-    hp = simulate.simulate(simulate.SCENARIO_DIR / "mh_latentmoe_hp.json")
+    hp = simulate.simulate(SCENARIO_DIR / "mh_latentmoe_hp.json")
     assert "h100" in hp.filled["device"]
 
 
 def test_lina_is_never_slower_than_its_baseline():
-    result = simulate.simulate(simulate.SCENARIO_DIR / "lina_priority.json")
+    result = simulate.simulate(SCENARIO_DIR / "lina_priority.json")
     by_case: dict[str, dict[str, float]] = {}
     for p in result.predictions:
         if p.modelled:
@@ -333,7 +345,7 @@ def test_lina_is_never_slower_than_its_baseline():
 
 
 def test_recorded_counts_drive_imbalance():
-    scenario = json.loads((simulate.SCENARIO_DIR / "laer_moe_fsep.json").read_text())
+    scenario = json.loads((SCENARIO_DIR / "laer_moe_fsep.json").read_text())
     scenario["models"] = scenario["models"][:1]
     hot = np.ones((8, 8))
     hot[:, 0] = 8.0  # every rank sends most rows to expert 0 (rank 0)

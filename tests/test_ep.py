@@ -325,7 +325,7 @@ def test_fake_pg_world_64_graph_and_shapes():
         model = tiny_mixtral(style="fused", vocab_size=32, dim=16, ffn_dim=16, num_experts=E, top_k=4, layers=1)
         cm = moepass.compile(model, moepass.Plan(form="ep", topology=moepass.Topology(8, 8)))
         gm = cm.layers[0].mlp
-        assert gm.form == "ep" and gm.ep_layout.first_expert == rank * 2
+        assert gm.form == "ep" and gm.layout.first_expert == rank * 2
         w = gm.w_gate_up
         assert isinstance(w, DTensor) and w.shape == (E, 16, 32) and w.to_local().shape == (2, 16, 32)
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]

@@ -333,15 +333,40 @@ def _recv_counts(counts_PE, rank, L):
     return counts_PE[:, rank * L:(rank + 1) * L].reshape(-1).clone()
 
 
-def split_mismatches(counts_PE, recv_PE, L):
-    """Every (sender, receiver, sent, expected) where what a rank sends disagrees with what its peer
-    expects to receive — the check the fake process group does not make. Uses moepass's split_sizes."""
-    from moepass.runtime.collectives import split_sizes
+def pair_mismatches(splits):
+    """Every (sender, receiver, sent, expected) where the rows rank r hands all_to_all_single for peer p
+    differ from the rows p expects from r; `splits[r]` = (out_splits, in_splits) of rank r's call. The
+    check the fake process group does not make."""
+    P = len(splits)
+    return [(r, p, splits[r][1][p], splits[p][0][r]) for r in range(P) for p in range(P)
+            if splits[r][1][p] != splits[p][0][r]]
 
-    P = counts_PE.shape[0]
-    splits = [split_sizes(counts_PE[r], recv_PE[r], P) for r in range(P)]
-    return [(r, p, splits[r][0][p], splits[p][1][r]) for r in range(P) for p in range(P)
-            if splits[r][0][p] != splits[p][1][r]]
+
+def run_as_rank(gm, x, r, counts_PE, monkeypatch):
+    """Simulated rank r's forward through moepass on the fake group: the count exchange delivers what an
+    all_to_all_single of every rank's counts_E does (chunk p of rank r's receive is chunk r of what rank
+    p sends); dispatch and combine move no data (the fake group cannot) and their (out_splits,
+    in_splits), as moepass computed them, are returned in call order."""
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+    P, E = counts_PE.shape
+    recorded = []
+
+    def simulated(out, inp, out_splits=None, in_splits=None, **kw):
+        out_splits, in_splits = list(out_splits), list(in_splits)
+        if inp.dtype == torch.int64:  # the count exchange: E // P counts to and from every peer
+            assert out_splits == in_splits == [E // P] * P, (out_splits, in_splits)
+            out.copy_(counts_PE.view(P, P, E // P)[:, r].reshape(-1))
+        else:
+            recorded.append((out_splits, in_splits))
+            out.zero_()
+        return original(inp.new_empty(0), inp.new_empty(0), [0] * P, [0] * P, **kw)  # a fake Work, no data
+
+    with monkeypatch.context() as m:
+        m.setattr(dist, "all_to_all_single", simulated)
+        gm(x)
+    return recorded
 
 
 def test_fake_pg_world_64_asymmetric_counts(monkeypatch):
@@ -403,7 +428,15 @@ def test_fake_pg_world_64_asymmetric_counts(monkeypatch):
         assert len({tuple(row) for row in M.tolist()}) > world // 2  # and the ranks differ from each other
         assert M.sum().item() == K * sum(x.shape[1] for x in xs)
         recv_PE = torch.stack([_recv_counts(counts_PE, r, L) for r in range(world)])
-        assert split_mismatches(counts_PE, recv_PE, L) == []
+
+        # every rank's forward through moepass (its own routing, the exchanged counts, and the split sizes
+        # moepass derives from both): what each rank sends a peer is what that peer expects, for all 64
+        sweep = [run_as_rank(gm, xs[r], r, counts_PE, monkeypatch) for r in range(world)]
+        assert all(len(calls) == 2 for calls in sweep)  # one dispatch and one combine per rank
+        dispatches, combines = [calls[0] for calls in sweep], [calls[1] for calls in sweep]
+        assert pair_mismatches(dispatches) == [] and pair_mismatches(combines) == []
+        assert [sends for _, sends in dispatches] == M.tolist()  # each rank sends the rows it routed per peer
+        assert combines == [(sends, receives) for receives, sends in dispatches]  # and gets them back
 
         # rank 13's step on the fake group: the splits it hands to all_to_all_single must be row / column 13
         calls = []
@@ -421,6 +454,7 @@ def test_fake_pg_world_64_asymmetric_counts(monkeypatch):
         sends, receives = M[rank].tolist(), M[:, rank].tolist()
         assert dispatch == (receives, sends, sum(receives), sum(sends)), dispatch
         assert combine == (sends, receives, K * xs[rank].shape[1], sum(receives)), combine
+        assert sweep[rank] == [dispatch[:2], combine[:2]]  # the simulated step splits as the fake group's did
         stats = moepass.comm_stats()
         node = rank // 8
         for kind, rows in (("dispatch", sends), ("combine", receives)):
@@ -430,15 +464,16 @@ def test_fake_pg_world_64_asymmetric_counts(monkeypatch):
             assert {k: stats[kind][k] for k in want} == want, (kind, stats[kind], want)
 
         # a mismatch the fake group lets through: rank 5 claims to send one more row to rank 13 than it
-        # does. The step still "runs"; the pairwise check names the pair.
+        # does. The step still "runs"; against the other ranks' splits, the pairwise check names the pair.
         bad = recv_PE.clone()
         bad[rank, 5 * L] += 1
         calls.clear()
         Injected(gm, bad[rank]).run(xs[rank])  # no error from the fake group
         assert calls[0][0][5] == receives[5] + 1
-        assert split_mismatches(counts_PE, bad, L) == [(5, rank, receives[5], receives[5] + 1)]
+        bad_dispatches = [*dispatches[:rank], calls[0][:2], *dispatches[rank + 1:]]
+        assert pair_mismatches(bad_dispatches) == [(5, rank, receives[5], receives[5] + 1)]
         # ... and what moepass itself refuses: counts that send more rows than x has, or a short output
-        group = gm.ep_layout.groups.ep_group.group_name
+        group = gm.layout.groups.ep_group.group_name
         send = torch.zeros(E, dtype=torch.int64)
         send[0] = 4
         with pytest.raises(ValueError, match="counts send 4 rows, x has 3"):

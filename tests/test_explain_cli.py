@@ -1,5 +1,6 @@
 """explain never raises and says what it found; the CLI demo runs end to end."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -59,12 +60,18 @@ def test_cli_explain_loads_a_callable():
     assert "2 MoE block(s) accepted" in out.stdout
 
 
-def test_compiled_model_pickles_through_deepcopy_and_state_dict_loads_into_original():
+def test_compiled_model_deepcopies_and_its_state_dict_loads_into_the_original():
+    """deepcopy, not pickle: pickling is claimed nowhere, and today a rewritten block's GraphModule does
+    not survive pickle.loads (fx re-traces its code; `canonical.stack_experts` branches on its inputs)."""
     model = TinyMoELM(SampleConfig(style="mixed", layers=3))
     compiled = moepass.compile(model)
+    tokens = torch.randint(0, 256, (2, 9))
+    copied = copy.deepcopy(compiled)
+    assert [n for n, _ in copied.named_parameters()] == [n for n, _ in compiled.named_parameters()]
+    assert all(a is not b for a, b in zip(copied.parameters(), compiled.parameters()))  # a copy, not an alias
+    torch.testing.assert_close(copied(tokens), compiled(tokens), rtol=0, atol=0)
     fresh = TinyMoELM(SampleConfig(style="mixed", layers=3))
     fresh.load_state_dict(compiled.state_dict())
-    tokens = torch.randint(0, 256, (2, 9))
     torch.testing.assert_close(fresh(tokens), compiled(tokens), rtol=1e-5, atol=1e-6)
 
 

@@ -26,6 +26,20 @@ FAMILIES = {
     "deepseek_v3": ("hf-group-limited", "float32"),
     "switch": ("hf-top1-capacity", "float32"),
 }
+# family -> (MoE block paths, dense FFN paths), read off the tiny configs of samples/hf_models.py: every
+# decoder layer's mlp is MoE, except DeepSeek-V3's first (first_k_dense_replace=1); Switch has 2 encoder
+# and 2 decoder blocks with every 2nd sparse (encoder/decoder_sparse_step=2), so block 1 of each stack is
+# MoE and block 0 a dense T5 FFN (layer 1 of an encoder block, layer 2 of a decoder block).
+_DECODER = ["model.layers.0.mlp", "model.layers.1.mlp"]
+LAYOUT = {
+    "mixtral": (_DECODER, []),
+    "qwen2_moe": (_DECODER, []),
+    "qwen3_moe": (_DECODER, []),
+    "olmoe": (_DECODER, []),
+    "deepseek_v3": (["model.layers.1.mlp", "model.layers.2.mlp"], ["model.layers.0.mlp"]),
+    "switch": (["decoder.block.1.layer.2.mlp", "encoder.block.1.layer.1.mlp"],
+               ["decoder.block.0.layer.2.mlp", "encoder.block.0.layer.1.mlp"]),
+}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -101,7 +115,9 @@ def test_detect_and_compile_parity(family, built):
     assert {s.recogniser for s in report.blocks} == {recogniser}
     assert all(s.router.logits_from == "module" and s.router.dtype == dtype for s in report.blocks)
     assert sorted(compiled.moepass_info.rewritten) == sorted(s.path for s in report.blocks)
-    assert report.dense == H.DENSE_BLOCKS.get(family, report.dense)
+    moe_paths, dense_paths = LAYOUT[family]
+    assert sorted(s.path for s in report.blocks) == moe_paths, report.summary()
+    assert sorted(report.dense) == dense_paths, report.summary()
 
     with torch.no_grad():
         model.eval(), compiled.eval()

@@ -91,7 +91,7 @@ def test_golden_snapshot(fake_world):
     gm = _compile(2, a2a_chunks=2)
     moepass.verify(gm)  # fills node.meta["val"]: the snapshot shows shapes whatever MOEPASS_VERIFY says
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    text = text.replace(repr(gm.ep_layout.groups.ep_group.group_name), "'<ep_group>'")
+    text = text.replace(repr(gm.layout.groups.ep_group.group_name), "'<ep_group>'")
     path = GOLDEN / "schedule_ep_n2.txt"
     if os.environ.get("MOEPASS_UPDATE_GOLDEN"):
         path.write_text(text)
@@ -144,7 +144,7 @@ def test_chunks_follow_compute_transfer_ratio():
 def test_packing_resolves_before_rewrite(fake_world):
     fake_world(4)
     gm = _compile(4, packing=2)
-    assert gm.ep_layout.groups.ep_size == 2 and gm.ep_layout.local_experts == E // 2
+    assert gm.layout.groups.ep_size == 2 and gm.layout.local_experts == E // 2
     with pytest.raises(moepass.PlanError, match="Plan.batch"):
         _compile(4, packing="auto")
 

@@ -111,7 +111,7 @@ def case_packing(rank, world):
         stats = moepass.comm_stats()
         grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                  for name, p in cm.named_parameters()}
-        out[k] = (y.detach(), x.grad, grads, stats, cm.ep_layout.groups.ep_size)
+        out[k] = (y.detach(), x.grad, grads, stats, cm.layout.groups.ep_size)
     (y1, gx1, g1, s1, ep1), (y2, gx2, g2, s2, ep2) = out[1], out[2]
     torch.testing.assert_close(y2, y1, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx2, gx1, rtol=1e-5, atol=1e-6)

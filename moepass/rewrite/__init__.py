@@ -1,3 +1,1 @@
-"""One pass per parallel form; importing this package registers each into `pipeline.REWRITES`."""
-
-from moepass.rewrite import ep  # noqa: F401  (REWRITES["ep"])
+"""One pass per parallel form, one file each; `moepass/pipeline.py` lists them in `REWRITES`."""

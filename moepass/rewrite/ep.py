@@ -52,10 +52,10 @@ import torch
 from torch import Tensor, fx, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from moepass import canonical, dialect
+from moepass import dialect
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
-from moepass.pipeline import FINALIZERS, REWRITES, PassResult
+from moepass.passes import PassResult
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
 from moepass.runtime.topology import EPGroups, ep_groups
@@ -282,15 +282,7 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
         raise PlanError(f"{given} is invalid for block {spec.path or '<root>'}: its {E} experts do not split evenly "
                         f"over {P} EP ranks; use an ep_size dividing both {E} and the world size {world} "
                         f"(valid: {valid}), or leave this block alone with Plan(blocks={{{spec.path!r}: None}}).")
-    capacity = ep_capacity(spec, plan)
-    if capacity != spec.capacity:  # capacity mode is a spec change: regenerate the canonical graph from it
-        old_names = {n.name for n in gm.graph.nodes}
-        spec = spec.replace(capacity=capacity)
-        gm.graph = canonical.build_graph(spec)
-        gm.spec = spec
-        for node in gm.graph.nodes:
-            if node.name not in old_names:
-                node.meta["moepass"] = {"pass": PASS, "block": spec.path}
+    assert spec.capacity == ep_capacity(spec, plan), "pipeline.resolve applies the EP capacity before canonical.build"
     L = E // P
     layout = EPLayout(num_experts=E, local_experts=L, first_expert=groups.ep_rank * L, groups=groups)
     weight_attrs = _shard_parameters(gm, spec, groups, layout)
@@ -300,7 +292,7 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     for name in layout.expert_param_names():
         gm.get_parameter(name).register_hook(_expert_grad_hook(groups))
     gm.form = PASS
-    gm.ep_layout = layout  # type: ignore[assignment]
+    gm.layout = layout
     return PassResult(gm, changed=True, stats=stats)
 
 
@@ -308,7 +300,7 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     """Fully qualified names of every EP-sharded expert parameter in `model`."""
     names = []
     for path, module in model.named_modules():
-        layout = getattr(module, "ep_layout", None)
+        layout = module.layout if isinstance(module, MoEGraphModule) else None
         if isinstance(layout, EPLayout):
             names += [f"{path}.{n}" if path else n for n in layout.expert_param_names()]
     return names
@@ -323,5 +315,3 @@ def finalize_model(model: nn.Module) -> None:
         DDP._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
-REWRITES[PASS] = rewrite_ep
-FINALIZERS.append(finalize_model)

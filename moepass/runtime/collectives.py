@@ -30,22 +30,22 @@ tensors are on the input's device and that its split sizes are Python ints.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
+from moepass.envflags import flag
 from moepass.runtime import scheduler, stats
 from moepass.runtime.topology import Topology, group_info
 
 NAMESPACE = "moe_comm"
-CHECK = bool(os.environ.get("MOEPASS_CHECK_COLLECTIVES"))
+CHECK = flag("MOEPASS_CHECK_COLLECTIVES")
 
 
 def _check_enabled() -> bool:
-    return CHECK or bool(os.environ.get("MOEPASS_CHECK_COLLECTIVES"))
+    return CHECK or flag("MOEPASS_CHECK_COLLECTIVES")
 
 
 def _group(group_name: str) -> dist.ProcessGroup:

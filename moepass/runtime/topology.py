@@ -20,6 +20,7 @@ gradient groups are created with the topology's timeout, so a dead peer becomes 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -98,13 +99,45 @@ class EPGroups:
         return self.ep_size * self.dp_size
 
 
-_GROUPS: dict[tuple, EPGroups] = {}
-_GROUP_INFO: dict[str, tuple[Topology, list[int]]] = {}  # group name -> (topology, global ranks)
+class _WorldCache:
+    """The groups made here, valid for ONE default process group (the "world").
+
+    Process groups die with their world (`destroy_process_group`; `explain` builds on a fake world
+    and destroys it), and group names are reused by the next world. So the cache is tied to the
+    identity of the default group it was filled under, through a weak reference: any other world
+    (or a dead one, whose address a new group may reuse) finds an empty cache. Nothing has to be
+    cleared by hand.
+    """
+
+    def __init__(self, world: dist.ProcessGroup | None) -> None:
+        self.world = None if world is None else weakref.ref(world)
+        self.groups: dict[tuple, EPGroups] = {}  # (world, ep_size, device, topology, timeout) -> groups
+        self.info: dict[str, tuple[Topology, list[int]]] = {}  # group name -> (topology, global ranks)
+
+    def belongs_to(self, world: dist.ProcessGroup | None) -> bool:
+        return world is not None and self.world is not None and self.world() is world
+
+
+_CACHE = _WorldCache(None)
+
+
+def _cache() -> _WorldCache:
+    """The cache of the current world; a fresh one when the world changed since it was filled."""
+    global _CACHE
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if not _CACHE.belongs_to(world):
+        _CACHE = _WorldCache(world)
+    return _CACHE
 
 
 def group_info(group_name: str) -> tuple[Topology, list[int]]:
     """Topology and global ranks of a group made here (collectives use it for byte accounting)."""
-    return _GROUP_INFO[group_name]
+    info = _cache().info
+    if group_name not in info:
+        raise KeyError(f"process group {group_name!r} was not made by moepass in the current world "
+                       f"(its world was destroyed, or it is a user group): make it with moepass, or "
+                       f"call moepass.runtime.topology.register_group(group, topology)")
+    return info[group_name]
 
 
 def resolve(topology: Topology | None, ep_size: int | None) -> tuple[Topology, int]:
@@ -127,9 +160,10 @@ def ep_groups(topology: Topology | None, ep_size: int | None, device_type: str) 
     """The (cached) mesh and groups for this layout. Collective: every rank must call it, in order."""
     topology, ep_size = resolve(topology, ep_size)
     world, rank = dist.get_world_size(), dist.get_rank()
+    cache = _cache()  # this world's groups only: a destroyed world's groups are never handed out
     key = (world, ep_size, device_type, topology, topology.timeout)
-    if key in _GROUPS:
-        return _GROUPS[key]
+    if key in cache.groups:
+        return cache.groups[key]
     dp_size = world // ep_size
     timeout = timedelta(seconds=topology.timeout)
     mesh = init_device_mesh(device_type, (dp_size, ep_size), mesh_dim_names=("dp", "ep"))
@@ -139,18 +173,19 @@ def ep_groups(topology: Topology | None, ep_size: int | None, device_type: str) 
     dp_group, _ = dist.new_subgroups_by_enumeration(dp_lists, timeout=timeout, group_desc="moepass_expert_grad")
     groups = EPGroups(topology, ep_size, dp_size, rank, mesh, ep_group, dp_group,
                       ep_lists[rank // ep_size], dp_lists[rank % ep_size])
-    _GROUP_INFO[ep_group.group_name] = (topology, groups.ep_ranks)
-    _GROUP_INFO[dp_group.group_name] = (topology, groups.dp_ranks)
-    _GROUPS[key] = groups
+    cache.info[ep_group.group_name] = (topology, groups.ep_ranks)
+    cache.info[dp_group.group_name] = (topology, groups.dp_ranks)
+    cache.groups[key] = groups
     return groups
 
 
 def reset_groups() -> None:
-    """Forget cached groups (after destroy_process_group, before a new world)."""
-    _GROUPS.clear()
-    _GROUP_INFO.clear()
+    """Forget every cached group now. Not needed for correctness (a new world never sees the groups
+    of a destroyed one, see `_WorldCache`); it only drops the references early."""
+    global _CACHE
+    _CACHE = _WorldCache(None)
 
 
 def register_group(group: dist.ProcessGroup, topology: Topology) -> None:
     """Make a user-made group usable by moepass collectives (byte accounting needs its ranks)."""
-    _GROUP_INFO[group.group_name] = (topology, dist.get_process_group_ranks(group))
+    _cache().info[group.group_name] = (topology, dist.get_process_group_ranks(group))

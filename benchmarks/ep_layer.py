@@ -1,0 +1,612 @@
+"""One MoE layer's forward and forward+backward against its compute floor: moepass vs transformers' EP vs the
+original module, at W=1 and W=2 (issue 12).
+
+    python benchmarks/ep_layer.py            # full run: 3 rounds of interleaved launches (~6 min here)
+    python benchmarks/ep_layer.py --quick    # smoke run: 1 round, fewer steps, same shapes (~1 min),
+                                             # JSON + plot to the temp dir unless --out
+    python benchmarks/ep_layer.py --wait-load 1.5   # first wait for the shared cores to quieten down
+
+Writes benchmarks/results/ep_layer.json and ep_layer.png (unless --out; the plot goes next to the JSON)
+and prints a table.
+
+Workloads (one Hugging Face `MixtralSparseMoeBlock`, fp32, SwiGLU, dropless, top-k softmax router):
+  issue          the layer of issue 12: 512 tokens in all (2 sequences x 256), D=256, F=512, E=8, K=2.
+  mixtral_proxy  Mixtral-8x7B's shape (D=4096, F=14336, E=8, K=2) scaled down 8x in D and F so that a
+                 step takes well under a second on one core here: D=512, F=1792 (F/D = 3.5 as in
+                 Mixtral), E=8, K=2, 1024 tokens in all (2 sequences x 512).
+Each is the block of a 1-layer `MixtralForCausalLM`, random-init (seed 0) and saved once with
+`save_pretrained` to a temporary directory; every system loads it from there with `from_pretrained`
+(no hub access). The global input x (seed 1) and a fixed random probe of y's shape (seed 2) are the
+same for every system; at W=2 rank r takes sequence r (half the tokens). loss = (y * probe).sum()
+(not y.sum(): `torch._grouped_mm`'s backward rejects the expanded gradient of a sum), x requires grad.
+
+Systems (one thread per process, gloo between the ranks; launched by the `Runner` of ep_step.py):
+  moepass          W=1: 1 process, `moepass.compile(block, Plan(form="single"))`.
+                   W=2: torchrun, 2 ranks: `moepass.compile(block, Plan(form="ep", topology=Topology(1, 2)))`
+                   wrapped in DDP (which averages the replicated router gradient during backward).
+  transformers_ep  W=2: torchrun, 2 ranks: `from_pretrained(path, distributed_config=DistributedConfig(
+                   ep_size=2, fsdp_size=2, fsdp_plan={"model.layers.*.mlp": "free_full_weight"}))`: experts
+                   sharded with all-to-all token dispatch, the router FSDP2-sharded (as in ep_step.py).
+                   At W=1 transformers' path is the plain HF module, i.e. `original` below (its default
+                   experts implementation is `grouped_mm`): the W=1 comparison moepass/transformers is
+                   moepass/original, from the same launches.
+  original         W=1: 1 process, the untouched HF block on all the tokens (the serial work).
+                   At W=2, moepass/original is the W=2 step time over this W=1 time (ideal: 0.5).
+
+Compute floor, measured in every launch, interleaved with the steps: one plain `torch.mm(a, b, out=c)`
+with the FLOPs of the step's expert GEMMs per rank. rows = tokens x K / W (the expert rows of one rank
+under an even load); forward = 3 GEMMs of 2 x rows x D x F FLOPs (gate, up, down) -> a [rows, D] x
+[D, 3F] mm; forward+backward = 3x that (dX and dW for each) -> a [3 rows, D] x [D, 3F] mm. It leaves
+out the router, the softmax/top-k, the permutation, the activation and the communication: every system
+is above it, and the ratio system/floor says how close to pure GEMM time a step gets.
+
+Method. A launch = one system at one W (a fresh process or torchrun group), both workloads. Per
+workload: 1 untimed parity step, `--warmup` untimed iterations, then `--steps` timed iterations; one
+iteration times, in this order, the forward (training mode: autograd records, the graph is dropped),
+forward+backward (grads set to None first, gradient sync included: DDP all-reduce / FSDP
+reduce-scatter), the floor's forward mm and the floor's forward+backward mm. At W=2 each timed call
+starts after a barrier and its time is the max over the ranks. A launch's figure is the median of its
+timed iterations. Launches alternate system by system (moepass W=1, original W=1, moepass W=2,
+transformers_ep W=2, and again, `--rounds` times) so a load change on the shared cores hits every
+system alike. Per workload / W / phase / system the JSON holds the median and (min, max) of the launch
+medians, every launch median, the 1-minute load average before and after each launch, the floor of its
+own launches (median and range) and the ratios system/floor (of the medians, and the median of the
+per-launch ratios, which cancels load drift between launches), moepass/transformers_ep and
+moepass/original. The parity step records the global loss, sum(y^2) and sum(dL/dx^2) (summed over
+ranks) per system, compared with the original's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _p in (str(ROOT), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from ep_step import Runner, mixtral_config, package_version, summary, wait_for_load  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+OUT = HERE / "results" / "ep_layer.json"
+# ep_step's Runner shards the global batch of W_MAX x `batch` sequences over its W_MAX ranks
+W_MAX = 2
+# launch keys in interleaving order: (system, W) -> the ep_step Runner system that builds it
+LAUNCHES = {
+    "moepass@W1": ("moepass", 1, "moepass_single"),
+    "original@W1": ("original", 1, "original_1t"),
+    "moepass@W2": ("moepass", 2, "moepass_ep"),
+    "transformers_ep@W2": ("transformers_ep", 2, "transformers_ep"),
+}
+WORKLOADS = {
+    # batch: sequences per rank at W=2 (the global batch is 2 x batch); tokens = 2 x batch x seq
+    "issue": dict(hidden=256, intermediate=512, experts=8, top_k=2, batch=1, seq=256, steps=20),
+    "mixtral_proxy": dict(hidden=512, intermediate=1792, experts=8, top_k=2, batch=1, seq=512, steps=10),
+}
+PHASES = ("fwd", "fwd_bwd")
+
+
+def tokens(shape: dict) -> int:
+    return W_MAX * shape["batch"] * shape["seq"]
+
+
+def floor_flops(shape: dict, world: int) -> dict[str, float]:
+    """FLOPs of one rank's expert GEMMs per step under an even load: 3 GEMMs of 2 x rows x D x F forward,
+    3x that for forward+backward."""
+    rows = tokens(shape) * shape["top_k"] // world
+    fwd = 3 * 2 * rows * shape["hidden"] * shape["intermediate"]
+    return {"rows": rows, "fwd": fwd, "fwd_bwd": 3 * fwd}
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker: one launch of one system at one W
+# ----------------------------------------------------------------------------------------------
+
+
+class LayerRunner(Runner):
+    """ep_step's layer Runner plus moepass's single form, a fixed probe, and separate fwd / fwd+bwd."""
+
+    def __init__(self, system: str, workload: str, path: str, shape: dict, rank: int, world: int):
+        import torch
+
+        super().__init__(system, "layer", path, shape, rank, world)
+        self.name = workload
+        gen = torch.Generator().manual_seed(2)
+        probe = torch.randn(W_MAX * shape["batch"], shape["seq"], shape["hidden"], generator=gen)
+        if world > 1:
+            probe = probe[rank * shape["batch"]:(rank + 1) * shape["batch"]]
+        self.probe = probe.contiguous()
+        assert self.probe.shape == self.x.shape, (self.probe.shape, self.x.shape)
+        if system == "moepass_single":
+            self.info["moepass_rewritten"] = sorted(self.compiled.moepass_info.rewritten)
+
+    def _build(self, path: str):
+        if self.system != "moepass_single":
+            return super()._build(path)
+        from transformers import MixtralForCausalLM
+
+        import moepass
+
+        model = MixtralForCausalLM.from_pretrained(path)
+        model.train()
+        self.compiled = moepass.compile(model.model.layers[0].mlp, moepass.Plan(form="single"))
+        return self.compiled
+
+    def _run(self):
+        x = self.x.detach().requires_grad_(True)
+        y = self.module(x)
+        return x, (y[0] if isinstance(y, tuple) else y)
+
+    def forward(self) -> None:
+        self._run()
+
+    def fwd_bwd(self):
+        for p in self.params:
+            p.grad = None
+        x, y = self._run()
+        loss = (y * self.probe).sum()
+        loss.backward()
+        return x, y, loss
+
+    def parity(self) -> list[float]:
+        """This rank's [loss, sum(y^2), sum(dx^2)] (float64; summed over ranks by the caller)."""
+        import torch
+
+        x, y, loss = self.fwd_bwd()
+        with torch.no_grad():
+            return [loss.double().item(), y.double().pow(2).sum().item(), x.grad.double().pow(2).sum().item()]
+
+
+class Floor:
+    """Plain torch.mm calls with the FLOPs of one rank's expert GEMMs (preallocated output)."""
+
+    def __init__(self, shape: dict, world: int):
+        import torch
+
+        f = floor_flops(shape, world)
+        rows, d, n = f["rows"], shape["hidden"], 3 * shape["intermediate"]
+        gen = torch.Generator().manual_seed(3)
+        self.b = torch.randn(d, n, generator=gen)
+        self.a = torch.randn(rows, d, generator=gen)
+        self.c = torch.empty(rows, n)
+        self.a3 = torch.randn(3 * rows, d, generator=gen)
+        self.c3 = torch.empty(3 * rows, n)
+        self.flops = f
+        self.shapes = {"fwd": f"[{rows}, {d}] x [{d}, {n}]", "fwd_bwd": f"[{3 * rows}, {d}] x [{d}, {n}]"}
+
+    def fwd(self) -> None:
+        import torch
+
+        torch.mm(self.a, self.b, out=self.c)
+
+    def fwd_bwd(self) -> None:
+        import torch
+
+        torch.mm(self.a3, self.b, out=self.c3)
+
+
+def worker(args) -> int:
+    import faulthandler
+
+    import torch
+    import torch.distributed as dist
+
+    faulthandler.enable()  # a C++ abort (SIGABRT) then dumps every thread's Python stack to stderr
+    torch.set_num_threads(1)
+    name, world, runner_system = LAUNCHES[args.worker]
+    if world > 1:
+        dist.init_process_group("gloo")
+        assert dist.get_world_size() == world
+    rank = dist.get_rank() if world > 1 else 0
+    paths = json.loads(args.paths)
+
+    def timed(fn) -> float:
+        if world > 1:
+            dist.barrier()
+        t = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - t
+        if world > 1:
+            mx = torch.tensor([elapsed], dtype=torch.float64)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            elapsed = mx.item()
+        return elapsed
+
+    out: dict = {"key": args.worker, "system": name, "world": world, "threads": torch.get_num_threads(),
+                 "workloads": {}}
+    for workload in args.workloads:
+        shape = WORKLOADS[workload]
+        t_build = time.perf_counter()
+        runner = LayerRunner(runner_system, workload, paths[workload], shape, rank, world)
+        build_s = time.perf_counter() - t_build
+        floor = Floor(shape, world)
+        par = torch.tensor(runner.parity(), dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(par)
+        fns = {"fwd": runner.forward, "fwd_bwd": runner.fwd_bwd, "floor_fwd": floor.fwd,
+               "floor_fwd_bwd": floor.fwd_bwd}
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        steps = args.steps or shape["steps"]
+        for i in range(args.warmup + steps):
+            for k, fn in fns.items():
+                elapsed = timed(fn)
+                if i >= args.warmup:
+                    times[k].append(elapsed)
+            print(f"[ep_layer rank {rank}] {args.worker} {workload} iteration {i} done", file=sys.stderr, flush=True)
+        out["workloads"][workload] = {
+            "step_s": times, "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "parity": dict(zip(("loss", "y_sumsq", "dx_sumsq"), par.tolist())), "build_s": build_s,
+            "floor_shapes": floor.shapes, "floor_flops": floor.flops, **runner.info}
+        del runner, floor
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(out))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    print(f"[ep_layer] {args.worker} worker finished", file=sys.stderr, flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Orchestrator
+# ----------------------------------------------------------------------------------------------
+
+
+def save_layers(directory: Path, workloads: list[str]) -> dict[str, str]:
+    """A random-init (seed 0) 1-layer Mixtral per workload, saved with save_pretrained; its block is the layer."""
+    import torch
+    from transformers import MixtralForCausalLM
+
+    paths = {}
+    for workload in workloads:
+        s = WORKLOADS[workload]
+        cfg = mixtral_config(s["hidden"], s["intermediate"], s["experts"], s["top_k"], layers=1, heads=8,
+                             kv_heads=4, vocab=64, seq=s["seq"])
+        torch.manual_seed(0)
+        path = directory / workload
+        MixtralForCausalLM(cfg).save_pretrained(path)
+        paths[workload] = str(path)
+    return paths
+
+
+def launch(key: str, paths: dict, args, tmp: Path, index: int) -> tuple[dict | None, str]:
+    """One launch of one system; (result or None, log tail: empty when it exited cleanly)."""
+    world = LAUNCHES[key][1]
+    result = tmp / f"{key}_{index}.json"
+    common = ["--worker", key, "--paths", json.dumps(paths), "--workloads", *args.workloads,
+              "--warmup", str(args.warmup), "--result", str(result)]
+    if args.steps:
+        common += ["--steps", str(args.steps)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1")
+    script = str(Path(__file__).resolve())
+    if world > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               script, *common]
+    else:
+        cmd = [sys.executable, script, *common]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+             if ln.strip() and not ln.startswith(("W1", "E1", "Loading weights", "  output = self._register",
+                                                    "[ep_layer rank"))
+             and "returned a view tensor" not in ln]
+    log = f"exit code {proc.returncode}; result file {'written' if result.exists() else 'missing'}\n" + \
+        "\n".join(lines[-80:])
+    finished = (proc.stdout + proc.stderr).count("worker finished")
+    if result.exists() and finished == world:
+        return json.loads(result.read_text()), ("" if proc.returncode == 0 else log)
+    return None, log
+
+
+def _ms(values: list[float]) -> dict:
+    s = summary([1e3 * v for v in values])
+    return {"median_ms": s["median"], "min_ms": s["min"], "max_ms": s["max"], "launch_medians_ms": [1e3 * v for v in values]}
+
+
+def aggregate(launches: list[dict], workloads: list[str], keys: list[str]) -> dict:
+    results: dict = {}
+    for workload in workloads:
+        ref = [r for r in launches if r["key"] == "original@W1"]
+        ref_par = ref[0]["workloads"][workload]["parity"] if ref else None
+        for world in (1, 2):
+            mine = [k for k in keys if LAUNCHES[k][1] == world]
+            runs = [r for r in launches if r["key"] in mine]
+            if not runs:
+                continue
+            entry: dict = {"floor": {}, "systems": {}, "ratios": {}}
+            first = runs[0]["workloads"][workload]
+            for phase in PHASES:
+                fl = [r["workloads"][workload]["median_s"][f"floor_{phase}"] for r in runs]
+                flops = first["floor_flops"][phase]
+                entry["floor"][phase] = {**_ms(fl), "mm_shape": first["floor_shapes"][phase], "flops": flops,
+                                         "gflops_per_s": flops / statistics.median(fl) / 1e9,
+                                         "from_launches": len(fl)}
+            for key in mine:
+                sys_runs = [r for r in launches if r["key"] == key]
+                if not sys_runs:
+                    continue
+                w0 = sys_runs[0]["workloads"][workload]
+                e: dict = {"launch_key": key, "launches": len(sys_runs),
+                           "load1": [{"round": r["round"], "before": r["load1_before"], "after": r["load1_after"]}
+                                     for r in sys_runs],
+                           "parity_step0": [r["workloads"][workload]["parity"] for r in sys_runs],
+                           "build_s": [r["workloads"][workload]["build_s"] for r in sys_runs],
+                           **{k: w0[k] for k in ("local_parameters", "tokens_this_process", "experts_implementation",
+                                                 "moepass_rewritten") if k in w0}}
+                if ref_par:
+                    e["parity_max_rel_diff_vs_original"] = {
+                        q: max(abs(r["workloads"][workload]["parity"][q] - ref_par[q]) / abs(ref_par[q])
+                               for r in sys_runs) for q in ref_par}
+                for phase in PHASES:
+                    med = [r["workloads"][workload]["median_s"][phase] for r in sys_runs]
+                    own_floor = [r["workloads"][workload]["median_s"][f"floor_{phase}"] for r in sys_runs]
+                    e[phase] = {
+                        **_ms(med),
+                        "best_step_ms": 1e3 * min(min(r["workloads"][workload]["step_s"][phase]) for r in sys_runs),
+                        "floor_own_launches": _ms(own_floor),
+                        "ratio_to_floor": statistics.median(med) / entry["floor"][phase]["median_ms"] * 1e3,
+                        "ratio_to_floor_same_launch": statistics.median(m / f for m, f in zip(med, own_floor)),
+                    }
+                entry["systems"][LAUNCHES[key][0]] = e
+            results.setdefault(workload, {})[f"W{world}"] = entry
+        # cross-system ratios of the medians, per W and phase
+        w1, w2 = results[workload].get("W1", {}).get("systems", {}), results[workload].get("W2", {}).get("systems", {})
+        for world, mine in (("W1", w1), ("W2", w2)):
+            if world not in results[workload]:
+                continue
+            ratios = results[workload][world]["ratios"]
+            tr = w1.get("original") if world == "W1" else w2.get("transformers_ep")
+            for phase in PHASES:
+                r: dict = {f"{s}/floor": p[phase]["ratio_to_floor"] for s, p in mine.items()}
+                mp = mine.get("moepass")
+                if mp and tr:
+                    r["moepass/transformers_ep"] = mp[phase]["median_ms"] / tr[phase]["median_ms"]
+                if mp and w1.get("original"):
+                    r["moepass/original"] = mp[phase]["median_ms"] / w1["original"][phase]["median_ms"]
+                if world == "W2" and tr and w1.get("original"):
+                    r["transformers_ep/original"] = tr[phase]["median_ms"] / w1["original"][phase]["median_ms"]
+                ratios[phase] = r
+            if world == "W1":
+                ratios["note"] = ("transformers' path at W=1 is the plain HF block (experts_implementation grouped_mm) "
+                                  "= 'original': moepass/transformers_ep at W=1 is moepass/original")
+            else:
+                ratios["note"] = "moepass/original and transformers_ep/original: W=2 step time over the W=1 original's"
+    return results
+
+
+def host_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+
+    def git(*a: str) -> str | None:
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "accelerate": package_version("accelerate"), "git_commit": git("rev-parse", "HEAD"),
+            "git_dirty_files": len((git("status", "--porcelain", "--untracked-files=no") or "").splitlines())}
+
+
+def orchestrate(args) -> int:
+    keys = [k for k in LAUNCHES if k in args.systems]
+    launches: list[dict] = []
+    failures: list[dict] = []
+    exit_aborts: list[dict] = []
+    disabled: set[str] = set()
+    t0 = time.perf_counter()
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    waited = wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="ep_layer_") as tmpdir:
+        tmp = Path(tmpdir)
+        paths = save_layers(tmp, args.workloads)
+        for rnd in range(args.rounds):
+            for key in keys:
+                if key in disabled:
+                    continue
+                res = None
+                for attempt in range(2):  # one retry: a failed launch is recorded, not hidden
+                    load_before = os.getloadavg()[0]
+                    t = time.perf_counter()
+                    res, log = launch(key, paths, args, tmp, rnd)
+                    wall = time.perf_counter() - t
+                    load_after = os.getloadavg()[0]
+                    if res is not None:
+                        if log:
+                            exit_aborts.append({"launch": key, "round": rnd, "log": log})
+                            print(f"[{rnd}] {key}: measured, then a process aborted at exit (log in 'exit_aborts')",
+                                  flush=True)
+                        break
+                    failures.append({"launch": key, "round": rnd, "attempt": attempt, "log": log})
+                    print(f"[{rnd}] {key}: launch FAILED (attempt {attempt}; log in the JSON 'failures')", flush=True)
+                if res is None:
+                    disabled.add(key)
+                    continue
+                res.update(round=rnd, wall_s=wall, load1_before=load_before, load1_after=load_after)
+                launches.append(res)
+                print(f"[{rnd}] {key:19s} " + "  ".join(
+                    f"{w} fwd {1e3 * res['workloads'][w]['median_s']['fwd']:6.1f} fwd+bwd "
+                    f"{1e3 * res['workloads'][w]['median_s']['fwd_bwd']:6.1f} (floor "
+                    f"{1e3 * res['workloads'][w]['median_s']['floor_fwd_bwd']:6.1f}) ms" for w in args.workloads)
+                    + f"  (launch {wall:4.1f} s, load {load_before:.2f}->{load_after:.2f})", flush=True)
+    load_end = os.getloadavg()
+    loads = [r["load1_before"] for r in launches] + [r["load1_after"] for r in launches]
+    doc = {
+        "benchmark": "ep_layer",
+        "what": ("forward and forward+backward time of one HF MixtralSparseMoeBlock (fp32, dropless) at W=1 and "
+                 "W=2 (gloo, 1 thread per rank): moepass vs transformers' EP vs the original block, against the "
+                 "expert GEMMs' compute floor (a plain torch.mm of the same FLOPs) timed in the same launches"),
+        "command": " ".join(["python benchmarks/ep_layer.py", *args.argv]),
+        "started": started,
+        "quick": args.quick,
+        "workloads": {w: {**WORKLOADS[w], "tokens": tokens(WORKLOADS[w]), "dtype": "float32",
+                          "steps": args.steps or WORKLOADS[w]["steps"]} for w in args.workloads},
+        "systems": {
+            "moepass": "W=1: 1 process, moepass.compile(block, Plan(form='single')); W=2: torchrun 2 ranks, "
+                       "moepass.compile(block, Plan(form='ep', topology=Topology(1, 2))) + DDP",
+            "transformers_ep": "W=2: torchrun 2 ranks, from_pretrained(distributed_config=DistributedConfig(ep_size=2, "
+                               "fsdp_size=2, fsdp_plan={'model.layers.*.mlp': 'free_full_weight'})); W=1: = original",
+            "original": "W=1: 1 process, the untouched HF block (experts_implementation grouped_mm) on all tokens",
+        },
+        "loss": "(y * probe).sum(), fixed random probe; x requires grad",
+        "phases": {"fwd": "training-mode forward (autograd records; no backward)",
+                   "fwd_bwd": "grads to None + forward + backward incl. gradient sync (DDP / FSDP)"},
+        "floor": ("per rank, one torch.mm(out=) of the expert GEMM FLOPs: rows = tokens*K/W; fwd [rows, D] x [D, 3F] "
+                  "(2*rows*D*F*3 FLOPs), fwd_bwd [3*rows, D] x [D, 3F] (3x); timed in every launch, interleaved "
+                  "with the steps; the floor of a W pools all launches at that W"),
+        "threads_per_process": 1,
+        "warmup_iterations": args.warmup,
+        "rounds": args.rounds,
+        "interleaved": "launch order " + ", ".join(keys) + " repeated per round; within a launch each iteration "
+                       "times fwd, fwd_bwd, floor fwd, floor fwd_bwd in turn",
+        "results": aggregate(launches, args.workloads, keys),
+        "failures": failures,
+        "exit_aborts": exit_aborts,
+        "load_average": {"wait_load": args.wait_load, "waited_s": waited, "at_start": list(load_start),
+                         "at_end": list(load_end), "load1_during": summary(loads) if loads else None,
+                         "note": "includes this benchmark's own busy threads (1 at W=1, 2 at W=2)"},
+        "machine": host_info(),
+        "wall_s": time.perf_counter() - t0,
+        "launches": launches,
+    }
+    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "ep_layer_quick.json" if args.quick else OUT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    table(doc)
+    png = out.with_suffix(".png")
+    plot(doc, png)
+    print(f"wrote {out} and {png} ({doc['wall_s']:.0f} s)")
+    return 0 if not disabled else 1
+
+
+def table(doc: dict) -> None:
+    la = doc["load_average"]["load1_during"]
+    print(f"\nEP layer, fp32, 1 thread per process; {doc['rounds']} interleaved round(s); "
+          + (f"load1 during run {la['median']:.2f} [{la['min']:.2f}, {la['max']:.2f}]" if la else ""))
+    print(f"{'workload':14s} {'W':>2s} {'system':16s} {'fwd ms':>7s} {'range':>15s} {'fwd+bwd ms':>10s} {'range':>15s}"
+          f" {'floor ms':>8s} {'x floor':>7s} {'x floor*':>8s} {'vs tr':>6s} {'vs orig':>7s}")
+    for workload, per_w in doc["results"].items():
+        for world, entry in per_w.items():
+            fl = entry["floor"]["fwd_bwd"]
+            ratios = entry["ratios"]["fwd_bwd"]
+            for system, p in entry["systems"].items():
+                f, s = p["fwd"], p["fwd_bwd"]
+                vs_tr = ratios.get("moepass/transformers_ep") if system == "moepass" else None
+                vs_or = ratios.get(f"{system}/original")
+                rf, rs = f"[{f['min_ms']:.1f}, {f['max_ms']:.1f}]", f"[{s['min_ms']:.1f}, {s['max_ms']:.1f}]"
+                print(f"{workload:14s} {world[1:]:>2s} {system:16s} {f['median_ms']:7.1f} "
+                      f"{rf:>15s} {s['median_ms']:10.1f} "
+                      f"{rs:>15s} {fl['median_ms']:8.1f} "
+                      f"{s['ratio_to_floor']:7.2f} {s['ratio_to_floor_same_launch']:8.2f} "
+                      + (f"{vs_tr:6.2f}" if vs_tr else f"{'':6s}") + " "
+                      + (f"{vs_or:7.2f}" if vs_or else ""))
+    print("x floor: fwd+bwd median / floor median at that W; x floor*: median of per-launch ratios; "
+          "vs tr: moepass / transformers' path (W=1: the original block); vs orig: over the W=1 original")
+    for w, per_w in doc["results"].items():
+        for world, entry in per_w.items():
+            for system, p in entry["systems"].items():
+                d = p.get("parity_max_rel_diff_vs_original")
+                if d and max(d.values()) > 1e-4:
+                    print(f"PARITY {w} {world} {system}: max relative difference vs original {d}")
+    for f in doc["exit_aborts"]:
+        last = [ln for ln in f["log"].splitlines() if "terminate" in ln or "Error" in ln or "Fatal" in ln][:2]
+        print(f"{f['launch']} round {f['round']}: figures complete, then a process aborted at exit: {last}")
+    for f in doc["failures"]:
+        print(f"{f['launch']} round {f['round']} attempt {f['attempt']} FAILED:\n{f['log'][-1500:]}")
+
+
+def plot(doc: dict, path: Path) -> None:
+    """fwd+bwd ms per system, one panel per workload, W=1 and W=2 groups; the floor of each W as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"moepass": "tab:blue", "transformers_ep": "tab:orange", "original": "tab:gray"}
+    labels = {"moepass": "moepass", "transformers_ep": "transformers EP",
+              "original": "original HF block (= transformers' path at W=1)"}
+    workloads = list(doc["results"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+    seen: set[str] = set()
+    for ax, workload in zip(axes[0], workloads):
+        shape = doc["workloads"][workload]
+        x = 0.0
+        ticks, ticklabels = [], []
+        for world, entry in doc["results"][workload].items():
+            systems = list(entry["systems"])
+            start = x
+            for system in systems:
+                p = entry["systems"][system]["fwd_bwd"]
+                err = [[p["median_ms"] - p["min_ms"]], [p["max_ms"] - p["median_ms"]]]
+                ax.bar(x, p["median_ms"], 0.8, yerr=err, capsize=3, color=colors[system],
+                       label=None if system in seen else labels[system])
+                ax.text(x, p["max_ms"], f"{p['ratio_to_floor']:.2f}x", ha="center", va="bottom", fontsize=8)
+                seen.add(system)
+                x += 1
+            fl = entry["floor"]["fwd_bwd"]
+            ax.hlines(fl["median_ms"], start - 0.45, x - 0.55, colors="black", linestyles="--",
+                      label=None if "floor" in seen else "compute floor (GEMM of the same FLOPs)")
+            seen.add("floor")
+            ticks.append((start + x - 1) / 2)
+            ticklabels.append(f"W={world[1:]}" + (" (per rank)" if world != "W1" else ""))
+            x += 0.8
+        ax.set_xticks(ticks, ticklabels)
+        ax.set_ylabel("fwd+bwd ms (median of launches; bars: range)")
+        ax.set_title(f"{workload}: {shape['tokens']} tokens, D={shape['hidden']}, F={shape['intermediate']}, "
+                     f"E={shape['experts']}, K={shape['top_k']}", fontsize=10)
+    fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(f"One MoE layer, fp32, 1 thread per rank; {doc['rounds']} interleaved round(s); "
+                 f"labels: x compute floor ({doc['started'][:10]})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 round, 3 timed iterations, JSON to the temp dir")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved launches per system (default 3; --quick 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations per workload (default 3; --quick 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed iterations per workload (default: issue 20, mixtral_proxy 10; --quick 3)")
+    p.add_argument("--systems", nargs="+", default=list(LAUNCHES), choices=list(LAUNCHES))
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)}); the plot goes next to it")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    p.add_argument("--wait-load", type=float, default=None,
+                   help="first wait (polling every 30 s) for the 1-minute load average to fall below this")
+    p.add_argument("--wait-max", type=float, default=1200.0, help="seconds to wait for --wait-load at most")
+    # internal: one launch of one system
+    p.add_argument("--worker", choices=list(LAUNCHES), help=argparse.SUPPRESS)
+    p.add_argument("--paths", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.steps = args.steps or (3 if args.quick else None)
+    if args.worker:
+        return worker(args)
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Published set-ups (shared/scenarios/*.json) read into concrete cases: a model on a cluster.
+
+`cases(scenario)` expands every EP-form model of a scenario file over its variants and cluster sizes
+into `Case`s, with the hardware the scenario names (null figures filled from presets, each fill
+reported) and the shapes it does not give filled with stated assumptions. Both the plan search
+(`cost_model.search.search_scenario`) and the simulator (`cost_model.simulate`) read scenarios
+through here; this module imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cost_model.presets import H100, Hardware, for_device
+
+DEFAULT_TOKENS = (8, 1024)  # per device, when a set-up gives no machine-readable batch (stated as an assumption)
+GATED_FAMILIES = ("mixtral", "qwen", "deepseek", "llama")
+PROXY_WIDTH = 2048  # Qwen3-30B-A3B-like width (USERS.md proxy shapes), for set-ups that give no sizes
+PROXY_ACTIVE_FFN = 8192  # K * F kept constant across the top-k / granularity sweep
+PROXY_EXPERTS = 32
+PROXY_LAYERS = 24
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    layers: int
+    D: int
+    F: int
+    E: int
+    K: int
+    gated: bool
+    nodes: int
+    per_node: int
+    tokens: int  # per device
+    seq: int | None
+    ep: int
+
+
+def load(scenario: str | Path | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(scenario, dict):
+        return scenario
+    return json.loads(Path(scenario).read_text())
+
+
+def _hardware(cluster: dict[str, Any], filled: dict[str, str]) -> Hardware:
+    base = for_device(cluster.get("device"))
+    if base is None:
+        base = H100
+        filled["device"] = f"not given: preset {H100.name} ({H100.device})"
+    keys = {"device_flops": "flops", "intra_node_bw": "intra_bw", "inter_node_bw": "inter_bw"}
+    hw = base.with_figures("scenario file", **{f: cluster.get(k) for k, f in keys.items()})
+    for key, f in keys.items():
+        if cluster.get(key) is None:
+            filled[key] = f"preset {base.name}: {getattr(base, f).value:.4g} ({getattr(base, f).source})"
+    for f in ("efficiency", "alpha"):
+        filled[f] = f"preset {base.name}: {getattr(base, f).value:.4g} ({getattr(base, f).source})"
+    return hw
+
+
+def _cluster_sizes(cluster: dict[str, Any], scenario: dict[str, Any], experts: int) -> list[tuple[int, int]]:
+    per_node = int(cluster["devices_per_node"])
+    if scenario.get("devices_equal_experts"):
+        W = experts
+        return [(max(1, W // per_node), min(W, per_node))]
+    if "cluster_sizes_devices" in scenario:
+        return [(W // per_node, per_node) for W in scenario["cluster_sizes_devices"]]
+    return [(int(cluster.get("nodes") or 1), per_node)]
+
+
+def _model_variants(model: dict[str, Any], assumptions: list[str]) -> list[dict[str, Any]]:
+    """Concrete shapes for one model entry (lists expand; nulls filled with stated assumptions)."""
+    mid = model.get("id", "model")
+    if model.get("hidden") is None and model.get("heads") and model.get("top_k"):
+        model = {**model, "hidden": model["heads"] * 128}
+        assumptions.append(f"{mid}: hidden = heads x 128 = {model['hidden']} (head width 128 assumed)")
+    if model.get("hidden") is None:
+        assumptions.append(
+            f"{mid}: sizes not given: width {PROXY_WIDTH}, {PROXY_LAYERS} layers, K*F = "
+            f"{PROXY_ACTIVE_FFN} (equal active parameters), E = {PROXY_EXPERTS} x granularity"
+        )
+        return [
+            {
+                "id": f"{mid}[k{k}g{g}]",
+                "hidden": PROXY_WIDTH,
+                "ffn_hidden": PROXY_ACTIVE_FFN // (k * g),
+                "experts": PROXY_EXPERTS * g,
+                "top_k": k * g,
+                "layers": PROXY_LAYERS,
+            }
+            for k in (2, 4, 8)
+            for g in (1, 2)
+        ]
+    if model.get("ffn_hidden") is None:
+        model = {**model, "ffn_hidden": 4 * model["hidden"]}
+        assumptions.append(f"{mid}: ffn_hidden = 4 x hidden (assumed)")
+    experts = model.get("experts_per_layer") or [model.get("experts")]
+    return [{**model, "experts": e, "id": mid if len(experts) == 1 else f"{mid}[E={e}]"} for e in experts]
+
+
+def _tokens(scenario: dict[str, Any], W: int, assumptions: list[str]) -> tuple[int, int | None]:
+    batch = scenario.get("batch") or {}
+    if batch.get("global_batch_sequences") and batch.get("sequence_length"):
+        seq = int(batch["sequence_length"])
+        return int(batch["global_batch_sequences"]) * seq // W, seq
+    note = f" (set-up says: {batch['note']!r})" if batch.get("note") else ""
+    text = f"batch per device {DEFAULT_TOKENS[0]} x {DEFAULT_TOKENS[1]} tokens{note}"
+    if text not in assumptions:
+        assumptions.append(text)
+    return DEFAULT_TOKENS[0] * DEFAULT_TOKENS[1], DEFAULT_TOKENS[1]
+
+
+def _ep_degree(model: dict[str, Any], E: int, W: int) -> int:
+    if model.get("expert_parallel"):
+        return int(model["expert_parallel"])
+    return max(d for d in range(1, W + 1) if W % d == 0 and (E % d == 0))
+
+
+def _is_gated(model: dict[str, Any]) -> bool:
+    if "activation" in model:
+        return model["activation"] in ("swiglu", "geglu", "clamped_swiglu")
+    return any(f in str(model.get("id", "")).lower() for f in GATED_FAMILIES)
+
+
+@dataclass
+class ScenarioCases:
+    """A scenario file read into concrete cases, with the figures presets filled and what was assumed."""
+
+    scenario: dict[str, Any]
+    hardware: Hardware
+    cases: list[Case]
+    filled: dict[str, str]
+    assumptions: list[str]
+
+
+def cases(scenario: str | Path | dict[str, Any]) -> ScenarioCases:
+    """Every (model variant, cluster size) of a scenario as a `Case` (EP-form models only)."""
+    sc = load(scenario)
+    filled: dict[str, str] = {}
+    assumptions: list[str] = []
+    cluster = sc["cluster"]
+    hw = _hardware(cluster, filled)
+    found: list[Case] = []
+    for model in sc.get("models") or [sc["model"]]:
+        if model.get("form") not in (None, "ep"):
+            continue  # a model of another form (e.g. HP's own architecture): its system is listed separately
+        for variant in _model_variants(model, assumptions):
+            for nodes, per_node in _cluster_sizes(cluster, sc, int(variant["experts"])):
+                W = nodes * per_node
+                tokens, seq = _tokens(sc, W, assumptions)
+                found.append(Case(
+                    label=f"{variant['id']} W={W}",
+                    layers=int(variant.get("layers") or variant["moe_layers"]),
+                    D=int(variant["hidden"]),
+                    F=int(variant["ffn_hidden"]),
+                    E=int(variant["experts"]),
+                    K=int(variant["top_k"]),
+                    gated=_is_gated(variant),
+                    nodes=nodes,
+                    per_node=per_node,
+                    tokens=tokens,
+                    seq=seq,
+                    ep=_ep_degree(variant, int(variant["experts"]), W),
+                ))
+    return ScenarioCases(sc, hw, found, filled, assumptions)

@@ -33,8 +33,9 @@ block (the per-expert modules are removed); `moepass.logical_state_dict` maps th
 
 Gradient convention (the same as DDP's): after backward, an expert parameter's gradient is the
 gradient of the mean over all W ranks of their local losses — the dispatch/combine backward sums
-the contributions of every rank of the EP group, a hook on the parameter sums across DP replicas
-(`dp_group`, when ep_size < world) and divides by W. Non-expert parameters are replicated: average
+the contributions of every rank of the EP group, `grad_scale` nodes around the expert compute
+divide the weight gradients by W (on the rows, not on the weights), and a hook on the parameter
+sums across DP replicas (`dp_group`, only when ep_size < world). Non-expert parameters are replicated: average
 their gradients with DDP (expert parameters are excluded from it) or
 `moepass.runtime.grads.all_reduce_replicated_grads`.
 
@@ -83,6 +84,28 @@ def _(recv_counts_E, num_local, rows):
 
 
 LOCAL_EXPERT_IDS = torch.ops.moe_ep.local_expert_ids.default
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def grad_scale(x: Tensor, scale: float) -> Tensor:
+    """Identity forward; the backward multiplies the gradient by `scale`.
+
+    EP scales the expert weights' gradients by 1/W (DDP's convention, see the module doc) on the
+    token side: the expert FFN's output gradient is divided by W and its input gradient multiplied
+    back by W, two passes over the rows this rank computes instead of one over every expert weight
+    (exact when W is a power of two; otherwise within one rounding of the division).
+    """
+    return _GradScale.apply(x, scale)
 
 
 def ep_local(param: Tensor) -> Tensor:
@@ -178,14 +201,12 @@ def _drop_stacked_originals(gm: MoEGraphModule, spec: MoESpec, layout: EPLayout)
 
 
 def _expert_grad_hook(groups: EPGroups):
-    """Expert gradient := sum over DP replicas / world size (DDP's convention, see module doc)."""
-    world = groups.world_size
+    """Expert gradient := its sum over DP replicas (the 1/W is already in it: `grad_scale`)."""
 
     def hook(grad: Tensor) -> Tensor:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        local = local.div(world)  # a new tensor (a hook must not modify its argument), one pass
-        if groups.dp_size > 1:  # sum over replicas of g / W: exact when W is a power of two
-            comm.all_reduce_sum_(local, groups.dp_group)
+        local = local.clone()  # a hook must not modify its argument
+        comm.all_reduce_sum_(local, groups.dp_group)
         if isinstance(grad, DTensor):
             return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
         return local
@@ -255,7 +276,12 @@ def rewrite_graph(gm: MoEGraphModule, weight_attrs: dict[str, str], layout: EPLa
         reads: dict[str, fx.Node] = {}
         weights = [None if weight_attrs.get(role) is None else
                    _local_weight(b, weight_attrs[role], getattr(spec.experts, role), role, reads) for role in ROLES]
+        world = layout.groups.world_size
+        if world > 1:  # expert-weight gradients / W, the input gradient unchanged (see grad_scale)
+            x_MD = b.fn(grad_scale, x_MD, float(world), name="x_MD_grad_times_W")
         y_MD = b.fn(dialect.EXPERT_FFN, x_MD, counts_L, *weights, *ffn.args[8:], name="y_MD")
+        if world > 1:
+            y_MD = b.fn(grad_scale, y_MD, 1.0 / world, name="y_MD_grad_over_W")
         y_R1D = b.fn(dialect.UNPERMUTE, y_MD, order_R, 1, name="y_R1D")
         y_RD = b.method("flatten", y_R1D, 0, 1, name="y_RD")
         rows_N = b.method("size", x_ND, 0, name="rows_N")
@@ -289,8 +315,9 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     stats = rewrite_graph(gm, weight_attrs, layout)
     _drop_stacked_originals(gm, spec, layout)  # after the graph stopped reading them
     gm.recompile()
-    for name in layout.expert_param_names():
-        gm.get_parameter(name).register_hook(_expert_grad_hook(groups))
+    if groups.dp_size > 1:  # replicas of the same experts sum their gradients
+        for name in layout.expert_param_names():
+            gm.get_parameter(name).register_hook(_expert_grad_hook(groups))
     gm.form = PASS
     gm.layout = layout
     return PassResult(gm, changed=True, stats=stats)

@@ -3,7 +3,9 @@
 symbols    one table of sympy symbols with assumptions
 ep         EP formulas: compute, all-to-all bytes (uniform and exact), memory
 schedule   Lina's chunked / prioritised pipeline time as a function of the chunk count
-presets    hardware figures with their sources; `this_machine()` reads a calibration profile
+presets    hardware figures with their sources; `this_machine()` reads a calibration profile;
+           `resolve_hardware()` turns Plan.hardware / search(profile=) into figures
+scenarios  published set-ups (shared/scenarios) read into cases; imported by search and simulate
 search     ranked plans with a cost breakdown and the winner's formula
 calibrate  gloo all-to-all and matmul microbenchmarks -> JSON profile
 timeline   per-step compute / all-to-all / other-communication streams

@@ -24,7 +24,8 @@
 
 Usage: `python -m cost_model.calibrate [--out PATH] [--quick]` (moepass wires `python -m moepass
 calibrate` to `main`). A full run takes well under a minute here; the profile goes to
-`~/.cache/moepass/profile.json` unless `--out` says otherwise, and `presets.this_machine()` reads it.
+`~/.cache/moepass/profile.json` unless `--out` says otherwise, and `presets.this_machine()` reads it
+(the default of `Plan.hardware`; pass `Plan(hardware=path)` to use a profile written elsewhere).
 """
 
 from __future__ import annotations

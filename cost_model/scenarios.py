@@ -26,6 +26,8 @@ PROXY_LAYERS = 24
 
 @dataclass(frozen=True)
 class Case:
+    """One model variant of a scenario on one cluster size (nodes x per_node devices)."""
+
     label: str
     layers: int
     D: int

@@ -26,6 +26,7 @@ import sympy
 from cost_model import symbols as S
 from cost_model.ep import LayerTerms, ep_layer, matmuls
 from cost_model.presets import Hardware, resolve_hardware
+from cost_model.scenarios import cases
 from cost_model.schedule import DEFAULT_CHUNKS
 
 CAPACITY_FACTORS: tuple[float | None, ...] = (None, 1.0, 1.25, 2.0)
@@ -110,31 +111,32 @@ class SearchResult:
     @functools.cached_property
     def expression(self) -> sympy.Expr | None:
         """The winner's time per layer in symbols (plan choices fixed), None without an eligible plan."""
-        return self._expressions()[0] if self._eligible() else None
+        return self._expressions()[0] if self.eligible() else None
 
     @functools.cached_property
     def expression_substituted(self) -> sympy.Expr | None:
         """The winner's step time with every figure substituted but T (tokens per rank)."""
-        return self._expressions()[1] if self._eligible() else None
+        return self._expressions()[1] if self.eligible() else None
 
     def _expressions(self) -> tuple[sympy.Expr, sympy.Expr]:
         return _winner_expressions(
             self.best, self.shapes, self.hardware, self.world_size, self.nodes, self.ranks_per_node, self.imbalance
         )
 
-    def _eligible(self) -> list[Candidate]:
+    def eligible(self) -> list[Candidate]:
+        """The ranked candidates `best` may pick: feasible, and not math-changing unless allowed."""
         return [c for c in self.ranked if c.feasible and (self.allow_math_changes or not c.math_changing)]
 
     @property
     def best(self) -> Candidate:
-        eligible = self._eligible()
+        eligible = self.eligible()
         if not eligible:
             raise ValueError("no feasible plan: every candidate exceeds device memory; add ranks or shrink the batch")
         return eligible[0]
 
     @property
     def runner_up(self) -> Candidate | None:
-        eligible = self._eligible()
+        eligible = self.eligible()
         return eligible[1] if len(eligible) > 1 else None
 
     def to_plan_kwargs(self) -> dict[str, Any]:
@@ -164,7 +166,7 @@ class SearchResult:
         lines = [head] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         if len(self.ranked) > limit:
             lines.append(f"... {len(self.ranked) - limit} more")
-        if self._eligible():
+        if self.eligible():
             lines.append(
                 f"best: {self.best.label}" + (f"; runner-up: {self.runner_up.label}" if self.runner_up else "")
             )
@@ -337,8 +339,6 @@ def search_scenario(scenario: Any, **options: Any) -> list[tuple[str, SearchResu
     The scenario's figures fill the hardware (nulls from the named preset, as `simulate` reports);
     every layer of a case is one block of its shape.
     """
-    from cost_model.simulate import cases
-
     read = cases(scenario)
     results = []
     for case in read.cases:

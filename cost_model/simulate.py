@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from cost_model import ep as ep_formulas
-from cost_model.presets import H100, Hardware, for_device
-from cost_model.search import NOT_MODELLED
+from cost_model.presets import Hardware
+from cost_model.scenarios import Case, cases
+from cost_model.search import NOT_MODELLED, search
 from cost_model.timeline import Timeline
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "scenarios"
@@ -215,7 +216,7 @@ def predict(
     return tl.step, breakdown, figures["memory"]
 
 
-# ---- reading a scenario ---------------------------------------------------------------------------
+# ---- a scenario's token distribution (reading the file: cost_model.scenarios) ----------------------
 
 
 def _counts(routing: dict[str, Any], system: dict[str, Any], case: Case, assumptions: list[str]) -> np.ndarray:
@@ -288,7 +289,6 @@ def _predict_system(
 
 def _lina_choice(case: Case, hw: Hardware, counts: np.ndarray, system: dict[str, Any]) -> tuple[int, int]:
     """Chunks and packing the cost model picks for Lina: the plan search restricted to ep = W, dropless."""
-    from cost_model.search import search
     from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
     gated = case.gated
@@ -315,7 +315,7 @@ def _lina_choice(case: Case, hw: Hardware, counts: np.ndarray, system: dict[str,
         packings=packings,
         imbalance=ep_formulas.imbalance(ep_formulas.rank_rows(counts, case.ep)),
     )
-    best = result.best if result._eligible() else min(result.ranked, key=lambda c: c.step)
+    best = result.best if result.eligible() else min(result.ranked, key=lambda c: c.step)
     return best.a2a_chunks, best.packing
 
 

@@ -41,8 +41,8 @@ def search(args: argparse.Namespace) -> int:
     import moepass
 
     if args.scenario:
+        from cost_model.scenarios import cases
         from cost_model.search import search_scenario
-        from cost_model.simulate import cases
 
         read = cases(args.scenario)
         print(f"scenario {read.scenario.get('name', args.scenario)}: hardware {read.hardware.name}")

@@ -44,7 +44,8 @@ NAMESPACE = "moe_comm"
 CHECK = flag("MOEPASS_CHECK_COLLECTIVES")
 
 
-def _check_enabled() -> bool:
+def checks_enabled() -> bool:
+    """`CHECK`, or `MOEPASS_CHECK_COLLECTIVES` on now (`moepass.envflags`)."""
     return CHECK or flag("MOEPASS_CHECK_COLLECTIVES")
 
 
@@ -79,7 +80,7 @@ def record_bytes(kind: str, group_name: str, send_splits: list[int], row_bytes: 
 def _issue(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int], group_name: str,
            kind: str) -> None:
     """Launch all_to_all_single(out <- inp) asynchronously; `moe_comm.wait(out)` completes it."""
-    if _check_enabled():
+    if checks_enabled():
         assert out.device == inp.device, f"moe_comm {kind}: output on {out.device}, input on {inp.device}"
         for what, splits in (("output", out_splits), ("input", in_splits)):
             assert all(type(s) is int for s in splits), f"moe_comm {kind}: {what} splits {splits} are not ints"
@@ -121,7 +122,7 @@ def _(counts_E, group_name):
 def all_to_all(x_XD: Tensor, send_counts_E: Tensor, recv_counts_E: Tensor, group_name: str, kind: str,
                out_rows: int) -> Tensor:
     peers = len(_peers(group_name)[1])
-    if _check_enabled():
+    if checks_enabled():
         for t in (send_counts_E, recv_counts_E):
             assert t.device == x_XD.device, f"moe_comm {kind}: counts on {t.device}, x on {x_XD.device}"
     send_splits, recv_splits = split_sizes(send_counts_E, recv_counts_E, peers)  # host sync point

@@ -220,9 +220,11 @@ def hardware_of(profile: Any) -> Hardware:
     return resolve_hardware(profile)
 
 
-def _figures(shape: BlockShape, hw: Hardware, T: float, G: int, rho: float, cf: float | None) -> dict[str, Any]:
+def _figures(shape: BlockShape, hw: Hardware, T: float, G: int, rho: float, cf: float | None,
+             recompute: bool | None = None) -> dict[str, Any]:
     return {
         **hw.values(),
+        **({} if recompute is None else {"r_c": float(recompute)}),
         "T": T,
         "K": shape.K,
         "D": shape.D,
@@ -252,11 +254,14 @@ def search(
     chunks: Sequence[int] = DEFAULT_CHUNKS,
     packings: Sequence[int] = PACKINGS,
     allow_math_changes: bool = False,
+    recompute: bool | None = None,
 ) -> SearchResult:
     """Ranked plans for `specs_or_model` on `topology` with `batch` = (batch, seq) tokens per rank.
 
     `profile`: a Hardware, a preset name ('a100', 'h100', 'ascend910a'), a calibration JSON path, or
     None for this machine. `imbalance` is max/mean routed rows per rank (1 = uniform routing).
+    `recompute`: whether the expert backward recomputes gate/up (`Plan.expert_recompute`); None: the
+    hardware's figure (`Hardware.recompute`: the kernel's default there).
     """
     nodes, per_node = topology_of(topology)
     W = world_size or nodes * per_node
@@ -272,7 +277,7 @@ def search(
         total: LayerTerms | None = None
         for shape in shapes:
             block_cf = cf if cf is not None else shape.cf
-            x = _figures(shape, hw, T, per_node, imbalance, block_cf)
+            x = _figures(shape, hw, T, per_node, imbalance, block_cf, recompute)
             terms = ep_layer(x, ep=ep_eff, n=n, dp=W // ep_eff, dropless=block_cf is None, cross_node_dp=nodes > 1)
             total = terms if total is None else total + terms
         assert total is not None

@@ -75,7 +75,8 @@ def resolve_auto(plan: Plan, report: DetectionReport):
     from cost_model.search import search
 
     topology = plan.topology if plan.topology is not None else _default_topology()
-    result = search(report.blocks, topology, plan.batch, profile=plan.hardware) if report.blocks else None
+    result = (search(report.blocks, topology, plan.batch, profile=plan.hardware, recompute=plan.expert_recompute)
+              if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
     return plan.replace(**chosen), result
 

@@ -178,3 +178,15 @@ def test_modulelist_experts_are_read_in_place_not_stacked_each_step():
         y64 = compiled(x.double())
     assert log.count("aten::cat") + log.count("aten::stack") >= 3
     torch.testing.assert_close(y64, block.double()(x.double()))
+
+
+def test_the_cost_model_prices_expert_recompute():
+    from cost_model.search import search
+    from moepass.runtime.topology import Topology
+
+    block = FusedMoE(64, 128, 8, 2)
+    kept, again = (search(moepass.detect(block).blocks, Topology(1, 2), (4, 64), profile="a100", recompute=r)
+                   for r in (False, True))
+    single = [next(c for c in res.ranked if c.form == "single") for res in (kept, again)]
+    # gated experts: 3 forward GEMMs; recomputing gate and up adds 2 of them to the 9 of fwd+bwd
+    assert float(single[1].terms.compute / single[0].terms.compute) == pytest.approx((3 + 2 / 3) / 3)

@@ -826,10 +826,10 @@ def expert_ffn_backward_op(
 
 
 @expert_ffn_backward_op.register_fake
-def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
-      b_down_ED, *options):
-    inputs = [x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED]
-    return [x_ND.new_empty(0) if t is None else t.new_empty(t.shape) for t in inputs]  # contiguous, as computed
+def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
+    # the kernels write contiguous gradients; the torch fallback writes them as the dialect's op does
+    contiguous = eligible(x_ND, counts_E, *weights_and_options) is None
+    return dialect.ffn_gradient_fakes(x_ND, *weights_and_options[:6], contiguous=contiguous)
 
 
 expert_ffn = dialect.define_expert_ffn("moe_lowered::expert_ffn", torch.ops.moe_lowered.expert_ffn_forward,

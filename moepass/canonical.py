@@ -104,6 +104,8 @@ def stack_experts(tensors: list[torch.Tensor]) -> torch.Tensor:
     it stacks them (a copy): slower, never wrong; so does a Dynamo trace. The backward hands each
     parameter its slice.
     """
+    if isinstance(tensors[0], fx.Proxy):  # FX re-tracing the generated code (unpickling): stay one node
+        return tensors[0].tracer.create_proxy("call_function", stack_experts, (list(tensors),), {})
     if torch.compiler.is_compiling():  # traced: parameters are graph inputs, the compiler owns their layout
         return torch.stack(tensors)
     return _StackExperts.apply(*tensors)

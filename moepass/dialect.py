@@ -502,6 +502,17 @@ def kept(h_NF: Tensor, x_ND: Tensor) -> Tensor | None:
     return h_NF if h_NF.dim() == 2 and h_NF.shape[0] == x_ND.shape[0] else None
 
 
+def ffn_gradient_fakes(
+    x_ND: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor, b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None, b_down_ED: Tensor | None, contiguous: bool,
+) -> list[Tensor]:
+    """Fake outputs of an expert-FFN backward op: one gradient per input in `FFN_DIFFERENTIABLE` order
+    (empty for absent ones), contiguous or laid out as the torch path writes them (`gradient_like`)."""
+    inputs = [x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED]
+    like = (lambda t: t.new_empty(t.shape)) if contiguous else grouped_ffn.gradient_like
+    return [x_ND.new_empty(0) if t is None else like(t) for t in inputs]
+
+
 @torch.library.custom_op("moe::expert_ffn_forward", mutates_args=())
 def expert_ffn_forward(
     x_ND: Tensor,
@@ -559,10 +570,8 @@ def expert_ffn_backward(
 
 
 @expert_ffn_backward.register_fake
-def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
-      b_down_ED, *options):
-    inputs = [x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED]
-    return [x_ND.new_empty(0) if t is None else grouped_ffn.gradient_like(t) for t in inputs]
+def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
+    return ffn_gradient_fakes(x_ND, *weights_and_options[:6], contiguous=False)
 
 
 expert_ffn = define_expert_ffn("moe::expert_ffn", torch.ops.moe.expert_ffn_forward,

@@ -190,3 +190,16 @@ def test_the_cost_model_prices_expert_recompute():
     single = [next(c for c in res.ranked if c.form == "single") for res in (kept, again)]
     # gated experts: 3 forward GEMMs; recomputing gate and up adds 2 of them to the 9 of fwd+bwd
     assert float(single[1].terms.compute / single[0].terms.compute) == pytest.approx((3 + 2 / 3) / 3)
+
+
+def test_a_compiled_modulelist_block_pickles_and_still_reads_in_place():
+    import pickle
+
+    torch.manual_seed(0)
+    block = LoopMoE(16, 32, 4, 2)
+    compiled = moepass.compile(block, moepass.Plan(form="single"))
+    again = pickle.loads(pickle.dumps(compiled))
+    x = torch.randn(3, 5, 16)
+    torch.testing.assert_close(again(x), block(x), rtol=1e-5, atol=1e-6)
+    targets = [n.target for n in again.graph.nodes if n.op == "call_function"]
+    assert targets.count(moepass.canonical.stack_experts) == 3 and torch.stack not in targets

@@ -6,12 +6,12 @@ MOEPASS_UPDATE_GOLDEN=1 after an intended change, and review the diff).
 """
 
 import operator
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _golden import check_golden
 
 import moepass
 from moepass import canonical
@@ -47,27 +47,35 @@ def structure(gm):
     return [(n.op, n.target) for n in gm.graph.nodes]
 
 
-def check_snapshot(gm, name):
-    text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    path = GOLDEN / f"{name}.txt"
-    if os.environ.get("MOEPASS_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert path.exists(), f"no snapshot {path}: run with MOEPASS_UPDATE_GOLDEN=1 once and review it"
-    assert text == path.read_text(), f"canonical graph changed; diff against {path}"
+def check_snapshot(build, name):
+    """`build()` -> a freshly built graph, whose readable code must equal tests/golden/<name>.txt."""
+    check_golden(GOLDEN / f"{name}.txt",
+                 lambda: build().print_readable(print_output=False, include_stride=False, include_device=False))
+
+
+def _build(block):
+    (spec,) = moepass.detect(block).blocks
+    return canonical.build(spec, block)
+
+
+def _loop_gm():
+    return _build(LoopMoE(dim=16, ffn_dim=32, num_experts=4, top_k=2))
+
+
+def _gshard_gm():
+    return _build(GShardMoE(dim=16, ffn_dim=32, num_experts=4, capacity_factor=1.5))
 
 
 @pytest.fixture
 def loop_gm():
-    block = LoopMoE(dim=16, ffn_dim=32, num_experts=4, top_k=2)
-    (spec,) = moepass.detect(block).blocks
-    return canonical.build(spec, block)
+    return _loop_gm()
 
 
 def test_loop_block_structure(loop_gm):
     assert structure(loop_gm) == EXPECTED_LOOP
     route = next(n for n in loop_gm.graph.nodes if n.target is moe.route.default)
     assert route.args[2:] == ("softmax", True, 2, True, 1, 1, "top2_sum", 1.0)
-    check_snapshot(loop_gm, "canonical_loop")
+    check_snapshot(_loop_gm, "canonical_loop")
 
 
 def test_every_node_records_its_pass(loop_gm):
@@ -75,14 +83,12 @@ def test_every_node_records_its_pass(loop_gm):
 
 
 def test_gshard_block_has_capacity_nodes():
-    block = GShardMoE(dim=16, ffn_dim=32, num_experts=4, capacity_factor=1.5)
-    (spec,) = moepass.detect(block).blocks
-    gm = canonical.build(spec, block)
+    gm = _gshard_gm()
     targets = [n.target for n in gm.graph.nodes]
     assert targets.count(moe.capacity_keep.default) == 1
     keep = next(n for n in gm.graph.nodes if n.target is moe.capacity_keep.default)
     assert keep.args[1] == 4 and keep.args[4] is True  # E, k-major priority
-    check_snapshot(gm, "canonical_gshard")
+    check_snapshot(_gshard_gm, "canonical_gshard")
 
 
 def test_spec_features_appear_in_the_graph():

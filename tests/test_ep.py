@@ -295,9 +295,9 @@ def test_bytes_match_analytic_count():
 
 
 def test_dead_peer_times_out():
-    result = pool(2).run(case_timeout, 2.0, timeout=60)[0]
+    result = pool(2).run(case_timeout, 2.0, timeout=60)[0]  # a hang fails the run after 60 s
     assert result["raised"] is not None and "Timed out" in result["message"], result
-    assert result["seconds"] < 30, result
+    assert "waiting 2000ms" in result["message"], result  # the group's 2 s timeout fired, not gloo's default
 
 
 # ----------------------------------------------------------------------------------------------

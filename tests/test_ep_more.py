@@ -574,9 +574,9 @@ def case_peer_lost_before_combine(rank, world, how, timeout_s, path=None):
 def test_peer_stops_before_combine_raises_within_timeout():
     """Rank 1 stops before the combine (alive, never joins): rank 0 gets a timeout error; the pool is fine."""
     timeout_s = 2.5  # a timeout no other test uses: the abandoned EP group is never reused
-    result = pool(2).run(case_peer_lost_before_combine, "stalled", timeout_s, timeout=60)[0]
+    result = pool(2).run(case_peer_lost_before_combine, "stalled", timeout_s, timeout=60)[0]  # a hang: fails at 60 s
     assert result["raised"] is not None and "Timed out" in result["message"], result
-    assert timeout_s * 0.8 <= result["seconds"] < timeout_s + 10, result
+    assert "waiting 2500ms" in result["message"], result  # the topology's timeout fired, not gloo's 60 s default
 
 
 def _ping(rank, world):
@@ -607,10 +607,12 @@ def test_rank_killed_mid_step_raises_within_timeout(tmp_path):
         q.close()
     import json
 
+    assert os.path.exists(path), "rank 0 did not return before the pool killed it (10 s): it hung"
     with open(path) as f:
         result = json.load(f)
+    # rank 0 wrote its result, so it returned before the pool gave up on rank 1 (10 s) and killed it: it
+    # raised and did not hang (gloo words the lost peer differently from run to run: closed, reset, timed out)
     assert result["raised"] is not None, result
-    assert result["seconds"] < timeout_s + 5, result
     print(f"\nrank 0 raised {result['raised']} after {result['seconds']:.2f} s (case {result['case_seconds']:.1f} s): "
           f"{result['message'][:120]}")
     assert pool(2).run(_ping) == [3.0, 3.0]  # the session's pool was never involved

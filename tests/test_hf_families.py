@@ -179,7 +179,7 @@ def test_explain_lists_blocks_and_dense_layers(family, built):
     for spec in compiled.moepass_info.report.blocks:
         assert f"{spec.path}: {recogniser}:" in text
         assert f"== {spec.path} (" in text
-    for path in H.DENSE_BLOCKS.get(family, []):
+    for path in LAYOUT[family][1]:
         assert f"{path}: dense FFN, not MoE" in text
 
 

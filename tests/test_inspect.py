@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
+from _golden import check_golden
 from torch import fx
 
 import moepass
@@ -33,10 +34,8 @@ def sample():
 
 def test_explain_sample_matches_golden(sample):
     # measured errors depend on the BLAS build: the snapshot keeps their place, not their digits
-    text = re.sub(r"max error [0-9.e+-]+", "max error <err>", moepass.explain(sample[0], moepass.Plan())) + "\n"
-    if os.environ.get("MOEPASS_UPDATE_GOLDEN"):
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text(), "explain changed: if deliberate, rerun with MOEPASS_UPDATE_GOLDEN=1"
+    check_golden(GOLDEN, lambda: re.sub(r"max error [0-9.e+-]+", "max error <err>",
+                                        moepass.explain(sample[0], moepass.Plan())) + "\n")
 
 
 def test_diff_of_block_and_its_rewritten_graph(sample):

@@ -1,8 +1,8 @@
 """One MoE layer's forward and forward+backward against its compute floor: moepass vs transformers' EP vs the
 original module, at W=1 and W=2 (issue 12).
 
-    python benchmarks/ep_layer.py            # full run: 3 rounds of interleaved launches (~6 min here)
-    python benchmarks/ep_layer.py --quick    # smoke run: 1 round, fewer steps, same shapes (~1 min),
+    python benchmarks/ep_layer.py            # full run: 3 rounds of interleaved launches (6-9 min here)
+    python benchmarks/ep_layer.py --quick    # smoke run: 1 round, 3 timed iterations, same shapes (1-2 min),
                                              # JSON + plot to the temp dir unless --out
     python benchmarks/ep_layer.py --wait-load 1.5   # first wait for the shared cores to quieten down
 
@@ -52,8 +52,10 @@ system alike. Per workload / W / phase / system the JSON holds the median and (m
 medians, every launch median, the 1-minute load average before and after each launch, the floor of its
 own launches (median and range) and the ratios system/floor (of the medians, and the median of the
 per-launch ratios, which cancels load drift between launches), moepass/transformers_ep and
-moepass/original. The parity step records the global loss, sum(y^2) and sum(dL/dx^2) (summed over
-ranks) per system, compared with the original's.
+moepass/original. The parity step records the global loss, sum(y^2), sum(dL/dx^2) and each parameter
+gradient's sum of squares (summed over ranks; at W=2 rescaled to the original's loss convention, see
+`comparable`) per system, and their largest relative difference from the original's (the table flags
+any above 1e-4).
 """
 
 from __future__ import annotations
@@ -160,13 +162,22 @@ class LayerRunner(Runner):
         loss.backward()
         return x, y, loss
 
-    def parity(self) -> list[float]:
-        """This rank's [loss, sum(y^2), sum(dx^2)] (float64; summed over ranks by the caller)."""
+    def parity(self) -> dict[str, float]:
+        """This rank's loss, sum(y^2), sum(dx^2) and sum(grad^2) of each parameter's local tensor, after one
+        forward+backward (float64; the caller sums them over the ranks)."""
         import torch
+        from torch.distributed.tensor import DTensor
 
         x, y, loss = self.fwd_bwd()
         with torch.no_grad():
-            return [loss.double().item(), y.double().pow(2).sum().item(), x.grad.double().pow(2).sum().item()]
+            out = {"loss": loss.double().item(), "y_sumsq": y.double().pow(2).sum().item(),
+                   "dx_sumsq": x.grad.double().pow(2).sum().item()}
+            inner = getattr(self.module, "module", self.module)  # DDP
+            for name, p in sorted(inner.named_parameters()):
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                out[f"grad_sumsq:{name}"] = float("nan") if g is None else g.double().pow(2).sum().item()
+                out[f"numel:{name}"] = float(p.to_local().numel() if isinstance(p, DTensor) else p.numel())
+            return out
 
 
 class Floor:
@@ -232,9 +243,11 @@ def worker(args) -> int:
         runner = LayerRunner(runner_system, workload, paths[workload], shape, rank, world)
         build_s = time.perf_counter() - t_build
         floor = Floor(shape, world)
-        par = torch.tensor(runner.parity(), dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(par)
+        par = runner.parity()
+        if world > 1:  # every rank has the same parameter names
+            summed = torch.tensor(list(par.values()), dtype=torch.float64)
+            dist.all_reduce(summed)
+            par = dict(zip(par, summed.tolist()))
         fns = {"fwd": runner.forward, "fwd_bwd": runner.fwd_bwd, "floor_fwd": floor.fwd,
                "floor_fwd_bwd": floor.fwd_bwd}
         times: dict[str, list[float]] = {k: [] for k in fns}
@@ -247,7 +260,7 @@ def worker(args) -> int:
             print(f"[ep_layer rank {rank}] {args.worker} {workload} iteration {i} done", file=sys.stderr, flush=True)
         out["workloads"][workload] = {
             "step_s": times, "median_s": {k: statistics.median(v) for k, v in times.items()},
-            "parity": dict(zip(("loss", "y_sumsq", "dx_sumsq"), par.tolist())), "build_s": build_s,
+            "parity": par, "build_s": build_s,
             "floor_shapes": floor.shapes, "floor_flops": floor.flops, **runner.info}
         del runner, floor
     if rank == 0:
@@ -315,6 +328,21 @@ def _ms(values: list[float]) -> dict:
     return {"median_ms": s["median"], "min_ms": s["min"], "max_ms": s["max"], "launch_medians_ms": [1e3 * v for v in values]}
 
 
+def comparable(par: dict, ref: dict, world: int) -> dict[str, float]:
+    """A launch's parity sums (over ranks) made comparable with the W=1 original's: at W=2 the gradients are
+    those of the mean of the ranks' losses (the DDP / FSDP convention, which moepass EP follows for the expert
+    weights), so a parameter's sum(grad^2) is scaled by W^2, and divided by its number of replicas (1 for a
+    sharded parameter, W for a replicated one: summed local numels / the original's numel)."""
+    out = {k: par[k] for k in ("loss", "y_sumsq", "dx_sumsq")}
+    for key, value in par.items():
+        if not key.startswith("grad_sumsq:") or key not in ref:
+            continue
+        name = key.split(":", 1)[1]
+        replicas = par[f"numel:{name}"] / ref[f"numel:{name}"]
+        out[key] = value / replicas * world ** 2
+    return out
+
+
 def aggregate(launches: list[dict], workloads: list[str], keys: list[str]) -> dict:
     results: dict = {}
     for workload in workloads:
@@ -346,9 +374,10 @@ def aggregate(launches: list[dict], workloads: list[str], keys: list[str]) -> di
                            **{k: w0[k] for k in ("local_parameters", "tokens_this_process", "experts_implementation",
                                                  "moepass_rewritten") if k in w0}}
                 if ref_par:
+                    comp = [comparable(r["workloads"][workload]["parity"], ref_par, world) for r in sys_runs]
                     e["parity_max_rel_diff_vs_original"] = {
-                        q: max(abs(r["workloads"][workload]["parity"][q] - ref_par[q]) / abs(ref_par[q])
-                               for r in sys_runs) for q in ref_par}
+                        q: max(abs(c[q] - ref_par[q]) / abs(ref_par[q]) if q in c else float("nan") for c in comp)
+                        for q in ref_par if not q.startswith("numel:")}
                 for phase in PHASES:
                     med = [r["workloads"][workload]["median_s"][phase] for r in sys_runs]
                     own_floor = [r["workloads"][workload]["median_s"][f"floor_{phase}"] for r in sys_runs]
@@ -520,12 +549,17 @@ def table(doc: dict) -> None:
                       + (f"{vs_or:7.2f}" if vs_or else ""))
     print("x floor: fwd+bwd median / floor median at that W; x floor*: median of per-launch ratios; "
           "vs tr: moepass / transformers' path (W=1: the original block); vs orig: over the W=1 original")
+    worst, compared = 0.0, 0
     for w, per_w in doc["results"].items():
         for world, entry in per_w.items():
             for system, p in entry["systems"].items():
                 d = p.get("parity_max_rel_diff_vs_original")
-                if d and max(d.values()) > 1e-4:
+                if d and not all(v <= 1e-4 for v in d.values()):  # (a NaN: a gradient missing or not comparable)
                     print(f"PARITY {w} {world} {system}: max relative difference vs original {d}")
+                if d and system != "original":
+                    worst, compared = max(worst, *d.values()), compared + 1
+    print(f"parity vs the original (loss, sum y^2, sum dx^2, sum grad^2 per parameter), {compared} system/W/workload"
+          f" entries: largest relative difference {worst:.1e}" if compared else "parity: no original launch to compare")
     for f in doc["exit_aborts"]:
         last = [ln for ln in f["log"].splitlines() if "terminate" in ln or "Error" in ln or "Fatal" in ln][:2]
         print(f"{f['launch']} round {f['round']}: figures complete, then a process aborted at exit: {last}")
@@ -544,7 +578,7 @@ def plot(doc: dict, path: Path) -> None:
     labels = {"moepass": "moepass", "transformers_ep": "transformers EP",
               "original": "original HF block (= transformers' path at W=1)"}
     workloads = list(doc["results"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(max(6.5 * len(workloads), 10), 5), squeeze=False)
     seen: set[str] = set()
     for ax, workload in zip(axes[0], workloads):
         shape = doc["workloads"][workload]
@@ -566,16 +600,16 @@ def plot(doc: dict, path: Path) -> None:
                       label=None if "floor" in seen else "compute floor (GEMM of the same FLOPs)")
             seen.add("floor")
             ticks.append((start + x - 1) / 2)
-            ticklabels.append(f"W={world[1:]}" + (" (per rank)" if world != "W1" else ""))
+            ticklabels.append(f"W={world[1:]}" + (" (2 ranks x 1 thread)" if world != "W1" else " (1 thread)"))
             x += 0.8
         ax.set_xticks(ticks, ticklabels)
         ax.set_ylabel("fwd+bwd ms (median of launches; bars: range)")
         ax.set_title(f"{workload}: {shape['tokens']} tokens, D={shape['hidden']}, F={shape['intermediate']}, "
                      f"E={shape['experts']}, K={shape['top_k']}", fontsize=10)
-    fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle(f"One MoE layer, fp32, 1 thread per rank; {doc['rounds']} interleaved round(s); "
-                 f"labels: x compute floor ({doc['started'][:10]})", fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.legend(loc="lower center", ncol=2 if len(workloads) == 1 else 4, fontsize=8, frameon=False)
+    fig.suptitle(f"One MoE layer fwd+bwd, fp32, {doc['rounds']} interleaved round(s), {doc['started'][:10]}; "
+                 "numbers: x the compute floor (dashed, per rank)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1 if len(workloads) == 1 else 0.07, 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -600,7 +600,7 @@ def validate(
     b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
 ) -> None:
     """Raise ValueError naming the dimension / dtype / device that does not fit the kernels."""
-    dialect.check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    dialect.check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
     E, F, D = w_gate_EFD.shape
     for name, b, want in (("b_gate_EF", b_gate_EF, (E, F)), ("b_up_EF", b_up_EF, (E, F)), ("b_down_ED", b_down_ED, (E, D))):
         if b is not None and tuple(b.shape) != want:
@@ -791,7 +791,7 @@ def expert_ffn_forward_op(
 @expert_ffn_forward_op.register_fake
 def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
       alpha, save):
-    dialect.check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    dialect.check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
     args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
             alpha)
     keep = save and eligible(*args) is not None  # only the torch fallback keeps pre-activations

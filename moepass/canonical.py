@@ -14,6 +14,7 @@ Shape legend: B batch, S sequence, T = B*S tokens, D model width, E experts, K t
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from moepass import dialect
-from moepass.spec import CapacitySpec, MoESpec, TensorSource
+from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, TensorSource
 
 if TYPE_CHECKING:
     from moepass.rewrite.ep import EPLayout
@@ -212,6 +213,35 @@ class GraphBuilder:
         return node
 
 
+def fused_gate_up_source(experts: ExpertsSpec) -> TensorSource | None:
+    """The one tensor gate and up are read from, when they are its two halves along F (gate first)
+    and carry no biases: the expert FFN then takes it whole (`grouped_ffn.fused_gate_up`)."""
+    g, u = experts.w_gate, experts.w_up
+    if u is None or experts.b_gate is not None or experts.b_up is not None:
+        return None
+    if g.chunk != (0, 2) or u.chunk != (1, 2) or dataclasses.replace(g, chunk=None) != dataclasses.replace(u, chunk=None):
+        return None
+    f_axis = (-1, 2) if g.transpose else (-2, 1)  # the F axis before the transpose, if any
+    if g.chunk_dim not in f_axis:
+        return None
+    return dataclasses.replace(g, chunk=None)
+
+
+def expert_weights(b: GraphBuilder, experts: ExpertsSpec, read: Any) -> list[fx.Node | None]:
+    """The six weight operands of `moe.expert_ffn` (gate, up, down, and their biases); `read(source, role)`
+    makes the node of one. Fused gate/up (one tensor's halves) passes the whole tensor as gate, no up."""
+    fused = fused_gate_up_source(experts)
+    roles = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+    sources = {role: getattr(experts, role) for role in roles}
+    if fused is not None:
+        sources.update(w_gate=fused, w_up=None)
+    return [None if sources[role] is None else read(sources[role], role) for role in roles]
+
+
+WEIGHT_NAMES = {"w_gate": "w_gate_EFD", "w_up": "w_up_EFD", "w_down": "w_down_EDF", "b_gate": "b_gate_EF",
+                "b_up": "b_up_EF", "b_down": "b_down_ED"}
+
+
 def build_graph(spec: MoESpec) -> fx.Graph:
     """The canonical dialect graph of `spec`, as a plain fx.Graph."""
     b = GraphBuilder(CANONICAL_PASS, spec.path)
@@ -267,8 +297,7 @@ def build_graph(spec: MoESpec) -> fx.Graph:
     order_N = b.item(permuted, 2, "order_N")
     y_ND = b.fn(
         dialect.EXPERT_FFN, x_ND, counts_E,
-        b.tensor(x.w_gate, "w_gate_EFD"), b.tensor(x.w_up, "w_up_EFD"), b.tensor(x.w_down, "w_down_EDF"),
-        b.tensor(x.b_gate, "b_gate_EF"), b.tensor(x.b_up, "b_up_EF"), b.tensor(x.b_down, "b_down_ED"),
+        *expert_weights(b, x, lambda source, role: b.tensor(source, WEIGHT_NAMES[role])),
         x.activation, x.clamp_limit, x.swiglu_alpha, name="y_ND",
     )
     y_TKD = b.fn(dialect.UNPERMUTE, y_ND, order_N, K, name="y_TKD")

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from moepass import grouped_ffn
 from moepass.activations import activate, activate_backward
+from moepass.grouped_ffn import fused_gate_up
 
 NAMESPACE = "moe"
 
@@ -173,8 +174,13 @@ def expert_ffn_ref(
 # ----------------------------------------------------------------------------------------------
 
 
-def check_ffn_shapes(x_ND: Tensor, counts_E: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor) -> None:
+def check_ffn_shapes(x_ND: Tensor, counts_E: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor,
+                     activation: str = "") -> None:
     E, F_, D = w_gate.shape
+    if fused_gate_up(w_up, activation):
+        if F_ % 2:
+            raise ValueError(f"moe.expert_ffn: fused gate/up w_gate_EFD has {F_} rows per expert, expected 2F")
+        F_ //= 2
     if x_ND.dim() != 2 or x_ND.shape[1] != D:
         raise ValueError(f"moe.expert_ffn: x_ND has shape {tuple(x_ND.shape)}, expected (N, D={D}) from w_gate_EFD")
     if counts_E.shape != (E,):
@@ -482,8 +488,8 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
     lib.impl(name, run, "CompositeExplicitAutograd")
     lib.impl(name, autograd_kernel, "Autograd")
 
-    def fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, *rest):
-        check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    def fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate, b_up, b_down, activation, *rest):
+        check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
         return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
 
     torch.library.register_fake(qualname, fake, lib=lib)
@@ -491,7 +497,8 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
 
 
 def saved_activations(x_ND: Tensor, w_gate_EFD: Tensor, gated: bool, save: bool) -> tuple[Tensor, Tensor]:
-    """Fake (h_gate_NF, h_up_NF) of an expert-FFN forward op: [N, F] when kept, else empty."""
+    """Fake (h_gate_NF, h_up_NF) of an expert-FFN forward op: [N, F] when kept, else empty. With fused
+    gate/up (`w_gate` [E, 2F, D], no `w_up`) the first is the [N, 2F] pre-activation of both."""
     N, F_ = x_ND.shape[0], w_gate_EFD.shape[1]
     h_gate = x_ND.new_empty(N, F_) if save else x_ND.new_empty(0)
     return h_gate, (x_ND.new_empty(N, F_) if save and gated else x_ND.new_empty(0))
@@ -529,7 +536,7 @@ def expert_ffn_forward(
     save: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """y_ND and, when `save`, the pre-activations h_gate_NF, h_up_NF (else empty tensors)."""
-    check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
     y_ND, h_gate, h_up = grouped_ffn.forward(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF,
                                              b_up_EF, b_down_ED, activation, clamp_limit, alpha)
     if not save:
@@ -540,7 +547,7 @@ def expert_ffn_forward(
 @expert_ffn_forward.register_fake
 def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
       alpha, save):
-    check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
     return (x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1]),
             *saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, save))
 

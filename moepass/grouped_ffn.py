@@ -37,9 +37,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moepass.activations import activate, activate_and_backward
+from moepass.activations import GATED_ACTIVATIONS, activate, activate_and_backward
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_gate_up(w_up: Tensor | None, activation: str) -> bool:
+    """A gated activation without `w_up`: `w_gate` holds gate and up as one `[E, 2F, D]` tensor (gate
+    rows first, as Hugging Face's `gate_up_proj`): one GEMM computes both pre-activations, one gives
+    their weight gradient, and the caller's parameter gets it without a chunk backward."""
+    return w_up is None and activation in GATED_ACTIVATIONS
+
+
+def halves(h_gate: Tensor, h_up: Tensor | None, fused: bool) -> tuple[Tensor, Tensor | None]:
+    """(gate, up) pre-activations: the two column halves of a fused [N, 2F] one, else as given."""
+    if not fused:
+        return h_gate, h_up
+    F = h_gate.shape[-1] // 2
+    return h_gate[:, :F], h_gate[:, F:]
 
 
 def grouped_mm_ok(*mats: Tensor) -> bool:
@@ -175,11 +190,12 @@ def forward(
     b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
     clamp_limit: float, alpha: float,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """y_ND and the pre-activations (h_gate_NF, h_up_NF or None) the backward can reuse."""
+    """y_ND and the pre-activations the backward can reuse: (h_gate_NF, h_up_NF or None), or with
+    fused gate/up (see `fused_gate_up`) the one [N, 2F] pre-activation and None."""
     rows = Rows(counts_E, x_ND.shape[0])
     x_ND = x_ND.contiguous()
     h_gate, h_up = pre_activations(rows, x_ND, w_gate_EFD, w_up_EFD, b_gate_EF, b_up_EF)
-    a_NF = activate(h_gate, h_up, activation, clamp_limit, alpha)
+    a_NF = activate(*halves(h_gate, h_up, fused_gate_up(w_up_EFD, activation)), activation, clamp_limit, alpha)
     y_ND = rows.add_bias(rows.mm(a_NF, w_down_EDF.transpose(-2, -1)), b_down_ED)
     return y_ND, h_gate, h_up
 
@@ -195,14 +211,19 @@ def backward(
     """
     rows = Rows(counts_E, x_ND.shape[0])
     x_ND, grad_y_ND = x_ND.contiguous(), grad_y_ND.contiguous()  # an expanded (stride-0) grad is legal
+    fused = fused_gate_up(w_up_EFD, activation)
     if h_gate_NF is None:
         h_gate_NF, h_up_NF = pre_activations(rows, x_ND, w_gate_EFD, w_up_EFD, b_gate_EF, b_up_EF)
     grad_a_NF = rows.mm(grad_y_ND, w_down_EDF)
-    a_NF, grad_gate, grad_up = activate_and_backward(grad_a_NF, h_gate_NF, h_up_NF, activation, clamp_limit, alpha)
+    a_NF, grad_gate, grad_up = activate_and_backward(grad_a_NF, *halves(h_gate_NF, h_up_NF, fused), activation,
+                                                     clamp_limit, alpha)
     del grad_a_NF
     grad_w_down = weight_grad(rows, grad_y_ND, a_NF, w_down_EDF)
     grad_b_down = rows.bias_grad(grad_y_ND, b_down_ED)
     del a_NF
+    if fused:  # one [N, 2F] gradient for the one [E, 2F, D] weight
+        assert grad_up is not None
+        grad_gate, grad_up = torch.cat([grad_gate, grad_up], 1), None
     grad_gate, grad_up = grad_gate.contiguous(), None if grad_up is None else grad_up.contiguous()
     grad_w_gate = weight_grad(rows, grad_gate, x_ND, w_gate_EFD)
     grad_b_gate = rows.bias_grad(grad_gate, b_gate_EF)

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from moepass import dialect
+from moepass import canonical, dialect
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
 from moepass.passes import PassResult
@@ -274,8 +274,8 @@ def rewrite_graph(gm: MoEGraphModule, weight_attrs: dict[str, str], layout: EPLa
         local = b.fn(dialect.PERMUTE, x_RD, ids_R1, L, name="local_permute")
         x_MD, counts_L, order_R = b.item(local, 0, "x_MD"), b.item(local, 1, "counts_L"), b.item(local, 2, "order_R")
         reads: dict[str, fx.Node] = {}
-        weights = [None if weight_attrs.get(role) is None else
-                   _local_weight(b, weight_attrs[role], getattr(spec.experts, role), role, reads) for role in ROLES]
+        weights = canonical.expert_weights(
+            b, spec.experts, lambda source, role: _local_weight(b, weight_attrs[role], source, role, reads))
         world = layout.groups.world_size
         if world > 1:  # expert-weight gradients / W, the input gradient unchanged (see grad_scale)
             x_MD = b.fn(grad_scale, x_MD, float(world), name="x_MD_grad_times_W")

@@ -51,7 +51,7 @@ from torch import Tensor
 
 import lowering
 from lowering import codegen
-from moepass import dialect
+from moepass import dialect, grouped_ffn
 from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
 # ----------------------------------------------------------------------------------------------
@@ -737,12 +737,35 @@ def expert_ffn_backward(
 MAX_EXPERTS = 8192  # the tile schedule loads counts_E as one block of next_pow2(E) per program
 
 
+def unfused(args: tuple) -> tuple:
+    """The kernels' view of `moe.expert_ffn` arguments: fused gate/up (`w_gate` [E, 2F, D], no `w_up`)
+    as its two halves, strided views (the kernels take weight strides), biases likewise."""
+    x_ND, counts_E, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, clamp_limit, alpha = args
+    if not grouped_ffn.fused_gate_up(w_up, activation):
+        return args
+    F = w_gate.shape[1] // 2
+    if b_gate is not None:
+        b_gate, b_up = b_gate[:, :F], b_gate[:, F:]
+    return (x_ND, counts_E, w_gate[:, :F], w_gate[:, F:], w_down, b_gate, b_up, b_down, activation, clamp_limit, alpha)
+
+
+def fused_grads(grads: list, args: tuple) -> list:
+    """Gradients of the kernels (gate and up apart) in the layout of `args` (fused: one [E, 2F, D])."""
+    if not grouped_ffn.fused_gate_up(args[3], args[8]):
+        return grads
+    gx, gwg, gwu, gwd, gbg, gbu, gbd = grads
+    return [gx, torch.cat([gwg, gwu], 1), None, gwd, None if gbg is None else torch.cat([gbg, gbu], 1), None, gbd]
+
+
 def eligible(
     x_ND: Tensor, counts_E: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor,
     b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
     clamp_limit: float, alpha: float,
 ) -> str | None:
     """None if the Triton kernels can run these arguments (real or fake tensors), else why not."""
+    (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+     alpha) = unfused((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
+                       clamp_limit, alpha))
     blocker = codegen.launch_blocker(x_ND.device)
     if blocker is not None:
         return blocker
@@ -761,8 +784,8 @@ def generated_source(
     clamp_limit: float, alpha: float,
 ) -> str:
     """The kernel source these arguments run (for `moepass.explain`)."""
-    return generated_source_for(spec_of(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
-                                        b_down_ED, activation, clamp_limit, alpha))
+    return generated_source_for(spec_of(*unfused((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF,
+                                                  b_up_EF, b_down_ED, activation, clamp_limit, alpha))))
 
 
 @torch.library.custom_op("moe_lowered::expert_ffn_forward", mutates_args=())
@@ -784,7 +807,7 @@ def expert_ffn_forward_op(
     args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
             alpha)
     if eligible(*args) is None:
-        return expert_ffn_forward(*args), x_ND.new_empty(0), x_ND.new_empty(0)
+        return expert_ffn_forward(*unfused(args)), x_ND.new_empty(0), x_ND.new_empty(0)
     return torch.ops.moe.expert_ffn_forward(*args, save)  # the torch fallback
 
 
@@ -820,7 +843,7 @@ def expert_ffn_backward_op(
     args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
             alpha)
     if eligible(*args) is None:
-        grads = expert_ffn_backward(grad_y_ND, *args)
+        grads = fused_grads(expert_ffn_backward(grad_y_ND, *unfused(args)), args)
         return [x_ND.new_empty(0) if g is None else g for g in grads]
     return torch.ops.moe.expert_ffn_backward(grad_y_ND, x_ND, h_gate_NF, h_up_NF, *args[1:])  # torch fallback
 

@@ -117,7 +117,7 @@ def relayout_stacked(gm: nn.Module, spec: MoESpec) -> int:
     keeping the Parameter objects (and their names and values): `p.data` becomes a slice of the buffer.
     Returns how many parameters moved."""
     moved = 0
-    for role in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"):
+    for role in ROLES:
         source: TensorSource | None = getattr(spec.experts, role)
         if source is None or not source.stacked:
             continue
@@ -150,6 +150,14 @@ def capacity_of(tokens: int, group_size: int, top_k: int, num_experts: int, fact
 def sequence_group_size(hidden_states: torch.Tensor, scope: str) -> int:
     """Tokens per capacity group: a sequence (dim -2 of [B, S, D]) or all tokens (0)."""
     return hidden_states.shape[-2] if scope == "sequence" and hidden_states.dim() >= 3 else 0
+
+
+# The expert FFN's weight operands in `moe.expert_ffn` order, with their node names.
+WEIGHT_NAMES = {"w_gate": "w_gate_EFD", "w_up": "w_up_EFD", "w_down": "w_down_EDF", "b_gate": "b_gate_EF",
+                "b_up": "b_up_EF", "b_down": "b_down_ED"}
+
+
+ROLES = tuple(WEIGHT_NAMES)
 
 
 class GraphBuilder:
@@ -231,15 +239,10 @@ def expert_weights(b: GraphBuilder, experts: ExpertsSpec, read: Any) -> list[fx.
     """The six weight operands of `moe.expert_ffn` (gate, up, down, and their biases); `read(source, role)`
     makes the node of one. Fused gate/up (one tensor's halves) passes the whole tensor as gate, no up."""
     fused = fused_gate_up_source(experts)
-    roles = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-    sources = {role: getattr(experts, role) for role in roles}
+    sources = {role: getattr(experts, role) for role in ROLES}
     if fused is not None:
         sources.update(w_gate=fused, w_up=None)
-    return [None if sources[role] is None else read(sources[role], role) for role in roles]
-
-
-WEIGHT_NAMES = {"w_gate": "w_gate_EFD", "w_up": "w_up_EFD", "w_down": "w_down_EDF", "b_gate": "b_gate_EF",
-                "b_up": "b_up_EF", "b_down": "b_down_ED"}
+    return [None if sources[role] is None else read(sources[role], role) for role in ROLES]
 
 
 def build_graph(spec: MoESpec) -> fx.Graph:

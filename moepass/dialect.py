@@ -17,8 +17,9 @@ the data-movement ops keep their input dtype.
 The pure-torch references (`*_ref`) are the semantics; kernels in `lowering/` must match them.
 
 Shapes: T tokens, D model width, F expert hidden width, E experts, K top-k, N = T*K routed rows.
-Host sync points: `expert_ffn` reads `counts_E` on the host (`_split_sizes`) to slice rows per
-expert; nothing else in this file syncs.
+Host sync points: the references `expert_ffn_ref` / `expert_ffn_backward_ref` read `counts_E` on the
+host (`grouped_ffn.split_sizes`); the op itself runs `moepass.grouped_ffn`, which syncs only in its
+per-expert fallback. Nothing else in this file syncs.
 """
 
 from __future__ import annotations
@@ -139,11 +140,6 @@ def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
     return out_TD.to(y_TKD.dtype)
 
 
-def _split_sizes(counts_E: Tensor) -> list[int]:
-    """Host sync point: per-expert row counts as Python ints."""
-    return [int(c) for c in counts_E.tolist()]
-
-
 def expert_ffn_ref(
     x_ND: Tensor,
     counts_E: Tensor,
@@ -159,7 +155,7 @@ def expert_ffn_ref(
 ) -> Tensor:
     """Per-expert FFN over expert-sorted rows: rows [offset_e, offset_e + counts_E[e]) use expert e."""
     outs = []
-    for e, rows_MD in enumerate(torch.split(x_ND, _split_sizes(counts_E))):
+    for e, rows_MD in enumerate(torch.split(x_ND, grouped_ffn.split_sizes(counts_E))):
         h_gate = F.linear(rows_MD, w_gate_EFD[e], None if b_gate_EF is None else b_gate_EF[e])
         h_up = None if w_up_EFD is None else F.linear(rows_MD, w_up_EFD[e], None if b_up_EF is None else b_up_EF[e])
         a = activate(h_gate, h_up, activation, clamp_limit, alpha)
@@ -403,7 +399,7 @@ def expert_ffn_backward_ref(
     grad_b_up = None if b_up_EF is None else torch.zeros_like(b_up_EF)
     grad_b_down = None if b_down_ED is None else torch.zeros_like(b_down_ED)
     start = 0
-    for e, rows in enumerate(_split_sizes(counts_E)):
+    for e, rows in enumerate(grouped_ffn.split_sizes(counts_E)):
         if rows == 0:
             continue
         end = start + rows

@@ -84,6 +84,11 @@ def offsets(counts_E: Tensor) -> Tensor:
     return torch.cumsum(counts_E, 0, dtype=torch.int32)
 
 
+def split_sizes(counts_E: Tensor) -> list[int]:
+    """Host sync point: rows per expert as Python ints (one device->host copy)."""
+    return [int(c) for c in counts_E.tolist()]
+
+
 def row_experts(counts_E: Tensor, rows: int) -> Tensor:
     """Expert of each sorted row, on the device (no host sync: `rows` is known statically)."""
     return torch.repeat_interleave(torch.arange(counts_E.shape[0], device=counts_E.device), counts_E,
@@ -110,7 +115,7 @@ class Rows:
     def sizes(self) -> list[int]:
         """Host sync point of the fallback: rows per expert as Python ints."""
         if self._sizes is None:
-            self._sizes = [int(c) for c in self.counts_E.tolist()]
+            self._sizes = split_sizes(self.counts_E)
         return self._sizes
 
     def mm(self, a_NK: Tensor, b_EKQ: Tensor) -> Tensor:

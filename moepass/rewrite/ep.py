@@ -63,7 +63,7 @@ from moepass.runtime.topology import EPGroups, ep_groups
 from moepass.spec import CapacitySpec, MoESpec, TensorSource
 
 PASS = "ep"
-ROLES = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+ROLES = canonical.ROLES
 
 
 # ----------------------------------------------------------------------------------------------

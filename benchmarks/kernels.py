@@ -54,7 +54,7 @@ HARDWARE = {
 def kernel_costs(D: int, F: int, E: int, N: int, gated: bool = True, elem: int = 2) -> list[dict]:
     """FLOPs and compulsory bytes of each kernel launch of one expert-FFN forward and backward.
 
-    Mirrors lowering/grouped_gemm.py: forward = gate_up_kernel + rows_kernel (down); backward =
+    Mirrors lowering/grouped_gemm/ (host.py): forward = gate_up_kernel + rows_kernel (down); backward =
     gate_up_kernel.backward (recomputes gate/up, grad_a, activation backward) + rows_kernel (dX) +
     wgrad_kernel for w_gate, w_up (if gated) and w_down.
     """

@@ -57,7 +57,7 @@ def compute_time(rows, D, F, m, R, eta, *, recompute=0):
     `recompute` = 1 when the backward recomputes the m-1 input-side GEMMs (gate, up) instead of keeping
     their outputs, so a step costs 3 + (m-1)/m forward passes of GEMMs instead of 3: the torch expert
     FFN (`moepass.grouped_ffn`) under `Plan(expert_recompute=True)`, and the Triton grouped GEMM
-    (`lowering/grouped_gemm.py`), which recomputes in registers. By default the torch path keeps them.
+    (`lowering/grouped_gemm/`), which recomputes in registers. By default the torch path keeps them.
     """
     return (FWD_BWD + recompute * (m - 1) / m) * expert_flops(rows, D, F, m) / (R * eta)
 

@@ -4,7 +4,7 @@ Every family writes its kernels as Python source *generated from a template* spe
 spec (E, K, group sizes, score function, dtypes baked in as literals / `tl.constexpr`), loads it with
 `load_kernel_module`, and checks that it also builds for a real GPU with `build_for_gpu`.
 
-API (stable; `lowering/grouped_gemm.py` relies on it):
+API (stable; every family relies on it):
 
     triton_available() -> bool                 Triton importable at all
     is_interpreted() -> bool                   TRITON_INTERPRET is on (kernels run on CPU tensors)
@@ -18,15 +18,19 @@ API (stable; `lowering/grouped_gemm.py` relies on it):
     resource_usage(cubin_bytes) -> dict        parsed `cuobjdump --dump-resource-usage`
     ROUND_BF16_SOURCE                          @triton.jit `round_bf16(x)` helper source (interpreter truncates bf16 casts)
     SHARED_LIMIT_BYTES[arch]                   opt-in shared memory per block (sm_80 163 KiB, sm_90 227 KiB)
+    shared_limit_bytes(arch) -> int            SHARED_LIMIT_BYTES[arch], 48 KiB for an arch not listed
     build_module(module, arch) -> list[BuildReport]  build every kernel a generated module lists in `GPU_BUILDS`
+    module_requests(module, arch) / build_request(module, entry, arch)  the `BuildRequest`s of `GPU_BUILDS`
     render(template, **values) -> str          `string.Template` substitution ($NAME), every name required
     rounding_helpers(**{name: dtype}) -> str   @triton.jit helpers rounding fp32 to a dtype's precision
     SIG_DTYPES / TL_DTYPES                     torch dtype -> Triton signature string / `tl.` dtype name
+    FLOAT_DTYPES                               the floating dtypes the kernels take (fp32, fp16, bf16)
     next_pow2(n) -> int
     register_autocast(op, policy)              autocast dtype policy of a lowered op: "fp32", "compute", "preserve"
 
 Generated-module convention: a module lists its kernels for the GPU build check as
-`GPU_BUILDS = [dict(kernel="name", signature={...}, constexprs={...}, num_warps=4), ...]`; the
+`GPU_BUILDS = [dict(kernel="name", signature={...}, constexprs={...}, num_warps=4), ...]` (optional
+`num_stages`, `divisible`; other keys are the family's own, e.g. the grouped GEMM's `role`); the
 signature uses Triton type strings for the dtypes this specialisation was generated for.
 
 Cache: `$MOEPASS_KERNEL_CACHE` if set, else `~/.cache/moepass/kernels` (falls back to a temp dir if
@@ -94,7 +98,7 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def render(template: str, **values: Any) -> str:
+def render(template: str, /, **values: Any) -> str:
     """Fill `$NAME` placeholders (a missing value raises KeyError, so nothing is left unfilled)."""
     return string.Template(template).substitute({k: str(v) for k, v in values.items()})
 
@@ -229,7 +233,7 @@ class BuildReport:
 
     @property
     def shared_limit_bytes(self) -> int:
-        return SHARED_LIMIT_BYTES.get(self.arch, 48 * KiB)
+        return shared_limit_bytes(self.arch)
 
     def problems(self) -> list[str]:
         """What would make this kernel a bad GPU kernel (spills, too much shared memory)."""
@@ -241,6 +245,11 @@ class BuildReport:
             out.append(f"{self.name} sm_{self.arch}: {self.shared_bytes} B shared memory > limit "
                        f"{self.shared_limit_bytes} B")
         return out
+
+
+def shared_limit_bytes(arch: int) -> int:
+    """Opt-in shared memory per block of sm_<arch>; 48 KiB (the limit without opt-in) if not listed."""
+    return SHARED_LIMIT_BYTES.get(arch, 48 * KiB)
 
 
 def unwrap(kernel_fn: Any) -> Any:
@@ -334,14 +343,16 @@ def build_module(module: ModuleType, arch: int) -> list[BuildReport]:
 
 
 def module_requests(module: ModuleType, arch: int) -> list[BuildRequest]:
-    """Build requests for a generated module's `GPU_BUILDS`; pointers count as 16-byte aligned (torch
-    allocations are) unless an entry lists its own `divisible`."""
-    return [
-        BuildRequest.of(getattr(module, b["kernel"]), b["signature"], b["constexprs"], arch, b.get("num_warps", 4),
-                        b.get("num_stages", 3),
-                        b.get("divisible", tuple(k for k, v in b["signature"].items() if v.startswith("*"))))
-        for b in module.GPU_BUILDS
-    ]
+    """Build requests for a generated module's `GPU_BUILDS`."""
+    return [build_request(module, entry, arch) for entry in module.GPU_BUILDS]
+
+
+def build_request(module: ModuleType, entry: dict[str, Any], arch: int) -> BuildRequest:
+    """The request for one `GPU_BUILDS` entry of `module`; pointers count as 16-byte aligned (torch
+    allocations are) unless the entry lists its own `divisible`."""
+    pointers = tuple(k for k, v in entry["signature"].items() if v.startswith("*"))
+    return BuildRequest.of(getattr(module, entry["kernel"]), entry["signature"], entry["constexprs"], arch,
+                           entry.get("num_warps", 4), entry.get("num_stages", 3), entry.get("divisible", pointers))
 
 
 def build_many(requests: list[BuildRequest]) -> list[BuildReport]:

@@ -1,0 +1,169 @@
+"""Grouped-GEMM expert FFN: `moe.expert_ffn` lowered to generated Triton kernels, forward and backward.
+
+Shape legend: N routed rows sorted by expert, D model width, F expert hidden width, E experts.
+
+Three kernels (gate_up_kernel, rows_kernel, wgrad_kernel), generated once per spec (activation,
+gating, bias flags, dtype baked in as constants), run the forward in two launches and the backward
+(which recomputes h_gate/h_up instead of keeping them) in five (four when not gated). Where each part lives:
+
+    templates.py  the Triton source text: module skeleton, activations, the kernels, their tile schedule
+    source.py     render(spec) -> the generated module with its GPU_BUILDS; kernel_module; gpu_build_requests
+    configs.py    FfnSpec (what a module is specialised to), spec_of, block-size configs, pick_config, fits
+    launch.py     one host wrapper per kernel; autotuned on a GPU, `pick_config` when interpreted
+    host.py       validate, expert_ffn_forward / expert_ffn_backward, the fused gate/up adapters
+    this file     eligibility, the `moe_lowered` custom ops (fakes, autograd, autocast), the `Lowering` record
+
+Every name the rest of the repository uses (the lower pass, tests, benchmarks) is importable from here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lowering import Lowering, codegen, register
+from lowering.grouped_gemm.configs import (
+    CONFIGS,
+    CONFIGS_FP32,
+    DTYPES,
+    ROLES,
+    BlockConfig,
+    FfnSpec,
+    configs_for,
+    fits,
+    kernel_name,
+    pick_config,
+    rows_bucket,
+    shared_bytes_estimate,
+    spec_of,
+)
+from lowering.grouped_gemm.host import expert_ffn_backward, expert_ffn_forward, fused_grads, unfused, validate
+from lowering.grouped_gemm.launch import gate_up_launch, rows_launch, wgrad_launch
+from lowering.grouped_gemm.source import PROXY_EXPERTS, gpu_build_requests, gpu_builds, kernel_module, render
+from moepass import dialect
+from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
+
+generated_source_for = render  # its name before the family followed the `render` convention
+
+__all__ = [
+    "ACTIVATIONS", "CONFIGS", "CONFIGS_FP32", "DTYPES", "GATED_ACTIVATIONS", "LOWERING", "MAX_EXPERTS", "PROXY_EXPERTS",
+    "ROLES", "BlockConfig", "FfnSpec", "codegen", "configs_for", "eligible", "expert_ffn", "expert_ffn_backward",
+    "expert_ffn_backward_op", "expert_ffn_forward", "expert_ffn_forward_op", "fits", "fused_grads", "gate_up_launch",
+    "generated_source", "generated_source_for", "gpu_build_requests", "gpu_builds", "kernel_module", "kernel_name",
+    "pick_config", "render", "rows_bucket", "rows_launch", "shared_bytes_estimate", "spec_of", "unfused", "validate",
+    "wgrad_launch",
+]
+
+MAX_EXPERTS = 8192  # the tile schedule loads counts_E as one block of next_pow2(E) per program
+
+
+def eligible(
+    x_ND: Tensor, counts_E: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
+    clamp_limit: float, alpha: float,
+) -> str | None:
+    """None if the Triton kernels can run these arguments (real or fake tensors), else why not."""
+    (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+     alpha) = unfused((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
+                       clamp_limit, alpha))
+    blocker = codegen.launch_blocker(x_ND.device)
+    if blocker is not None:
+        return blocker
+    try:
+        validate(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation)
+    except ValueError as err:
+        return str(err)
+    if w_gate_EFD.shape[0] > MAX_EXPERTS:
+        return f"grouped_gemm: E={w_gate_EFD.shape[0]} experts > {MAX_EXPERTS} (the tile schedule's block of counts)"
+    return None
+
+
+def generated_source(
+    x_ND: Tensor, counts_E: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
+    clamp_limit: float, alpha: float,
+) -> str:
+    """The kernel source these arguments run (for `moepass.explain`)."""
+    return render(spec_of(*unfused((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
+                                    b_down_ED, activation, clamp_limit, alpha))))
+
+
+@torch.library.custom_op("moe_lowered::expert_ffn_forward", mutates_args=())
+def expert_ffn_forward_op(
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """y_ND with the Triton kernels; nothing kept for backward (its first kernel recomputes gate/up)."""
+    args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+            alpha)
+    if eligible(*args) is None:
+        return expert_ffn_forward(*unfused(args)), x_ND.new_empty(0), x_ND.new_empty(0)
+    return torch.ops.moe.expert_ffn_forward(*args, save)  # the torch fallback
+
+
+@expert_ffn_forward_op.register_fake
+def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+      alpha, save):
+    dialect.check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
+    args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+            alpha)
+    keep = save and eligible(*args) is not None  # only the torch fallback keeps pre-activations
+    return (x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1]),
+            *dialect.saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, keep))
+
+
+@torch.library.custom_op("moe_lowered::expert_ffn_backward", mutates_args=())
+def expert_ffn_backward_op(
+    grad_y_ND: Tensor,
+    x_ND: Tensor,
+    h_gate_NF: Tensor,
+    h_up_NF: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+) -> list[Tensor]:
+    """Backward of `moe_lowered::expert_ffn`; absent optional inputs get an empty tensor in their slot."""
+    args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+            alpha)
+    if eligible(*args) is None:
+        grads = fused_grads(expert_ffn_backward(grad_y_ND, *unfused(args)), args)
+        return [x_ND.new_empty(0) if g is None else g for g in grads]
+    return torch.ops.moe.expert_ffn_backward(grad_y_ND, x_ND, h_gate_NF, h_up_NF, *args[1:])  # torch fallback
+
+
+@expert_ffn_backward_op.register_fake
+def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
+    # the kernels write contiguous gradients; the torch fallback writes them as the dialect's op does
+    contiguous = eligible(x_ND, counts_E, *weights_and_options) is None
+    return dialect.ffn_gradient_fakes(x_ND, *weights_and_options[:6], contiguous=contiguous)
+
+
+expert_ffn = dialect.define_expert_ffn("moe_lowered::expert_ffn", torch.ops.moe_lowered.expert_ffn_forward,
+                                       torch.ops.moe_lowered.expert_ffn_backward)
+codegen.register_autocast(torch.ops.moe_lowered.expert_ffn.default, "compute")
+codegen.register_autocast(torch.ops.moe_lowered.expert_ffn_forward.default, "compute")
+
+LOWERING = register(Lowering(
+    family="grouped_gemm",
+    dialect_op=torch.ops.moe.expert_ffn.default,
+    lowered_op=torch.ops.moe_lowered.expert_ffn.default,
+    eligible=eligible,
+    source=generated_source,
+))

@@ -1,15 +1,26 @@
 """Cluster simulator: predict the training step of published set-ups (shared/scenarios/*.json).
 
-For every compared system whose form the cost model prices (EP, with or without Lina's schedule),
-one step is laid out on a timeline of the busiest rank (`cost_model.timeline`): per layer, the dense
-part (attention projections), the dispatch all-to-all, expert compute and the combine all-to-all,
-forward then backward, with the gradient all-reduce on the "other" stream. Imbalance comes from the
+For every compared system whose form the cost model prices (EP, with or without Lina's schedule;
+FSDP+EP; FSEP), one step is laid out on a timeline of the busiest rank (`cost_model.timeline`): per
+layer, the dense part (attention projections), the dispatch all-to-all, expert compute and the
+combine all-to-all, forward then backward, with the gradient all-reduce on the "other" stream.
+
+Three layouts, three formulas:
+- EP (form "ep"): experts contiguous over ep ranks; the busiest device's expert compute under the
+  skew sets the pace; expert gradients all-reduced over the W/ep replicas, dense ones over W.
+- FSDP+EP (form "ep" with `"sharding": "fsdp"` or an id naming fsdp): EP's tokens and compute, plus
+  per layer an all-gather of the rank's experts (over their replicas) and of the dense weights (over
+  W) before the forward and again before the backward, and a reduce-scatter of their gradients.
+- FSEP (form "fsep", LAER-MoE): the planner (`moepass.runtime.placement`) picks C experts per device
+  from the routed counts; tokens follow lite routing over all W ranks; per layer a restore
+  all_to_all of C*S/W elements per pair before the forward and the backward, and the gradient slices
+  back (`cost_model.fsep`), prefetched `depth` layers ahead and issued after the token all-to-all. Imbalance comes from the
 scenario's token distribution: a recorded [src rank, expert] count matrix (`routing.counts`), a Zipf
 parameter (`routing.zipf_s`), or a target max/mean (`routing.max_mean`, or a figure read from the
 routing note), turned into counts and priced exactly with `cost_model.ep.exact_a2a`.
 
 Null figures are filled from presets and every fill is reported; shapes a set-up does not give are
-filled with stated assumptions. FSEP, HP and locality routing are listed as not modelled yet.
+filled with stated assumptions. HP and locality routing are listed as not modelled yet.
 
     python -m cost_model.simulate ../shared/scenarios/lina_priority.json [--json out.json]
 """
@@ -28,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from cost_model import ep as ep_formulas
+from cost_model import fsep as fsep_formulas
 from cost_model.presets import Hardware
 from cost_model.scenarios import Case, cases
 from cost_model.search import NOT_MODELLED, search
@@ -35,6 +47,7 @@ from cost_model.timeline import Timeline
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "scenarios"
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
+MODELLED_FORMS = ("ep", "fsep")
 
 
 # ---- what one system on one case predicts ---------------------------------------------------------
@@ -111,6 +124,25 @@ def _ms(seconds: float | None) -> str:
 # ---- one case: a model on a cluster ----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ParamTraffic:
+    """Per-layer parameter collectives of a layout whose weights are sharded (FSEP, FSDP+EP), in seconds.
+
+    They run on the "other" stream: `gather_fwd` before the layer's forward (FSEP's restore all_to_all,
+    FSDP's all-gather), `gather_bwd` before its backward (the gathered weights are freed after the
+    forward), `grads` after its backward expert compute (the gradient slices go back: FSEP's reverse
+    all_to_all, FSDP's reduce-scatter; no expert all-reduce then). `depth` layers are gathered ahead of
+    the one computing (1 + depth buffers). `dense`: the dense weights travel with them (FSDP for the
+    dense part: no dense all-reduce, and the layer's dense compute waits for the forward gather).
+    """
+
+    gather_fwd: float
+    gather_bwd: float
+    grads: float
+    depth: int
+    dense: bool = False
+
+
 def _layer_timeline(
     tl: Timeline,
     case: Case,
@@ -121,13 +153,24 @@ def _layer_timeline(
     policy: str,
     bucket_bytes: float,
     packing: int = 1,
+    rows_SR: np.ndarray | None = None,
+    params: ParamTraffic | None = None,
 ) -> dict[str, float]:
-    """Lay out one step of `case` on `tl`; returns the per-layer figures used (for the report)."""
+    """Lay out one step of `case` on `tl`; returns the per-layer figures used (for the report).
+
+    `rows_SR` [src rank, device]: the routed rows of the all-to-all group when the layout is not EP's
+    contiguous one (FSEP: all W ranks, from the planner's table); `params`: the parameter collectives
+    of a sharded layout (`ParamTraffic`).
+    """
     v = hw.values()
     W = case.nodes * case.per_node
-    ep = case.ep // packing
-    dp_expert, m = W // ep, ep_formulas.matmuls(case.gated)
-    rows_SR = ep_formulas.rank_rows(counts_SE[:ep], ep)  # packed: the first ep ranks form a smaller EP group
+    m = ep_formulas.matmuls(case.gated)
+    if rows_SR is None:
+        ep = case.ep // packing
+        rows_SR = ep_formulas.rank_rows(counts_SE[:ep], ep)  # packed: the first ep ranks form a smaller EP group
+    else:
+        ep = rows_SR.shape[0]
+    dp_expert = W // ep
     dispatch = ep_formulas.exact_a2a(rows_SR, case.D, int(v["b"]), case.per_node)
     a2a_full = dispatch.time(v["B_intra"], v["B_inter"], v["alpha"]) if ep > 1 else 0.0
     transfer = max(0.0, a2a_full - v["alpha"]) if ep > 1 else 0.0
@@ -147,31 +190,55 @@ def _layer_timeline(
         for j in range(pieces):
             tl.add("other", f"{name}.ar{j}", ep_formulas.allreduce_time(nbytes / pieces, dp, ar_bw, v["alpha"]), deps)
 
-    def moe(prefix: str, compute: float, after: int) -> list[int]:
-        """Chunked dispatch -> expert compute -> combine; issue order d1 d2 c1 d3 c2 ... (schedule.py)."""
+    def moe(prefix: str, compute: float, after: int, weights: list[int]) -> list[int]:
+        """Chunked dispatch -> expert compute -> combine; issue order d1 d2 c1 d3 c2 ... (schedule.py).
+        `weights`: ops the expert compute waits for besides its tokens (a parameter gather)."""
         if ep == 1:
-            return [tl.add("compute", f"{prefix}.experts", compute, [after])]
+            return [tl.add("compute", f"{prefix}.experts", compute, [after, *weights])]
         t_a = v["alpha"] + transfer / chunks
         exp: list[int] = []
         comb: list[int] = []
         disp = [tl.add("a2a", f"{prefix}.dispatch0", t_a, [after])]
         for j in range(chunks):
-            exp.append(tl.add("compute", f"{prefix}.experts{j}", compute / chunks, [disp[j]] + exp[-1:]))
+            exp.append(tl.add("compute", f"{prefix}.experts{j}", compute / chunks, [disp[j], *weights] + exp[-1:]))
             if j + 1 < chunks:
                 disp.append(tl.add("a2a", f"{prefix}.dispatch{j + 1}", t_a, [after]))
             comb.append(tl.add("a2a", f"{prefix}.combine{j}", t_a, [exp[j]]))
         return comb + exp
 
+    gathered: dict[tuple[str, int], int] = {}  # (pass, layer) -> its parameter gather
+
+    def gather(phase: str, layer: int, deps: list[int]) -> None:
+        """Issue the parameter gather of `layer` for `phase` (if it has one and it is a layer)."""
+        if params is not None and 0 <= layer < case.layers:
+            work = params.gather_fwd if phase == "fwd" else params.gather_bwd
+            gathered[(phase, layer)] = tl.add("other", f"L{layer}.{phase}.gather", work, deps)
+
+    def weights(phase: str, layer: int) -> list[int]:
+        return [gathered[(phase, layer)]] if (phase, layer) in gathered else []
+
+    depth = params.depth if params is not None else 0
     last = tl.add("compute", "start", 0.0)
+    for layer in range(depth + 1):
+        gather("fwd", layer, [last])
     for layer in range(case.layers):
-        dense = tl.add("compute", f"L{layer}.fwd.dense", dense_fwd, [last])
-        done = moe(f"L{layer}.fwd", expert_fwd, dense)
+        dense_first = params is not None and params.dense
+        dense = tl.add("compute", f"L{layer}.fwd.dense", dense_fwd, [last, *(weights("fwd", layer) if dense_first else [])])
+        done = moe(f"L{layer}.fwd", expert_fwd, dense, [] if dense_first else weights("fwd", layer))
+        gather("fwd", layer + depth + 1, done)  # this layer's buffer is free again
         last = tl.add("compute", f"L{layer}.fwd.end", 0.0, done)
+    for layer in reversed(range(case.layers - depth - 1, case.layers)):
+        gather("bwd", layer, [last])
     for layer in reversed(range(case.layers)):
-        done = moe(f"L{layer}.bwd", 2 * expert_fwd, last)
-        allreduce(f"L{layer}.expert_grads", expert_grad, dp_expert, done)
+        done = moe(f"L{layer}.bwd", 2 * expert_fwd, last, weights("bwd", layer))
+        if params is None:
+            allreduce(f"L{layer}.expert_grads", expert_grad, dp_expert, done)
+        else:
+            gather("bwd", layer - depth - 1, done)
+            tl.add("other", f"L{layer}.grads", params.grads, done)
         last = tl.add("compute", f"L{layer}.bwd.dense", 2 * dense_fwd, done)
-        allreduce(f"L{layer}.dense_grads", dense_grad, W, [last])
+        if params is None or not params.dense:
+            allreduce(f"L{layer}.dense_grads", dense_grad, W, [last])
     tl.run(policy)
     memory = case.layers * (
         ep_formulas.memory_per_rank(case.E, ep, case.D, case.F, m, v["s"], rows_max, v["b"]) + 4 * case.D**2 * v["s"]
@@ -195,11 +262,17 @@ def predict(
     policy: str = "fair",
     bucket_bytes: float = DDP_BUCKET_BYTES,
     packing: int = 1,
+    rows_SR: np.ndarray | None = None,
+    params: ParamTraffic | None = None,
 ) -> tuple[float, dict[str, float], float]:
-    """(step seconds, breakdown, memory bytes per rank) of one EP configuration."""
+    """(step seconds, breakdown, memory bytes per rank) of one EP configuration, or of a sharded layout
+    with its routed rows and parameter collectives (`_layer_timeline`; its memory is the EP layout's:
+    the caller prices a sharded layout's own). With parameter collectives, "exposed_a2a" is all the time
+    the compute stream waits, on tokens or on weights."""
     tl = Timeline()
     figures = _layer_timeline(
-        tl, case, hw, counts_SE, chunks=chunks, policy=policy, bucket_bytes=bucket_bytes, packing=packing
+        tl, case, hw, counts_SE, chunks=chunks, policy=policy, bucket_bytes=bucket_bytes, packing=packing,
+        rows_SR=rows_SR, params=params,
     )
     b = tl.breakdown()
     dense = case.layers * 3 * figures["dense_fwd"]
@@ -254,7 +327,7 @@ def simulate(scenario: str | Path | dict[str, Any]) -> SimResult:
     predictions = [_predict_system(system, case, hw, sc, micro_op, read.assumptions)
                    for case in read.cases for system in systems]
     for system in systems:
-        if system.get("form") != "ep":
+        if system.get("form") not in MODELLED_FORMS:
             predictions.append(Prediction(system["id"], "-", system.get("form", "?"), modelled=False))
     return SimResult(sc.get("name", "scenario"), predictions, read.filled, read.assumptions)
 
@@ -263,28 +336,150 @@ def _predict_system(
     system: dict[str, Any], case: Case, hw: Hardware, sc: dict[str, Any], micro_op: float, assumptions: list[str]
 ) -> Prediction:
     form = system.get("form", "?")
-    if form != "ep":
+    if form not in MODELLED_FORMS:
         return Prediction(system["id"], case.label, form, modelled=False)
     counts = _counts(sc.get("routing") or {}, system, case, assumptions)
-    notes = [f"{system['id']}: {system['note']} (modelled as plain EP)"] if system.get("note") else []
-    if case.ep < case.nodes * case.per_node:
-        notes.append(f"EP {case.ep} with data parallel {case.nodes * case.per_node // case.ep} for the experts")
-    schedule = str(system.get("schedule", ""))
-    if "priority" in schedule or "partitioned" in schedule:
-        chunks, packing = _lina_choice(case, hw, counts, system)
-        step, breakdown, memory = predict(
-            case, hw, counts, chunks=chunks, policy="priority", bucket_bytes=micro_op, packing=packing
-        )
-        plan = {"ep": case.ep // packing, "packing": packing, "chunks": chunks, "sched": "priority"}
+    notes: list[str] = []
+    if form == "fsep":
+        step, breakdown, memory, plan = _predict_fsep(system, case, hw, sc, counts, assumptions)
+        notes.append(f"{system['id']}: FSEP, planner table priced on the scenario's routing"
+                     + (f" ({system['note']})" if system.get("note") else ""))
+    elif _is_fsdp(system):
+        step, breakdown, memory, plan = _predict_fsdp_ep(case, hw, counts)
+        notes.append(f"{system['id']}: EP for the experts, FSDP over their {case.nodes * case.per_node // case.ep} "
+                     f"replicas and over all ranks for the dense part, 1 layer prefetched")
     else:
-        step, breakdown, memory = predict(case, hw, counts)
-        plan = {"ep": case.ep, "chunks": 1, "sched": "fair"}
+        if system.get("note"):
+            notes.append(f"{system['id']}: {system['note']} (modelled as plain EP)")
+        schedule = str(system.get("schedule", ""))
+        if "priority" in schedule or "partitioned" in schedule:
+            chunks, packing = _lina_choice(case, hw, counts, system)
+            step, breakdown, memory = predict(
+                case, hw, counts, chunks=chunks, policy="priority", bucket_bytes=micro_op, packing=packing
+            )
+            plan = {"ep": case.ep // packing, "packing": packing, "chunks": chunks, "sched": "priority"}
+        else:
+            step, breakdown, memory = predict(case, hw, counts)
+            plan = {"ep": case.ep, "chunks": 1, "sched": "fair"}
+    if form == "ep" and case.ep < case.nodes * case.per_node:
+        notes.append(f"EP {case.ep} with data parallel {case.nodes * case.per_node // case.ep} for the experts")
     if memory > float(hw.memory):
         notes.append(
             f"{case.label}: {memory / 1e9:.3g} GB/rank exceeds {float(hw.memory) / 1e9:.3g} GB "
             "(the real systems shard further: TP/FSDP are not modelled)"
         )
     return Prediction(system["id"], case.label, form, True, step, breakdown, memory / 1e9, plan, notes)
+
+
+# ---- sharded layouts: FSDP+EP and FSEP ---------------------------------------------------------------
+
+
+def _is_fsdp(system: dict[str, Any]) -> bool:
+    """An EP system whose weights FSDP shards: `"sharding": "fsdp"`, or an id naming fsdp (LAER's "fsdp-ep")."""
+    return system.get("form") == "ep" and (system.get("sharding") == "fsdp" or "fsdp" in str(system.get("id")).lower())
+
+
+def _ring_half(nbytes: float, group: int, B: float, alpha: float) -> float:
+    """An all-gather or a reduce-scatter of `nbytes` (the full tensor) over `group` ranks: half a ring all-reduce."""
+    return 0.0 if group == 1 else alpha + (group - 1) * nbytes / (group * B)
+
+
+def _activation_bytes(case: Case, rows: float, b: float) -> float:
+    """Activations one layer keeps for backward (`cost_model.ep.memory_per_rank` without expert weights)."""
+    return float(ep_formulas.memory_per_rank(0, 1, case.D, case.F, ep_formulas.matmuls(case.gated), 0, rows, b))
+
+
+def _predict_fsdp_ep(case: Case, hw: Hardware, counts_SE: np.ndarray) -> tuple[float, dict[str, float], float,
+                                                                             dict[str, Any]]:
+    """FSDP+EP: EP's layout, token all-to-all and skewed expert compute, but each rank's E/ep experts are
+    sharded over their W/ep replicas and the dense weights over all W ranks (FSDP): per layer, an
+    all-gather of both before the forward and again before the backward (prefetched one layer ahead), a
+    reduce-scatter of their gradients after it (instead of EP's all-reduces)."""
+    v = hw.values()
+    W, m = case.nodes * case.per_node, ep_formulas.matmuls(case.gated)
+    dp = W // case.ep
+    bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
+    local = float(ep_formulas.expert_params(case.E, case.D, case.F, m)) / case.ep  # elements of its experts
+    dense = 4.0 * case.D**2
+
+    def both(b: float) -> float:
+        return _ring_half(local * b, dp, bw, v["alpha"]) + _ring_half(dense * b, W, bw, v["alpha"])
+
+    params = ParamTraffic(gather_fwd=both(v["b"]), gather_bwd=both(v["b"]), grads=both(v["b_g"]), depth=1, dense=True)
+    step, breakdown, _ = predict(case, hw, counts_SE, params=params)
+    rows_max = breakdown["imbalance"] * case.tokens * case.K
+    memory = case.layers * ((local / dp + dense / W) * v["s"] + _activation_bytes(case, rows_max, v["b"])) + (
+        (1 + params.depth) * (local + dense) * v["b"] + (local + dense) * v["b_g"])
+    return step, breakdown, memory, {"ep": case.ep, "fsdp": dp, "prefetch": params.depth, "sched": "fair"}
+
+
+def _predict_fsep(system: dict[str, Any], case: Case, hw: Hardware, sc: dict[str, Any], counts_SE: np.ndarray,
+                  assumptions: list[str]) -> tuple[float, dict[str, float], float, dict[str, Any]]:
+    """FSEP: every rank routes like the EP group's ranks; the planner (`moepass.runtime.placement.plan`,
+    cost `cost_model.fsep`) picks the table from those counts over its history; tokens follow lite
+    routing over all W ranks (exact all-to-all bytes, the busiest device's compute); each layer's C
+    experts are restored before its forward and its backward and their gradient slices sent back
+    (`cost_model.fsep.restore_time`, one all_to_all each), `depth` layers ahead, after the token
+    all-to-all (priority)."""
+    from moepass.runtime.placement import PlannerConfig, device_rows, lite_route_counts, plan
+
+    v = hw.values()
+    W, m = case.nodes * case.per_node, ep_formulas.matmuls(case.gated)
+    C = _slots(sc, case, assumptions)
+    depth = _prefetch_depth(system)
+    counts_WE = _integer_rows(counts_SE[np.arange(W) % len(counts_SE)])
+    config = PlannerConfig.from_hardware(hw, E=case.E, W=W, C=C, ranks_per_node=case.per_node, D=case.D, F=case.F,
+                                         gated=case.gated)
+    decision = plan(counts_WE * config.history, config)  # the same routing on each step of its history
+    rows_SR = device_rows(lite_route_counts(counts_WE, decision.table), C).numpy()
+    S_e = fsep_formulas.expert_elements(case.D, case.F, m)
+
+    def restore(b: float) -> float:
+        return float(fsep_formulas.restore_time(C, S_e, W, case.per_node, b, v["B_intra"], v["B_inter"], v["alpha"]))
+
+    params = ParamTraffic(gather_fwd=restore(v["b"]), gather_bwd=restore(v["b"]), grads=restore(v["b_g"]), depth=depth)
+    step, breakdown, _ = predict(case, hw, counts_SE, policy="priority", rows_SR=rows_SR, params=params)
+    rows_max = float(rows_SR.sum(axis=0).max())
+    memory = case.layers * (_activation_bytes(case, rows_max, v["b"]) + 4 * case.D**2 * v["s"]) + float(
+        fsep_formulas.memory_per_rank(case.E, W, C, S_e, v["s"], v["b"], v["b_g"], layers=case.layers, prefetch=depth))
+    return step, breakdown, memory, {"slots": C, "table": decision.candidate, "max_mean": round(decision.max_over_mean, 3),
+                                     "ep_max_mean": round(decision.ep_max_over_mean, 3), "prefetch": depth,
+                                     "sched": "priority"}
+
+
+def _slots(sc: dict[str, Any], case: Case, assumptions: list[str]) -> int:
+    """C: the case's model's `expert_slots_per_device`, else ceil(E/W) (EP's share, stated as assumed)."""
+    name = case.label.rsplit(" W=", 1)[0]
+    for model in sc.get("models") or [sc.get("model") or {}]:
+        mid = str(model.get("id", "model"))
+        if (name == mid or name.startswith(mid + "[")) and model.get("expert_slots_per_device"):
+            return int(model["expert_slots_per_device"])
+    W = case.nodes * case.per_node
+    C = max(1, -(-case.E // W))
+    text = f"{case.label}: expert slots per device not given: C = ceil(E/W) = {C}"
+    if text not in assumptions:
+        assumptions.append(text)
+    return C
+
+
+def _prefetch_depth(system: dict[str, Any]) -> int:
+    """Layers FSEP restores ahead: `prefetch_depth`, or 'prefetch depth N' in the note, else 2 (TECHNIQUES.md)."""
+    if system.get("prefetch_depth") is not None:
+        return int(system["prefetch_depth"])
+    found = re.search(r"prefetch depth\s*([0-9]+)", str(system.get("note", "")))
+    return int(found.group(1)) if found else 2
+
+
+def _integer_rows(counts_SE: np.ndarray) -> np.ndarray:
+    """Counts rounded to integers per row by largest remainder (each row keeps its rounded total; ties: lower
+    expert), for the planner and lite routing, which split whole tokens."""
+    counts = np.asarray(counts_SE, dtype=np.float64)
+    out = np.floor(counts)
+    short = np.rint(counts.sum(axis=1) - out.sum(axis=1)).astype(np.int64)
+    order = np.argsort(-(counts - out), axis=1, kind="stable")
+    for i, k in enumerate(short):
+        out[i, order[i, :k]] += 1
+    return out.astype(np.int64)
 
 
 def _lina_choice(case: Case, hw: Hardware, counts: np.ndarray, system: dict[str, Any]) -> tuple[int, int]:

@@ -50,10 +50,15 @@ ep = _sym("ep", "expert-parallel degree (ep_size); data parallel over W/ep", "ra
 N = _sym("N", "nodes", "nodes", **_count)
 G = _sym("G", "ranks per node", "ranks", **_count)
 P = _sym("P", "expert packing: experts per device relative to plain EP", "factor", **_count)
+C = _sym("C", "expert slots per device (FSEP): full experts each device restores and computes", "experts", **_count)
+S_e = _sym("S_e", "elements of one expert's parameters (m*D*F for an FFN expert)", "elements", **_count)
 n = _sym("n", "micro-ops (chunks) per all-to-all", "chunks", **_count)
 # routing
 cf = _sym("c_f", "capacity factor (slots per expert / fair share)", "factor", **_real)
 rho = _sym("rho", "load imbalance: max / mean routed rows per rank", "factor", **_real)
+Q_intra = _sym("Q_intra", "routed rows sent to another device of the same node, summed over sources", "rows", **_count)
+Q_inter = _sym("Q_inter", "routed rows sent to another node, summed over sources", "rows", **_count)
+Q_max = _sym("Q_max", "routed rows the busiest device computes", "rows", **_count)
 # hardware
 b = _sym("b", "bytes per activation element sent in an all-to-all", "bytes", **_count)
 b_grad = _sym("b_g", "bytes per gradient element in the all-reduce", "bytes", **_count)

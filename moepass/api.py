@@ -163,6 +163,8 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
             for record in gm.history[1:]:
                 lines.append(f"pass {record['pass']}: {'changed' if record.get('changed') else 'unchanged'} "
                              f"{record.get('stats') or ''}".rstrip())
+            if gm.layout is not None:
+                lines += gm.layout.describe(gm)
             if graphs:
                 lines.append(gm.print_readable(print_output=False).rstrip())
             if sources:

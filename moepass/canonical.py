@@ -27,7 +27,7 @@ from moepass import dialect
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, TensorSource
 
 if TYPE_CHECKING:
-    from moepass.rewrite.ep import EPLayout
+    from moepass.rewrite.experts import ExpertLayout
 
 CANONICAL_PASS = "canonical"
 
@@ -37,11 +37,11 @@ class MoEGraphModule(fx.GraphModule):
 
     `spec` is the block's MoESpec, `form` the parallel form of the graph, `history` the passes that
     produced it (name, seconds, counts), `layout` where its experts live when a distributed form
-    placed them (`moepass.rewrite.ep.EPLayout` for EP; None for the single form). Every form fills
-    `layout` the same way; checkpoints, gradients and the schedule read it from here.
+    placed them (a `moepass.rewrite.experts.ExpertLayout`: `EPLayout`, `FSEPLayout`; None for the single
+    form). Every form fills `layout` the same way; checkpoints, gradients and the schedule read it here.
     """
 
-    layout: EPLayout | None
+    layout: ExpertLayout | None
 
     def __init__(self, block: nn.Module, graph: fx.Graph, spec: MoESpec, form: str = "single"):
         super().__init__(block, graph, class_name="MoEGraphModule")

@@ -9,47 +9,66 @@
     ...
     original.load_state_dict(...)                  # or dcp.load(original.state_dict(), ...) in one process
 
-What the values are (`full=False`, the default, no communication):
+What the values are (`full=False`, the default, no communication). Everything follows from the
+expert parameter's placement (`moepass.rewrite.experts`: Shard(0) under EP, Shard(1) under FSEP), so
+a checkpoint saved under one form and world size loads under another or into the original model:
 - non-expert tensors: the model's own tensors, same names (replicated: DCP writes one copy);
 - fused 3-D expert weights sharded in place: the DTensor parameter itself — original name, full
-  logical shape [E, ...]; DCP saves each rank's rows and reshards on load;
-- ModuleList experts (stacked into `ep_<role>` by the EP pass): one entry per *local* expert under
-  its original name (`experts.3.w1.weight`), a view of this rank's shard. Each rank lists only its
-  own experts; together the ranks list all of them, so DCP's global plan holds every expert once.
+  logical shape [E, ...]; DCP saves each rank's shard and reshards on load;
+- ModuleList experts (stacked into `<form>_<role>`): one entry per expert under its original name
+  (`experts.3.w1.weight`), a view of this rank's shard. Sharded on the expert dim (EP), each rank
+  lists only its own experts, as plain tensors; together the ranks list all of them, so DCP's global
+  plan holds every expert once. Sharded inside the experts (FSEP), every rank lists every expert, as a
+  DTensor of the expert's own shape sharded on its first dim.
 With `full=True` every value is a plain full tensor (expert weights all-gathered: collective, every
 rank must call it), e.g. for `original.load_state_dict(...)` in the same process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from moepass.canonical import MoEGraphModule
-from moepass.rewrite.ep import EPLayout, expert_parameter_names
+from moepass.rewrite.experts import ExpertLayout, expert_layouts
 
-
-def _ep_blocks(model: nn.Module) -> Iterator[tuple[str, EPLayout]]:
-    for path, module in model.named_modules():
-        layout = module.layout if isinstance(module, MoEGraphModule) else None
-        if isinstance(layout, EPLayout):
-            yield path, layout
+Index = slice | tuple[slice, ...] | None  # where in the original tensor a local value lies
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _stacked_keys(model: nn.Module) -> dict[str, tuple[EPLayout, tuple[str, ...], str]]:
-    """cm state_dict key of each stacked parameter -> (layout, original per-expert keys, block path)."""
-    out = {}
-    for path, layout in _ep_blocks(model):
-        for name, paths in layout.stacked.items():
-            out[_join(path, name)] = (layout, tuple(_join(path, p) for p in paths), path)
-    return out
+def _stacked_keys(model: nn.Module) -> dict[str, tuple[ExpertLayout, tuple[str, ...]]]:
+    """cm state_dict key of each stacked parameter -> (layout, original per-expert keys)."""
+    return {_join(path, name): (layout, tuple(_join(path, p) for p in paths))
+            for path, layout in expert_layouts(model) for name, paths in layout.stacked.items()}
+
+
+def _local(value: Tensor) -> Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _expert_entries(layout: ExpertLayout, local: Tensor) -> list[tuple[int, Tensor]]:
+    """(expert, this rank's part of it) for the experts a stacked parameter's shard holds."""
+    if layout.shard_dim == 0:
+        first = layout.groups.ep_rank * local.shape[0]
+        return [(first + i, local[i]) for i in range(local.shape[0])]
+    return list(enumerate(local))
+
+
+def _expert_value(layout: ExpertLayout, part: Tensor) -> Tensor:
+    """A stacked expert's entry: its local part, or (sharded inside the expert) a DTensor of the expert."""
+    if layout.shard_dim == 0:
+        return part
+    return DTensor.from_local(part, layout.groups.mesh, [Replicate(), Shard(layout.shard_dim - 1)], run_check=False)
+
+
+def _shard_index(layout: ExpertLayout, local: Tensor, dim: int) -> Index:
+    """Where this rank's shard (sharded on `dim`) lies in the full tensor."""
+    lo = layout.groups.ep_rank * local.shape[dim]
+    rows = slice(lo, lo + local.shape[dim])
+    return rows if dim == 0 else (*(slice(None),) * dim, rows)
 
 
 def logical_state_dict(model: nn.Module, full: bool = False) -> dict[str, Tensor]:
@@ -58,14 +77,12 @@ def logical_state_dict(model: nn.Module, full: bool = False) -> dict[str, Tensor
     out: dict[str, Tensor] = {}
     for key, value in model.state_dict().items():
         if key in stacked:
-            layout, originals, _ = stacked[key]
+            layout, originals = stacked[key]
             if full:
                 whole = value.full_tensor() if isinstance(value, DTensor) else value
                 out.update({orig: whole[e] for e, orig in enumerate(originals)})
             else:
-                local = value.to_local() if isinstance(value, DTensor) else value
-                lo = layout.first_expert
-                out.update({originals[lo + i]: local[i] for i in range(layout.local_experts)})
+                out.update({originals[e]: _expert_value(layout, part) for e, part in _expert_entries(layout, _local(value))})
         elif full and isinstance(value, DTensor):
             out[key] = value.full_tensor()
         else:
@@ -73,46 +90,46 @@ def logical_state_dict(model: nn.Module, full: bool = False) -> dict[str, Tensor
     return out
 
 
+def _part_for(target: DTensor, value: Tensor) -> Tensor:
+    """This rank's part of `value` (a full tensor or a DTensor) in `target`'s placement, without communication
+    for a full tensor."""
+    if isinstance(value, DTensor):
+        return value.redistribute(target.device_mesh, target.placements).to_local()
+    if value.shape != target.shape:
+        raise ValueError(f"load_logical_state_dict: a value has shape {tuple(value.shape)}, the model needs the full "
+                         f"logical shape {tuple(target.shape)}")
+    return distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None).to_local()
+
+
 @torch.no_grad()
 def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], strict: bool = True) -> None:
     """Load an original-layout state dict (full tensors, DTensors or this rank's expert entries) into a
-    rewritten model, keeping only each rank's experts. `strict`: every tensor of the model must be
-    covered (for ModuleList experts: this rank's experts)."""
+    rewritten model, keeping only this rank's shards. `strict`: every tensor of the model must be
+    covered (for ModuleList experts sharded on the expert dim: this rank's experts)."""
     stacked = _stacked_keys(model)
-    experts = set(expert_parameter_names(model))
     missing: list[str] = []
-    own = model.state_dict()
-    for key, target in own.items():
+    for key, target in model.state_dict().items():
         if key in stacked:
-            layout, originals, _ = stacked[key]
-            local = target.to_local() if isinstance(target, DTensor) else target
-            for i in range(layout.local_experts):
-                orig = originals[layout.first_expert + i]
-                if orig in state_dict:
-                    local[i].copy_(_plain(state_dict[orig]))
-                else:
-                    missing.append(orig)
+            layout, originals = stacked[key]
+            for e, part in _expert_entries(layout, _local(target)):
+                if originals[e] not in state_dict:
+                    missing.append(originals[e])
+                    continue
+                value = state_dict[originals[e]]
+                if layout.shard_dim == 0:
+                    part.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+                elif _local(value) is not part and _local(value).data_ptr() != part.data_ptr():
+                    part.copy_(_part_for(_expert_value(layout, part), value))  # type: ignore[arg-type]
             continue
         if key not in state_dict:
             missing.append(key)
             continue
         value = state_dict[key]
+        if value is target:
+            continue
         if isinstance(target, DTensor):
-            if isinstance(value, DTensor):
-                if value is not target:
-                    target.copy_(value.redistribute(target.device_mesh, target.placements))
-                continue
-            if key not in experts:  # a DTensor of another wrapper (FSDP2): distribute the full value
-                target.copy_(distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements))
-                continue
-            local = target.to_local()
-            rows = local.shape[0]
-            start = _block_layout(model, key).first_expert
-            if value.shape != target.shape:
-                raise ValueError(f"load_logical_state_dict: {key!r} has shape {tuple(value.shape)}, the model needs "
-                                 f"the full logical shape {tuple(target.shape)}")
-            local.copy_(value[start:start + rows])
-        elif value is not target:
+            target.to_local().copy_(_part_for(target, value))
+        else:
             if value.shape != target.shape:
                 raise ValueError(f"load_logical_state_dict: {key!r} has shape {tuple(value.shape)}, expected "
                                  f"{tuple(target.shape)}")
@@ -122,39 +139,29 @@ def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], str
                        f"pass strict=False to load a partial state dict.")
 
 
-def logical_grads(model: nn.Module) -> dict[str, tuple[Tensor, slice | None]]:
-    """This rank's gradients under the original model's names: {name: (gradient, rows)}.
+def logical_grads(model: nn.Module) -> dict[str, tuple[Tensor, Index]]:
+    """This rank's gradients under the original model's names: {name: (gradient, index)}.
 
-    `rows` is the slice of the original tensor's leading (expert) dim the gradient covers on this
-    rank (an EP-sharded fused weight), or None when it is the whole tensor (replicated parameters,
-    and each ModuleList expert's own parameter). Parameters without a gradient are left out.
-    Compare with a reference as `ref_grads[name][rows or slice(None)]`.
+    `index` says where in the original tensor the gradient lies on this rank: a slice of its leading
+    (expert) dim (EP-sharded fused weight), a tuple of slices (sharded inside the experts: FSEP), or
+    None for the whole tensor (replicated parameters; each ModuleList expert under EP). Parameters
+    without a gradient are left out. Compare with a reference as `ref_grads[name][index or slice(None)]`.
     """
     stacked = _stacked_keys(model)
-    experts = set(expert_parameter_names(model))
-    out: dict[str, tuple[Tensor, slice | None]] = {}
+    experts = {name: layout for path, layout in expert_layouts(model) for name in
+               (_join(path, n) for n in layout.sharded)}
+    out: dict[str, tuple[Tensor, Index]] = {}
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad = _local(p.grad)
         if name in stacked:
-            layout, originals, _ = stacked[name]
-            for i in range(layout.local_experts):
-                out[originals[layout.first_expert + i]] = (grad[i], None)
+            layout, originals = stacked[name]
+            index = None if layout.shard_dim == 0 else _shard_index(layout, grad[0], layout.shard_dim - 1)
+            out.update({originals[e]: (part, index) for e, part in _expert_entries(layout, grad)})
         elif name in experts:
-            layout = _block_layout(model, name)
-            out[name] = (grad, slice(layout.first_expert, layout.first_expert + layout.local_experts))
+            layout = experts[name]
+            out[name] = (grad, _shard_index(layout, grad, layout.shard_dim))
         else:
             out[name] = (grad, None)
     return out
-
-
-def _plain(value: Tensor) -> Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _block_layout(model: nn.Module, key: str) -> EPLayout:
-    for path, layout in _ep_blocks(model):
-        if any(_join(path, n) == key for n in layout.sharded):
-            return layout
-    raise KeyError(f"{key!r} is a DTensor but no EP block owns it")

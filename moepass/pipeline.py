@@ -24,9 +24,9 @@ from moepass import canonical, dialect, lower, schedule
 from moepass.canonical import MoEGraphModule
 from moepass.envflags import flag
 from moepass.errors import PlanError
-from moepass.passes import Pass, PassResult
+from moepass.passes import Pass, PassResult, apply_effects
 from moepass.plan import Plan
-from moepass.rewrite import ep
+from moepass.rewrite import ep, experts, fsep
 from moepass.spec import MoESpec
 
 log = logging.getLogger("moepass")
@@ -54,25 +54,28 @@ def expert_recompute(gm: MoEGraphModule, plan: Plan) -> PassResult:
 REWRITES: dict[str, Pass] = {  # one pass per parallel form
     "single": _rewrite_single,
     "ep": ep.rewrite_ep,
+    "fsep": fsep.rewrite_fsep,
 }
 
 
 def resolve(spec: MoESpec, plan: Plan) -> tuple[MoESpec, Plan]:
     """The block's plan and spec before any graph exists: packing -> EP degree, the EP capacity."""
     plan = schedule.resolve_packing(spec, plan)  # k experts per device -> ep_size / k EP ranks
-    if plan.form == "ep":
+    if plan.form in ("ep", "fsep"):
         spec = spec.replace(capacity=ep.ep_capacity(spec, plan))  # capacity per (source rank, expert)
     return spec, plan
 
 
 def finalize(model: nn.Module) -> None:
-    """Model-level set-up after every block is rewritten (EP: DDP ignores the expert parameters)."""
-    ep.finalize_model(model)
+    """Model-level set-up after every block is rewritten (EP, FSEP: DDP ignores the expert parameters)."""
+    experts.finalize_model(model)
 
 
 def run_pass(name: str, fn: Pass, gm: MoEGraphModule, plan: Plan, verify: bool) -> MoEGraphModule:
     start = time.perf_counter()
     result = fn(gm, plan)
+    if result.effects is not None:  # what the pass changes outside its graph, applied here, then recompiled
+        apply_effects(result.gm, result.effects)
     seconds = time.perf_counter() - start
     result.gm.history.append({"pass": name, "seconds": seconds, "changed": result.changed, "stats": result.stats})
     log.info("%s [%s]: %s in %.1f ms %s", name, gm.spec.path or "<root>",

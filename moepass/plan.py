@@ -29,7 +29,8 @@ class Plan:
     a2a_chunks: int | str = "auto"
     micro_op_bytes: int = DEFAULT_MICRO_OP_BYTES
     packing: int | str = 1
-    slots_per_device: int | None = None
+    slots_per_device: int | None = None  # FSEP: expert slots per device (C); None: ceil(E/P) + 1
+    planner: Any = "auto"  # FSEP placement: "auto" (load-adaptive), "static" (even), or planner(counts_PE, table)
     lowering: str = "auto"
     deterministic: bool = False
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
@@ -76,6 +77,10 @@ class Plan:
             raise PlanError(f"Plan.slots_per_device={self.slots_per_device!r} is invalid: use an int >= 1.")
         if not isinstance(self.deterministic, bool):
             raise PlanError(f"Plan.deterministic={self.deterministic!r} is invalid: use True or False.")
+        if not (self.planner in ("auto", "static") or callable(self.planner)):
+            raise PlanError(f"Plan.planner={self.planner!r} is invalid: use 'auto' (load-adaptive re-layout), "
+                            f"'static' (the even placement, never changed) or a callable "
+                            f"planner(counts_PE, current_table) -> table.{nearest(self.planner, ['auto', 'static'])}")
         if not isinstance(self.expert_recompute, bool):
             raise PlanError(f"Plan.expert_recompute={self.expert_recompute!r} is invalid: use True or False.")
         _not_implemented(self)
@@ -126,10 +131,16 @@ def _not_implemented(plan: Plan) -> None:
         raise PlanError("Plan.deterministic=True is not implemented in this build: no pass reads it, so it would "
                         "promise bit-reproducible training without providing it. Leave it False (the default); for "
                         "PyTorch's own deterministic kernels call torch.use_deterministic_algorithms(True).")
-    if plan.slots_per_device is not None:
-        raise PlanError(f"Plan.slots_per_device={plan.slots_per_device!r} is not implemented in this build: it sizes "
-                        f"the expert slots of FSEP (form='fsep'), which is not built yet. Leave it None (the "
-                        f"default); to host more experts per device use form='ep' with packing=k.")
+    if plan.slots_per_device is not None and plan.form not in ("fsep", "auto"):
+        raise PlanError(f"Plan.slots_per_device={plan.slots_per_device!r} has no effect with form={plan.form!r}: it "
+                        f"sizes the expert slots of FSEP. Use form='fsep', or leave it None; to host more experts "
+                        f"per device under EP use packing=k.")
+    if plan.form == "fsep" and plan.packing != 1:
+        raise PlanError(f"Plan.packing={plan.packing!r} has no effect with form='fsep': FSEP replicates experts "
+                        f"itself (slots_per_device, planner). Leave packing at 1, or use form='ep'.")
+    if plan.planner != "auto" and plan.form not in ("fsep", "auto"):
+        raise PlanError(f"Plan.planner={plan.planner!r} has no effect with form={plan.form!r}: it places the expert "
+                        f"slots of FSEP. Use form='fsep', or leave it 'auto'.")
 
 
 def _hardware(value: object) -> None:

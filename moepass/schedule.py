@@ -307,7 +307,7 @@ def add_marks(gm: MoEGraphModule) -> int:
 def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """Chunk and pipeline the block's all-to-all and expert compute; place the scheduler's marks."""
     layout = gm.layout
-    if gm.form != "ep" or layout is None:
+    if gm.form not in ("ep", "fsep") or layout is None:
         return PassResult(gm, changed=False, stats={"reason": f"form {gm.form!r} has no all-to-all to schedule"})
     n, why = choose_chunks(gm.spec, plan, layout.groups.ep_size, layout.groups.topology.ranks_per_node)
     stats: dict[str, Any] = {"chunks": n, "chunks_from": why, "packing": plan.packing,

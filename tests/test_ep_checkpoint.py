@@ -48,8 +48,9 @@ def _global_loss(cm, rank, world):
     return (loss / world).item()
 
 
-def case_save(rank, world, path, style):
-    """Train one step at EP=world, DCP-save the logical state dict; return the full one and the loss."""
+def case_save(rank, world, path, style, form="ep"):
+    """Train one step under `form` (EP by default) over the world, DCP-save the logical state dict; return
+    the full one and the loss."""
     import torch.distributed.checkpoint as dcp
 
     import moepass
@@ -57,7 +58,7 @@ def case_save(rank, world, path, style):
 
     torch.manual_seed(0)
     cm = moepass.compile(tiny_mixtral(style=style, **CFG),
-                         moepass.Plan(form="ep", topology=moepass.Topology(2, world // 2)))
+                         moepass.Plan(form=form, topology=moepass.Topology(2, world // 2)))
     _train_step(cm, torch.optim.SGD(cm.parameters(), lr=0.5), rank, world, seed=3)
     sd = moepass.logical_state_dict(cm)
     dcp.save(sd, checkpoint_id=path)
@@ -66,15 +67,15 @@ def case_save(rank, world, path, style):
     return {"full": {k: v.clone() for k, v in full.items()}, "loss": loss} if rank == 0 else {"loss": loss}
 
 
-def case_load(rank, world, path, style, ep_size):
-    """A differently initialised model at EP=ep_size loads the checkpoint; its full state and loss."""
+def case_load(rank, world, path, style, ep_size, form="ep"):
+    """A differently initialised model under `form` at ep_size loads the checkpoint; its full state and loss."""
     import torch.distributed.checkpoint as dcp
 
     import moepass
     from samples.models import tiny_mixtral
 
     torch.manual_seed(1234)  # different weights: everything must come from the checkpoint
-    cm = moepass.compile(tiny_mixtral(style=style, **CFG), moepass.Plan(form="ep", ep_size=ep_size))
+    cm = moepass.compile(tiny_mixtral(style=style, **CFG), moepass.Plan(form=form, ep_size=ep_size))
     sd = moepass.logical_state_dict(cm)
     dcp.load(sd, checkpoint_id=path)
     moepass.load_logical_state_dict(cm, sd)

@@ -63,14 +63,15 @@ def _compare_grads(cm, ref, report):
     report["grads"] = len(grads)
 
 
-def case_hf_parity(rank, world, family, ep_size=None, nodes=1):
-    """An HF causal LM under EP vs the original on the global batch: loss, logits, every gradient."""
+def case_hf_parity(rank, world, family, ep_size=None, nodes=1, form="ep", **plan_kw):
+    """An HF causal LM under a distributed form (EP by default) vs the original on the global batch: loss,
+    logits, every gradient."""
     import moepass
     from moepass.runtime.grads import all_reduce_replicated_grads
     from samples import hf_models as H
 
     model, _ = H.build(family)
-    plan = moepass.Plan(form="ep", ep_size=ep_size, topology=moepass.Topology(nodes, world // nodes))
+    plan = moepass.Plan(form=form, ep_size=ep_size, topology=moepass.Topology(nodes, world // nodes), **plan_kw)
     cm = moepass.compile(model, plan)
     forms = {p: gm.form for p, gm in cm.moepass_info.rewritten.items()}
     gen = torch.Generator().manual_seed(21)

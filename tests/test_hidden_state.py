@@ -364,12 +364,18 @@ def test_deterministic_is_not_implemented():
     assert Plan(deterministic=False).deterministic is False
 
 
-def test_slots_per_device_is_not_implemented():
-    with pytest.raises(PlanError, match=r"Plan.slots_per_device=2 is not implemented in this build: .*FSEP.*"
-                                        r"Leave it None \(the default\)"):
-        Plan(slots_per_device=2)
+def test_fsep_fields_with_another_form_are_errors():
+    """FSEP is built: its fields are accepted with form='fsep' and refused, not ignored, with another form."""
+    assert Plan(form="fsep", slots_per_device=2, planner="static").slots_per_device == 2
+    with pytest.raises(PlanError, match=r"Plan.slots_per_device=2 has no effect with form='ep': .*FSEP.*"
+                                        r"Use form='fsep', or leave it None"):
+        Plan(form="ep", slots_per_device=2)
+    with pytest.raises(PlanError, match=r"Plan.planner='static' has no effect with form='single'"):
+        Plan(planner="static")
+    with pytest.raises(PlanError, match=r"Plan.planner='even' is invalid: use 'auto' .*'static'"):
+        Plan(form="fsep", planner="even")
     with pytest.raises(PlanError, match=r"Plan.slots_per_device=0 is invalid"):  # a bad value is still named so
-        Plan(slots_per_device=0)
+        Plan(form="fsep", slots_per_device=0)
 
 
 def test_expert_recompute_is_still_accepted():

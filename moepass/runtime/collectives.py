@@ -5,6 +5,8 @@ a schedule pass can move the wait to overlap the transfer with compute):
 
     exchange_counts(counts_E, group_name)                        -> recv_counts_E   (issue, no grad)
     all_to_all(x_XD, send_counts_E, recv_counts_E, group_name, kind, out_rows) -> y_YD   (issue)
+    restore(send_GS, group_name)                                 -> recv_GS         (issue; FSEP weights)
+    gather_counts(counts_E, group_name)                          -> counts_PE       (blocking, no grad)
     wait(t)                                                      -> t               (wait; grad passes)
 
 Count layout: E = P*L entries blocked by peer (P ranks in the group, L experts each):
@@ -175,6 +177,60 @@ all_to_all.register_autograd(_a2a_bwd, setup_context=_a2a_setup)
 
 
 # ----------------------------------------------------------------------------------------------
+# restore: FSEP's balanced, fixed-shape exchange of expert-weight slices, differentiable.
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe_comm::restore", mutates_args=())
+def restore(send_GS: Tensor, group_name: str) -> Tensor:
+    """Equal-split all-to-all of G = P*C rows: rows [p*C, (p+1)*C) go to peer p, and row p*C + c of the
+    result is what peer p sent for this rank's slot c. Same shape every step: no counts, no host sync.
+
+    FSEP: a sender's rows are its slices of the experts the receiver's C slots host; its backward is the
+    reverse exchange, returning each slice's gradient to the rank that owns it."""
+    peers = len(_peers(group_name)[1])
+    if send_GS.shape[0] % peers:
+        raise ValueError(f"moe_comm.restore: {send_GS.shape[0]} rows do not split over {peers} ranks")
+    send = send_GS.contiguous()
+    recv = torch.empty_like(send)
+    splits = [send.shape[0] // peers] * peers
+    _issue(recv, send, splits, splits, group_name, "restore")
+    return recv
+
+
+@restore.register_fake
+def _(send_GS, group_name):
+    return torch.empty_like(send_GS)
+
+
+def _restore_setup(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+def _restore_bwd(ctx, grad_GS):
+    pending = torch.ops.moe_comm.restore(grad_GS.contiguous(), ctx.group_name)
+    return torch.ops.moe_comm.wait(pending), None
+
+
+restore.register_autograd(_restore_bwd, setup_context=_restore_setup)
+
+
+@torch.library.custom_op("moe_comm::gather_counts", mutates_args=())
+def gather_counts(counts_E: Tensor, group_name: str) -> Tensor:
+    """Every rank's counts, stacked: [P, E] (blocking; metadata for FSEP's placement planner)."""
+    ranks = _peers(group_name)[1]
+    out = counts_E.new_empty(len(ranks) * counts_E.numel())  # flat: what every backend's all_gather accepts
+    record_bytes("counts", group_name, [1] * len(ranks), counts_E.numel() * counts_E.element_size())
+    dist.all_gather_into_tensor(out, counts_E.contiguous().view(-1), group=_group(group_name))
+    return out.view(len(ranks), *counts_E.shape)
+
+
+@gather_counts.register_fake
+def _(counts_E, group_name):
+    return counts_E.new_empty((len(_peers(group_name)[1]), *counts_E.shape))
+
+
+# ----------------------------------------------------------------------------------------------
 # wait: completes an issued collective. Returns its input (an alias), so it is defined with the
 # low-level Library API (custom_op forbids aliasing outputs); gradients pass through unchanged.
 # ----------------------------------------------------------------------------------------------
@@ -202,6 +258,8 @@ _lib.impl("wait", _wait_impl, "CompositeImplicitAutograd")
 
 EXCHANGE_COUNTS = torch.ops.moe_comm.exchange_counts.default
 ALL_TO_ALL = torch.ops.moe_comm.all_to_all.default
+RESTORE = torch.ops.moe_comm.restore.default
+GATHER_COUNTS = torch.ops.moe_comm.gather_counts.default
 WAIT = torch.ops.moe_comm.wait.default
 
 

@@ -1,0 +1,144 @@
+"""FSEP (Fully Sharded Expert Parallel, LAER-MoE): the planner's step cost, the restore exchange and the
+parameter memory per rank.
+
+Pure formula functions over the symbols of `cost_model.symbols`, as in `cost_model.ep`: pass symbols
+to get a sympy expression, numbers to get a number. `rows_cost` is the numeric planner cost of one
+routed-row matrix; it reduces the matrix to the three integers the formula reads (`link_rows`), so
+every rank that prices the same matrix gets the same float, whatever its reduction order.
+
+The planner's cost of a placement (TECHNIQUES.md §2):
+
+    cost = 4 * sum_i T_comm[i] + (3 + recompute) * max_k T_comp[k]
+    T_comm[i] = sum_k rows[i, k] * bytes_per_token / bw(i, k)    bw(i, i) = inf, B_intra on i's node, B_inter off it
+    T_comp[k] = time_per_token * sum_i rows[i, k]
+
+(4: dispatch + combine, forward and backward; 3: forward + twice the forward for backward.) Because bw
+takes two values, sum_i T_comm[i] = bytes_per_token * (Q_intra / B_intra + Q_inter / B_inter), with
+Q_intra / Q_inter the rows sent within / across nodes (summed over sources) and Q_max = max_k rows.
+
+Restore: every rank sends every device the r-th 1/W slice of each of the C experts it computes: C*S_e/W
+elements per pair, forward (weights) and backward (weights again, then the gradient slices back).
+
+Shape legend: S source ranks, R destination devices (numpy arrays or torch tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cost_model.ep import A2A_PER_LAYER, FWD_BWD, expert_flops, expert_params
+
+# ---- per token ---------------------------------------------------------------------------------------
+
+
+def token_bytes(D, b):
+    """Bytes one routed row (token copy) carries in an all-to-all: D elements of b bytes."""
+    return D * b
+
+
+def token_time(D, F, m, R, eta):
+    """Forward expert GEMM seconds per routed row: m matmuls of D x F at R*eta FLOP/s."""
+    return expert_flops(1, D, F, m) / (R * eta)
+
+
+def expert_elements(D, F, m):
+    """S_e: elements of one expert's parameters (m matrices of D x F)."""
+    return expert_params(1, D, F, m)
+
+
+# ---- the planner's cost --------------------------------------------------------------------------------
+
+
+def planner_cost(Q_intra, Q_inter, Q_max, bytes_per_token, time_per_token, B_intra, B_inter, *, recompute=0):
+    """The planner's step cost of one placement (module docstring), from its three row totals.
+
+    `recompute`: extra forward passes the backward spends recomputing (ep.compute_time's r_c*(m-1)/m).
+    """
+    comm = bytes_per_token * (Q_intra / B_intra + Q_inter / B_inter)
+    return A2A_PER_LAYER * comm + (FWD_BWD + recompute) * time_per_token * Q_max
+
+
+def link_rows(rows_SR: Any, ranks_per_node: int) -> tuple[int, int, int]:
+    """(Q_intra, Q_inter, Q_max) of a [source rank, device] routed-row matrix, exact integers.
+
+    Ranks are node-major (rank r on node r // ranks_per_node). Rows a source keeps on its own device
+    cross no link and count in neither Q. A float matrix is summed in float64 and rounded.
+    """
+    rows = np.asarray(rows_SR.cpu() if hasattr(rows_SR, "cpu") else rows_SR)
+    if rows.ndim != 2 or rows.shape[0] != rows.shape[1]:
+        raise ValueError(f"rows_SR has shape {rows.shape}: expected [W, W] (source rank, device)")
+    W = rows.shape[0]
+    if ranks_per_node < 1 or W % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the {W} ranks of rows_SR")
+    rows = rows.astype(np.int64) if np.issubdtype(rows.dtype, np.integer) else np.rint(rows.astype(np.float64))
+    N, G = W // ranks_per_node, ranks_per_node
+    total = rows.sum()
+    on_node = np.einsum("aiaj->", rows.reshape(N, G, N, G))  # the diagonal node blocks
+    own = np.trace(rows)
+    return int(on_node - own), int(total - on_node), int(rows.sum(axis=0).max())
+
+
+def rows_cost(rows_SR: Any, ranks_per_node: int, bytes_per_token: float, time_per_token: float, B_intra: float,
+              B_inter: float, *, recompute: float = 0.0) -> float:
+    """The planner's cost (seconds) of a [source rank, device] routed-row matrix."""
+    q_intra, q_inter, q_max = link_rows(rows_SR, ranks_per_node)
+    return float(planner_cost(q_intra, q_inter, q_max, bytes_per_token, time_per_token, B_intra, B_inter,
+                              recompute=recompute))
+
+
+# ---- restore exchange -----------------------------------------------------------------------------------
+
+
+def restore_elements(C, S_e, W):
+    """Elements every pair of ranks exchanges in one restore: the 1/W slice of each of C experts."""
+    return C * S_e / W
+
+
+def restore_bytes(C, S_e, W, G, b):
+    """(intra-node bytes, inter-node bytes) one rank sends in one restore (W-1 peers, G-1 of them on its node)."""
+    per_peer = restore_elements(C, S_e, W) * b
+    return per_peer * (G - 1), per_peer * (W - G)
+
+
+def restore_time(C, S_e, W, G, b, B_intra, B_inter, alpha):
+    """One restore all_to_all: a latency plus each link's bytes over its bandwidth (ep.a2a_time's convention)."""
+    intra, inter = restore_bytes(C, S_e, W, G, b)
+    return alpha + intra / B_intra + inter / B_inter
+
+
+# ---- memory ------------------------------------------------------------------------------------------------
+
+
+def param_elements_per_rank(E, W, C, S_e, *, prefetch=0):
+    """Expert parameter elements one rank holds for one layer: its 1/W slice of all E experts plus the C
+    experts it restores, plus `prefetch` * C for layers restored ahead (TECHNIQUES.md: (E*S)/W + C*S)."""
+    return E * S_e / W + C * S_e + prefetch * C * S_e
+
+
+def memory_per_rank(E, W, C, S_e, s, b, b_g, *, layers=1, prefetch=0):
+    """Expert bytes one rank holds: the shards of `layers` layers with their grads and optimizer state
+    (s bytes per parameter), the restored experts of the current and `prefetch` next layers (b bytes per
+    element) and the restored gradient of the current layer (b_g)."""
+    return layers * E * S_e / W * s + (1 + prefetch) * C * S_e * b + C * S_e * b_g
+
+
+# ---- the EP reference layout (for comparisons) -----------------------------------------------------------
+
+
+def ep_device_rows(counts_SE: Any, ep: int | None = None) -> np.ndarray:
+    """[device] rows each rank computes under plain EP for [source rank, expert] counts.
+
+    EP groups are `ep` consecutive ranks (data parallel over W/ep); device n computes experts
+    [(n % ep) * E/ep, (n % ep + 1) * E/ep) for the sources of its group. `ep` defaults to the largest
+    divisor of W that divides E (W itself when E is a multiple of W).
+    """
+    counts = np.asarray(counts_SE.cpu() if hasattr(counts_SE, "cpu") else counts_SE)
+    W, E = counts.shape
+    if ep is None:
+        ep = max(d for d in range(1, W + 1) if W % d == 0 and E % d == 0)
+    if W % ep or E % ep:
+        raise ValueError(f"ep={ep} must divide both the ranks W={W} and the experts E={E}")
+    per_group = counts.reshape(W // ep, ep, ep, E // ep).sum(axis=(1, 3))  # [group, device in group]
+    return per_group.reshape(W)

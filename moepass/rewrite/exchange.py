@@ -1,0 +1,130 @@
+"""The token exchange every distributed form puts around its expert compute (EP, FSEP).
+
+A form that computes experts on other ranks replaces the canonical `moe.expert_ffn` node by
+
+    x_ND, counts_B, order_N = moe.permute(x_TD, buckets_TK, B)        # the canonical permute, re-keyed
+    recv_counts_B = wait(moe_comm.exchange_counts(counts_B))          # metadata all-to-all
+    x_RD          = wait(moe_comm.all_to_all(x_ND, counts_B, recv_counts_B, "dispatch"))
+    ids_R1        = moe_ep.local_expert_ids(recv_counts_B, L, R)      # rows arrive (source, bucket)-major
+    x_MD, counts_L, order_R = moe.permute(x_RD, ids_R1, L)            # ... sort them bucket-major
+    y_MD          = moe.expert_ffn(x_MD, counts_L, <the form's L local experts>)
+    y_RD          = moe.unpermute(y_MD, order_R, 1)
+    y_ND          = wait(moe_comm.all_to_all(y_RD, recv_counts_B, counts_B, "combine", out_rows=N))
+
+B = P*L buckets, L per rank of the P-rank group: EP's buckets are experts, FSEP's are expert slots.
+What a form decides is how assignments map to buckets (`route`) and where the L local experts' weights
+come from (`weights`). Capacity-dropped assignments go to an extra bucket B that is never sent.
+
+Gradient convention (DDP's): an expert weight's gradient is that of the mean of the W ranks' local
+losses. The dispatch/combine backward sums every rank's contribution; `grad_scale` nodes divide the
+expert-weight gradients by W on the rows (the output gradient / W, the input gradient * W) rather than
+on every weight.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, fx
+
+from moepass import dialect
+from moepass.canonical import GraphBuilder, MoEGraphModule
+from moepass.runtime import collectives as comm
+
+
+@torch.library.custom_op("moe_ep::local_expert_ids", mutates_args=())
+def local_expert_ids(recv_counts_E: Tensor, num_local: int, rows: int) -> Tensor:
+    """Local bucket of each received row: rows arrive grouped by (source rank, local bucket)."""
+    ids_E = torch.arange(recv_counts_E.shape[0], device=recv_counts_E.device) % num_local
+    return torch.repeat_interleave(ids_E, recv_counts_E, output_size=rows).unsqueeze(1)
+
+
+@local_expert_ids.register_fake
+def _(recv_counts_E, num_local, rows):
+    return recv_counts_E.new_empty((rows, 1), dtype=torch.int64)
+
+
+LOCAL_EXPERT_IDS = torch.ops.moe_ep.local_expert_ids.default
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def grad_scale(x: Tensor, scale: float) -> Tensor:
+    """Identity forward; the backward multiplies the gradient by `scale` (exact when it is a power of two,
+    else within one rounding)."""
+    return _GradScale.apply(x, scale)
+
+
+def only(graph: fx.Graph, target: object, what: str) -> fx.Node:
+    """The single `target` node of a canonical graph (a rewrite's anchor)."""
+    found = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+    if len(found) != 1:
+        raise ValueError(f"the rewrite expects exactly one {what} node in the canonical graph, found {len(found)}")
+    return found[0]
+
+
+Weights = Callable[[], list[fx.Node | None]]
+
+
+def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local: int, group_name: str, world: int,
+                    route: Callable[[fx.Node], fx.Node] | None, issue_weights: Callable[[], Weights],
+                    axis: str = "E") -> dict[str, int]:
+    """Replace `gm`'s expert compute by dispatch / local compute / combine (in place; see module doc).
+
+    The form's hooks add their nodes where they are called: `route(experts_TK)`, before the permute,
+    maps each assignment to its bucket (None: the expert is the bucket; dropped assignments reach it as
+    expert id E); `issue_weights()`, right after the dispatch is issued (communication a form needs for
+    its weights starts behind the token exchange), returns `weights()`, called just before the local
+    expert compute, which makes the six weight operands. `axis` names the bucket axis in node names.
+    """
+    graph, E = gm.graph, gm.spec.num_experts
+    b.graph = graph
+    permute = only(graph, dialect.PERMUTE, "moe.permute")
+    ffn = only(graph, dialect.EXPERT_FFN, "moe.expert_ffn")
+    keeps = [n for n in graph.nodes if n.op == "call_function" and n.target is dialect.CAPACITY_KEEP]
+    x_ND, counts = ffn.args[0], ffn.args[1]
+
+    x_TD, experts_TK, _ = permute.args
+    with graph.inserting_before(permute):
+        if keeps:  # dropped assignments go to bucket E (then B), sorted last and never sent
+            experts_TK = b.fn(torch.where, keeps[0], experts_TK, E, name="experts_kept_TK")
+        buckets_TK = experts_TK if route is None else route(experts_TK)
+    permute.args = (x_TD, buckets_TK, buckets + 1 if keeps else buckets)
+
+    with graph.inserting_before(ffn):
+        counts_B = b.fn(operator.getitem, counts, slice(0, buckets), name=f"send_counts_{axis}") if keeps else counts
+        recv_counts = b.fn(comm.WAIT, b.fn(comm.EXCHANGE_COUNTS, counts_B, group_name, name="exchange_counts"),
+                           name=f"recv_counts_{axis}")
+        dispatch = b.fn(comm.ALL_TO_ALL, x_ND, counts_B, recv_counts, group_name, "dispatch", -1, name="dispatch")
+        weights = issue_weights()
+        x_RD = b.fn(comm.WAIT, dispatch, name="x_RD")
+        rows_R = b.method("size", x_RD, 0, name="rows_R")
+        ids_R1 = b.fn(LOCAL_EXPERT_IDS, recv_counts, local, rows_R, name="local_experts_R1")
+        sorted_ = b.fn(dialect.PERMUTE, x_RD, ids_R1, local, name="local_permute")
+        x_MD, counts_L, order_R = b.item(sorted_, 0, "x_MD"), b.item(sorted_, 1, "counts_L"), b.item(sorted_, 2,
+                                                                                                     "order_R")
+        local_weights = weights()
+        if world > 1:  # expert-weight gradients / W, the input gradient unchanged (see grad_scale)
+            x_MD = b.fn(grad_scale, x_MD, float(world), name="x_MD_grad_times_W")
+        y_MD = b.fn(dialect.EXPERT_FFN, x_MD, counts_L, *local_weights, *ffn.args[8:], name="y_MD")
+        if world > 1:
+            y_MD = b.fn(grad_scale, y_MD, 1.0 / world, name="y_MD_grad_over_W")
+        y_R1D = b.fn(dialect.UNPERMUTE, y_MD, order_R, 1, name="y_R1D")
+        y_RD = b.method("flatten", y_R1D, 0, 1, name="y_RD")
+        rows_N = b.method("size", x_ND, 0, name="rows_N")
+        y_ND = b.fn(comm.WAIT, b.fn(comm.ALL_TO_ALL, y_RD, recv_counts, counts_B, group_name, "combine", rows_N,
+                                    name="combine"), name="y_ND_combined")
+    ffn.replace_all_uses_with(y_ND)
+    graph.erase_node(ffn)  # its weight reads are now dead: dropped when the pass's effects are applied
+    return {"experts": E, "buckets": buckets, "local_buckets": local, "capacity": int(bool(keeps))}

@@ -1,0 +1,161 @@
+"""Expert parameters under a distributed form (EP, FSEP): one layout record, one way to shard.
+
+Both forms keep each expert weight as a DTensor on the ("dp", "ep") mesh with placements
+(Replicate(), Shard(d)) of the canonical `[E, ...]` tensor, so names and logical shapes are the
+original ones and `clip_grad_norm_`, optimizer state dicts and DCP work as for any DTensor:
+
+- EP shards the expert dim (d = 0): rank p keeps experts [p*L, (p+1)*L), whole.
+- FSEP shards the first dim inside each expert (d = 1): rank p keeps slice p of every expert; a row-major
+  flattening of that dim gives exactly the (E, P, S/P) view of the technique, [:, p, :].
+
+Fused 3-D weights are sharded in place (their original names). ModuleList experts (one tensor per
+expert) are stacked into one parameter per role, `<form>_<role>`, owned by the block; their per-expert
+originals are removed; `moepass.logical_state_dict` names them back. Everything is declared as
+`moepass.passes.Effects`, applied by the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from moepass import canonical
+from moepass.canonical import MoEGraphModule
+from moepass.errors import PlanError
+from moepass.passes import Effects
+from moepass.runtime import collectives as comm
+from moepass.runtime.topology import EPGroups
+from moepass.spec import MoESpec, TensorSource
+
+
+@dataclass
+class ExpertLayout:
+    """Where the expert parameters of one rewritten block live. Names are relative to the block."""
+
+    num_experts: int
+    groups: EPGroups
+    shard_dim: int  # the dim of the canonical [E, ...] tensors the group shards (EP 0, FSEP 1)
+    sharded: list[str] = field(default_factory=list)  # parameters sharded in place (original names)
+    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)  # <form>_<role> -> per-expert paths
+
+    def expert_param_names(self) -> list[str]:
+        return [*self.sharded, *self.stacked]
+
+    def describe(self, gm: nn.Module) -> list[str]:
+        """Lines for `moepass.explain`: where the experts live (each form adds what it places)."""
+        g = self.groups
+        return [f"experts: {self.num_experts}, sharded on dim {self.shard_dim} over {g.ep_size} ranks "
+                f"(x{g.dp_size} data-parallel replicas); parameters: {self.expert_param_names()}"]
+
+
+def local_shard(param: Tensor) -> Tensor:
+    """This rank's shard of an expert parameter (differentiable; no communication)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def as_dtensor(local: Tensor, groups: EPGroups, shard_dim: int, requires_grad: bool) -> nn.Parameter:
+    dt = DTensor.from_local(local, groups.mesh, [Replicate(), Shard(shard_dim)], run_check=False)
+    return nn.Parameter(dt, requires_grad=requires_grad)
+
+
+def _check_divisible(spec: MoESpec, form: str, what: str, shape: tuple[int, ...], dim: int, parts: int) -> None:
+    if len(shape) <= dim or shape[dim] % parts:
+        size = shape[dim] if len(shape) > dim else None
+        raise PlanError(
+            f"Plan.form={form!r} cannot shard block {spec.path or '<root>'}: expert weight {what} has shape {shape}; "
+            f"dim {dim} ({size}) must split evenly over the {parts} ranks of the group. Use an ep_size dividing "
+            f"{size}, or leave this block alone with Plan(blocks={{{spec.path!r}: None}}).")
+
+
+def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form: str,
+                  effects: Effects) -> dict[str, str]:
+    """Declare the sharded expert parameters (see module doc) in `effects`; record them in `layout`.
+
+    Returns role -> the parameter name the rewritten graph reads (a stacked tensor is read once for
+    every role that uses it).
+    """
+    E, groups, d = spec.num_experts, layout.groups, layout.shard_dim
+    P, p = groups.ep_size, groups.ep_rank
+    names: dict[str, str] = {}
+    by_paths: dict[tuple[str, ...], str] = {}
+    for role in canonical.ROLES:
+        source: TensorSource | None = getattr(spec.experts, role)
+        if source is None:
+            continue
+        if source.paths in by_paths:
+            names[role] = by_paths[source.paths]
+            continue
+        if not source.stacked:
+            path = source.paths[0]
+            param = gm.get_parameter(path)
+            if param.dim() == 0 or param.shape[0] != E:
+                raise PlanError(
+                    f"Plan.form={form!r} cannot shard block {spec.path or '<root>'}: expert weight {path!r} has "
+                    f"shape {tuple(param.shape)}, expected a leading expert dim of {E}; leave this block alone "
+                    f"with Plan(blocks={{{spec.path!r}: None}}).")
+            _check_divisible(spec, form, repr(path), tuple(param.shape), d, P)
+            local = param.detach().chunk(P, d)[p].clone()
+            effects.parameters[path] = as_dtensor(local, groups, d, param.requires_grad)
+            layout.sharded.append(path)
+            name = path
+        else:
+            params = [gm.get_parameter(q) for q in source.paths]
+            if len(params) != E:
+                raise PlanError(f"Plan.form={form!r}: block {spec.path or '<root>'} stacks {len(params)} tensors for "
+                                f"{role}, expected one per expert ({E}).")
+            _check_divisible(spec, form, f"{source.paths[0]!r} (stacked)", (E, *params[0].shape), d, P)
+            if d == 0:
+                local = torch.stack([q.detach() for q in params[p * E // P:(p + 1) * E // P]])
+            else:
+                local = torch.stack([q.detach().chunk(P, d - 1)[p] for q in params])
+            name = f"{form}_{role}"
+            effects.parameters[name] = as_dtensor(local.clone(), groups, d, params[0].requires_grad)
+            effects.removed += source.paths
+            layout.stacked[name] = source.paths
+        by_paths[source.paths] = name
+        names[role] = name
+    if layout.stacked and spec.experts.container:
+        effects.emptied.append(spec.experts.container)
+    if groups.dp_size > 1:  # replicas of the same shards sum their gradients
+        effects.grad_hooks += [(n, expert_grad_hook(groups)) for n in layout.expert_param_names()]
+    return names
+
+
+def expert_grad_hook(groups: EPGroups) -> Callable[[Tensor], Tensor]:
+    """Expert gradient := its sum over DP replicas (the 1/W is already in it: `exchange.grad_scale`)."""
+
+    def hook(grad: Tensor) -> Tensor:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = local.clone()  # a hook must not modify its argument
+        comm.all_reduce_sum_(local, groups.dp_group)
+        if isinstance(grad, DTensor):
+            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return local
+
+    return hook
+
+
+def expert_layouts(model: nn.Module) -> Iterator[tuple[str, ExpertLayout]]:
+    """(block path, layout) of every rewritten block of `model` whose experts a distributed form placed."""
+    for path, module in model.named_modules():
+        layout = module.layout if isinstance(module, MoEGraphModule) else None
+        if isinstance(layout, ExpertLayout):
+            yield path, layout
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """Fully qualified names of every sharded expert parameter in `model`."""
+    return [f"{path}.{n}" if path else n for path, layout in expert_layouts(model) for n in layout.expert_param_names()]
+
+
+def finalize_model(model: nn.Module) -> None:
+    """Model-level set-up after all blocks are rewritten: DDP ignores the expert parameters."""
+    names = expert_parameter_names(model)
+    if names:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        DDP._set_params_and_buffers_to_ignore_for_model(model, names)

@@ -1,0 +1,352 @@
+"""Fully sharded expert parallel (FSEP, LAER-MoE): the canonical dialect graph → its FSEP graph.
+
+Storage (`moepass.rewrite.experts`, shard_dim=1): each of the P ranks of the group keeps slice p of
+*every* expert — the canonical [E, a, ...] weight sharded on dim 1 (the row-major (E, P, S/P) view,
+[:, p, :]) as a DTensor on the ("dp", "ep") mesh. Gradients and optimizer state live on shards only.
+
+Each device computes C expert *slots* per step; a placement table `slot_expert` (P*C entries, slot
+g = n*C + c on device n) says which expert each slot hosts — an expert may have several replicas. The
+graph around the expert compute is the shared exchange (`moepass.rewrite.exchange`) with slots as
+buckets, plus the restore of the weights:
+
+    slot_expert_S  = self.fsep_placement()                     # this step's table (installs a due one)
+    slots_TK       = moe_fsep.route_to_slots(experts_TK, slot_expert_S, rank, ranks_per_node, C, E)
+    ... permute by slot, exchange counts, dispatch (as EP, buckets = P*C slots, L = C) ...
+    send_GS        = cat_j(index_select(shard_j.flatten(1), 0, slot_expert_S))    # my slice of each slot's expert
+    recv_GS        = wait(moe_comm.restore(send_GS))                               # issued after the dispatch
+    w_j            = assemble(recv_GS, j)                                          # [C, a, ...]: C whole experts
+    y = moe.expert_ffn(x_MD, counts_C, w_*) ... unpermute, combine (as EP)
+
+`moe_comm.restore` is a balanced, fixed-shape all_to_all: every pair exchanges C·S/P elements, every
+step. Its backward returns each slice's gradient to its owner and `index_select`'s backward sums the
+replicas' contributions into [E, S/P] (the reduce-scatter of the technique). A new table changes only
+which rows the next restore gathers: no parameter or optimizer byte moves.
+
+Lite routing (`route_to_slots`): the assignments of rank i to expert e go to e's replicas on i's node
+if there are any, else to all of e's replicas, split evenly in order (the j-th of n to replica
+floor(j*m/n) of the m) — the rule `moepass.runtime.placement` prices with.
+
+The planner (`FSEPPlacement`, a child module of the block): with `Plan(planner="auto")` each training
+forward gathers every rank's per-expert counts (`moe_comm.gather_counts`, P*E integers), hands the
+last 5 steps' sum to a worker thread running `moepass.runtime.placement.plan`, and installs the result
+at the next forward (one step later). Every rank plans on the same counts with a deterministic planner,
+so every rank installs the same table at the same step; the next forward joins the worker's result —
+it waits only if a solve took longer than a whole step (measured: `wait_s` in each decision).
+"static" keeps the initial even table; a callable `planner(counts_PE, current_table) -> table` is called
+in the worker the same way.
+
+Gradient convention: as EP (DDP's mean over ranks; `exchange.grad_scale`), plus a DP hook when the
+group is smaller than the world.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+
+from cost_model.fsep import ep_device_rows
+from cost_model.presets import resolve_hardware
+from moepass import canonical
+from moepass.canonical import GraphBuilder, MoEGraphModule
+from moepass.errors import PlanError
+from moepass.passes import Effects, PassResult
+from moepass.plan import Plan
+from moepass.rewrite import exchange
+from moepass.rewrite.experts import ExpertLayout, local_shard, shard_experts
+from moepass.runtime import collectives as comm
+from moepass.runtime import placement
+from moepass.runtime.topology import ep_groups
+
+PASS = "fsep"
+CONTROLLER = "fsep_placement"
+log = logging.getLogger("moepass.fsep")
+
+
+# ----------------------------------------------------------------------------------------------
+# Ops: lite routing to slots, and assembling restored experts.
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe_fsep::route_to_slots", mutates_args=())
+def route_to_slots(experts_TK: Tensor, slot_expert_S: Tensor, rank: int, ranks_per_node: int, slots: int,
+                   num_experts: int) -> Tensor:
+    """The slot of each assignment under lite routing (see module doc); expert id E (dropped) -> slot P*C."""
+    E, S = num_experts, slot_expert_S.shape[0]
+    device = experts_TK.device
+    slot_ids = torch.arange(S, device=device)
+    hosts_ES = slot_expert_S.unsqueeze(0) == torch.arange(E, device=device).unsqueeze(1)
+    local_ES = hosts_ES & ((slot_ids // slots) // ranks_per_node == rank // ranks_per_node).unsqueeze(0)
+    pref_ES = torch.where(local_ES.any(1, keepdim=True), local_ES, hosts_ES)
+    replicas_E = pref_ES.sum(1)
+    ordered_ES = torch.where(pref_ES, slot_ids, S).sort(1).values  # each expert's preferred slots first, in order
+    flat = experts_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # occurrence index j of each assignment within its expert
+    counts = torch.bincount(flat, minlength=E + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    j = torch.empty_like(flat)
+    j[order] = torch.arange(flat.shape[0], device=device) - starts[flat[order]]
+    kept = flat < E
+    e = torch.where(kept, flat, 0)
+    q = (j * replicas_E[e]) // counts[e].clamp(min=1)
+    slot = ordered_ES[e, q.clamp(max=S - 1)]
+    return torch.where(kept, slot, S).view_as(experts_TK)
+
+
+@route_to_slots.register_fake
+def _(experts_TK, slot_expert_S, rank, ranks_per_node, slots, num_experts):
+    return torch.empty_like(experts_TK)
+
+
+ROUTE_TO_SLOTS = torch.ops.moe_fsep.route_to_slots.default
+
+
+def gather_slices(shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
+    """[P*C, s]: this rank's slice of the expert in every slot, all weights side by side (the send buffer)."""
+    return torch.cat([shard.flatten(1).index_select(0, slot_expert_S) for shard in shards], 1)
+
+
+def assemble(recv_GS: Tensor, peers: int, offset: int, shape: Sequence[int]) -> Tensor:
+    """One weight of the C restored experts, [C, *shape], from the restore's output (peer-major slices)."""
+    size = recv_GS.shape[1]
+    width = (shape[0] // peers) * int(torch.Size(shape[1:]).numel())
+    slices = recv_GS.view(peers, -1, size)[:, :, offset:offset + width]  # [P, C, a/P * rest]
+    return slices.permute(1, 0, 2).reshape(-1, *shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# The placement controller: this step's table; planning off the critical path.
+# ----------------------------------------------------------------------------------------------
+
+
+Planner = Callable[[Tensor, tuple[int, ...]], Sequence[int]]
+
+
+@dataclass
+class Installed:
+    """One installed placement: when, from what, what it costs (logged per layer and step)."""
+
+    step: int
+    table: tuple[int, ...]
+    source: str  # "initial", the planner's candidate name, or "callable"
+    wait_s: float = 0.0  # how long the forward that installed it waited for the worker
+    solve_s: float = 0.0
+    details: str = ""  # the planner's summary of its decision
+
+
+class FSEPPlacement(nn.Module):
+    """The placement table of one FSEP block and the planner that changes it (see module doc)."""
+
+    def __init__(self, block: str, config: placement.PlannerConfig, rank: int, planner: str | Planner,
+                 table: placement.PlacementTable):
+        super().__init__()
+        self.block, self.config, self.rank, self.planner = block, config, rank, planner
+        self.register_buffer("slot_expert", table.as_tensor("cpu"), persistent=False)
+        self.history = placement.CountHistory(config.history, config.W, config.E)
+        self.step = 0
+        self.decisions: list[Installed] = [Installed(0, table.slot_expert, "initial")]
+        self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.track_loads = False  # record per-device rows of every step (W x W*C work per step: for benchmarks)
+        self.loads: list[dict[str, Any]] = []  # {"step", "fsep": [W] rows per device, "ep": [W] under EP}
+
+    @property
+    def observes(self) -> bool:
+        return self.planner != "static"
+
+    def forward(self) -> Tensor:
+        """This step's table: install the layout planned after the previous step first."""
+        if self.training and not _shape_only():
+            self.step += 1
+            if self._pending is not None:
+                start = time.perf_counter()
+                decision: Installed = self._pending.result()
+                decision.wait_s = time.perf_counter() - start
+                self._pending = None
+                decision.step = self.step
+                self.slot_expert = torch.tensor(decision.table, dtype=torch.int64, device=self.slot_expert.device)
+                self.decisions.append(decision)
+                log.debug("%s step %d: %s", self.block, self.step, decision)
+        return self.slot_expert
+
+    def observe(self, counts_PE: Tensor) -> None:
+        """Record this step's gathered counts; plan the next layout in the worker."""
+        if not self.training or not self.observes or _shape_only():
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"moepass-fsep-{self.block}")
+        current = tuple(int(e) for e in self.decisions[-1].table)
+        self._pending = self._executor.submit(self._plan, counts_PE.detach(), current, self.step)
+
+    def _plan(self, counts_PE: Tensor, current: tuple[int, ...], step: int) -> Installed:
+        start = time.perf_counter()
+        counts = counts_PE.to("cpu", torch.int64)
+        c = self.config
+        with self._lock:
+            self.history.push(counts)
+            summed = self.history.total()
+            if self.track_loads:  # rows each device computed this step, and would have under plain EP
+                table = placement.PlacementTable(current, c.W, c.C, c.ranks_per_node, c.E)
+                fsep = placement.device_loads(placement.lite_route_counts(counts, table), c.C)
+                self.loads.append({"step": step, "fsep": fsep.tolist(),
+                                   "ep": [int(v) for v in ep_device_rows(counts)]})
+        if callable(self.planner):
+            proposed = self.planner(summed, current)
+            try:
+                table = placement.PlacementTable(tuple(int(e) for e in proposed), c.W, c.C, c.ranks_per_node, c.E)
+            except ValueError as err:
+                raise PlanError(f"Plan.planner={self.planner!r} returned an invalid table for block {self.block}: "
+                                f"{err}") from err
+            decision = Installed(0, table.slot_expert, "callable")
+        else:
+            chosen = placement.plan(summed, c)
+            decision = Installed(0, chosen.table.slot_expert, chosen.candidate, details=chosen.summary())
+        decision.solve_s = time.perf_counter() - start
+        return decision
+
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: no thread, no pending work
+        state = self.__dict__.copy()
+        state.update(_pending=None, _executor=None, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def _shape_only() -> bool:
+    """A fake-tensor or compiler trace (the verifier's shape propagation, explain): not a training step."""
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    return fake or torch.compiler.is_compiling()
+
+
+def observe_counts(controller: FSEPPlacement, counts_PE: Tensor) -> None:
+    """Graph node: hand the gathered per-(rank, expert) counts to the block's controller."""
+    controller.observe(counts_PE)
+
+
+fx.node.has_side_effect(observe_counts)
+
+
+def expert_counts(experts_TK: Tensor, num_experts: int) -> Tensor:
+    """Assignments per expert ([E]; dropped ones, id E, not counted)."""
+    flat = experts_TK.reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))[:num_experts]  # static shape (bincount's is not)
+
+
+# ----------------------------------------------------------------------------------------------
+# The rewrite.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FSEPLayout(ExpertLayout):
+    """FSEP's layout: shards of every expert (shard_dim 1), C slots per device, the block's controller."""
+
+    slots: int = 0  # C
+    controller: str = CONTROLLER  # child module of the block holding the table and the planner
+
+    def describe(self, gm: nn.Module) -> list[str]:
+        controller = gm.get_submodule(self.controller)
+        assert isinstance(controller, FSEPPlacement)
+        table = controller.decisions[-1].table
+        C = self.slots
+        lines = super().describe(gm)
+        lines.append(f"placement ({C} slots per device, planner {controller.planner if isinstance(controller.planner, str) else 'callable'}):")
+        lines += [f"  device {n}: experts {list(table[n * C:(n + 1) * C])}" for n in range(len(table) // C)]
+        last = controller.decisions[-1]
+        lines.append(f"last decision: step {last.step}, {last.source}" + (f": {last.details}" if last.details else ""))
+        return lines
+
+
+def _node(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def default_slots(num_experts: int, peers: int) -> int:
+    """C when the plan leaves it out: every expert once, plus one slot per device for replicas."""
+    return -(-num_experts // peers) + 1
+
+
+def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
+    """The FSEP pass: shard every expert over the group, restore C slots per device, route to them."""
+    spec = gm.spec
+    device = next(iter(gm.parameters())).device
+    groups = ep_groups(plan.topology, plan.ep_size, device.type)
+    E, P = spec.num_experts, groups.ep_size
+    C = plan.slots_per_device or default_slots(E, P)
+    if P * C < E:
+        raise PlanError(f"Plan.slots_per_device={C} is invalid for block {spec.path or '<root>'}: {P} devices x {C} "
+                        f"slots cannot host its {E} experts; use slots_per_device >= {-(-E // P)}.")
+    rpn = min(groups.topology.ranks_per_node, P)
+    layout = FSEPLayout(num_experts=E, groups=groups, shard_dim=1, slots=C)
+    effects = Effects()
+    attrs = shard_experts(gm, spec, layout, PASS, effects)
+    params = list(dict.fromkeys(attrs.values()))
+    shapes = {name: tuple(effects.parameters[name].shape[1:]) for name in params}
+    x = spec.experts
+    config = placement.PlannerConfig.from_hardware(resolve_hardware(plan.hardware), E=E, W=P, C=C, ranks_per_node=rpn,
+                                                   D=x.hidden_dim, F=x.ffn_dim, gated=x.gated,
+                                                   recompute=plan.expert_recompute)
+    table = placement.even_table(E, P, C, rpn)
+    controller = FSEPPlacement(spec.path or "<root>", config, groups.ep_rank, plan.planner, table)
+    effects.modules[CONTROLLER] = controller
+    group_name = groups.ep_group.group_name
+
+    b = GraphBuilder(PASS, spec.path)
+    b.graph = gm.graph
+    first = next(iter(gm.graph.nodes))
+    while first.op == "placeholder":
+        first = first.next
+    with gm.graph.inserting_before(first):
+        slot_expert = b.module(CONTROLLER, name="slot_expert_S")
+
+    def route(experts_TK: fx.Node) -> fx.Node:
+        if controller.observes:
+            counts_E = b.fn(expert_counts, experts_TK, E, name="expert_counts_E")
+            counts_PE = b.fn(comm.GATHER_COUNTS, counts_E, group_name, name="expert_counts_PE")
+            b.fn(observe_counts, b.attr(CONTROLLER, name="placement"), counts_PE, name="observe_counts")
+        return b.fn(ROUTE_TO_SLOTS, experts_TK, slot_expert, groups.ep_rank, rpn, C, E, name="slots_TK")
+
+    def issue_restore() -> exchange.Weights:
+        """The restore is issued right behind the token dispatch and waited just before the experts."""
+        shards = [b.fn(local_shard, b.attr(name, name=f"{_node(name)}_param"), name=f"{_node(name)}_shard")
+                  for name in params]
+        send = b.fn(gather_slices, shards, slot_expert, name="restore_send")
+        pending = b.fn(comm.RESTORE, send, group_name, name="restore")
+
+        def weights() -> list[fx.Node | None]:
+            recv = b.fn(comm.WAIT, pending, name="restore_recv")
+            restored, offset = {}, 0
+            for name in params:
+                shape = shapes[name]
+                restored[name] = b.fn(assemble, recv, P, offset, shape, name=f"{_node(name)}_slots")
+                offset += (shape[0] // P) * int(torch.Size(shape[1:]).numel())
+            return canonical.expert_weights(b, spec.experts, lambda source, role: b.view(
+                source, restored[attrs[role]], f"{role}_slots"))
+
+        return weights
+
+    stats = exchange.insert_exchange(gm, b, buckets=P * C, local=C, group_name=group_name, world=groups.world_size,
+                                     route=route, issue_weights=issue_restore, axis="S")
+    stats = {"experts": E, "slots_per_device": C, "fsep_size": P, "dp_size": groups.dp_size,
+             "replicas": P * C - E, "planner": plan.planner if isinstance(plan.planner, str) else "callable",
+             "capacity": stats["capacity"]}
+    gm.form = PASS
+    gm.layout = layout
+    return PassResult(gm, changed=True, stats=stats, effects=effects)
+
+
+def controllers(model: nn.Module) -> dict[str, FSEPPlacement]:
+    """Block path -> the FSEP placement controller of every FSEP block in `model`."""
+    return {path: module.get_submodule(module.layout.controller) for path, module in model.named_modules()
+            if isinstance(module, MoEGraphModule) and isinstance(module.layout, FSEPLayout)}

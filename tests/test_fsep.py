@@ -1,0 +1,280 @@
+"""FSEP under gloo: the unsharded model's math with every expert sharded over the ranks.
+
+Parity with the single-process reference (outputs, every gradient, parameters after SGD and Adam
+steps) with the static placement, with one that changes every step and with the load-adaptive planner;
+the restore's bytes are the same every step whatever the placement, and a re-layout moves no
+parameter or optimizer byte; checkpoints cross FSEP -> EP -> the original model; lite routing checked
+against a plain-Python statement of the rule.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _dist import pool, shutdown  # noqa: E402
+from test_ep import CFG, case_parity  # noqa: E402
+from test_ep_checkpoint import case_load, case_save  # noqa: E402
+from test_ep_more import case_hf_parity  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pools():
+    yield
+    shutdown()
+
+
+def rotating_planner(counts_PE, table):
+    """A planner whose placement changes every step: the table shifted by one slot, then by expert."""
+    shifted = table[1:] + table[:1]
+    E = counts_PE.shape[1]
+    return [(e + 1) % E for e in shifted]
+
+
+# ----------------------------------------------------------------------------------------------
+# Lite routing: the op against the rule written out in Python.
+# ----------------------------------------------------------------------------------------------
+
+
+def lite_route_reference(experts, table, rank, ranks_per_node, slots, E):
+    """The j-th of rank i's n assignments to expert e goes to preferred replica floor(j*m/n) (module doc)."""
+    node = lambda g: (g // slots) // ranks_per_node  # noqa: E731
+    flat = [int(e) for e in experts.reshape(-1)]
+    n = {e: flat.count(e) for e in set(flat)}
+    seen: dict[int, int] = {}
+    out = []
+    for e in flat:
+        if e == E:
+            out.append(len(table))
+            continue
+        hosts = [g for g, x in enumerate(table) if x == e]
+        local = [g for g in hosts if node(g) == rank // ranks_per_node]
+        pref = local or hosts
+        j = seen.get(e, 0)
+        seen[e] = j + 1
+        out.append(pref[j * len(pref) // n[e]])
+    return torch.tensor(out).view_as(experts)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_route_to_slots_matches_the_rule(seed):
+    from moepass.rewrite.fsep import route_to_slots
+
+    gen = torch.Generator().manual_seed(seed)
+    E, P, C, rpn = 6, 4, 3, 2
+    table = torch.randperm(P * C, generator=gen) % E  # every expert twice, scattered over nodes
+    table[0] = 0
+    experts = torch.randint(0, E + 1, (37, 2), generator=gen)  # E: dropped
+    for rank in range(P):
+        got = route_to_slots(experts, table, rank, rpn, C, E)
+        want = lite_route_reference(experts, table.tolist(), rank, rpn, C, E)
+        assert torch.equal(got, want), (rank, got, want)
+
+
+def test_route_to_slots_splits_evenly_over_replicas():
+    from moepass.rewrite.fsep import route_to_slots
+
+    table = torch.tensor([0, 1, 0, 2])  # expert 0 in slots 0 (device 0) and 2 (device 1); one node
+    experts = torch.zeros(10, 1, dtype=torch.int64)
+    slots = route_to_slots(experts, table, 0, 2, 2, 3).flatten().tolist()
+    assert slots == [0] * 5 + [2] * 5
+    two_nodes = route_to_slots(experts, table, 1, 1, 2, 3).flatten().tolist()  # rank 1's node hosts slot 2
+    assert two_nodes == [2] * 10
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with the unsharded model.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", ["loop", "fused", "gshard"])
+def test_parity_w2_static(style):
+    reports = pool(2).run(case_parity, style, form="fsep", planner="static", slots_per_device=5)
+    assert reports[0]["forms"] == ["fsep"]
+    assert max(r["grad"] for r in reports) < 1e-4
+
+
+@pytest.mark.parametrize("style", ["loop", "fused"])
+def test_parity_w2_placement_changes_every_step(style):
+    reports = pool(2).run(case_parity, style, form="fsep", planner=rotating_planner, slots_per_device=5, steps=3)
+    assert max(r["param"] for r in reports) < 1e-4
+
+
+def test_parity_w4_two_nodes_changing_placement():
+    reports = pool(4).run(case_parity, "fused", form="fsep", planner=rotating_planner, slots_per_device=3, nodes=2,
+                          steps=2)
+    assert max(r["loss"] for r in reports) < 1e-5
+
+
+def test_adam_five_steps_equal_the_original():
+    reports = pool(2).run(case_parity, "loop", form="fsep", planner=rotating_planner, slots_per_device=5, steps=5,
+                          optimizer="adam")
+    assert len(reports[0]["losses"]) == 5
+    assert max(r["param"] for r in reports) < 1e-4
+
+
+def test_parity_w2_chunked_schedule():
+    """The schedule pass pipelines FSEP's token exchange too (2 chunks); the restore stays whole."""
+    reports = pool(2).run(case_parity, "fused", form="fsep", planner=rotating_planner, slots_per_device=5, steps=2,
+                          a2a_chunks=2)
+    assert reports[0]["chunks"] == [2]
+    assert max(r["param"] for r in reports) < 1e-4
+
+
+def test_fsep_plan_errors():
+    from moepass import Plan, PlanError
+
+    with pytest.raises(PlanError, match=r"Plan.packing=2 has no effect with form='fsep'"):
+        Plan(form="fsep", packing=2)
+
+
+def test_parity_w2_adaptive_planner():
+    reports = pool(2).run(case_parity, "fused", form="fsep", planner="auto", slots_per_device=5, steps=3)
+    assert max(r["param"] for r in reports) < 1e-4
+
+
+@pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
+def test_hf_mixtral_parity(world, nodes):
+    pytest.importorskip("transformers")
+    reports = pool(world).run(case_hf_parity, "mixtral", nodes=nodes, form="fsep", planner=rotating_planner,
+                              timeout=180)
+    for r in reports:
+        assert set(r["forms"].values()) == {"fsep"}, r["forms"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes and memory: the restore is the same every step; a re-layout moves nothing else.
+# ----------------------------------------------------------------------------------------------
+
+
+def case_restore_bytes(rank, world, steps, C):
+    """Per step: restore bytes by kind; the parameter and optimizer-state storages, before and after."""
+    import moepass
+    from moepass.rewrite.fsep import controllers
+    from samples.models import tiny_mixtral
+
+    torch.manual_seed(0)
+    cm = moepass.compile(tiny_mixtral(style="fused", **CFG),
+                         moepass.Plan(form="fsep", planner=rotating_planner, slots_per_device=C))
+    opt = torch.optim.Adam(cm.parameters(), lr=1e-3)
+    storages = lambda: {n: p.to_local().data_ptr() if hasattr(p, "to_local") else p.data_ptr()  # noqa: E731
+                        for n, p in cm.named_parameters()}
+    tables, per_step, before = [], [], None
+    for step in range(steps):
+        tokens = torch.randint(0, CFG["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(step + 10 * rank))
+        moepass.reset_comm_stats()
+        opt.zero_grad()
+        cm.loss(tokens).backward()
+        opt.step()
+        stats = moepass.comm_stats()
+        per_step.append({k: v for k, v in stats.items() if k.startswith("restore")})
+        tables.append([c.slot_expert.tolist() for c in controllers(cm).values()])
+        if before is None:
+            before = (storages(), {id(p): {k: s.data_ptr() for k, s in st.items() if torch.is_tensor(s)}
+                                   for p, st in opt.state.items()})
+    after = (storages(), {id(p): {k: s.data_ptr() for k, s in st.items() if torch.is_tensor(s)}
+                          for p, st in opt.state.items()})
+    local_expert_elems = sum(p.to_local().numel() for p in cm.parameters() if hasattr(p, "to_local"))
+    return {"per_step": per_step, "tables": tables, "same_storage": before == after,
+            "local_expert_elems": local_expert_elems}
+
+
+def test_restore_bytes_fixed_and_relayout_moves_nothing():
+    C, world = 5, 2
+    results = pool(world).run(case_restore_bytes, 3, C)
+    D, F, E, layers = CFG["dim"], CFG["ffn_dim"], CFG["num_experts"], CFG["layers"]
+    S = 3 * D * F  # elements of one expert (gate, up, down)
+    for r in results:
+        assert r["same_storage"]  # no parameter or optimizer tensor was reallocated or moved
+        tables = r["tables"]
+        assert tables[0] != tables[1] != tables[2]  # the placement changed every step
+        for step in r["per_step"]:
+            # forward restore + backward reverse, per layer: C*S/W fp32 elements to each peer
+            sent = sum(v.get("intra", 0) + v.get("inter", 0) for v in step.values())
+            assert sent == 2 * layers * (world - 1) * C * S // world * 4, step
+        assert r["local_expert_elems"] == layers * E * S // world  # parameter memory: E*S/W per layer
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: FSEP at W=4 -> EP at W=2 -> the original model.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", ["loop", "fused"])
+def test_dcp_fsep4_to_ep2_and_original(style, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from samples.models import tiny_mixtral
+
+    path = str(tmp_path / f"fsep_{style}")
+    saved = pool(4).run(case_save, path, style, form="fsep")
+    full = saved[0]["full"]
+    original = tiny_mixtral(style=style, **CFG)
+    want = original.state_dict()
+    assert set(full) == set(want) and all(full[k].shape == want[k].shape for k in want)
+    loaded = pool(2).run(case_load, path, style, 2, form="ep")
+    for k, v in full.items():
+        assert torch.equal(loaded[0]["full"][k], v), k
+    assert loaded[0]["loss"] == pytest.approx(saved[0]["loss"], rel=1e-5)
+    back = pool(2).run(case_load, path, style, 2, form="fsep")
+    for k, v in full.items():
+        assert torch.equal(back[0]["full"][k], v), k
+    sd = original.state_dict()
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    original.load_state_dict(sd)
+    for k, v in original.state_dict().items():
+        assert torch.equal(v, full[k]), k
+
+
+# ----------------------------------------------------------------------------------------------
+# W=64 on the fake process group: graph, table, shapes and the restore's bytes per pair.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_fake_pg_world_64_graph_table_and_bytes():
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import moepass
+    from moepass.rewrite.fsep import controllers
+    from moepass.runtime import collectives as comm
+    from samples.models import tiny_mixtral
+
+    world, rank, E, C, D, F = 64, 13, 32, 2, 64, 64
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        torch.manual_seed(0)
+        model = tiny_mixtral(style="fused", vocab_size=32, dim=D, ffn_dim=F, num_experts=E, top_k=4, layers=1)
+        cm = moepass.compile(model, moepass.Plan(form="fsep", slots_per_device=C, topology=moepass.Topology(8, 8)))
+        gm = cm.layers[0].mlp
+        assert gm.form == "fsep" and gm.layout.slots == C
+        w = gm.w_gate_up
+        assert isinstance(w, DTensor) and w.shape == (E, D, 2 * F) and w.to_local().shape == (E, 1, 2 * F)
+        table = controllers(cm)["layers.0.mlp"].slot_expert.tolist()
+        assert len(table) == world * C and sorted(set(table)) == list(range(E))
+        assert [table.count(e) for e in range(E)] == [world * C // E] * E  # even: 4 replicas each ...
+        nodes_of = [{(g // C) // 8 for g, x in enumerate(table) if x == e} for e in range(E)]
+        assert all(len(n) == 4 for n in nodes_of)  # ... on 4 different nodes (node-spreading)
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert targets.count(comm.RESTORE) == 1 and targets.count(comm.ALL_TO_ALL) == 2
+        assert targets.count(comm.GATHER_COUNTS) == 1  # the planner's counts ("auto")
+        mode = FakeTensorMode(shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True), allow_non_fake_inputs=True)
+        FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(2, 5, D)))
+        by_name = {n.name: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+        S = 3 * D * F  # one expert: gate and up [F, D] + down [D, F]
+        assert by_name["restore_send"].shape == (world * C, S // world)  # C*S/W elements to every peer
+        assert by_name["w_gate_up_slots"].shape == (C, D, 2 * F)
+        assert by_name["out"].shape == (2, 5, D)
+        assert by_name["slots_TK"].shape == (10, 4)
+    finally:
+        dist.destroy_process_group()

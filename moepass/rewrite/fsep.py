@@ -13,12 +13,12 @@ buckets, plus the restore of the weights:
     slots_TK       = moe_fsep.route_to_slots(experts_TK, slot_expert_S, rank, ranks_per_node, C, E)
     ... permute by slot, exchange counts, dispatch (as EP, buckets = P*C slots, L = C) ...
     send_GS        = cat_j(index_select(shard_j.flatten(1), 0, slot_expert_S))    # my slice of each slot's expert
-    recv_GS        = wait(moe_comm.restore(send_GS))                               # issued after the dispatch
+    recv_GS        = wait(moe_comm.equal_all_to_all(send_GS, "restore"))           # issued after the dispatch
     w_j            = assemble(recv_GS, j)                                          # [C, a, ...]: C whole experts
     y = moe.expert_ffn(x_MD, counts_C, w_*) ... unpermute, combine (as EP)
 
-`moe_comm.restore` is a balanced, fixed-shape all_to_all: every pair exchanges C·S/P elements, every
-step. Its backward returns each slice's gradient to its owner and `index_select`'s backward sums the
+`moe_comm.equal_all_to_all` (kind "restore") is a balanced, fixed-shape all_to_all: every pair exchanges
+C·S/P elements, every step. Its backward returns each slice's gradient to its owner and `index_select`'s backward sums the
 replicas' contributions into [E, S/P] (the reduce-scatter of the technique). A new table changes only
 which rows the next restore gathers: no parameter or optimizer byte moves.
 
@@ -162,6 +162,7 @@ class FSEPPlacement(nn.Module):
     def observes(self) -> bool:
         return self.planner != "static"
 
+    @torch.compiler.disable  # runs eagerly under torch.compile (a graph break): it is the step's host logic
     def forward(self) -> Tensor:
         """This step's table: install the layout planned after the previous step first."""
         if self.training and not _shape_only():
@@ -223,11 +224,11 @@ class FSEPPlacement(nn.Module):
 
 
 def _shape_only() -> bool:
-    """A fake-tensor or compiler trace (the verifier's shape propagation, explain): not a training step."""
-    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-    return fake or torch.compiler.is_compiling()
+    """A fake-tensor trace (the verifier's shape propagation, explain): not a training step."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
+@torch.compiler.disable  # hands tensors to a thread: runs eagerly under torch.compile (a graph break)
 def observe_counts(controller: FSEPPlacement, counts_PE: Tensor) -> None:
     """Graph node: hand the gathered per-(rank, expert) counts to the block's controller."""
     controller.observe(counts_PE)
@@ -322,7 +323,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
         shards = [b.fn(local_shard, b.attr(name, name=f"{_node(name)}_param"), name=f"{_node(name)}_shard")
                   for name in params]
         send = b.fn(gather_slices, shards, slot_expert, name="restore_send")
-        pending = b.fn(comm.RESTORE, send, group_name, name="restore")
+        pending = b.fn(comm.EQUAL_ALL_TO_ALL, send, group_name, "restore", name="restore")
 
         def weights() -> list[fx.Node | None]:
             recv = b.fn(comm.WAIT, pending, name="restore_recv")

@@ -5,7 +5,7 @@ a schedule pass can move the wait to overlap the transfer with compute):
 
     exchange_counts(counts_E, group_name)                        -> recv_counts_E   (issue, no grad)
     all_to_all(x_XD, send_counts_E, recv_counts_E, group_name, kind, out_rows) -> y_YD   (issue)
-    restore(send_GS, group_name)                                 -> recv_GS         (issue; FSEP weights)
+    equal_all_to_all(x_GS, group_name, kind)                     -> y_GS            (issue; equal splits)
     gather_counts(counts_E, group_name)                          -> counts_PE       (blocking, no grad)
     wait(t)                                                      -> t               (wait; grad passes)
 
@@ -177,42 +177,43 @@ all_to_all.register_autograd(_a2a_bwd, setup_context=_a2a_setup)
 
 
 # ----------------------------------------------------------------------------------------------
-# restore: FSEP's balanced, fixed-shape exchange of expert-weight slices, differentiable.
+# equal_all_to_all: balanced, fixed-shape exchange (FSEP weight restore, HP token exchange), differentiable.
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_comm::restore", mutates_args=())
-def restore(send_GS: Tensor, group_name: str) -> Tensor:
-    """Equal-split all-to-all of G = P*C rows: rows [p*C, (p+1)*C) go to peer p, and row p*C + c of the
-    result is what peer p sent for this rank's slot c. Same shape every step: no counts, no host sync.
+@torch.library.custom_op("moe_comm::equal_all_to_all", mutates_args=())
+def equal_all_to_all(x_GS: Tensor, group_name: str, kind: str) -> Tensor:
+    """All-to-all with equal splits: G rows, block p (G/P rows) goes to peer p, and block p of the result is
+    what peer p sent. Same shape every step: no counts, no host sync. Its backward is the same exchange of
+    the gradient (the exchange is its own inverse's transpose).
 
-    FSEP: a sender's rows are its slices of the experts the receiver's C slots host; its backward is the
-    reverse exchange, returning each slice's gradient to the rank that owns it."""
+    FSEP's restore sends a rank's slices of the experts each receiver's slots host (kind "restore");
+    head parallel sends every rank's tokens to the rank of their heads (kinds "hp_dispatch", "hp_combine")."""
     peers = len(_peers(group_name)[1])
-    if send_GS.shape[0] % peers:
-        raise ValueError(f"moe_comm.restore: {send_GS.shape[0]} rows do not split over {peers} ranks")
-    send = send_GS.contiguous()
+    if x_GS.shape[0] % peers:
+        raise ValueError(f"moe_comm.equal_all_to_all[{kind}]: {x_GS.shape[0]} rows do not split over {peers} ranks")
+    send = x_GS.contiguous()
     recv = torch.empty_like(send)
     splits = [send.shape[0] // peers] * peers
-    _issue(recv, send, splits, splits, group_name, "restore")
+    _issue(recv, send, splits, splits, group_name, kind)
     return recv
 
 
-@restore.register_fake
-def _(send_GS, group_name):
-    return torch.empty_like(send_GS)
+@equal_all_to_all.register_fake
+def _(x_GS, group_name, kind):
+    return torch.empty_like(x_GS)
 
 
-def _restore_setup(ctx, inputs, output):
-    ctx.group_name = inputs[1]
+def _equal_setup(ctx, inputs, output):
+    ctx.group_name, ctx.kind = inputs[1], inputs[2]
 
 
-def _restore_bwd(ctx, grad_GS):
-    pending = torch.ops.moe_comm.restore(grad_GS.contiguous(), ctx.group_name)
-    return torch.ops.moe_comm.wait(pending), None
+def _equal_bwd(ctx, grad_GS):
+    pending = torch.ops.moe_comm.equal_all_to_all(grad_GS.contiguous(), ctx.group_name, f"{ctx.kind}_bwd")
+    return torch.ops.moe_comm.wait(pending), None, None
 
 
-restore.register_autograd(_restore_bwd, setup_context=_restore_setup)
+equal_all_to_all.register_autograd(_equal_bwd, setup_context=_equal_setup)
 
 
 @torch.library.custom_op("moe_comm::gather_counts", mutates_args=())
@@ -258,7 +259,7 @@ _lib.impl("wait", _wait_impl, "CompositeImplicitAutograd")
 
 EXCHANGE_COUNTS = torch.ops.moe_comm.exchange_counts.default
 ALL_TO_ALL = torch.ops.moe_comm.all_to_all.default
-RESTORE = torch.ops.moe_comm.restore.default
+EQUAL_ALL_TO_ALL = torch.ops.moe_comm.equal_all_to_all.default
 GATHER_COUNTS = torch.ops.moe_comm.gather_counts.default
 WAIT = torch.ops.moe_comm.wait.default
 

@@ -19,16 +19,23 @@ Q_intra / Q_inter the rows sent within / across nodes (summed over sources) and 
 Restore: every rank sends every device the r-th 1/W slice of each of the C experts it computes: C*S_e/W
 elements per pair, forward (weights) and backward (weights again, then the gradient slices back).
 
+What the planner makes of a routing (`planned_routing`: its table and the routed rows under it) and one
+FSEP layer's step terms in `cost_model.ep.LayerTerms` (`fsep_layer`) are what the plan search
+(`cost_model.search`) prices FSEP with next to EP; the simulator (`cost_model.simulate`) lays the same
+routed rows and restores on its timeline.
+
 Shape legend: S source ranks, R destination devices (numpy arrays or torch tensors).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cost_model.ep import A2A_PER_LAYER, FWD_BWD, expert_flops, expert_params
+from cost_model import ep as ep_formulas
+from cost_model.ep import A2A_PER_LAYER, FWD_BWD, LayerTerms, expert_flops, expert_params
 
 # ---- per token ---------------------------------------------------------------------------------------
 
@@ -142,3 +149,109 @@ def ep_device_rows(counts_SE: Any, ep: int | None = None) -> np.ndarray:
         raise ValueError(f"ep={ep} must divide both the ranks W={W} and the experts E={E}")
     per_group = counts.reshape(W // ep, ep, ep, E // ep).sum(axis=(1, 3))  # [group, device in group]
     return per_group.reshape(W)
+
+
+# ---- what the planner makes of a routing --------------------------------------------------------------
+
+
+def integer_rows(counts_SE: Any) -> np.ndarray:
+    """Counts rounded to integers per row by largest remainder (each row keeps its rounded total; ties: lower
+    expert), for the planner and lite routing, which split whole tokens."""
+    counts = np.asarray(counts_SE, dtype=np.float64)
+    out = np.floor(counts)
+    short = np.rint(counts.sum(axis=1) - out.sum(axis=1)).astype(np.int64)
+    order = np.argsort(-(counts - out), axis=1, kind="stable")
+    for i, k in enumerate(short):
+        out[i, order[i, :k]] += 1
+    return out.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class PlannedRouting:
+    """The planner's decision for a steady routing and the rows lite routing sends under its table.
+
+    decision: `moepass.runtime.placement.Decision` (table, candidate, max/mean vs plain EP's);
+    rows_SR: [W, W] int64 rows source rank i sends to device k (own-device rows on the diagonal).
+    """
+
+    decision: Any
+    rows_SR: np.ndarray
+
+    @property
+    def mean_rows(self) -> float:
+        """Routed rows per rank (T*K): the mean a device computes."""
+        return float(self.rows_SR.sum()) / self.rows_SR.shape[0]
+
+    @property
+    def max_over_mean(self) -> float:
+        """The busiest device's rows over the mean (1.0 when nothing is routed)."""
+        mean = self.mean_rows
+        return float(self.rows_SR.sum(axis=0).max()) / mean if mean > 0 else 1.0
+
+    def busiest_a2a_rows(self, ranks_per_node: int, B_intra: float, B_inter: float) -> tuple[float, float]:
+        """(intra-node, inter-node) rows of the token all-to-all's slowest rank and direction (sending the
+        dispatch or receiving it; the combine is its transpose), over the mean routed rows per rank."""
+        a2a = ep_formulas.exact_a2a(self.rows_SR, 1, 1, ranks_per_node)
+        mean = self.mean_rows or 1.0
+        ends = [(a2a.sent_intra, a2a.sent_inter), (a2a.recv_intra, a2a.recv_inter)]
+        intra, inter = max(((float(i[k]), float(o[k])) for i, o in ends for k in range(len(i))),
+                           key=lambda io: io[0] / B_intra + io[1] / B_inter)
+        return intra / mean, inter / mean
+
+
+def planned_routing(counts_WE: Any, hw: Any, *, C: int, ranks_per_node: int, D: int, F: int, gated: bool,
+                    recompute: bool | None = None) -> PlannedRouting:
+    """What FSEP does with [W source ranks, E experts] routed rows that repeat every step: the table
+    `moepass.runtime.placement.plan` picks from them (summed over its history, as the runtime does; costs
+    from `hw`, a `cost_model.presets.Hardware`) and the rows lite routing sends under it. Float counts are
+    rounded per row (`integer_rows`)."""
+    from moepass.runtime.placement import PlannerConfig, device_rows, lite_route_counts, plan
+
+    counts = integer_rows(counts_WE)
+    W, E = counts.shape
+    config = PlannerConfig.from_hardware(hw, E=E, W=W, C=C, ranks_per_node=ranks_per_node, D=D, F=F, gated=gated,
+                                         recompute=recompute)
+    decision = plan(counts * config.history, config)  # the same routing on each step of its history
+    rows_SR = device_rows(lite_route_counts(counts, decision.table), C).numpy()
+    return PlannedRouting(decision, rows_SR)
+
+
+# ---- one layer, one plan ------------------------------------------------------------------------------------
+
+
+def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows: tuple[Any, Any]) -> LayerTerms:
+    """Step terms of one dropless FSEP layer over W ranks with C slots per device, on the busiest rank, as
+    `cost_model.ep.ep_layer` prices EP (`x`: the same symbol names, numbers or symbols).
+
+    `rho`: the busiest device's routed rows over the mean T*K under the planner's table; `a2a_rows`:
+    (intra, inter) rows the token all-to-all's slowest rank sends or receives per direction, over T*K
+    (`PlannedRouting.max_over_mean`, `.busiest_a2a_rows`).
+
+    - compute: the busiest device's T*K*rho rows, forward + backward (`ep.compute_time`);
+    - token all-to-all: dispatch and combine, forward and backward, pipelined in n chunks behind the
+      expert compute (`schedule.pipeline_time`, as EP), plus the split-size exchange;
+    - other: the restore (C*S_e/W elements per pair, b bytes) and, in the backward, the gradient slices
+      back (b_g bytes), `restore_time` each, exposed: the rewrite issues the restore behind the dispatch
+      on the same links and waits for it before the experts;
+    - memory: the 1/W shards of all E experts with grads and optimizer state (s), the C restored experts
+      autograd keeps for the backward (b), and the busiest device's activations (`ep.memory_per_rank`'s
+      estimate). The C restored gradients (C*S_e*b_g) live one layer at a time: the caller adds them once.
+    """
+    from cost_model.schedule import pipeline_time
+
+    T, K, D, F, m = x["T"], x["K"], x["D"], x["F"], x["m"]
+    rows = T * K * rho
+    compute = ep_formulas.compute_time(rows, D, F, m, x["R"], x["eta"], recompute=x.get("r_c", 0))
+    fwd_compute = ep_formulas.compute_time(rows, D, F, m, x["R"], x["eta"]) / FWD_BWD
+    intra, inter = (T * K * share * D * x["b"] for share in a2a_rows)
+    transfer = intra / x["B_intra"] + inter / x["B_inter"]
+    a2a = (pipeline_time(n, transfer, fwd_compute, x["alpha"]) + pipeline_time(n, transfer, compute - fwd_compute,
+                                                                                 x["alpha"]) - compute + x["alpha"])
+    S_e = expert_elements(D, F, m)
+    restores = sum(restore_time(C, S_e, W, x["G"], b, x["B_intra"], x["B_inter"], x["alpha"])
+                   for b in (x["b"], x["b_g"]))
+    memory = ep_formulas.memory_per_rank(x["E"], W, D, F, m, x["s"], rows, x["b"]) + C * S_e * x["b"]
+    host = ep_formulas.host_time(rows, D, F, C, 1, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
+                                 c_row=x.get("c_row", 0), c_act=x.get("c_act", 0))
+    return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=restores, memory=memory, a2a_bytes=intra + inter,
+                      host=host)

@@ -1,10 +1,19 @@
 """Plan search: rank the plans the cost model can price for a model, a topology and a batch.
 
-Candidates: no rewrite ("single": every rank keeps every expert, data parallel over W), and EP with
+Candidates: no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
 ep_size in the divisors of W, dropless or a capacity factor, a2a_chunks in powers of two, and expert
-packing. Each is priced per step on the busiest rank as compute + exposed all-to-all + exposed other
-communication (the expert-gradient all-reduce over the data-parallel replicas), with the memory per
-rank. FSEP, HP and locality routing are listed as not modelled yet.
+packing, and FSEP over all W ranks with C slots per device (ceil(E/W) .. ceil(E/W) + 2, only where
+W*C >= E) and a2a_chunks. Each is priced per step on the busiest rank as compute + exposed all-to-all +
+exposed other communication (EP: the expert-gradient all-reduce over the data-parallel replicas; FSEP:
+the restore and the gradient slices back), with the memory per rank. HP and locality routing are
+listed as not modelled yet.
+
+Routing skew: `imbalance` = max/mean routed rows per rank under EP. EP pays it on the busiest rank
+(every EP candidate at the same rho). FSEP is priced on the model the runtime uses: [W, E] counts whose
+plain-EP max/mean is `imbalance` (Zipf popularity, `cost_model.ep.zipf_for_imbalance`, fitted at the
+planner's reference EP degree: the largest divisor of W that divides E), handed to the runtime's
+planner (`cost_model.fsep.planned_routing`); its table's max/mean sets FSEP's compute and the rows lite
+routing sends set its all-to-all (`cost_model.fsep.fsep_layer`). FSEP is priced for dropless blocks only.
 
 Packing P hosts P times the experts of plain EP on each device: the experts span ep/P ranks and are
 replicated P times, which in this model is the same as ep_size = ep/P. Equivalent candidates are
@@ -21,18 +30,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import sympy
 
+from cost_model import fsep as fsep_formulas
 from cost_model import symbols as S
-from cost_model.ep import LayerTerms, ep_layer, matmuls
+from cost_model.ep import LayerTerms, ep_layer, matmuls, zipf_counts, zipf_for_imbalance
 from cost_model.presets import Hardware, resolve_hardware
 from cost_model.scenarios import cases
 from cost_model.schedule import DEFAULT_CHUNKS
 
 CAPACITY_FACTORS: tuple[float | None, ...] = (None, 1.0, 1.25, 2.0)
 PACKINGS = (1, 2, 4)
+SLOT_RANGE = 3  # FSEP: C = ceil(E/W) .. ceil(E/W) + SLOT_RANGE - 1
 NOT_MODELLED = {
-    "fsep": "FSEP (LAER-MoE): not modelled yet",
     "hp": "Head Parallel (Multi-Head LatentMoE): not modelled yet",
     "locality": "locality routing (LocMoE): not modelled yet",
 }
@@ -60,9 +71,19 @@ class BlockShape:
 
 
 @dataclass(frozen=True)
+class Routed:
+    """What FSEP's planner makes of the search's routing for one block (`cost_model.fsep.planned_routing`)."""
+
+    rho: float  # the busiest device's rows over the mean under the planner's table
+    a2a_rows: tuple[float, float]  # (intra, inter) rows of the token all-to-all's slowest rank, over T*K
+    ep_rho: float  # plain EP's max/mean on the same counts (at the planner's reference EP degree)
+    table: str  # the planner's candidate: "even" or "proportional"
+
+
+@dataclass(frozen=True)
 class Candidate:
     form: str
-    ep_size: int  # ranks the experts are sharded over (1 for "single")
+    ep_size: int  # ranks the experts are sharded over (1 for "single"; W for "fsep")
     capacity_factor: float | None
     a2a_chunks: int
     packing: int
@@ -70,6 +91,8 @@ class Candidate:
     feasible: bool
     math_changing: bool
     notes: tuple[str, ...] = ()
+    slots: int | None = None  # FSEP: expert slots per device (C)
+    routing: tuple[Routed, ...] = ()  # FSEP: per block
 
     @property
     def step(self) -> float:
@@ -79,13 +102,25 @@ class Candidate:
     def label(self) -> str:
         if self.form == "single":
             return "single"
+        if self.form == "fsep":
+            return f"fsep C={self.slots} n={self.a2a_chunks}"
         cf = "dropless" if self.capacity_factor is None else f"cf={self.capacity_factor:g}"
         pack = f" P={self.packing}" if self.packing > 1 else ""
         return f"ep={self.ep_size}{pack} {cf} n={self.a2a_chunks}"
 
     def plan_kwargs(self) -> dict[str, Any]:
+        """The Plan fields this candidate sets (`Plan(**kwargs)`, or `plan.replace(**kwargs)` for form="auto")."""
         if self.form == "single":
             return {"form": "single"}
+        if self.form == "fsep":
+            return {
+                "form": "fsep",
+                "ep_size": self.ep_size,
+                "slots_per_device": self.slots,
+                "capacity_factor": None,
+                "a2a_chunks": self.a2a_chunks,
+                "packing": 1,
+            }
         return {
             "form": "ep",
             "ep_size": self.ep_size,
@@ -119,6 +154,8 @@ class SearchResult:
         return self._expressions()[1] if self.eligible() else None
 
     def _expressions(self) -> tuple[sympy.Expr, sympy.Expr]:
+        if self.best.form == "fsep":
+            return _fsep_expressions(self.best, self.shapes, self.hardware, self.ranks_per_node)
         return _winner_expressions(
             self.best, self.shapes, self.hardware, self.world_size, self.nodes, self.ranks_per_node, self.imbalance
         )
@@ -255,13 +292,16 @@ def search(
     packings: Sequence[int] = PACKINGS,
     allow_math_changes: bool = False,
     recompute: bool | None = None,
+    slots: Iterable[int] | None = None,
 ) -> SearchResult:
     """Ranked plans for `specs_or_model` on `topology` with `batch` = (batch, seq) tokens per rank.
 
     `profile`: a Hardware, a preset name ('a100', 'h100', 'ascend910a'), a calibration JSON path, or
-    None for this machine. `imbalance` is max/mean routed rows per rank (1 = uniform routing).
-    `recompute`: whether the expert backward recomputes gate/up (`Plan.expert_recompute`); None: the
-    hardware's figure (`Hardware.recompute`: the kernel's default there).
+    None for this machine. `imbalance` is max/mean routed rows per rank under EP (1 = uniform routing;
+    the module docstring says how FSEP reads it). `recompute`: whether the expert backward recomputes
+    gate/up (`Plan.expert_recompute`); None: the hardware's figure (`Hardware.recompute`: the kernel's
+    default there). `slots`: FSEP's slots per device C to price (those with W*C < E are skipped); None:
+    ceil(E/W) .. ceil(E/W) + 2, or none when `ep_sizes` restricts the search to EP degrees; () : no FSEP.
     """
     nodes, per_node = topology_of(topology)
     W = world_size or nodes * per_node
@@ -272,6 +312,8 @@ def search(
         raise ValueError("search got no MoE blocks: nothing to plan")
     restricted = ep_sizes is not None
     eps = sorted(set(ep_sizes)) if ep_sizes is not None else [d for d in divisors(W) if d > 1]
+    if imbalance < 1:
+        raise ValueError(f"search got imbalance={imbalance!r}: it is max/mean routed rows per rank, >= 1")
 
     def price(ep_eff: int, cf: float | None, n: int, dropless_blocks: bool) -> LayerTerms:
         total: LayerTerms | None = None
@@ -313,8 +355,67 @@ def search(
                         continue
                     seen.add(key)
                     cands.append(candidate("ep", ep_size, packing, cf, n))
+    not_modelled = dict(NOT_MODELLED)
+    if any(s.cf is not None for s in shapes):
+        not_modelled["fsep"] = "FSEP is priced for dropless blocks only: this model has a capacity factor"
+    elif W > 1:
+        E_max = max(s.E for s in shapes)
+        c_min = -(-E_max // W)
+        wanted = range(c_min, c_min + SLOT_RANGE) if slots is None and not restricted else (slots or ())
+        for C in sorted(set(wanted)):
+            if W * C < E_max:
+                continue  # every expert needs a slot
+            routing = tuple(_routed(shape, hw, T, W, per_node, C, imbalance, recompute) for shape in shapes)
+            for n in chunks:
+                cands.append(_fsep_candidate(shapes, routing, hw, T, W, per_node, C, n, recompute))
     ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow_math_changes, c.step))
-    return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance)
+    return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance, not_modelled)
+
+
+def skewed_counts(T: int, K: int, E: int, W: int, imbalance: float) -> np.ndarray:
+    """[W, E] routed rows, T*K per source rank, whose plain-EP max/mean is `imbalance`: every rank routes
+    with the same Zipf popularity (`cost_model.ep.zipf_counts`), fitted at the planner's reference EP degree
+    (the largest divisor of W that divides E; E when that is 1)."""
+    ep = max(d for d in divisors(W) if E % d == 0)
+    ep = E if ep == 1 else ep
+    s = zipf_for_imbalance(imbalance, T, K, E, ep) if imbalance > 1 else 0.0
+    return zipf_counts(T, K, E, W, s)
+
+
+@functools.lru_cache(maxsize=256)
+def _routed(shape: BlockShape, hw: Hardware, T: int, W: int, G: int, C: int, imbalance: float,
+            recompute: bool | None) -> Routed:
+    """The planner's table for this block's skewed counts and what it leaves: FSEP's max/mean and token bytes."""
+    counts = skewed_counts(T, shape.K, shape.E, W, imbalance)
+    routed = fsep_formulas.planned_routing(counts, hw, C=C, ranks_per_node=G, D=shape.D, F=shape.F,
+                                           gated=shape.m == 3, recompute=recompute)
+    v = hw.values()
+    a2a_rows = routed.busiest_a2a_rows(G, v["B_intra"], v["B_inter"])
+    return Routed(routed.max_over_mean, a2a_rows, routed.decision.ep_max_over_mean, routed.decision.candidate)
+
+
+def _fsep_figures(shape: BlockShape, hw: Hardware, T: Any, G: int, recompute: bool | None) -> dict[str, Any]:
+    return _figures(shape, hw, T, G, 1.0, None, recompute)
+
+
+def _fsep_candidate(shapes: list[BlockShape], routing: tuple[Routed, ...], hw: Hardware, T: int, W: int, G: int,
+                    C: int, n: int, recompute: bool | None) -> Candidate:
+    total: LayerTerms | None = None
+    for shape, r in zip(shapes, routing):
+        terms = fsep_formulas.fsep_layer(_fsep_figures(shape, hw, T, G, recompute), W=W, C=C, n=n, rho=r.rho,
+                                         a2a_rows=r.a2a_rows)
+        total = terms if total is None else total + terms
+    assert total is not None
+    v = hw.values()
+    grads = max(C * float(fsep_formulas.expert_elements(s.D, s.F, s.m)) * v["b_g"] for s in shapes)
+    total = total + LayerTerms(0, 0, 0, grads, 0)  # one layer's restored gradients at a time
+    notes = []
+    feasible = float(total.memory) <= float(hw.memory)
+    if not feasible:
+        notes.append(f"needs {float(total.memory) / 1e9:.3g} GB > {float(hw.memory) / 1e9:.3g} GB")
+    worst = max(routing, key=lambda r: r.rho)
+    notes.append(f"planner max/mean {worst.rho:.3g} vs EP {worst.ep_rho:.3g} ({worst.table} table)")
+    return Candidate("fsep", W, None, n, 1, total, feasible, False, tuple(notes), slots=C, routing=routing)
 
 
 def _winner_expressions(
@@ -335,6 +436,24 @@ def _winner_expressions(
         cf = best.capacity_factor if best.capacity_factor is not None else shape.cf
         x = {**_figures(shape, hw, 0, G, rho, cf), "T": S.T}
         substituted += formula(x, cf)
+    return generic, sympy.simplify(substituted).evalf(4)
+
+
+def _fsep_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, G: int) -> tuple[sympy.Expr,
+                                                                                               sympy.Expr]:
+    """An FSEP winner's time per layer in symbols (rho: the planner's max/mean; the all-to-all's rows as
+    fractions of T*K from its routing), and its step time with every figure substituted but T."""
+    C = best.slots
+    assert C is not None
+
+    def formula(x: dict[str, Any], r: Routed, rho: Any) -> sympy.Expr:
+        return sympy.sympify(fsep_formulas.fsep_layer(x, W=best.ep_size, C=C, n=best.a2a_chunks, rho=rho,
+                                                      a2a_rows=r.a2a_rows).step)
+
+    generic = formula(_symbols(), best.routing[0], S.rho)
+    substituted = sympy.Integer(0)
+    for shape, r in zip(shapes, best.routing):
+        substituted += formula({**_fsep_figures(shape, hw, 0, G, None), "T": S.T}, r, r.rho)
     return generic, sympy.simplify(substituted).evalf(4)
 
 

@@ -273,6 +273,10 @@ def eligible(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k
     if n_group > 1 and (E % n_group or not 1 <= topk_group <= n_group):
         return f"n_group={n_group} must divide E={E} and topk_group={topk_group} lie in [1, n_group]"
     if selection_bias_E is not None:
+        if selection_bias_E.dim() == 2:  # legal for moe.route (one row per token), not built into the kernel
+            return (f"a per-token selection bias {tuple(selection_bias_E.shape)} (one row per token, e.g. the "
+                    f"per-head biases of a Multi-Head LatentMoE) is not supported by the kernel; the torch "
+                    f"reference runs")
         if selection_bias_E.shape != (E,) or selection_bias_E.dtype not in cg.FLOAT_DTYPES:
             return f"selection_bias_E has shape {tuple(selection_bias_E.shape)} / dtype {selection_bias_E.dtype}"
         if selection_bias_E.device != logits_TE.device:

@@ -23,11 +23,11 @@ from moepass.inspect import diff, draw, set_debug
 from moepass.plan import Plan
 from moepass.runtime import DataParallel, Topology, comm_stats, reset_comm_stats
 from moepass.runtime.grads import clip_grad_norm_
-from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
+from moepass.spec import CapacitySpec, ExpertsSpec, HeadsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 from moepass.verify import VerificationError, verify
 
 __all__ = [
-    "CapacitySpec", "CompileInfo", "DataParallel", "DetectionError", "DetectionReport", "ExpertsSpec",
+    "CapacitySpec", "CompileInfo", "DataParallel", "DetectionError", "DetectionReport", "ExpertsSpec", "HeadsSpec",
     "MoEGraphModule", "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec",
     "TensorSource", "Topology", "VerificationError", "clip_grad_norm_", "comm_stats", "compile", "detect",
     "diff", "draw", "explain", "load_logical_state_dict", "logical_grads", "logical_state_dict", "register_recogniser",

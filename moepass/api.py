@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from moepass.canonical import MoEGraphModule
+from moepass.canonical import CANONICAL_PASS, MoEGraphModule
 from moepass.detect import DetectionReport, detect
 from moepass.errors import PlanError
 from moepass.pipeline import compile_block, finalize
@@ -66,7 +66,8 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
 
 def resolve_auto(plan: Plan, report: DetectionReport):
     """`form="auto"`: ask the cost model, priced with `Plan.hardware`; returns (the concrete plan, the
-    search result or None)."""
+    search result or None). A `Plan.slots_per_device` given with form="auto" is the only C the search
+    prices for FSEP; the FSEP-only fields are reset when another form wins (they would be rejected)."""
     if plan.form != "auto":
         return plan, None
     if plan.batch is None:
@@ -75,9 +76,13 @@ def resolve_auto(plan: Plan, report: DetectionReport):
     from cost_model.search import search
 
     topology = plan.topology if plan.topology is not None else _default_topology()
-    result = (search(report.blocks, topology, plan.batch, profile=plan.hardware, recompute=plan.expert_recompute)
+    slots = None if plan.slots_per_device is None else (plan.slots_per_device,)
+    result = (search(report.blocks, topology, plan.batch, profile=plan.hardware, recompute=plan.expert_recompute,
+                     slots=slots)
               if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
+    if chosen["form"] != "fsep":
+        chosen = {"slots_per_device": None, "planner": "auto", **chosen}
     return plan.replace(**chosen), result
 
 
@@ -160,7 +165,9 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
                 if note:
                     lines.append(note)
                 gm = compile_block(detail.spec, block, block_plan)
-            for record in gm.history[1:]:
+            for record in gm.history:
+                if record["pass"] == CANONICAL_PASS:
+                    continue
                 lines.append(f"pass {record['pass']}: {'changed' if record.get('changed') else 'unchanged'} "
                              f"{record.get('stats') or ''}".rstrip())
             if gm.layout is not None:

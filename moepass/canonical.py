@@ -9,7 +9,19 @@ and `state_dict()` is unchanged.
     x_TD ─permute─► x_ND, counts_E, order_N ─expert_ffn─► y_ND ─unpermute─► y_TKD ─combine─► out_TD
         [+ shared(x_TD) · sigmoid(shared_gate(x_TD))] ─reshape─► output (+ side outputs)
 
+With heads (Multi-Head LatentMoE, `spec.heads`), routing and experts work on latent sub-tokens:
+
+    hidden_states ─reshape─► x_TD ─linear(w_in)─► z_TQ ─reshape─► z_Gh
+    z_Gh ─einsum(router [H, E, h])─► logits_GE ─route(+ selection_bias_HE repeated to _GE)─► weights_GK, experts_GK
+        [─update_selection_bias─► the block's bias buffer, train mode]
+    experts_GK + head * E ─► ids_GK;  z_Gh ─permute─► expert_ffn ─unpermute─► combine ─► y_Gh
+    y_Gh ─reshape─► y_TQ ─linear(w_out)─► out_TD ─reshape─► output
+
+z_TQ and the final linear are where head parallel cuts (its token exchange goes between them).
+
 Shape legend: B batch, S sequence, T = B*S tokens, D model width, E experts, K top-k, N = T*K.
+With heads: H heads of width h, Q = H*h latent width, G = T*H sub-tokens (token-major, head-minor),
+E experts per head, X = H*E experts in all (head-major), N = G*K routed rows.
 """
 
 from __future__ import annotations
@@ -221,6 +233,14 @@ class GraphBuilder:
         return node
 
 
+def view_of(source: TensorSource, tensor: torch.Tensor) -> torch.Tensor:
+    """`GraphBuilder.view` run eagerly: `source`'s chunk and transpose applied to an already read tensor."""
+    if source.chunk is not None:
+        index, count = source.chunk
+        tensor = tensor.chunk(count, source.chunk_dim)[index]
+    return tensor.transpose(-2, -1) if source.transpose else tensor
+
+
 def fused_gate_up_source(experts: ExpertsSpec) -> TensorSource | None:
     """The one tensor gate and up are read from, when they are its two halves along F (gate first)
     and carry no biases: the expert FFN then takes it whole (`grouped_ffn.fused_gate_up`)."""
@@ -245,10 +265,97 @@ def expert_weights(b: GraphBuilder, experts: ExpertsSpec, read: Any) -> list[fx.
     return [None if sources[role] is None else read(sources[role], role) for role in ROLES]
 
 
+def routed_experts(b: GraphBuilder, spec: MoESpec, x_rows: fx.Node, experts_ids: fx.Node, weights: fx.Node,
+                   num_experts: int, names: dict[str, str]) -> fx.Node:
+    """permute -> expert_ffn -> unpermute -> combine over `num_experts` experts: the weighted sum of each
+    row's K expert outputs. `names` gives the node names by role (x, counts, order, y, y_k, out)."""
+    x, K = spec.experts, spec.top_k
+    permuted = b.fn(dialect.PERMUTE, x_rows, experts_ids, num_experts, name="permute")
+    x_N = b.item(permuted, 0, names["x"])
+    counts = b.item(permuted, 1, names["counts"])
+    order_N = b.item(permuted, 2, names["order"])
+    y_N = b.fn(
+        dialect.EXPERT_FFN, x_N, counts,
+        *expert_weights(b, x, lambda source, role: b.tensor(source, WEIGHT_NAMES[role])),
+        x.activation, x.clamp_limit, x.swiglu_alpha, name=names["y"],
+    )
+    y_K = b.fn(dialect.UNPERMUTE, y_N, order_N, K, name=names["y_k"])
+    return b.fn(dialect.COMBINE, y_K, weights, name=names["out"])
+
+
+PLAIN_NAMES = dict(x="x_ND", counts="counts_E", order="order_N", y="y_ND", y_k="y_TKD", out="out_TD")
+HEAD_NAMES = dict(x="z_Nh", counts="counts_X", order="order_N", y="y_Nh", y_k="y_GKh", out="y_Gh")
+
+
+def routing_names(spec: MoESpec) -> tuple[str, str, str]:
+    """Names of the (logits, selected experts, selection bias as route reads it) nodes of `spec`'s graph:
+    per token, or per sub-token with heads (the semantic check reads them)."""
+    if spec.heads is not None:
+        return "logits_GE", "experts_GK", "selection_bias_GE"
+    return "logits_TE", "experts_TK", "selection_bias_E"
+
+
+def head_expert_ids(experts_GK: torch.Tensor, num_heads: int, experts_per_head: int) -> torch.Tensor:
+    """Global expert ids of sub-tokens (rows token-major, head-minor): head j's choice e is j*E + e."""
+    G, K = experts_GK.shape
+    offsets_1H1 = torch.arange(num_heads, device=experts_GK.device).view(1, num_heads, 1) * experts_per_head
+    return (experts_GK.reshape(G // num_heads, num_heads, K) + offsets_1H1).reshape(G, K)
+
+
+def build_heads_graph(spec: MoESpec) -> fx.Graph:
+    """The canonical graph of a Multi-Head LatentMoE (`spec.heads`): see the module docstring."""
+    assert spec.heads is not None
+    b = GraphBuilder(CANONICAL_PASS, spec.path)
+    r, hd, K = spec.router, spec.heads, spec.top_k
+    H, h, D, E = hd.num_heads, hd.head_dim, hd.model_dim, r.num_experts
+
+    inputs = [b.input(n) for n in spec.input_names]
+    hidden = inputs[0]
+    if r.jitter_eps > 0:
+        hidden = b.fn(jitter, hidden, r.jitter_eps, b.attr("training"), name="hidden_jittered")
+    x_TD = b.method("reshape", hidden, -1, D, name="x_TD")
+    z_TQ = b.fn(F.linear, x_TD, b.tensor(hd.w_in, "w_in_QD"), name="z_TQ")  # W_mh: every head's projection
+    z_Gh = b.method("reshape", z_TQ, -1, h, name="z_Gh")
+
+    # per-head routers: logits[t, j] = z[t, j] @ router[j].T, in the router's dtype
+    w_router = b.tensor(r.weight, "w_router_HEh")
+    z_in = z_Gh
+    if r.dtype == "float32":
+        z_in = b.method("float", z_Gh, name="z_Gh_f32")
+        w_router = b.method("float", w_router, name="w_router_f32")
+    z_THh = b.method("view", z_in, -1, H, h, name="z_THh")
+    logits_THE = b.fn(torch.einsum, "thc,hec->the", z_THh, w_router, name="logits_THE")
+    logits_GE = b.method("reshape", logits_THE, -1, E, name="logits_GE")
+    logits_f32 = b.method("float", logits_GE, name="logits_f32")
+    bias_HE = b.tensor(r.selection_bias, "selection_bias_HE")
+    bias_GE = None
+    if bias_HE is not None:  # each head's bias, one row per sub-token
+        tokens = b.method("size", x_TD, 0, name="tokens")
+        bias_GE = b.method("repeat", bias_HE, tokens, 1, name="selection_bias_GE")
+    routed = b.fn(dialect.ROUTE, logits_f32, bias_GE, r.score_func, r.softmax_before_topk, K, r.renormalize,
+                  r.n_group, r.topk_group, r.group_score, r.routed_scaling_factor, name="route")
+    weights_GK = b.item(routed, 0, "weights_GK")
+    experts_GK = b.item(routed, 1, "experts_GK")  # per head: 0 .. E-1
+    if bias_HE is not None and r.bias_update_rate > 0:  # aux-loss-free balancing, train mode only
+        b.fn(dialect.UPDATE_SELECTION_BIAS, bias_HE, experts_GK, r.bias_update_rate, b.attr("training"),
+             name="update_selection_bias")
+    ids_GK = b.fn(head_expert_ids, experts_GK, H, E, name="ids_GK")  # head j's experts: j*E .. j*E+E-1
+
+    y_Gh = routed_experts(b, spec, z_Gh, ids_GK, weights_GK, H * E, HEAD_NAMES)
+    y_TQ = b.method("reshape", y_Gh, -1, H * h, name="y_TQ")
+    out_TD = b.fn(F.linear, y_TQ, b.tensor(hd.w_out, "w_out_DQ"), name="out_TD")  # W_mg
+    out = b.method("view_as", out_TD, inputs[0], name="out")
+    outputs = [out] + [logits_GE for _ in spec.side_outputs]  # the only side output: router_logits
+    b.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
+    return b.graph
+
+
 def build_graph(spec: MoESpec) -> fx.Graph:
     """The canonical dialect graph of `spec`, as a plain fx.Graph."""
+    if spec.heads is not None:
+        return build_heads_graph(spec)
     b = GraphBuilder(CANONICAL_PASS, spec.path)
-    r, x, E, K, D = spec.router, spec.experts, spec.num_experts, spec.top_k, spec.experts.hidden_dim
+    r, E, K, D = spec.router, spec.num_experts, spec.top_k, spec.experts.hidden_dim
 
     inputs = [b.input(n) for n in spec.input_names]
     hidden = inputs[0]
@@ -294,17 +401,10 @@ def build_graph(spec: MoESpec) -> fx.Graph:
             dropped_TK = b.fn(operator.mul, weights_TK, dropped_TK, name="dropped_weights_TK")
         weights_TK = b.fn(operator.mul, weights_TK, keep_TK, name="kept_weights_TK")
 
-    permuted = b.fn(dialect.PERMUTE, x_TD, experts_TK, E, name="permute")
-    x_ND = b.item(permuted, 0, "x_ND")
-    counts_E = b.item(permuted, 1, "counts_E")
-    order_N = b.item(permuted, 2, "order_N")
-    y_ND = b.fn(
-        dialect.EXPERT_FFN, x_ND, counts_E,
-        *expert_weights(b, x, lambda source, role: b.tensor(source, WEIGHT_NAMES[role])),
-        x.activation, x.clamp_limit, x.swiglu_alpha, name="y_ND",
-    )
-    y_TKD = b.fn(dialect.UNPERMUTE, y_ND, order_N, K, name="y_TKD")
-    out_TD = b.fn(dialect.COMBINE, y_TKD, weights_TK, name="out_TD")
+    if selection_bias is not None and r.bias_update_rate > 0:  # aux-loss-free balancing, train mode only
+        b.fn(dialect.UPDATE_SELECTION_BIAS, selection_bias, experts_TK, r.bias_update_rate, b.attr("training"),
+             name="update_selection_bias")
+    out_TD = routed_experts(b, spec, x_TD, experts_TK, weights_TK, E, PLAIN_NAMES)
 
     if dropped_TK is not None:  # dropped top-1 tokens pass their input through, scaled by their weight
         passthrough_TD = b.fn(operator.mul, x_TD, b.method("to", dropped_TK, x_TD, name="dropped_w"),

@@ -5,6 +5,8 @@ autograd formula and an autocast policy, so it stays one opaque, readable node i
 graphs and behaves the same eagerly and compiled:
 
     route(logits_TE, selection_bias_E?)            -> weights_TK (logits dtype), experts_TK (int64)
+                                                      (bias [E], or [T, E]: one row per token)
+    update_selection_bias(bias, experts_TK, rate, training)  in place: aux-loss-free balancing step
     capacity_keep(experts_TK, ...)                 -> keep_TK (bool)
     permute(x_TD, experts_TK)                      -> x_ND, counts_E, order_N
     expert_ffn(x_ND, counts_E, w_gate_EFD, ...)    -> y_ND
@@ -24,6 +26,7 @@ per-expert fallback. Nothing else in this file syncs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,7 +58,10 @@ def route_ref(
 ) -> tuple[Tensor, Tensor]:
     """Select top_k experts per token and their weights. Ties break as `torch.topk` does.
 
-    Computes in the logits' dtype: the graph (and the autocast policy) hands it fp32 logits.
+    The selection-only bias is `[E]` (the same for every token) or `[T, E]` (one row per token, e.g.
+    per-head biases repeated over the sub-tokens of a Multi-Head LatentMoE); it changes which experts
+    are chosen, never their weights. Computes in the logits' dtype: the graph (and the autocast
+    policy) hands it fp32 logits.
     """
     T, E = logits_TE.shape
     if score_func == "softmax" and not softmax_before_topk:
@@ -88,6 +94,24 @@ def _limit_groups(choice_TE: Tensor, n_group: int, topk_group: int, group_score:
     keep_TG = torch.zeros_like(score_TG, dtype=torch.bool).scatter_(1, groups_TJ, True)
     keep_TE = keep_TG.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
     return choice_TE.masked_fill(~keep_TE, float("-inf"))
+
+
+def update_selection_bias_ref(selection_bias: Tensor, experts_TK: Tensor, rate: float) -> Tensor:
+    """The selection bias after one aux-loss-free balancing step (DeepSeek-V3), as a new tensor.
+
+    `selection_bias` is `[E]`, or `[H, E]` with one row per head when the rows of `experts_TK` are
+    token-major, head-minor sub-tokens (row t*H + j belongs to head j). Per head, every expert's load
+    (how many of the rows' K choices picked it) is compared with the mean load T*K/E:
+    `bias[j, e] += rate * sign(mean - load[j, e])`: overloaded experts get less attractive, idle ones more.
+    """
+    E = selection_bias.shape[-1]
+    H = selection_bias.numel() // E
+    rows, K = experts_TK.shape
+    heads_TH1 = torch.arange(H, device=experts_TK.device).view(1, H, 1) * E
+    ids_N = (experts_TK.reshape(rows // H, H, K) + heads_TH1).reshape(-1)  # head-major global expert ids
+    load_HE = torch.bincount(ids_N, minlength=H * E).view(selection_bias.shape).to(selection_bias.dtype)
+    mean = (rows // H) * K / E
+    return selection_bias + rate * torch.sign(mean - load_HE)
 
 
 def capacity_keep_ref(
@@ -216,8 +240,9 @@ def _(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renor
     T, E = logits_TE.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"moe.route: top_k={top_k} must lie in [1, E={E}]")
-    if selection_bias_E is not None and selection_bias_E.shape != (E,):
-        raise ValueError(f"moe.route: selection_bias_E has shape {tuple(selection_bias_E.shape)}, expected ({E},)")
+    if selection_bias_E is not None and selection_bias_E.shape not in ((E,), (T, E)):
+        raise ValueError(f"moe.route: selection_bias_E has shape {tuple(selection_bias_E.shape)}, expected ({E},) "
+                         f"or one row per token ({T}, {E})")
     return logits_TE.new_empty(T, top_k), logits_TE.new_empty(T, top_k, dtype=torch.int64)
 
 
@@ -266,6 +291,25 @@ def register_route_autograd(op: Any) -> None:
 
 
 register_route_autograd(route)
+
+
+@torch.library.custom_op("moe::update_selection_bias", mutates_args=("selection_bias",))
+def update_selection_bias(selection_bias: Tensor, experts_TK: Tensor, rate: float, training: bool) -> None:
+    """In train mode, one balancing step of `selection_bias` in place (`update_selection_bias_ref`);
+    in eval mode nothing. The bias is state, not a parameter: no gradient flows through this."""
+    if training:
+        with torch.no_grad():
+            selection_bias.copy_(update_selection_bias_ref(selection_bias, experts_TK, rate))
+
+
+@update_selection_bias.register_fake
+def _(selection_bias, experts_TK, rate, training):
+    E = selection_bias.shape[-1]
+    H = selection_bias.numel() // E
+    if selection_bias.dim() not in (1, 2) or experts_TK.dim() != 2 or experts_TK.shape[0] % H:
+        raise ValueError(f"moe.update_selection_bias: selection_bias {tuple(selection_bias.shape)} must be [E] or "
+                         f"[H, E] and experts_TK {tuple(experts_TK.shape)} [T*H, K]")
+    return None
 
 
 @torch.library.custom_op("moe::capacity_keep", mutates_args=())
@@ -432,6 +476,18 @@ FFN_ARGS = ("Tensor x_ND, Tensor counts_E, Tensor w_gate_EFD, Tensor? w_up_EFD, 
 _FFN_LIBS: list[torch.library.Library] = []
 
 
+REBUILD = "moepass_rebuild"  # attribute of a weight operand the expert FFN's backward can rebuild
+
+
+def rebuildable(weight: Tensor, rebuild: Callable[[], Tensor]) -> Tensor:
+    """Mark an expert-FFN weight operand as rebuildable: the op's autograd keeps `rebuild` (a closure that
+    returns the same values) instead of the tensor, and calls it in the backward. FSEP marks its restored
+    experts so, and restores them again rather than keeping every layer's alive until the backward.
+    Under AOT/torch.compile the mark is ignored and the tensor is kept (correct, more memory)."""
+    setattr(weight, REBUILD, rebuild)
+    return weight
+
+
 def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch._ops.OpOverload:
     """Define an op with `moe.expert_ffn`'s schema whose autograd can keep intermediates.
 
@@ -457,7 +513,9 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
             inputs, options, recompute = args[:8], args[8:11], args[11]
             y_ND, h_gate_NF, h_up_NF = forward_op(*inputs, *options, not recompute)
             ctx.present = [t is not None for t in inputs]
-            ctx.save_for_backward(h_gate_NF, h_up_NF, *[t for t in inputs if t is not None])
+            ctx.rebuild = {i: getattr(t, REBUILD) for i, t in enumerate(inputs) if i >= 2 and hasattr(t, REBUILD)}
+            ctx.save_for_backward(h_gate_NF, h_up_NF, *[t for i, t in enumerate(inputs)
+                                                        if t is not None and i not in ctx.rebuild])
             ctx.options = options
             return y_ND
 
@@ -465,7 +523,8 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
         def backward(ctx, grad_y_ND):  # type: ignore[override]
             h_gate_NF, h_up_NF, *saved = ctx.saved_tensors
             it = iter(saved)
-            inputs = [next(it) if present else None for present in ctx.present]
+            inputs = [ctx.rebuild[i]() if i in ctx.rebuild else next(it) if present else None
+                      for i, present in enumerate(ctx.present)]
             x_ND = inputs[0]
             grads = backward_op(grad_y_ND.to(x_ND.dtype), x_ND, h_gate_NF, h_up_NF, *inputs[1:], *ctx.options)
             result: list[Tensor | None] = [None] * 12
@@ -633,7 +692,8 @@ PERMUTE = torch.ops.moe.permute.default
 EXPERT_FFN = torch.ops.moe.expert_ffn.default
 UNPERMUTE = torch.ops.moe.unpermute.default
 COMBINE = torch.ops.moe.combine.default
-DIALECT_OPS = frozenset({ROUTE, CAPACITY_KEEP, PERMUTE, EXPERT_FFN, UNPERMUTE, COMBINE})
+UPDATE_SELECTION_BIAS = torch.ops.moe.update_selection_bias.default
+DIALECT_OPS = frozenset({ROUTE, CAPACITY_KEEP, PERMUTE, EXPERT_FFN, UNPERMUTE, COMBINE, UPDATE_SELECTION_BIAS})
 
 
 def is_dialect_op(target: object) -> bool:

@@ -108,7 +108,7 @@ def example_inputs(gm: MoEGraphModule) -> list[torch.Tensor]:
     param = next((p for p in gm.parameters() if p.is_floating_point()), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     device = param.device if param is not None else torch.device("cpu")
-    return [torch.empty(2, 3, spec.experts.hidden_dim, dtype=dtype, device=device)]
+    return [torch.empty(2, 3, spec.model_dim, dtype=dtype, device=device)]
 
 
 def propagate_fake_values(gm: MoEGraphModule, inputs: list[torch.Tensor] | None = None) -> None:

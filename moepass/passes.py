@@ -36,12 +36,14 @@ class Effects:
     parameters: dict[str, nn.Parameter] = field(default_factory=dict)  # register, or replace in place
     removed: list[str] = field(default_factory=list)  # parameters the graph no longer reads (stacked originals)
     emptied: list[str] = field(default_factory=list)  # child modules to drop once they hold no tensor
-    buffers: dict[str, Tensor] = field(default_factory=dict)  # non-persistent buffers (tables the graph reads)
+    buffers: dict[str, Tensor] = field(default_factory=dict)  # new non-persistent buffers (tables the graph reads)
+    replaced_buffers: dict[str, Tensor] = field(default_factory=dict)  # existing buffers' new values (sharded)
     modules: dict[str, nn.Module] = field(default_factory=dict)  # children the graph calls (controllers)
     grad_hooks: list[tuple[str, Callable[[Tensor], Tensor]]] = field(default_factory=list)  # (parameter, hook)
 
     def __bool__(self) -> bool:
-        return any((self.parameters, self.removed, self.emptied, self.buffers, self.modules, self.grad_hooks))
+        return any((self.parameters, self.removed, self.emptied, self.buffers, self.replaced_buffers, self.modules,
+                    self.grad_hooks))
 
 
 def _owner(root: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -58,6 +60,9 @@ def apply_effects(gm: fx.GraphModule, effects: Effects) -> None:
     for path, tensor in effects.buffers.items():
         owner, name = _owner(gm, path)
         owner.register_buffer(name, tensor, persistent=False)
+    for path, tensor in effects.replaced_buffers.items():
+        owner, name = _owner(gm, path)
+        owner._buffers[name] = tensor  # same name, same persistence
     for path, module in effects.modules.items():
         owner, name = _owner(gm, path)
         owner.add_module(name, module)

@@ -1,9 +1,11 @@
 """The compiler order, on one screen. Each stage is a plain function GraphModule -> PassResult.
 
-    MoESpec ─resolve─► MoESpec, Plan ─canonical─► dialect graph ─rewrite[form]─► distributed graph
+    MoESpec ─convert (hp only)─► ─resolve─► MoESpec, Plan ─canonical─► dialect graph ─rewrite[form]─► distributed graph
             ─expert_recompute─► ─schedule─► ─lower─► runnable
 
 Ordering rules:
+- form="hp" converts a standard block into a Multi-Head LatentMoE first (an architecture change the plan
+  names); everything after works on the new block's spec.
 - the plan and the spec are resolved first (packing -> EP degree, chunks, EP capacity): the canonical
   graph is generated once, from the spec the rewrite will use.
 - rewrite comes next: it decides which communication exists; schedule can only split what exists.
@@ -26,7 +28,7 @@ from moepass.envflags import flag
 from moepass.errors import PlanError
 from moepass.passes import Pass, PassResult, apply_effects
 from moepass.plan import Plan
-from moepass.rewrite import ep, experts, fsep
+from moepass.rewrite import ep, experts, fsep, hp, latent
 from moepass.spec import MoESpec
 
 log = logging.getLogger("moepass")
@@ -55,7 +57,23 @@ REWRITES: dict[str, Pass] = {  # one pass per parallel form
     "single": _rewrite_single,
     "ep": ep.rewrite_ep,
     "fsep": fsep.rewrite_fsep,
+    "hp": hp.rewrite_hp,
 }
+
+
+def convert(spec: MoESpec, block: nn.Module, plan: Plan) -> tuple[MoESpec, nn.Module, dict | None]:
+    """form="hp" on a standard block: the architecture change the plan named (a fresh Multi-Head
+    LatentMoE of equal active parameters, `moepass.rewrite.latent`), before any graph exists."""
+    if plan.form != "hp" or spec.heads is not None:
+        return spec, block, None
+    from moepass.runtime.topology import resolve as resolve_world
+
+    _, world = resolve_world(plan.topology, plan.ep_size)
+    latent_block, shape = latent.convert(spec, block, plan, world)
+    record = {"pass": "convert:hp", "seconds": 0.0, "changed": True,
+              "stats": {"math": "changed (fresh Multi-Head LatentMoE, named by Plan.form='hp')",
+                        "latent": shape.summary()}}
+    return latent_block.moepass_spec(spec.path), latent_block, record
 
 
 def resolve(spec: MoESpec, plan: Plan) -> tuple[MoESpec, Plan]:
@@ -95,8 +113,11 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
             f"Plan.form={plan.form!r} is not available in this build for block {spec.path or '<root>'}: "
             f"available forms are {sorted(REWRITES)}; use form='single' or a form listed there."
         )
+    spec, block, converted = convert(spec, block, plan)  # form="hp" on a standard block: the named math change
     spec, plan = resolve(spec, plan)
     gm = canonical.build(spec, block)  # MoESpec -> canonical dialect graph
+    if converted is not None:
+        gm.history.insert(0, converted)
     if verify:
         from moepass.verify import verify as run_verifier
 

@@ -31,6 +31,8 @@ class Plan:
     packing: int | str = 1
     slots_per_device: int | None = None  # FSEP: expert slots per device (C); None: ceil(E/P) + 1
     planner: Any = "auto"  # FSEP placement: "auto" (load-adaptive), "static" (even), or planner(counts_PE, table)
+    heads: int | None = None  # HP: latent heads H of the converted Multi-Head LatentMoE; None: the world size
+    head_dim: int | None = None  # HP: width h of a head; None: hidden // heads
     lowering: str = "auto"
     deterministic: bool = False
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
@@ -81,6 +83,13 @@ class Plan:
             raise PlanError(f"Plan.planner={self.planner!r} is invalid: use 'auto' (load-adaptive re-layout), "
                             f"'static' (the even placement, never changed) or a callable "
                             f"planner(counts_PE, current_table) -> table.{nearest(self.planner, ['auto', 'static'])}")
+        for name in ("heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PlanError(f"Plan.{name}={value!r} is invalid: use a positive int, or None for the default.")
+            if value is not None and self.form not in ("hp", "auto"):
+                raise PlanError(f"Plan.{name}={value!r} has no effect with form={self.form!r}: it shapes the "
+                                f"Multi-Head LatentMoE of form='hp'. Use form='hp', or leave it None.")
         if not isinstance(self.expert_recompute, bool):
             raise PlanError(f"Plan.expert_recompute={self.expert_recompute!r} is invalid: use True or False.")
         _not_implemented(self)

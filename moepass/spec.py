@@ -6,7 +6,8 @@ is generated from it (`moepass.canonical`), and the semantic check compares that
 user's block before anything is rewritten.
 
 Shape legend used across moepass: T tokens, D model width, F expert hidden width, E experts,
-K top-k, N = T*K routed rows, G expert groups.
+K top-k, N = T*K routed rows, G expert groups. With heads (Multi-Head LatentMoE, `HeadsSpec`): H heads
+of width h, so every token is H sub-tokens of width h, each routed among its own head's E experts.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class RouterSpec:
     weight: TensorSource = TensorSource.param("gate.weight")
     bias: TensorSource | None = None  # bias of the router linear: part of the logits
     selection_bias: TensorSource | None = None  # added to scores for selection only (aux-loss-free)
+    # aux-loss-free balancing done by the block itself: after every train-mode forward, under no_grad,
+    # selection_bias[e] += bias_update_rate * sign(mean load - load[e]) (per head with heads); 0: never
+    bias_update_rate: float = 0.0
     logits_from: str = "linear"  # "module": call the router module at `module_path` (fires its hooks)
     module_path: str = "gate"
     module_output_index: int | None = None  # the router module returns a tuple: logits at this index
@@ -107,6 +111,11 @@ class RouterSpec:
             )
         if self.jitter_eps < 0:
             raise PlanError(f"{where}.jitter_eps={self.jitter_eps} is invalid: use a value >= 0.")
+        if self.bias_update_rate < 0:
+            raise PlanError(f"{where}.bias_update_rate={self.bias_update_rate} is invalid: use a rate >= 0.")
+        if self.bias_update_rate > 0 and self.selection_bias is None:
+            raise PlanError(f"{where}.bias_update_rate={self.bias_update_rate} is invalid without a selection_bias: "
+                            f"name the bias buffer it updates, or set the rate to 0.")
 
 
 @dataclass(frozen=True)
@@ -197,6 +206,29 @@ class CapacitySpec:
 
 
 @dataclass(frozen=True)
+class HeadsSpec:
+    """Multi-Head LatentMoE (arXiv 2602.04870): the block routes H latent sub-tokens per token.
+
+    x [T, D] -> z = x @ w_in.T [T, H*h] -> T*H sub-tokens of width h (token-major, head-minor); the
+    sub-token of head j is routed among head j's own E experts (router weight [H, E, h], selection bias
+    [H, E]) and computed by them; the outputs, back in [T, H*h], go through out = y @ w_out.T [T, D].
+    With heads, `RouterSpec.num_experts` is E per head, `ExpertsSpec.num_experts` is H*E (flattened
+    head-major: head j owns experts j*E .. j*E+E-1) and `ExpertsSpec.hidden_dim` is h.
+    """
+
+    num_heads: int  # H
+    head_dim: int  # h
+    model_dim: int  # D: the block's input and output width
+    w_in: TensorSource = TensorSource.param("w_in.weight")  # [H*h, D] (nn.Linear layout)
+    w_out: TensorSource = TensorSource.param("w_out.weight")  # [D, H*h]
+
+    def validate(self, where: str) -> None:
+        for name in ("num_heads", "head_dim", "model_dim"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{where}.{name}={getattr(self, name)} is invalid: use a positive size.")
+
+
+@dataclass(frozen=True)
 class MoESpec:
     """Everything moepass knows about one MoE block."""
 
@@ -208,6 +240,7 @@ class MoESpec:
     capacity: CapacitySpec | None = None  # None: dropless
     input_names: tuple[str, ...] = ("hidden_states",)
     side_outputs: tuple[str, ...] = ()  # returned after the hidden states, in this order
+    heads: HeadsSpec | None = None  # Multi-Head LatentMoE: routing over H latent sub-tokens per token
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -224,13 +257,45 @@ class MoESpec:
                     f"{where}.capacity.drop_policy='identity' is invalid with top_k={self.router.top_k}: "
                     f"pass-through of dropped tokens is defined for top-1 routing only."
                 )
-        if self.router.num_experts != self.experts.num_experts:
+        if self.heads is not None:
+            self._validate_heads(where, self.heads)
+        elif self.router.num_experts != self.experts.num_experts:
             raise PlanError(
                 f"{where}.router.num_experts={self.router.num_experts} is invalid: the experts container "
                 f"holds {self.experts.num_experts}; they must agree."
             )
         for name in self.side_outputs:
             _check_choice(f"{where}.side_outputs", name, SIDE_OUTPUTS)
+
+    def _validate_heads(self, where: str, heads: HeadsSpec) -> None:
+        heads.validate(f"{where}.heads")
+        H, h, E = heads.num_heads, heads.head_dim, self.router.num_experts
+        if self.experts.num_experts != H * E:
+            raise PlanError(
+                f"{where}.experts.num_experts={self.experts.num_experts} is invalid with heads: it counts every "
+                f"head's experts, flattened head-major, so it must be heads.num_heads * router.num_experts = "
+                f"{H} * {E} = {H * E} (router.num_experts is E per head)."
+            )
+        if self.experts.hidden_dim != h:
+            raise PlanError(
+                f"{where}.experts.hidden_dim={self.experts.hidden_dim} is invalid with heads: experts compute "
+                f"on sub-tokens of width heads.head_dim={h}; set it to {h}."
+            )
+        unsupported = [name for name, present in (
+            ("shared", self.shared is not None), ("capacity", self.capacity is not None),
+            ("router.bias", self.router.bias is not None),
+            ("router.logits_from='module'", self.router.logits_from == "module")) if present]
+        if unsupported:
+            raise PlanError(
+                f"{where}.heads is not supported together with {', '.join(unsupported)} in this build: the "
+                f"Multi-Head LatentMoE graph routes sub-tokens with the router weight [H, E, h] alone; "
+                f"drop {unsupported[0]} or describe the block without heads."
+            )
+
+    @property
+    def model_dim(self) -> int:
+        """D: the width of the block's input and output (the experts' width, unless heads project it)."""
+        return self.experts.hidden_dim if self.heads is None else self.heads.model_dim
 
     @property
     def num_experts(self) -> int:
@@ -245,15 +310,21 @@ class MoESpec:
 
     def summary(self) -> str:
         r, x = self.router, self.experts
+        if self.heads is None:
+            sizes = f"E={x.num_experts} K={r.top_k} D={x.hidden_dim} F={x.ffn_dim} {x.activation}"
+        else:
+            hd = self.heads
+            sizes = (f"heads H={hd.num_heads} h={hd.head_dim} D={hd.model_dim}, E={r.num_experts}/head "
+                     f"({x.num_experts} in all) K={r.top_k}/sub-token F={x.ffn_dim} {x.activation}")
         parts = [
-            f"E={x.num_experts} K={r.top_k} D={x.hidden_dim} F={x.ffn_dim} {x.activation}",
+            sizes,
             f"router={r.score_func}" + ("" if r.score_func != "softmax" else
                                         ("(before top-k)" if r.softmax_before_topk else "(after top-k)")),
         ]
         if r.renormalize:
             parts.append("renormalised")
         if r.selection_bias is not None:
-            parts.append("selection-bias")
+            parts.append("selection-bias" + (f"(updated, rate {r.bias_update_rate:g})" if r.bias_update_rate else ""))
         if r.bias is not None:
             parts.append("router-bias")
         if r.n_group > 1:

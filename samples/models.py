@@ -232,3 +232,19 @@ class TinyMoELM(nn.Module):
 def tiny_mixtral(**overrides) -> TinyMoELM:
     """The built-in demo model: a 2-layer Mixtral-like LM with 8 experts, top-2."""
     return TinyMoELM(SampleConfig(**overrides))
+
+
+def tiny_latent_lm(heads: int = 4, head_dim: int = 16, experts: int = 4, top_k: int = 2, latent_ffn_dim: int = 32,
+                   activation: str = "gelu", bias_update_rate: float = 1e-3, **overrides) -> TinyMoELM:
+    """The demo LM with every MoE layer a Multi-Head LatentMoE (`moepass.nn.MultiHeadLatentMoE`: H heads
+    of width h, `experts` per head, top-k per sub-token); dense layers (`dense_layers`) stay dense."""
+    from moepass.nn import MultiHeadLatentMoE
+
+    model = TinyMoELM(SampleConfig(**overrides))
+    cfg = model.cfg
+    for i, layer in enumerate(model.layers):
+        if i >= cfg.dense_layers:
+            layer.mlp = MultiHeadLatentMoE(cfg.dim, heads=heads, head_dim=head_dim, experts=experts, top_k=top_k,
+                                           ffn_dim=latent_ffn_dim, activation=activation,
+                                           bias_update_rate=bias_update_rate)
+    return model

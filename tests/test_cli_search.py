@@ -3,7 +3,9 @@
 The ranking is checked against costs this file computes itself: each candidate's figures are filled
 by hand from the scenario file and the a100 preset, priced with the cost model's layer formula
 (`cost_model.ep.ep_layer`, whose own terms tests/test_cost_model.py checks against known answers),
-and the bytes, memory and the candidate set against closed formulas. Wall time: benchmarks/tool_time.py.
+and the bytes, memory and the candidate set against closed formulas. FSEP candidates (uniform routing:
+the set-up gives none) are priced by hand from the runtime planner's table (`fsep_by_hand`, shared with
+tests/test_cost_model.py). Wall time: benchmarks/tool_time.py.
 """
 
 import json
@@ -12,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from test_cost_model import fsep_by_hand
 
 from cost_model.ep import ep_layer
 from cost_model.presets import preset
@@ -50,16 +54,27 @@ def test_search_scenario_ranks_every_case_by_its_cost(results):
         assert (result.world_size, result.nodes, result.ranks_per_node, result.tokens) == (E, nodes, per_node, TOKENS)
         assert result.hardware.values() == figures, label
 
-        # the candidates: no rewrite, and EP over every divisor of W > 1 x capacity x chunks; packing P
-        # would only repeat ep_size / P, which is already listed, so every candidate is unpacked
-        want = {("single", 1, None, 1)} | {("ep", ep, cf, n) for ep in range(2, E + 1) if E % ep == 0
-                                           for cf in CAPACITY_FACTORS for n in CHUNKS}
-        got = [(c.form, c.ep_size, c.capacity_factor, c.a2a_chunks) for c in result.ranked]
+        # the candidates: no rewrite, EP over every divisor of W > 1 x capacity x chunks; packing P
+        # would only repeat ep_size / P, which is already listed, so every candidate is unpacked; and FSEP
+        # over the W = E ranks with C = ceil(E/W) = 1 .. 3 slots per device x chunks
+        want = ({("single", 1, None, 1, None)} | {("ep", ep, cf, n, None) for ep in range(2, E + 1) if E % ep == 0
+                                                  for cf in CAPACITY_FACTORS for n in CHUNKS}
+                | {("fsep", E, None, n, C) for C in (1, 2, 3) for n in CHUNKS})
+        got = [(c.form, c.ep_size, c.capacity_factor, c.a2a_chunks, c.slots) for c in result.ranked]
         assert len(got) == len(set(got)) and set(got) == want, label
         assert all(c.packing == 1 for c in result.ranked)
 
         expected_step = {}
+        counts = np.full((E, E), TOKENS * K // E)  # uniform routing, T*K rows per rank
         for c in result.ranked:
+            if c.form == "fsep":
+                step, memory = fsep_by_hand(counts, result.hardware, C=c.slots, G=per_node, D=D, F=F, m=2, layers=L,
+                                            n=c.a2a_chunks)
+                expected_step[c] = step
+                assert c.step == pytest.approx(step, rel=1e-9), (label, c.label)
+                assert float(c.terms.memory) == pytest.approx(memory, rel=1e-9), (label, c.label)
+                assert c.feasible == (memory <= float(a100.memory)) and not c.math_changing, (label, c.label)
+                continue
             ep = c.ep_size
             factor = 1.0 if c.capacity_factor is None else c.capacity_factor
             x = {**figures, "T": TOKENS, "K": K, "D": D, "F": F, "m": m, "E": E, "G": per_node, "rho": 1.0,
@@ -94,7 +109,7 @@ def test_cli_prints_a_ranked_table_per_case(results):
     assert out.returncode == 0, out.stderr
     assert "scenario lina-priority: hardware a100" in out.stdout
     assert "filled intra_node_bw: preset a100" in out.stdout  # a null figure names the preset that filled it
-    assert out.stdout.count("fsep: FSEP (LAER-MoE): not modelled yet") == 12
+    assert "fsep:" not in out.stdout  # FSEP is priced: no "not modelled" line
     sections = re.split(r"^== (.+)$", out.stdout, flags=re.M)[1:]
     tables = dict(zip(sections[::2], sections[1::2]))
     assert list(tables) == [label for label, _ in results]
@@ -105,3 +120,6 @@ def test_cli_prints_a_ranked_table_per_case(results):
         assert [plan.strip() for _, plan in rows] == [c.label for c in result.ranked[:3]], (label, table)
         assert f"... {len(result.ranked) - 3} more" in table
         assert f"best: {result.best.label}; runner-up: {result.runner_up.label}" in table, (label, table)
+        full = result.table(limit=len(result.ranked))  # every FSEP row, named by its C and chunks
+        fsep_rows = re.findall(r"^\d+ +fsep C=(\d) n=(\d+) ", full, flags=re.M)
+        assert sorted((int(C), int(n)) for C, n in fsep_rows) == sorted((C, n) for C in (1, 2, 3) for n in CHUNKS)

@@ -13,6 +13,7 @@ import torch
 
 from cost_model import calibrate, schedule, simulate
 from cost_model import ep as cm
+from cost_model import fsep as fsep_cm
 from cost_model import symbols as S
 from cost_model.presets import A100, PRESETS, Figure, this_machine
 from cost_model.search import search
@@ -214,8 +215,9 @@ def test_search_table_and_expression():
 
     result = search([spec(8, 2, 512, 1024)] * 3, Topo(), (4, 1024), profile=A100)
     text = result.table()
-    for form in ("fsep", "hp", "locality"):
+    for form in ("hp", "locality"):
         assert f"{form}:" in text and "not modelled yet" in text
+    assert "fsep:" not in text and "fsep C=1 n=" in text  # FSEP is priced: its rows name C
     assert "compute" in text and "exposed a2a" in text and "other comm" in text and "mem GB" in text
     expr = result.expression_substituted
     assert isinstance(expr, sympy.Expr) and expr.free_symbols <= {S.T}
@@ -238,6 +240,163 @@ def test_search_reads_a_model_through_detect():
 
     result = search(tiny_mixtral(), (1, 2), (2, 64), profile="a100")
     assert len(result.shapes) == 2 and result.best is not None
+
+
+# ---- FSEP next to EP in the plan search -------------------------------------------------------------
+#
+# Expected FSEP figures are priced by hand here from the runtime planner's table (`placement.plan`, the
+# model FSEP's advantage comes from) and TECHNIQUES.md §2: the busiest device's rows, the token
+# all-to-all's slowest rank, the restore (C*S_e/W elements per pair) and the gradient slices back.
+
+MIXTRAL_8 = [spec(8, 2, 4096, 14336)] * 8  # compute-heavy: the expert GEMMs dwarf every transfer
+
+
+def fsep_by_hand(counts_WE: np.ndarray, hw, *, C: int, G: int, D: int, F: int, m: int, layers: int,
+                 n: int = 1) -> tuple[float, float]:
+    """(step seconds, memory bytes per rank) of FSEP over the W ranks of `counts_WE` [W, E] (integers,
+    the same every step), `layers` blocks of one shape, token all-to-all in n chunks."""
+    from moepass.runtime import placement
+
+    v = hw.values()
+    assert v["c_layer"] == v["c_expert"] == v["c_row"] == v["c_act"] == v["r_c"] == 0  # no host terms to price
+    W, E = counts_WE.shape
+    config = placement.PlannerConfig.from_hardware(hw, E=E, W=W, C=C, ranks_per_node=G, D=D, F=F, gated=m == 3)
+    table = placement.plan(counts_WE * config.history, config).table
+    slots = placement.lite_route_counts(counts_WE, table).numpy()  # [source, W*C slots]
+    rows = slots.reshape(W, W, C).sum(axis=2)  # [source, device]
+    assert (rows.sum(axis=1) == counts_WE.sum(axis=1)).all()
+    busiest = rows.sum(axis=0).max()
+    per_row = 2 * m * D * F / (v["R"] * v["eta"])  # forward seconds per routed row
+    fwd = busiest * per_row
+    node = np.arange(W) // G
+    link = [v["B_intra"] if node[i] == node[k] else v["B_inter"] for i in range(W) for k in range(W)]
+    secs = np.where(np.eye(W, dtype=bool), 0.0, rows * D * v["b"] / np.reshape(link, (W, W)))  # per pair
+    transfer = max(secs.sum(axis=1).max(), secs.sum(axis=0).max())  # the slowest sender or receiver
+
+    def pipeline(compute: float) -> float:  # n chunks: transfer j+1 behind compute j
+        t_a, t_c = v["alpha"] + transfer / n, compute / n
+        return 2 * t_a + t_c + (n - 1) * max(t_c, 2 * t_a)
+
+    a2a = pipeline(fwd) + pipeline(2 * fwd) - 3 * fwd + v["alpha"]  # + the split-size exchange
+    S_e = m * D * F
+    per_pair = C * S_e / W
+    restores = sum(v["alpha"] + per_pair * b * ((G - 1) / v["B_intra"] + (W - G) / v["B_inter"])
+                   for b in (v["b"], v["b_g"]))
+    step = layers * (3 * fwd + a2a + restores)
+    memory = layers * (E * S_e / W * v["s"] + C * S_e * v["b"] + busiest * (2 * D + m * F) * v["b"]) + (
+        C * S_e * v["b_g"])
+    return step, memory
+
+
+def _uniform(W: int, E: int, T: int, K: int) -> np.ndarray:
+    assert T * K % E == 0
+    return np.full((W, E), T * K // E, dtype=np.int64)
+
+
+def _ep(result, ep_size: int, n: int):
+    return next(c for c in result.ranked if c.form == "ep" and c.ep_size == ep_size and c.a2a_chunks == n
+                and c.capacity_factor is None and c.packing == 1)
+
+
+def test_fsep_is_priced_next_to_ep_and_loses_by_its_restore_under_balanced_routing():
+    L, W, T, K, D, F, m = 8, 8, 2 * 4096, 2, 4096, 14336, 3
+    v = A100.values()
+    result = search(MIXTRAL_8, (1, 8), (2, 4096), profile=A100, packings=(1,))
+    fsep = [c for c in result.ranked if c.form == "fsep"]
+    assert {(c.slots, c.a2a_chunks) for c in fsep} == {(C, n) for C in (1, 2, 3) for n in schedule.DEFAULT_CHUNKS}
+    assert all(c.ep_size == W and c.label == f"fsep C={c.slots} n={c.a2a_chunks}" for c in fsep)
+    assert result.best.form == "ep"
+    S_e = m * D * F
+    for c in fsep:
+        step, memory = fsep_by_hand(_uniform(W, 8, T, K), A100, C=c.slots, G=8, D=D, F=F, m=m, layers=L,
+                                    n=c.a2a_chunks)
+        assert c.step == pytest.approx(step, rel=1e-9), c.label
+        assert float(c.terms.memory) == pytest.approx(memory, rel=1e-9), c.label
+        if c.slots == 1:  # one expert per device: EP over the 8 ranks, plus the restore and the slices back
+            restore = sum(v["alpha"] + S_e / W * b * (W - 1) / v["B_intra"] for b in (v["b"], v["b_g"]))
+            assert c.step == pytest.approx(_ep(result, W, c.a2a_chunks).step + L * restore, rel=1e-9)
+    best_fsep = min(fsep, key=lambda c: c.step)
+    assert best_fsep.slots == 1 and best_fsep.step > result.best.step
+
+
+def test_fsep_wins_under_strong_skew():
+    L, W, T, K, D, F, m, E = 8, 8, 2 * 4096, 2, 4096, 14336, 3, 8
+    v = A100.values()
+    result = search(MIXTRAL_8, (1, 8), (2, 4096), profile=A100, imbalance=2.5, packings=(1,))
+    # the skew realised: every rank routes with one Zipf popularity whose EP max/mean is 2.5
+    counts = fsep_cm.integer_rows(cm.zipf_counts(T, K, E, W, cm.zipf_for_imbalance(2.5, T, K, E, W)))
+    assert cm.imbalance(cm.rank_rows(counts, W)) == pytest.approx(2.5, rel=1e-3)
+    fsep = {(c.slots, c.a2a_chunks): c for c in result.ranked if c.form == "fsep"}
+    assert set(fsep) == {(C, n) for C in (1, 2, 3) for n in schedule.DEFAULT_CHUNKS}
+    for (C, n), c in fsep.items():
+        step, memory = fsep_by_hand(counts, A100, C=C, G=8, D=D, F=F, m=m, layers=L, n=n)
+        assert c.step == pytest.approx(step, rel=1e-9), c.label
+        assert float(c.terms.memory) == pytest.approx(memory, rel=1e-9), c.label
+        assert c.routing[0].ep_rho == pytest.approx(2.5, rel=1e-3)
+    assert fsep[3, 1].routing[0].rho < 1.1 and fsep[3, 1].routing[0].table == "proportional"
+    # EP pays the busiest rank's 2.5x rows (n=1: dispatch and combine, forward and backward, not hidden)
+    rows = 2.5 * T * K
+    ep_step = L * (3 * rows * 2 * m * D * F / (v["R"] * v["eta"])
+                   + 4 * (v["alpha"] + rows * (W - 1) / W * D * v["b"] / v["B_intra"]) + v["alpha"])
+    assert _ep(result, W, 1).step == pytest.approx(ep_step, rel=1e-9)
+    best = result.best
+    assert best.form == "fsep" and best.slots in (2, 3)
+    assert best.step < min(c.step for c in result.eligible() if c.form == "ep")  # dropless EP
+    assert best.step < 0.6 * ep_step
+    assert "planner max/mean" in result.table() and f"best: {best.label}" in result.table()
+    assert float(result.expression_substituted.subs(S.T, T)) == pytest.approx(best.step, rel=1e-3)
+    # the winner as a Plan: directly, and as form="auto" resolves it (packing="auto" is reset to 1)
+    kwargs = result.to_plan_kwargs()
+    assert kwargs == {"form": "fsep", "ep_size": W, "slots_per_device": best.slots, "capacity_factor": None,
+                      "a2a_chunks": best.a2a_chunks, "packing": 1}
+    plan = Plan(**kwargs)
+    assert (plan.form, plan.slots_per_device, plan.ep_size) == ("fsep", best.slots, W)
+    auto = Plan(form="auto", batch=(2, 4096), packing="auto", hardware="a100").replace(**kwargs)
+    assert auto.form == "fsep" and auto.packing == 1 and auto.planner == "auto"
+
+
+def test_fsep_candidates_need_a_slot_for_every_expert():
+    def slots(*args, **kwargs) -> set[int]:
+        return {c.slots for c in search(*args, profile=A100, chunks=(1,), **kwargs).ranked if c.form == "fsep"}
+
+    E16 = [spec(16, 2, 512, 1024)]
+    assert slots(E16, (1, 4), (4, 1024), slots=range(1, 8)) == {4, 5, 6, 7}  # W*C >= E = 16
+    assert slots(E16, (1, 4), (4, 1024)) == {4, 5, 6}  # ceil(E/W) .. ceil(E/W) + 2
+    assert slots(E16, (2, 4), (4, 1024)) == {2, 3, 4}
+    assert slots(E16 + [spec(32, 2, 512, 1024)], (2, 4), (4, 1024)) == {4, 5, 6}  # one C for every block
+    assert slots(E16, (1, 4), (4, 1024), slots=()) == set()
+    assert slots(E16, (1, 4), (4, 1024), ep_sizes=(4,)) == set()  # restricted to EP degrees
+    assert slots(E16, (1, 4), (4, 1024), ep_sizes=(4,), slots=(4,)) == {4}
+    assert slots(E16, (1, 1), (4, 1024)) == set()  # one rank: nothing to shard
+    from cost_model.search import BlockShape
+
+    capped = search([BlockShape(E=8, K=2, D=512, F=1024, m=3, cf=1.25)], (1, 4), (4, 1024), profile=A100)
+    assert not any(c.form == "fsep" for c in capped.ranked)
+    assert "dropless blocks only" in capped.not_modelled["fsep"] and "fsep: FSEP is priced" in capped.table()
+    with pytest.raises(ValueError, match="imbalance=0.5"):
+        search(E16, (1, 4), (4, 1024), profile=A100, imbalance=0.5)
+
+
+def test_form_auto_picks_fsep_when_only_its_shards_fit():
+    """Mixtral-8x7B-like, 32 layers on 2 x 8 A100 at 1024 tokens per rank: EP over 8 ranks keeps E/8 whole
+    experts per rank (with optimizer state), which does not fit in 80 GB; FSEP shards them over all 16."""
+    from types import SimpleNamespace
+
+    from moepass.api import resolve_auto
+    from moepass.runtime.topology import Topology
+
+    report = SimpleNamespace(blocks=[spec(8, 2, 4096, 14336)] * 32)
+    auto = Plan(form="auto", batch=(1, 1024), topology=Topology(2, 8), hardware="a100", packing="auto")
+    plan, result = resolve_auto(auto, report)
+    assert not any(c.feasible for c in result.ranked if c.form in ("ep", "single"))
+    assert (plan.form, plan.ep_size, plan.slots_per_device, plan.packing) == ("fsep", 16, result.best.slots, 1)
+    # a slots_per_device given with form="auto" is the only C the search prices
+    plan2, result2 = resolve_auto(auto.replace(slots_per_device=2), report)
+    assert {c.slots for c in result2.ranked if c.form == "fsep"} == {2} and plan2.slots_per_device == 2
+    # when EP wins, the FSEP-only fields are reset (Plan rejects them on form="ep")
+    small = SimpleNamespace(blocks=MIXTRAL_8)  # "single" needs 194 GB
+    plan3, _ = resolve_auto(auto.replace(topology=Topology(1, 8), batch=(2, 4096), slots_per_device=1), small)
+    assert plan3.form == "ep" and plan3.slots_per_device is None
 
 
 # ---- presets and calibration --------------------------------------------------------------------------
@@ -355,3 +514,72 @@ def test_recorded_counts_drive_imbalance():
     s = next(p for p in skewed.predictions if p.modelled)
     assert b.breakdown["imbalance"] == pytest.approx(1.0)
     assert s.breakdown["imbalance"] > 2 and s.step_s > b.step_s
+
+
+def test_laer_systems_are_three_distinct_formulas_and_fsep_beats_ep_under_skew():
+    """EP, FSDP+EP and FSEP on LAER's Mixtral-8x7B (E=8, K=2, C=2) at 4 x 8 A100, routing skewed to EP
+    max/mean 1.7 (the set-up's figure). Expected figures are computed here from the set-up's numbers:
+    expert compute from the busiest device's rows, memory from each layout's sharding, and bounds on the
+    step (compute <= step <= compute + every transfer serialised)."""
+    scenario = json.loads((SCENARIO_DIR / "laer_moe_fsep.json").read_text())
+    scenario["models"] = scenario["models"][:1]  # mixtral-8x7b-e8k2
+    result = simulate.simulate(scenario)
+    by = {p.system: p for p in result.predictions if p.modelled}
+    ep, fsdp, fsep = by["megatron-ep-tp"], by["fsdp-ep"], by["laer-moe"]
+    assert fsep.form == "fsep" and "laer-moe" in result.table()
+
+    L, W, G, T, K, D, F, m, E, C = 32, 32, 8, 128 * 8192 // 32, 2, 4096, 14336, 3, 8, 2
+    rate, b, b_g, s, alpha = 312e12 * 0.5, 2, 2, 16, 30e-6
+    B_intra, B_inter = 216.3e9, 88.95e9
+    per_row = 2 * m * D * F / rate  # forward expert seconds per routed row
+    dense = L * 3 * (2 * 4 * D * D * T + 2 * 8192 * D * T) / rate
+    S_e = m * D * F  # elements of one expert
+    rows_ep = 1.7 * T * K  # EP's busiest device
+    rows_fsep = fsep.plan["max_mean"] * T * K  # the planner's table, rounded to 3 digits in the plan
+
+    # compute: the slowest device's expert GEMMs, forward + 2x backward
+    for p in (ep, fsdp):
+        assert p.breakdown["expert_compute"] == pytest.approx(L * 3 * rows_ep * per_row, rel=1e-3)
+    assert fsep.breakdown["expert_compute"] == pytest.approx(L * 3 * rows_fsep * per_row, rel=2e-3)
+    assert fsep.plan["ep_max_mean"] == pytest.approx(1.7, rel=1e-3) and fsep.plan["max_mean"] < 1.3
+    assert [p.breakdown["dense_compute"] for p in (ep, fsdp, fsep)] == [pytest.approx(dense, rel=1e-9)] * 3
+
+    # memory per rank: EP keeps its E/8 experts whole, FSDP+EP shards them over their 4 replicas (and the
+    # dense weights over 32), FSEP keeps 1/32 of every expert plus C restored experts for 1 + 2 layers
+    def acts(rows: float) -> float:
+        return rows * (2 * D + m * F) * b
+
+    dense_w = 4 * D * D
+    mem_ep = L * (E / 8 * S_e * s + acts(rows_ep) + dense_w * s)
+    mem_fsdp = L * (E / 8 * S_e / 4 * s + dense_w * s / W + acts(rows_ep)) + 2 * (S_e + dense_w) * b + (
+        S_e + dense_w) * b_g
+    mem_fsep = L * (E * S_e / W * s + acts(rows_fsep) + dense_w * s) + 3 * C * S_e * b + C * S_e * b_g
+    assert ep.memory_gb == pytest.approx(mem_ep / 1e9, rel=1e-3)
+    assert fsdp.memory_gb == pytest.approx(mem_fsdp / 1e9, rel=1e-3)
+    assert fsep.memory_gb == pytest.approx(mem_fsep / 1e9, rel=2e-3)
+
+    # bounds on the step: no layout is faster than its compute, none slower than its compute plus every
+    # collective one after another (token all-to-alls at the slow link, sized by the busiest device)
+    def ring(nbytes: float, group: int) -> float:  # all-gather or reduce-scatter at the slow link
+        return alpha + (group - 1) / group * nbytes / B_inter
+
+    dense_ar = 2 * ring(dense_w * b_g, W) + alpha * (dense_w * b_g // (25 * 2**20))  # DDP buckets
+    a2a_ep = alpha + rows_ep * D * b / B_intra  # EP 8 = one node
+    a2a_fsep = alpha + rows_fsep * D * b / B_inter
+    restore = alpha + C * S_e / W * b * ((G - 1) / B_intra + (W - G) / B_inter)
+    expert_ar = 2 * ring(S_e * b_g, 4) + alpha * (S_e * b_g // (25 * 2**20))
+    gathers = 3 * (ring(S_e * b, 4) + ring(dense_w * b, W))
+    compute = {name: p.breakdown["expert_compute"] + dense for name, p in
+               (("ep", ep), ("fsdp", fsdp), ("fsep", fsep))}
+    upper = {
+        "ep": compute["ep"] + L * (4 * a2a_ep + expert_ar + dense_ar + alpha),
+        "fsdp": compute["fsdp"] + L * (4 * a2a_ep + gathers + alpha),
+        "fsep": compute["fsep"] + L * (4 * a2a_fsep + 3 * restore + dense_ar),
+    }
+    for name, p in (("ep", ep), ("fsdp", fsdp), ("fsep", fsep)):
+        assert compute[name] <= p.step_s <= upper[name], name
+    assert upper["fsep"] < compute["ep"]  # FSEP < EP whatever the overlap
+    assert fsep.step_s < fsdp.step_s and fsep.step_s < ep.step_s
+    steps = sorted(p.step_s for p in (ep, fsdp, fsep))
+    assert all(b_ > a * (1 + 1e-3) for a, b_ in zip(steps, steps[1:])), "three distinct step times"
+    assert by["flexmoe"].step_s == ep.step_s  # FlexMoE is still priced as plain EP (noted)

@@ -181,8 +181,11 @@ def case_restore_bytes(rank, world, steps, C):
     after = (storages(), {id(p): {k: s.data_ptr() for k, s in st.items() if torch.is_tensor(s)}
                           for p, st in opt.state.items()})
     local_expert_elems = sum(p.to_local().numel() for p in cm.parameters() if hasattr(p, "to_local"))
+    saved = []  # every tensor autograd keeps for the backward of one step
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        cm.loss(torch.randint(0, CFG["vocab_size"], (2, 9))).backward()
     return {"per_step": per_step, "tables": tables, "same_storage": before == after,
-            "local_expert_elems": local_expert_elems}
+            "local_expert_elems": local_expert_elems, "saved_shapes": saved}
 
 
 def test_restore_bytes_fixed_and_relayout_moves_nothing():
@@ -195,10 +198,14 @@ def test_restore_bytes_fixed_and_relayout_moves_nothing():
         tables = r["tables"]
         assert tables[0] != tables[1] != tables[2]  # the placement changed every step
         for step in r["per_step"]:
-            # forward restore + backward reverse, per layer: C*S/W fp32 elements to each peer
-            sent = sum(v.get("intra", 0) + v.get("inter", 0) for v in step.values())
-            assert sent == 2 * layers * (world - 1) * C * S // world * 4, step
+            # per layer, C*S/W fp32 elements to each peer, three times: the forward restore, the backward's
+            # restore again (the expert FFN keeps a handle, not the C whole experts), the gradient slices back
+            assert set(step) == {"restore", "restore_again", "restore_bwd"}, step
+            for kind in step.values():
+                assert kind.get("intra", 0) + kind.get("inter", 0) == layers * (world - 1) * C * S // world * 4, step
         assert r["local_expert_elems"] == layers * E * S // world  # parameter memory: E*S/W per layer
+        restored = [(C, D, 2 * F), (C, 2 * F, D), (C, F, D), (C, D, F)]  # whole experts, any layout
+        assert not [s for s in r["saved_shapes"] if s in restored]  # ... and C*S only while a layer runs
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from moepass.detect import fused_experts, gshard, loop_experts
-from moepass.detect.candidates import Candidate, find_candidates, find_dense_mlps
+from moepass.detect import fused_experts, gshard, loop_experts, self_described
+from moepass.detect.candidates import SELF_DESCRIBED, Candidate, find_candidates, find_dense_mlps
 from moepass.detect.check import CheckResult, semantic_check
 from moepass.spec import MoESpec
 
@@ -26,6 +26,11 @@ RECOGNISERS: list[tuple[str, Recogniser]] = [
     (loop_experts.NAME, loop_experts.recognise),
     (fused_experts.NAME, fused_experts.recognise),
 ]
+
+
+# A block with a `moepass_spec(path)` method describes itself: its spec is the one hypothesis, checked
+# like any other; the structural recognisers are not tried on it.
+SELF_DESCRIBED_RECOGNISERS: list[tuple[str, Recogniser]] = [(self_described.NAME, self_described.recognise)]
 
 
 def register_recogniser(name: str, fn: Recogniser, first: bool = True) -> None:
@@ -84,7 +89,8 @@ class DetectionReport:
 def detect_block(candidate: Candidate) -> BlockReport:
     report = BlockReport(candidate.path, type(candidate.module).__name__, accepted=False)
     reasons = []
-    for name, recognise in RECOGNISERS:
+    recognisers = SELF_DESCRIBED_RECOGNISERS if candidate.experts_kind == SELF_DESCRIBED else RECOGNISERS
+    for name, recognise in recognisers:
         found = recognise(candidate)
         if isinstance(found, str):
             reasons.append(f"{name}: {found}")

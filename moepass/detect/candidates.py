@@ -1,4 +1,5 @@
-"""Structural candidates: modules that hold a router producing E scores and E experts.
+"""Structural candidates: modules that hold a router producing E scores and E experts, or that say
+they are MoE blocks (a `moepass_spec(path)` method: `moepass.detect.self_described`).
 
 Detection never edits the model. A candidate only says "this looks like an MoE block"; a
 recogniser turns it into MoESpec hypotheses and the semantic check decides.
@@ -15,16 +16,18 @@ GATE_NAMES = ("w1", "gate_proj", "wi_0", "fc1", "wi", "up_proj_gate", "linear_in
 UP_NAMES = ("w3", "up_proj", "wi_1")
 DOWN_NAMES = ("w2", "down_proj", "wo", "fc2", "linear_out")
 TOPK_ATTRS = ("top_k", "num_experts_per_tok", "k", "topk", "moe_k")
+SPEC_METHOD = "moepass_spec"  # the self-description protocol: module.moepass_spec(path) -> MoESpec
+SELF_DESCRIBED = "self-described"  # Candidate.experts_kind of a module implementing it
 
 
 @dataclass
 class Candidate:
     path: str
     module: nn.Module
-    num_experts: int
+    num_experts: int  # 0 for a self-described block (its spec says)
     router_path: str  # child holding the router weight [E, D]
     experts_path: str  # "" when the experts' 3-D weights live on the block itself
-    experts_kind: str  # "modulelist", "moduledict" or "fused"
+    experts_kind: str  # "modulelist", "moduledict", "fused" or SELF_DESCRIBED
     fused_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, relative to block
     expert_names: tuple[str, ...] = ()  # keys of the experts container, in expert order (ModuleList/ModuleDict)
 
@@ -81,6 +84,9 @@ def find_candidates(model: nn.Module) -> list[Candidate]:
     found: list[Candidate] = []
     for path, module in model.named_modules():
         if any(path.startswith(c.path + ".") or c.path == "" for c in found if c.path != path):
+            continue
+        if callable(getattr(module, SPEC_METHOD, None)):  # it says what it is (checked like any other)
+            found.append(Candidate(path, module, 0, router_path="", experts_path="", experts_kind=SELF_DESCRIBED))
             continue
         listed = _listed_experts(module)
         if listed is not None:

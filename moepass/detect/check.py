@@ -15,8 +15,12 @@ through the spec's canonical graph. The probe is built so that near-miss specs s
 Then the selected experts must agree exactly on the clear tokens (the original's selection is
 observed by intercepting its last top-k / argmax over E scores), the outputs (every element of a
 tuple output) within tolerance, and the contract beyond the output: the router module's recorded
-output (specs that call it: `logits_from="module"`) and the train-mode output under the same RNG
-seed (jitter reproduced in the same order; a dropout that the graph lacks fails here).
+output (specs that call it: `logits_from="module"`), the train-mode output under the same RNG
+seed (jitter reproduced in the same order; a dropout that the graph lacks fails here) and the buffers
+a train-mode forward updates (e.g. an aux-loss-free selection bias), from the same starting values.
+
+With heads (Multi-Head LatentMoE) the selection compared is per sub-token: the block's top-k over
+each head's E scores, as one call over [..., H, E] scores (token-major, head-minor rows).
 
 The user's block is never touched: everything runs on the copy.
 """
@@ -177,21 +181,22 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
     result = CheckResult(spec, True, max_error=0.0)
     other_k = None  # the block's top-k over E used another k
     for x, original, seen in zip(inputs, originals, selections):
-        cap = _Capture(gm, ("experts_TK", "logits_TE", "selection_bias_E"))
+        logits_name, experts_name, bias_name = canonical.routing_names(spec)
+        cap = _Capture(gm, (experts_name, logits_name, bias_name))
         try:
             with torch.no_grad():
                 ours = cap.run(x)
         except Exception as err:
             return CheckResult(spec, False, float("inf"), reason=f"canonical graph fails on a probe input: {err}")
-        if spec.router.n_group > 1 and "logits_TE" in cap.values:
-            result.group_sensitive_tokens += _group_sensitive(spec, cap.values["logits_TE"].float(),
-                                                              cap.values.get("selection_bias_E"))
+        if spec.router.n_group > 1 and logits_name in cap.values:
+            result.group_sensitive_tokens += _group_sensitive(spec, cap.values[logits_name].float(),
+                                                              cap.values.get(bias_name))
         if seen.other_k is not None:
             result.accepted = False
             result.selection_observed = False
             other_k = seen.other_k
-        elif seen.indices is not None and seen.clear is not None and "experts_TK" in cap.values:
-            mine = cap.values["experts_TK"].sort(dim=-1).values
+        elif seen.indices is not None and seen.clear is not None and experts_name in cap.values:
+            mine = cap.values[experts_name].sort(dim=-1).values
             theirs = seen.indices.sort(dim=-1).values
             if mine.shape != theirs.shape:
                 return CheckResult(spec, False, float("inf"), reason=f"selects {mine.shape[-1]} experts per token ({mine.shape[0]} "
@@ -217,7 +222,7 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
         parts = []
         if other_k is not None:
             parts.append(f"selects {spec.top_k} experts per token, block selects {other_k} "
-                         f"(its top-k over E={spec.num_experts} scores)")
+                         f"(its top-k over E={spec.router.num_experts} scores)")
         if result.mismatched_tokens:
             parts.append(f"{result.mismatched_tokens}/{result.compared_tokens} tokens select different experts")
         parts.append(f"outputs differ by up to {result.max_error:.2e}")
@@ -269,24 +274,42 @@ def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float
                 return (f"router module {r.module_path} returns other values (or shapes) in the graph than "
                         f"in the block: recorded router logits would change")
     was_training = probe.training
+    buffers = dict(probe.named_buffers())  # the graph module holds the same buffer objects
+    start = {name: t.clone() for name, t in buffers.items()}
+    updated: list[dict[str, torch.Tensor]] = []
     try:
         probe.train()
         gm.train()
         outs = []
         for run in (probe, gm):
+            _restore(buffers, start)  # both runs start from the same state
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(TRAIN_SEED)
                 outs.append(_outputs(run(x.clone())))
+            updated.append({name: t.clone() for name, t in buffers.items()})
     except Exception as err:
         return f"train mode fails: {type(err).__name__}: {err}"
     finally:
         probe.train(was_training)
+        _restore(buffers, start)  # later hypotheses are probed from the same state
     for a, b in zip(outs[1], outs[0]):
         if a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=rtol):
             gap = (a - b).abs().max().item() if a.shape == b.shape else float("nan")
             return (f"train-mode outputs differ by up to {gap:.2e} under the same seed: the block draws "
                     f"random numbers (jitter, dropout) that the spec does not reproduce in the same order")
+    for name, theirs in updated[0].items():
+        ours = updated[1][name]
+        if ours.shape != theirs.shape or not torch.allclose(ours.float(), theirs.float(), atol=atol, rtol=rtol):
+            moved = "updates it" if not torch.equal(theirs, start[name]) else "leaves it unchanged"
+            return (f"buffer {name!r} after a train-mode forward differs: the block {moved}, the spec's graph "
+                    f"does not do the same (e.g. a selection-bias update rule or rate the spec lacks)")
     return None
+
+
+def _restore(buffers: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, t in buffers.items():
+            t.copy_(values[name])
 
 
 def _scaling_overrides(probe: nn.Module) -> bool:
@@ -314,10 +337,11 @@ def _group_coverage(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor])
         gm = canonical.build(spec, probe)
         total = 0
         for x in inputs:
-            cap = _Capture(gm, ("logits_TE", "selection_bias_E"))
+            logits_name, _, bias_name = canonical.routing_names(spec)
+            cap = _Capture(gm, (logits_name, bias_name))
             with torch.no_grad():
                 cap.run(x)
-            total += _group_sensitive(spec, cap.values["logits_TE"].float(), cap.values.get("selection_bias_E"))
+            total += _group_sensitive(spec, cap.values[logits_name].float(), cap.values.get(bias_name))
         return total
     except Exception:
         return 0
@@ -332,7 +356,8 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
         return None, []
     probe = probe_copy(block, seed)
     scaled = _scaling_overrides(probe)
-    E, K, D = hypotheses[0].num_experts, hypotheses[0].top_k, hypotheses[0].experts.hidden_dim
+    # E: the experts one selection chooses among (per head with heads); D: the block's input width
+    E, K, D = hypotheses[0].router.num_experts, hypotheses[0].top_k, hypotheses[0].model_dim
     gen = torch.Generator().manual_seed(seed + 1)
 
     def draw(scale: float = 1.0) -> torch.Tensor:
@@ -369,7 +394,7 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
     winner = None
     for spec in hypotheses:
         if spec.top_k not in selections:  # the spy watched for another k: observe again
-            selections[spec.top_k] = [_observe(probe, x, spec.num_experts, spec.top_k)[1] for x in inputs]
+            selections[spec.top_k] = [_observe(probe, x, spec.router.num_experts, spec.top_k)[1] for x in inputs]
         result = check(probed(spec), probe, inputs, originals, selections[spec.top_k])
         if result.accepted:
             reason = contract_check(probed(spec), probe, inputs[0])

@@ -96,6 +96,7 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
     x_ND, counts = ffn.args[0], ffn.args[1]
 
     x_TD, experts_TK, _ = permute.args
+    assert isinstance(experts_TK, fx.Node), experts_TK
     with graph.inserting_before(permute):
         if keeps:  # dropped assignments go to bucket E (then B), sorted last and never sent
             experts_TK = b.fn(torch.where, keeps[0], experts_TK, E, name="experts_kept_TK")

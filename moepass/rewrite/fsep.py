@@ -54,7 +54,7 @@ from torch import Tensor, fx, nn
 
 from cost_model.fsep import ep_device_rows
 from cost_model.presets import resolve_hardware
-from moepass import canonical
+from moepass import canonical, dialect
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
 from moepass.passes import Effects, PassResult
@@ -64,6 +64,7 @@ from moepass.rewrite.experts import ExpertLayout, local_shard, shard_experts
 from moepass.runtime import collectives as comm
 from moepass.runtime import placement
 from moepass.runtime.topology import ep_groups
+from moepass.spec import TensorSource
 
 PASS = "fsep"
 CONTROLLER = "fsep_placement"
@@ -121,6 +122,38 @@ def assemble(recv_GS: Tensor, peers: int, offset: int, shape: Sequence[int]) -> 
     return slices.permute(1, 0, 2).reshape(-1, *shape)
 
 
+class Restore:
+    """One layer-step's restore, runnable again in the backward (`dialect.rebuildable`): the expert FFN then
+    keeps this handle instead of the C whole experts, so restored weights live one layer at a time, as
+    the technique's memory formula (E·S)/W + C·S assumes. The first weight the backward asks for runs the
+    exchange once more (same shards, same table: the values of the forward); the others reuse it."""
+
+    def __init__(self, shards: list[Tensor], slot_expert_S: Tensor, group_name: str, shapes: tuple, peers: int):
+        self.shards, self.slot_expert_S, self.group_name = shards, slot_expert_S, group_name
+        self.shapes, self.peers = shapes, peers
+        self.weights: list[Tensor] | None = None
+
+    def run(self) -> list[Tensor]:
+        if self.weights is None:
+            with torch.no_grad():
+                send = gather_slices([s.detach() for s in self.shards], self.slot_expert_S)
+                recv = comm.WAIT(comm.EQUAL_ALL_TO_ALL(send, self.group_name, "restore_again"))
+                out, offset = [], 0
+                for shape in self.shapes:
+                    out.append(assemble(recv, self.peers, offset, shape))
+                    offset += (shape[0] // self.peers) * int(torch.Size(shape[1:]).numel())
+                self.weights = out
+        return self.weights
+
+    @staticmethod
+    def reader(restore: Restore, index: int, chunk: tuple[int, int] | None, chunk_dim: int,
+               transpose: bool) -> Callable[[], Tensor]:
+        """How the backward gets one expert-FFN weight operand back: restore, then the role's view (the
+        chunk / transpose of its TensorSource)."""
+        source = TensorSource(paths=(), chunk=chunk, chunk_dim=chunk_dim, transpose=transpose)
+        return lambda: canonical.view_of(source, restore.run()[index])
+
+
 # ----------------------------------------------------------------------------------------------
 # The placement controller: this step's table; planning off the critical path.
 # ----------------------------------------------------------------------------------------------
@@ -148,6 +181,7 @@ class FSEPPlacement(nn.Module):
                  table: placement.PlacementTable):
         super().__init__()
         self.block, self.config, self.rank, self.planner = block, config, rank, planner
+        self.slot_expert: Tensor
         self.register_buffer("slot_expert", table.as_tensor("cpu"), persistent=False)
         self.history = placement.CountHistory(config.history, config.W, config.E)
         self.step = 0
@@ -332,16 +366,25 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
                 shape = shapes[name]
                 restored[name] = b.fn(assemble, recv, P, offset, shape, name=f"{_node(name)}_slots")
                 offset += (shape[0] // P) * int(torch.Size(shape[1:]).numel())
-            return canonical.expert_weights(b, spec.experts, lambda source, role: b.view(
-                source, restored[attrs[role]], f"{role}_slots"))
+            # the backward restores again rather than keeping every layer's C whole experts alive
+            again = b.fn(Restore, shards, slot_expert, group_name, tuple(shapes[n] for n in params), P,
+                         name="restore_again")
+
+            def read(source: TensorSource, role: str) -> fx.Node:
+                view = b.view(source, restored[attrs[role]], f"{role}_slots")
+                rebuild = b.fn(Restore.reader, again, params.index(attrs[role]), source.chunk, source.chunk_dim,
+                               source.transpose, name=f"{role}_rebuild")
+                return b.fn(dialect.rebuildable, view, rebuild, name=f"{role}_w")
+
+            return canonical.expert_weights(b, spec.experts, read)
 
         return weights
 
-    stats = exchange.insert_exchange(gm, b, buckets=P * C, local=C, group_name=group_name, world=groups.world_size,
-                                     route=route, issue_weights=issue_restore, axis="S")
-    stats = {"experts": E, "slots_per_device": C, "fsep_size": P, "dp_size": groups.dp_size,
+    counts = exchange.insert_exchange(gm, b, buckets=P * C, local=C, group_name=group_name, world=groups.world_size,
+                                      route=route, issue_weights=issue_restore, axis="S")
+    stats: dict[str, Any] = {"experts": E, "slots_per_device": C, "fsep_size": P, "dp_size": groups.dp_size,
              "replicas": P * C - E, "planner": plan.planner if isinstance(plan.planner, str) else "callable",
-             "capacity": stats["capacity"]}
+             "capacity": counts["capacity"]}
     gm.form = PASS
     gm.layout = layout
     return PassResult(gm, changed=True, stats=stats, effects=effects)
@@ -349,5 +392,10 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
 
 def controllers(model: nn.Module) -> dict[str, FSEPPlacement]:
     """Block path -> the FSEP placement controller of every FSEP block in `model`."""
-    return {path: module.get_submodule(module.layout.controller) for path, module in model.named_modules()
-            if isinstance(module, MoEGraphModule) and isinstance(module.layout, FSEPLayout)}
+    found = {}
+    for path, module in model.named_modules():
+        if isinstance(module, MoEGraphModule) and isinstance(module.layout, FSEPLayout):
+            controller = module.get_submodule(module.layout.controller)
+            assert isinstance(controller, FSEPPlacement)
+            found[path] = controller
+    return found

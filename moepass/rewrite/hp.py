@@ -1,0 +1,170 @@
+"""Head parallel (HP): the canonical graph of a Multi-Head LatentMoE block → its head-parallel graph.
+
+The H heads are sharded over the P ranks of the group (H % P == 0, Hl = H/P heads per rank, all E
+experts of a head on that rank). The token projection and the output projection stay data parallel;
+the sub-tokens of every rank's tokens travel to the rank of their heads *before* routing:
+
+    z_TQ   = linear(x_TD, w_in)                                    # every head, this rank's T tokens
+    z_RQl  = wait(equal_all_to_all(z_TQ.view(T, P, Ql).transpose(0, 1), "hp_dispatch"))
+                                                                   # R = P*T tokens, this rank's Hl heads
+    ... the canonical per-head region with Hl heads: routers, top-k, K-fold duplication, grouping,
+        grouped expert FFN over Hl*E local experts, weighted sum  → y_Gh [R*Hl, h] ...
+    y_TQ   = wait(equal_all_to_all(y_Gh.view(P, T, Ql), "hp_combine")).transpose(0, 1).reshape(T, Q)
+    out_TD = linear(y_TQ, w_out)
+
+So each rank sends T·Q·(P−1)/P elements per direction whatever K is, every pair exchanges exactly
+T·Ql (balanced: no count exchange, no host sync, static shapes, deterministic); routing and the K-fold
+duplication happen after the exchange, on the rank that owns the experts.
+
+Parameters: the routers [H, E, h] and experts [H*E, ...] (head-major) are DTensors (Replicate(),
+Shard(0)) on the ("dp", "ep") mesh — each rank its heads' rows, original names and full shapes —; the
+aux-loss-free selection bias [H, E] is a DTensor buffer sharded the same way (each rank updates its
+heads' rows, from all P*T tokens: the global-batch update). `w_in` / `w_out` are replicated.
+
+Gradient convention (DDP's): a head's router and expert gradients sum every rank's tokens, so
+`grad_scale` divides them by P at their reads (the gradient of the mean of the ranks' losses); w_in /
+w_out hold each rank's local gradient, averaged by DDP or `all_reduce_replicated_grads`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from moepass import canonical
+from moepass.canonical import GraphBuilder, MoEGraphModule
+from moepass.errors import PlanError
+from moepass.passes import Effects, PassResult
+from moepass.plan import Plan
+from moepass.rewrite.exchange import grad_scale
+from moepass.rewrite.experts import ExpertLayout, as_dtensor, local_shard, shard_experts
+from moepass.runtime import collectives as comm
+from moepass.runtime.topology import ep_groups
+
+PASS = "hp"
+
+
+@dataclass
+class HPLayout(ExpertLayout):
+    """HP's layout: this rank computes heads [first_head, first_head + local_heads) (experts and routers)."""
+
+    heads: int = 0
+    local_heads: int = 0
+    first_head: int = 0
+
+    def describe(self, gm: nn.Module) -> list[str]:
+        last = self.first_head + self.local_heads - 1
+        return [*super().describe(gm), f"heads {self.first_head}..{last} of {self.heads} on this rank (routers, "
+                f"selection bias and experts of those heads)"]
+
+
+def tokens_to_heads(z_TQ: torch.Tensor, peers: int) -> torch.Tensor:
+    """[T, Q] -> [P*T, Q/P]: block p holds this rank's tokens' sub-tokens for peer p's heads."""
+    T, Q = z_TQ.shape
+    return z_TQ.view(T, peers, Q // peers).transpose(0, 1).reshape(peers * T, Q // peers)
+
+
+def heads_to_tokens(y_RQl: torch.Tensor, peers: int) -> torch.Tensor:
+    """[P*T, Q/P] (block p: peer p's heads of this rank's tokens) -> [T, Q], heads in order."""
+    R, Ql = y_RQl.shape
+    return y_RQl.view(peers, R // peers, Ql).transpose(0, 1).reshape(R // peers, peers * Ql)
+
+
+def _node(graph: fx.Graph, name: str) -> fx.Node:
+    for n in graph.nodes:
+        if n.name == name:
+            return n
+    raise ValueError(f"HP rewrite expects a node {name!r} in the canonical Multi-Head LatentMoE graph")
+
+
+def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
+    """The HP pass: shard the heads over the group, exchange sub-tokens before routing (see module doc)."""
+    spec = gm.spec
+    if spec.heads is None:
+        raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; block {spec.path or '<root>'} has no "
+                        f"heads (the pipeline converts standard blocks first: see moepass.rewrite.latent).")
+    if spec.side_outputs:
+        raise PlanError(f"Plan.form='hp' cannot keep block {spec.path or '<root>'}'s side outputs "
+                        f"{list(spec.side_outputs)} (router logits live on the heads' ranks).")
+    device = next(iter(gm.parameters())).device
+    groups = ep_groups(plan.topology, plan.ep_size, device.type)
+    P, H, h, E = groups.ep_size, spec.heads.num_heads, spec.heads.head_dim, spec.router.num_experts
+    if H % P:
+        raise PlanError(f"Plan.form='hp' is invalid for block {spec.path or '<root>'}: its {H} heads do not split over "
+                        f"{P} ranks; use Plan(heads=...) a multiple of {P} (conversion) or an ep_size dividing {H}.")
+    Hl = H // P
+    layout = HPLayout(num_experts=H * E, groups=groups, shard_dim=0, heads=H, local_heads=Hl,
+                      first_head=groups.ep_rank * Hl)
+    effects = Effects()
+    attrs = shard_experts(gm, spec, layout, PASS, effects)
+    for source, kind in ((spec.router.weight, "parameter"), (spec.router.selection_bias, "buffer")):
+        if source is None:
+            continue
+        path = source.paths[0]
+        full = gm.get_parameter(path) if kind == "parameter" else gm.get_buffer(path)
+        local = full.detach().chunk(P, 0)[groups.ep_rank].clone()
+        if kind == "parameter":
+            effects.parameters[path] = as_dtensor(local, groups, 0, full.requires_grad)
+            layout.sharded.append(path)
+        else:
+            effects.replaced_buffers[path] = as_dtensor(local, groups, 0, False).detach()
+
+    graph, world, group = gm.graph, groups.world_size, groups.ep_group.group_name
+    b = GraphBuilder(PASS, spec.path)
+    b.graph = graph
+
+    # 1. sub-tokens to the ranks of their heads, before routing
+    z_TQ = _node(graph, "z_TQ")
+    users = list(z_TQ.users)
+    with graph.inserting_after(z_TQ):
+        send = b.fn(tokens_to_heads, z_TQ, P, name="z_send")
+    with graph.inserting_after(send):
+        pending = b.fn(comm.EQUAL_ALL_TO_ALL, send, group, "hp_dispatch", name="hp_dispatch")
+    with graph.inserting_after(pending):
+        z_RQl = b.fn(comm.WAIT, pending, name="z_RQl")
+    for user in users:
+        user.replace_input_with(z_TQ, z_RQl)
+
+    # 2. the per-head region with this rank's heads: local shards, Hl heads, Hl*E experts
+    def local_read(name: str) -> fx.Node:
+        node = next(n for n in graph.nodes if n.op == "get_attr" and n.target == name)
+        with graph.inserting_after(node):
+            shard = b.fn(local_shard, node, name=f"{node.name}_local")
+        node.replace_all_uses_with(shard, delete_user_cb=lambda u: u is not shard)
+        if name in layout.sharded or name in attrs.values():  # weights: the gradient of the ranks' mean
+            with graph.inserting_after(shard):
+                scaled = b.fn(grad_scale, shard, 1.0 / world, name=f"{node.name}_grad_over_W")
+            shard.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+        return shard
+
+    for name in dict.fromkeys([*attrs.values(), *layout.sharded, *effects.replaced_buffers]):
+        local_read(name)
+    z_THh = _node(graph, "z_THh")
+    z_THh.args = (z_THh.args[0], -1, Hl, h)
+    tokens = [n for n in graph.nodes if n.name == "tokens"]
+    for n in tokens:  # rows of the selection bias: one per received token
+        n.args = (z_RQl, 0)
+    ids = _node(graph, "ids_GK")
+    ids.args = (ids.args[0], Hl, E)
+    permute = next(n for n in graph.nodes if n.op == "call_function" and n.target is canonical.dialect.PERMUTE)
+    permute.args = (*permute.args[:2], Hl * E)
+
+    # 3. outputs back to the tokens' ranks, then the data-parallel output projection
+    y_TQ = _node(graph, "y_TQ")
+    y_Gh = y_TQ.args[0]
+    with graph.inserting_before(y_TQ):
+        y_RQl = b.method("reshape", y_Gh, -1, Hl * h, name="y_RQl")
+        back = b.fn(comm.EQUAL_ALL_TO_ALL, y_RQl, group, "hp_combine", name="hp_combine")
+        y_back = b.fn(comm.WAIT, back, name="y_from_heads")
+        y_new = b.fn(heads_to_tokens, y_back, P, name="y_TQ_gathered")
+    y_TQ.replace_all_uses_with(y_new)
+    graph.erase_node(y_TQ)
+
+    gm.form = PASS
+    gm.layout = layout
+    stats = {"heads": H, "local_heads": Hl, "hp_size": P, "dp_size": groups.dp_size, "experts_per_head": E,
+             "exchange_rows_per_peer": "T*Ql (equal)"}
+    return PassResult(gm, changed=True, stats=stats, effects=effects)
+

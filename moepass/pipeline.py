@@ -78,6 +78,9 @@ def convert(spec: MoESpec, block: nn.Module, plan: Plan) -> tuple[MoESpec, nn.Mo
 
 def resolve(spec: MoESpec, plan: Plan) -> tuple[MoESpec, Plan]:
     """The block's plan and spec before any graph exists: packing -> EP degree, the EP capacity."""
+    if spec.heads is not None and plan.form in ("ep", "fsep"):
+        raise PlanError(f"Plan.form={plan.form!r} is not built for block {spec.path or '<root>'}, a Multi-Head "
+                        f"LatentMoE: its parallel form is form='hp' (heads over ranks); or use form='single'.")
     plan = schedule.resolve_packing(spec, plan)  # k experts per device -> ep_size / k EP ranks
     if plan.form in ("ep", "fsep"):
         spec = spec.replace(capacity=ep.ep_capacity(spec, plan))  # capacity per (source rank, expert)

@@ -183,3 +183,12 @@ def test_latent_shape_keeps_active_parameters():
     assert shape.active_after <= shape.active_before < shape.active_after + H * K * 3 * h  # rounded down by < 1 m
     with pytest.raises(moepass.PlanError, match=r"Plan.heads=3 is invalid .* multiple of 2"):
         latent_shape(spec, moepass.Plan(form="hp", heads=3), world=2)
+
+
+def test_ep_on_a_latent_block_is_refused_with_the_form_to_use():
+    import moepass
+    from moepass.pipeline import resolve
+
+    spec = moepass.detect(_model()).blocks[0]
+    with pytest.raises(moepass.PlanError, match=r"Plan.form='ep' is not built for block .* form='hp'"):
+        resolve(spec, moepass.Plan(form="ep"))

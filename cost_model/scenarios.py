@@ -18,10 +18,14 @@ from cost_model.presets import H100, Hardware, for_device
 
 DEFAULT_TOKENS = (8, 1024)  # per device, when a set-up gives no machine-readable batch (stated as an assumption)
 GATED_FAMILIES = ("mixtral", "qwen", "deepseek", "llama")
-PROXY_WIDTH = 2048  # Qwen3-30B-A3B-like width (USERS.md proxy shapes), for set-ups that give no sizes
-PROXY_ACTIVE_FFN = 8192  # K * F kept constant across the top-k / granularity sweep
-PROXY_EXPERTS = 32
-PROXY_LAYERS = 24
+# For set-ups that give no sizes: the Mixtral-8x7B layer of USERS.md's proxy shapes (D 4096, F 14336, E 8,
+# K 2, SwiGLU; 32 layers), swept over top-k at equal active and total parameters (fine-grained experts:
+# granularity g = K/2 splits every expert in g, so E = 8g, F = 14336/g and K*F stays 28672).
+PROXY_WIDTH = 4096
+PROXY_ACTIVE_FFN = 2 * 14336  # K * F kept constant across the top-k / granularity sweep
+PROXY_EXPERTS_PER_K = 4  # E = 4K: 8 experts at K = 2
+PROXY_TOP_K = (2, 4, 8)  # granularity x1, x2, x4
+PROXY_LAYERS = 32
 
 
 @dataclass(frozen=True)
@@ -81,20 +85,21 @@ def _model_variants(model: dict[str, Any], assumptions: list[str]) -> list[dict[
         assumptions.append(f"{mid}: hidden = heads x 128 = {model['hidden']} (head width 128 assumed)")
     if model.get("hidden") is None:
         assumptions.append(
-            f"{mid}: sizes not given: width {PROXY_WIDTH}, {PROXY_LAYERS} layers, K*F = "
-            f"{PROXY_ACTIVE_FFN} (equal active parameters), E = {PROXY_EXPERTS} x granularity"
+            f"{mid}: sizes not given: Mixtral-8x7B-like layer (USERS.md proxy shapes: D {PROXY_WIDTH}, SwiGLU, "
+            f"{PROXY_LAYERS} layers) at top-k {', '.join(map(str, PROXY_TOP_K))} with fine-grained experts: "
+            f"E = {PROXY_EXPERTS_PER_K}K, F = {PROXY_ACTIVE_FFN}/K (equal active and total parameters)"
         )
         return [
             {
-                "id": f"{mid}[k{k}g{g}]",
+                "id": f"{mid}[K={k},E={PROXY_EXPERTS_PER_K * k}]",
                 "hidden": PROXY_WIDTH,
-                "ffn_hidden": PROXY_ACTIVE_FFN // (k * g),
-                "experts": PROXY_EXPERTS * g,
-                "top_k": k * g,
+                "ffn_hidden": PROXY_ACTIVE_FFN // k,
+                "experts": PROXY_EXPERTS_PER_K * k,
+                "top_k": k,
                 "layers": PROXY_LAYERS,
+                "activation": "swiglu",
             }
-            for k in (2, 4, 8)
-            for g in (1, 2)
+            for k in PROXY_TOP_K
         ]
     if model.get("ffn_hidden") is None:
         model = {**model, "ffn_hidden": 4 * model["hidden"]}

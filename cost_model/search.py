@@ -2,11 +2,12 @@
 
 Candidates: no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
 ep_size in the divisors of W, dropless or a capacity factor, a2a_chunks in powers of two, and expert
-packing, and FSEP over all W ranks with C slots per device (ceil(E/W) .. ceil(E/W) + 2, only where
-W*C >= E) and a2a_chunks. Each is priced per step on the busiest rank as compute + exposed all-to-all +
-exposed other communication (EP: the expert-gradient all-reduce over the data-parallel replicas; FSEP:
-the restore and the gradient slices back), with the memory per rank. HP and locality routing are
-listed as not modelled yet.
+packing, FSEP over all W ranks with C slots per device (ceil(E/W) .. ceil(E/W) + 2, only where
+W*C >= E) and a2a_chunks, and HP over every divisor P > 1 of W. Each is priced per step on the busiest
+rank as compute + exposed all-to-all + exposed other communication (EP: the expert-gradient
+all-reduce over the data-parallel replicas; FSEP: the restore and the gradient slices back; HP: the
+head and w_in/w_out gradient all-reduces), with the memory per rank. Locality routing is listed as
+not modelled yet.
 
 Routing skew: `imbalance` = max/mean routed rows per rank under EP. EP pays it on the busiest rank
 (every EP candidate at the same rho). FSEP is priced on the model the runtime uses: [W, E] counts whose
@@ -19,8 +20,17 @@ Packing P hosts P times the experts of plain EP on each device: the experts span
 replicated P times, which in this model is the same as ep_size = ep/P. Equivalent candidates are
 priced once (the plain form is kept) unless the caller restricts `ep_sizes`.
 
-Capacity factors are math-changing for a dropless model (tokens can be dropped): they are ranked
-and shown, but `best` skips them unless `allow_math_changes=True`.
+HP is an architecture change (DESIGN.md: math-changing forms happen only when the plan names them): the
+standard block becomes the Multi-Head LatentMoE `moepass.rewrite.latent.latent_shape` converts it to
+(equal active parameters; H = Plan.heads, else the least multiple of P that is >= 4; h = D/H), priced by
+`cost_model.hp.hp_layer`. Its exchange is T*Q*(P-1)/P elements per rank per direction whatever K, and a
+rank's expert rows are T*H*K whatever the routing (`imbalance` does not slow it). A P for which no shape
+fits (heads not a multiple of P, projections larger than the active parameters, shared experts,
+capacity) is skipped and said in the table.
+
+Capacity factors are math-changing for a dropless model (tokens can be dropped), HP always: they are
+ranked and shown (HP's best also below the table), but `best` skips them unless
+`allow_math_changes=True`; `Plan(form="auto")` never sets it.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import numpy as np
 import sympy
 
 from cost_model import fsep as fsep_formulas
+from cost_model import hp as hp_formulas
 from cost_model import symbols as S
 from cost_model.ep import LayerTerms, ep_layer, matmuls, zipf_counts, zipf_for_imbalance
 from cost_model.presets import Hardware, resolve_hardware
@@ -44,9 +55,9 @@ CAPACITY_FACTORS: tuple[float | None, ...] = (None, 1.0, 1.25, 2.0)
 PACKINGS = (1, 2, 4)
 SLOT_RANGE = 3  # FSEP: C = ceil(E/W) .. ceil(E/W) + SLOT_RANGE - 1
 NOT_MODELLED = {
-    "hp": "Head Parallel (Multi-Head LatentMoE): not modelled yet",
     "locality": "locality routing (LocMoE): not modelled yet",
 }
+HP_CHANGE = "changes the model: Multi-Head LatentMoE"
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,7 @@ class Candidate:
     notes: tuple[str, ...] = ()
     slots: int | None = None  # FSEP: expert slots per device (C)
     routing: tuple[Routed, ...] = ()  # FSEP: per block
+    latent: tuple[Any, ...] = ()  # HP: per block, the `moepass.rewrite.latent.LatentShape` it converts to
 
     @property
     def step(self) -> float:
@@ -104,6 +116,8 @@ class Candidate:
             return "single"
         if self.form == "fsep":
             return f"fsep C={self.slots} n={self.a2a_chunks}"
+        if self.form == "hp":
+            return f"hp={self.ep_size} H={self.latent[0].heads} h={self.latent[0].head_dim}"
         cf = "dropless" if self.capacity_factor is None else f"cf={self.capacity_factor:g}"
         pack = f" P={self.packing}" if self.packing > 1 else ""
         return f"ep={self.ep_size}{pack} {cf} n={self.a2a_chunks}"
@@ -119,6 +133,17 @@ class Candidate:
                 "slots_per_device": self.slots,
                 "capacity_factor": None,
                 "a2a_chunks": self.a2a_chunks,
+                "packing": 1,
+            }
+        if self.form == "hp":  # one Plan.heads for every block; head_dim where they share it (else D/H each)
+            dims = {shape.head_dim for shape in self.latent}
+            return {
+                "form": "hp",
+                "ep_size": self.ep_size,
+                "heads": self.latent[0].heads,
+                "head_dim": dims.pop() if len(dims) == 1 else None,
+                "capacity_factor": None,
+                "a2a_chunks": 1,
                 "packing": 1,
             }
         return {
@@ -156,6 +181,9 @@ class SearchResult:
     def _expressions(self) -> tuple[sympy.Expr, sympy.Expr]:
         if self.best.form == "fsep":
             return _fsep_expressions(self.best, self.shapes, self.hardware, self.ranks_per_node)
+        if self.best.form == "hp":
+            return _hp_expressions(self.best, self.shapes, self.hardware, self.world_size, self.nodes,
+                                   self.ranks_per_node)
         return _winner_expressions(
             self.best, self.shapes, self.hardware, self.world_size, self.nodes, self.ranks_per_node, self.imbalance
         )
@@ -211,6 +239,12 @@ class SearchResult:
             lines.append("no eligible plan: every candidate exceeds device memory or changes the math")
         if self.expression_substituted is not None:
             lines.append(f"best step time [s] = {self.expression_substituted}")
+        hp = next((i for i, c in enumerate(self.ranked, 1) if c.form == "hp"), None)
+        if hp is not None:
+            c = self.ranked[hp - 1]
+            lines.append(f"hp: changes the model: {c.latent[0].summary()}; best {c.label}: {_ms(c.step)} ms/step, "
+                         f"#{hp} of {len(self.ranked)}"
+                         + ("" if self.allow_math_changes else "; never picked unless math changes are allowed"))
         lines += [f"{form}: {why}" for form, why in self.not_modelled.items()]
         return "\n".join(lines)
 
@@ -293,6 +327,9 @@ def search(
     allow_math_changes: bool = False,
     recompute: bool | None = None,
     slots: Iterable[int] | None = None,
+    hp_sizes: Iterable[int] | None = None,
+    heads: int | None = None,
+    head_dim: int | None = None,
 ) -> SearchResult:
     """Ranked plans for `specs_or_model` on `topology` with `batch` = (batch, seq) tokens per rank.
 
@@ -302,12 +339,16 @@ def search(
     gate/up (`Plan.expert_recompute`); None: the hardware's figure (`Hardware.recompute`: the kernel's
     default there). `slots`: FSEP's slots per device C to price (those with W*C < E are skipped); None:
     ceil(E/W) .. ceil(E/W) + 2, or none when `ep_sizes` restricts the search to EP degrees; () : no FSEP.
+    `hp_sizes`: HP degrees P to price (divisors of W > 1); None: every one, or none when `ep_sizes`
+    restricts the search; (): no HP. `heads`, `head_dim`: the Multi-Head LatentMoE's (`Plan.heads`,
+    `Plan.head_dim`); None: `moepass.rewrite.latent`'s defaults for each P.
     """
     nodes, per_node = topology_of(topology)
     W = world_size or nodes * per_node
     T = int(batch[0]) * int(batch[1])
     hw = hardware_of(profile)
-    shapes = [s if isinstance(s, BlockShape) else BlockShape.of(s, T) for s in specs_of(specs_or_model)]
+    blocks = specs_of(specs_or_model)
+    shapes = [s if isinstance(s, BlockShape) else BlockShape.of(s, T) for s in blocks]
     if not shapes:
         raise ValueError("search got no MoE blocks: nothing to plan")
     restricted = ep_sizes is not None
@@ -368,6 +409,16 @@ def search(
             routing = tuple(_routed(shape, hw, T, W, per_node, C, imbalance, recompute) for shape in shapes)
             for n in chunks:
                 cands.append(_fsep_candidate(shapes, routing, hw, T, W, per_node, C, n, recompute))
+    wanted_hp = [d for d in divisors(W) if d > 1] if hp_sizes is None and not restricted else (hp_sizes or ())
+    skipped = []
+    for P in sorted(set(wanted_hp)):
+        hp = _hp_candidate(blocks, shapes, hw, T, W, nodes, per_node, P, heads, head_dim, recompute)
+        if isinstance(hp, str):
+            skipped.append(hp)
+        else:
+            cands.append(hp)
+    if skipped:
+        not_modelled["hp"] = "not priced: " + "; ".join(skipped)
     ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow_math_changes, c.step))
     return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance, not_modelled)
 
@@ -418,6 +469,58 @@ def _fsep_candidate(shapes: list[BlockShape], routing: tuple[Routed, ...], hw: H
     return Candidate("fsep", W, None, n, 1, total, feasible, False, tuple(notes), slots=C, routing=routing)
 
 
+def _latent_input(block: Any, shape: BlockShape) -> Any:
+    """The MoESpec `moepass.rewrite.latent.latent_shape` converts: the block's own, or one built from a bare
+    BlockShape (swiglu when gated, gelu otherwise; a capacity factor is refused, as the conversion does)."""
+    from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, TensorSource
+
+    if not isinstance(block, BlockShape):
+        return block
+    gated = shape.m == 3
+    return MoESpec(
+        path="block", recogniser="cost_model", router=RouterSpec(num_experts=shape.E, top_k=shape.K),
+        experts=ExpertsSpec(num_experts=shape.E, hidden_dim=shape.D, ffn_dim=shape.F,
+                            activation="swiglu" if gated else "gelu",
+                            w_up=TensorSource.param("experts.w_up") if gated else None),
+        capacity=None if shape.cf is None else CapacitySpec(capacity_factor=shape.cf),
+    )
+
+
+def _hp_figures(shape: BlockShape, latent: Any, hw: Hardware, T: Any, G: int,
+                recompute: bool | None) -> dict[str, Any]:
+    """`_figures` for the Multi-Head LatentMoE a block converts to: H, h, E per head, F its experts' width."""
+    return {**_figures(shape, hw, T, G, 1.0, None, recompute), "H": latent.heads, "h": latent.head_dim,
+            "E": latent.experts, "F": latent.ffn_dim}
+
+
+def _hp_candidate(blocks: list[Any], shapes: list[BlockShape], hw: Hardware, T: int, W: int, nodes: int, G: int,
+                  P: int, heads: int | None, head_dim: int | None, recompute: bool | None) -> Candidate | str:
+    """HP over P ranks for every block (each converted at equal active parameters), or why not."""
+    from moepass.errors import PlanError
+    from moepass.plan import Plan
+    from moepass.rewrite.latent import latent_shape
+
+    if W % P or P < 2:
+        return f"P={P} is not a divisor > 1 of the {W} ranks"
+    try:
+        plan = Plan(form="hp", heads=heads, head_dim=head_dim, ep_size=P)
+        latent = tuple(latent_shape(_latent_input(b, s), plan, P) for b, s in zip(blocks, shapes))
+    except PlanError as err:
+        return f"P={P}: {err}"
+    total: LayerTerms | None = None
+    for shape, lat in zip(shapes, latent):
+        terms = hp_formulas.hp_layer(_hp_figures(shape, lat, hw, T, G, recompute), ep=P, dp=W // P,
+                                     cross_node=nodes > 1)
+        total = terms if total is None else total + terms
+    assert total is not None
+    notes = []
+    feasible = float(total.memory) <= float(hw.memory)
+    if not feasible:
+        notes.append(f"needs {float(total.memory) / 1e9:.3g} GB > {float(hw.memory) / 1e9:.3g} GB")
+    notes.append(f"{HP_CHANGE} (active params/token {latent[0].active_before:,} -> {latent[0].active_after:,})")
+    return Candidate("hp", P, None, 1, 1, total, feasible, True, tuple(notes), latent=latent)
+
+
 def _winner_expressions(
     best: Candidate, shapes: list[BlockShape], hw: Hardware, W: int, nodes: int, G: int, rho: float
 ) -> tuple[sympy.Expr, sympy.Expr]:
@@ -454,6 +557,22 @@ def _fsep_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, G
     substituted = sympy.Integer(0)
     for shape, r in zip(shapes, best.routing):
         substituted += formula({**_fsep_figures(shape, hw, 0, G, None), "T": S.T}, r, r.rho)
+    return generic, sympy.simplify(substituted).evalf(4)
+
+
+def _hp_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, W: int, nodes: int,
+                    G: int) -> tuple[sympy.Expr, sympy.Expr]:
+    """An HP winner's time per layer in symbols (H, h, E per head, F the latent experts' width), and its
+    step time with every figure substituted but T."""
+    P = best.ep_size
+
+    def formula(x: dict[str, Any]) -> sympy.Expr:
+        return sympy.sympify(hp_formulas.hp_layer(x, ep=P, dp=W // P, cross_node=nodes > 1).step)
+
+    generic = formula(_symbols())
+    substituted = sympy.Integer(0)
+    for shape, latent in zip(shapes, best.latent):
+        substituted += formula({**_hp_figures(shape, latent, hw, 0, G, None), "T": S.T})
     return generic, sympy.simplify(substituted).evalf(4)
 
 

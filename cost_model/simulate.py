@@ -14,13 +14,21 @@ Three layouts, three formulas:
 - FSEP (form "fsep", LAER-MoE): the planner (`moepass.runtime.placement`) picks C experts per device
   from the routed counts; tokens follow lite routing over all W ranks; per layer a restore
   all_to_all of C*S/W elements per pair before the forward and the backward, and the gradient slices
-  back (`cost_model.fsep`), prefetched `depth` layers ahead and issued after the token all-to-all. Imbalance comes from the
-scenario's token distribution: a recorded [src rank, expert] count matrix (`routing.counts`), a Zipf
+  back (`cost_model.fsep`), prefetched `depth` layers ahead and issued after the token all-to-all.
+- HP (form "hp", Multi-Head LatentMoE): every EP case converted at equal active parameters
+  (`moepass.rewrite.latent.latent_shape`; the scenario's heads / head_dim if given), heads over all W
+  ranks; per layer w_in, the equal dispatch (T*Q*(W-1)/W elements per rank, whatever K), routing and
+  the T*H*K expert rows, the equal combine, w_out, each waiting for the one before (`cost_model.hp`);
+  the head gradients all-reduced over their replicas, w_in/w_out with the dense ones over W.
+
+Imbalance (EP, FSEP) comes from the scenario's token distribution: a recorded [src rank, expert] count matrix (`routing.counts`), a Zipf
 parameter (`routing.zipf_s`), or a target max/mean (`routing.max_mean`, or a figure read from the
 routing note), turned into counts and priced exactly with `cost_model.ep.exact_a2a`.
 
 Null figures are filled from presets and every fill is reported; shapes a set-up does not give are
-filled with stated assumptions. HP and locality routing are listed as not modelled yet.
+filled with stated assumptions. Every prediction reports the token all-to-all bytes one rank sends per
+step (the busiest one; dispatch and combine, forward and backward). Locality routing is listed as not
+modelled yet.
 
     python -m cost_model.simulate ../shared/scenarios/lina_priority.json [--json out.json]
 """
@@ -40,6 +48,7 @@ import numpy as np
 
 from cost_model import ep as ep_formulas
 from cost_model import fsep as fsep_formulas
+from cost_model import hp as hp_formulas
 from cost_model.presets import Hardware
 from cost_model.scenarios import Case, cases
 from cost_model.search import NOT_MODELLED, search
@@ -47,7 +56,7 @@ from cost_model.timeline import Timeline
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "scenarios"
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
-MODELLED_FORMS = ("ep", "fsep")
+MODELLED_FORMS = ("ep", "fsep", "hp")
 
 
 # ---- what one system on one case predicts ---------------------------------------------------------
@@ -77,7 +86,8 @@ class SimResult:
         lines = [f"== {self.scenario}"]
         lines += [f"  filled {k}: {v}" for k, v in self.filled.items()]
         lines += [f"  assumed: {a}" for a in self.assumptions]
-        head = ("system", "case", "plan", "step ms", "expert", "dense", "exposed a2a", "other comm", "mem GB")
+        head = ("system", "case", "plan", "step ms", "expert", "dense", "exposed a2a", "other comm", "a2a GB",
+                "mem GB")
         rows = [head]
         skipped = []
         for p in self.predictions:
@@ -96,6 +106,7 @@ class SimResult:
                     _ms(b["dense_compute"]),
                     _ms(b["exposed_a2a"]),
                     _ms(b["exposed_other"]),
+                    f"{b['token_a2a_bytes'] / 1e9:.4g}",
                     f"{p.memory_gb:.3g}",
                 )
             )
@@ -143,6 +154,21 @@ class ParamTraffic:
     dense: bool = False
 
 
+def _allreduce(tl: Timeline, name: str, nbytes: float, dp: int, B: float, alpha: float, bucket_bytes: float,
+               deps: list[int]) -> None:
+    """A gradient all-reduce on the "other" stream, in DDP's buckets of `bucket_bytes` (none over one rank)."""
+    if dp == 1 or nbytes <= 0:
+        return
+    pieces = max(1, math.ceil(nbytes / bucket_bytes))
+    for j in range(pieces):
+        tl.add("other", f"{name}.ar{j}", ep_formulas.allreduce_time(nbytes / pieces, dp, B, alpha), deps)
+
+
+def _dense_flops(case: Case) -> float:
+    """Forward FLOPs of a layer's dense part: the attention projections (4 D x D) and scores (seq x D)."""
+    return 2 * 4 * case.D**2 * case.tokens + (2 * case.seq * case.D * case.tokens if case.seq else 0)
+
+
 def _layer_timeline(
     tl: Timeline,
     case: Case,
@@ -177,18 +203,13 @@ def _layer_timeline(
     rows_max = float(dispatch.computed_rows.max())
     rate = v["R"] * v["eta"]
     expert_fwd = ep_formulas.expert_flops(rows_max, case.D, case.F, m) / rate
-    dense_flops = 2 * 4 * case.D**2 * case.tokens + (2 * case.seq * case.D * case.tokens if case.seq else 0)
-    dense_fwd = dense_flops / rate
+    dense_fwd = _dense_flops(case) / rate
     ar_bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
     expert_grad = ep_formulas.expert_params(case.E, case.D, case.F, m) / ep * v["b_g"]
     dense_grad = 4 * case.D**2 * v["b_g"]
 
     def allreduce(name: str, nbytes: float, dp: int, deps: list[int]) -> None:
-        if dp == 1 or nbytes <= 0:
-            return
-        pieces = max(1, math.ceil(nbytes / bucket_bytes))
-        for j in range(pieces):
-            tl.add("other", f"{name}.ar{j}", ep_formulas.allreduce_time(nbytes / pieces, dp, ar_bw, v["alpha"]), deps)
+        _allreduce(tl, name, nbytes, dp, ar_bw, v["alpha"], bucket_bytes, deps)
 
     def moe(prefix: str, compute: float, after: int, weights: list[int]) -> list[int]:
         """Chunked dispatch -> expert compute -> combine; issue order d1 d2 c1 d3 c2 ... (schedule.py).
@@ -243,9 +264,11 @@ def _layer_timeline(
     memory = case.layers * (
         ep_formulas.memory_per_rank(case.E, ep, case.D, case.F, m, v["s"], rows_max, v["b"]) + 4 * case.D**2 * v["s"]
     )
+    busiest = float((dispatch.sent + dispatch.transposed().sent).max()) if ep > 1 else 0.0  # dispatch + combine
     return {
         "expert_fwd": expert_fwd,
         "dense_fwd": dense_fwd,
+        "token_a2a_bytes": case.layers * 2 * busiest,  # forward and backward
         "a2a": a2a_full,
         "rows_max": rows_max,
         "imbalance": rows_max / (case.tokens * case.K),
@@ -285,6 +308,7 @@ def predict(
         "other_busy": b["other_busy"],
         "max_a2a_wait": b["max_a2a_wait"],
         "imbalance": figures["imbalance"],
+        "token_a2a_bytes": figures["token_a2a_bytes"],
     }
     return tl.step, breakdown, figures["memory"]
 
@@ -338,8 +362,13 @@ def _predict_system(
     form = system.get("form", "?")
     if form not in MODELLED_FORMS:
         return Prediction(system["id"], case.label, form, modelled=False)
-    counts = _counts(sc.get("routing") or {}, system, case, assumptions)
     notes: list[str] = []
+    if form == "hp":
+        step, breakdown, memory, plan = _predict_hp(case, hw, sc, assumptions)
+        notes.append(f"{system['id']}: changes the model: Multi-Head LatentMoE at the EP case's active parameters; "
+                     f"expert time includes w_in, w_out and the per-head routers")
+        return _prediction(system, case, hw, form, step, breakdown, memory, plan, notes, who=f"{system['id']} on ")
+    counts = _counts(sc.get("routing") or {}, system, case, assumptions)
     if form == "fsep":
         step, breakdown, memory, plan = _predict_fsep(system, case, hw, sc, counts, assumptions)
         notes.append(f"{system['id']}: FSEP, planner table priced on the scenario's routing"
@@ -363,9 +392,15 @@ def _predict_system(
             plan = {"ep": case.ep, "chunks": 1, "sched": "fair"}
     if form == "ep" and case.ep < case.nodes * case.per_node:
         notes.append(f"EP {case.ep} with data parallel {case.nodes * case.per_node // case.ep} for the experts")
+    return _prediction(system, case, hw, form, step, breakdown, memory, plan, notes)
+
+
+def _prediction(system: dict[str, Any], case: Case, hw: Hardware, form: str, step: float, breakdown: dict[str, float],
+                memory: float, plan: dict[str, Any], notes: list[str], who: str = "") -> Prediction:
+    """One modelled prediction, with a note when its memory exceeds the device's."""
     if memory > float(hw.memory):
         notes.append(
-            f"{case.label}: {memory / 1e9:.3g} GB/rank exceeds {float(hw.memory) / 1e9:.3g} GB "
+            f"{who}{case.label}: {memory / 1e9:.3g} GB/rank exceeds {float(hw.memory) / 1e9:.3g} GB "
             "(the real systems shard further: TP/FSDP are not modelled)"
         )
     return Prediction(system["id"], case.label, form, True, step, breakdown, memory / 1e9, plan, notes)
@@ -421,17 +456,13 @@ def _predict_fsep(system: dict[str, Any], case: Case, hw: Hardware, sc: dict[str
     experts are restored before its forward and its backward and their gradient slices sent back
     (`cost_model.fsep.restore_time`, one all_to_all each), `depth` layers ahead, after the token
     all-to-all (priority)."""
-    from moepass.runtime.placement import PlannerConfig, device_rows, lite_route_counts, plan
-
     v = hw.values()
     W, m = case.nodes * case.per_node, ep_formulas.matmuls(case.gated)
     C = _slots(sc, case, assumptions)
     depth = _prefetch_depth(system)
-    counts_WE = _integer_rows(counts_SE[np.arange(W) % len(counts_SE)])
-    config = PlannerConfig.from_hardware(hw, E=case.E, W=W, C=C, ranks_per_node=case.per_node, D=case.D, F=case.F,
-                                         gated=case.gated)
-    decision = plan(counts_WE * config.history, config)  # the same routing on each step of its history
-    rows_SR = device_rows(lite_route_counts(counts_WE, decision.table), C).numpy()
+    routed = fsep_formulas.planned_routing(counts_SE[np.arange(W) % len(counts_SE)], hw, C=C,
+                                           ranks_per_node=case.per_node, D=case.D, F=case.F, gated=case.gated)
+    decision, rows_SR = routed.decision, routed.rows_SR
     S_e = fsep_formulas.expert_elements(case.D, case.F, m)
 
     def restore(b: float) -> float:
@@ -445,6 +476,80 @@ def _predict_fsep(system: dict[str, Any], case: Case, hw: Hardware, sc: dict[str
     return step, breakdown, memory, {"slots": C, "table": decision.candidate, "max_mean": round(decision.max_over_mean, 3),
                                      "ep_max_mean": round(decision.ep_max_over_mean, 3), "prefetch": depth,
                                      "sched": "priority"}
+
+
+# ---- head parallel: the Multi-Head LatentMoE of a case --------------------------------------------------
+
+
+def _predict_hp(case: Case, hw: Hardware, sc: dict[str, Any],
+                assumptions: list[str]) -> tuple[float, dict[str, float], float, dict[str, Any]]:
+    """HP: the case's block converted to a Multi-Head LatentMoE of equal active parameters (the scenario's
+    HP model gives heads / head_dim, or `moepass.rewrite.latent`'s defaults), heads over all W ranks. Per
+    layer, forward: dense part, w_in, dispatch, routing + experts, combine, w_out, each waiting for the one
+    before (the rewrite waits for each exchange; nothing is chunked); the backward mirrors it at twice the
+    compute. The head gradients are all-reduced over their W/P replicas (none at P = W), w_in/w_out with
+    the dense gradients over all W (DDP buckets)."""
+    from moepass.plan import Plan
+    from moepass.rewrite.latent import latent_shape
+
+    v = hw.values()
+    W = P = case.nodes * case.per_node
+    G, m, rate = case.per_node, ep_formulas.matmuls(case.gated), v["R"] * v["eta"]
+    model: dict[str, Any] = next((x for x in sc.get("models") or [] if x.get("form") == "hp"), {})
+    shape = latent_shape(_case_spec(case), Plan(form="hp", heads=model.get("heads"), head_dim=model.get("head_dim"),
+                                                ep_size=P), P)
+    H, h, E, K, F = shape.heads, shape.head_dim, shape.experts, shape.top_k, shape.ffn_dim
+    text = (f"{model.get('id', 'hp')}: sizes not given: each EP case converted to a Multi-Head LatentMoE of equal "
+            f"active parameters (moepass.rewrite.latent: H = {H} heads of h = D/H, the case's E per head and top-k), "
+            f"head parallel over all W ranks")
+    if model.get("heads") is None and text not in assumptions:
+        assumptions.append(text)
+    T = case.tokens
+    proj_fwd = 2 * T * case.D * H * h / rate  # w_in, and again w_out
+    expert_fwd = float(hp_formulas.layer_flops(T, case.D, H, h, E, K, F, m)) / rate - 2 * proj_fwd  # routing + experts
+    dense_fwd = _dense_flops(case) / rate
+    intra, inter = hp_formulas.exchange_bytes(T, H, h, P, G, v["b"])
+    exchange = float(ep_formulas.a2a_time(intra, inter, v["B_intra"], v["B_inter"], v["alpha"])) if P > 1 else 0.0
+    ar_bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
+    head_grads = float(hp_formulas.head_params_per_rank(H, h, E, F, m, P)) * v["b_g"]
+    replicated_grads = (float(hp_formulas.projection_params(case.D, H, h)) + 4 * case.D**2) * v["b_g"]
+
+    tl = Timeline()
+    last = tl.add("compute", "start", 0.0)
+    for layer in range(case.layers):
+        last = tl.add("compute", f"L{layer}.fwd.dense", dense_fwd, [last])
+        for name, work, stream in (("w_in", proj_fwd, "compute"), ("dispatch", exchange, "a2a"),
+                                   ("experts", expert_fwd, "compute"), ("combine", exchange, "a2a"),
+                                   ("w_out", proj_fwd, "compute")):
+            last = tl.add(stream, f"L{layer}.fwd.{name}", work, [last])
+    for layer in reversed(range(case.layers)):
+        for name, work, stream in (("w_out", 2 * proj_fwd, "compute"), ("combine", exchange, "a2a"),
+                                   ("experts", 2 * expert_fwd, "compute"), ("dispatch", exchange, "a2a"),
+                                   ("w_in", 2 * proj_fwd, "compute")):
+            last = tl.add(stream, f"L{layer}.bwd.{name}", work, [last])
+            if name == "experts":
+                _allreduce(tl, f"L{layer}.head_grads", head_grads, W // P, ar_bw, v["alpha"], DDP_BUCKET_BYTES, [last])
+        last = tl.add("compute", f"L{layer}.bwd.dense", 2 * dense_fwd, [last])
+        _allreduce(tl, f"L{layer}.replicated_grads", replicated_grads, W, ar_bw, v["alpha"], DDP_BUCKET_BYTES, [last])
+    tl.run("fair")
+    b = tl.breakdown()
+    dense = case.layers * 3 * dense_fwd
+    breakdown = {
+        "expert_compute": b["compute"] - dense,
+        "dense_compute": dense,
+        "exposed_a2a": b["exposed_a2a"],
+        "exposed_other": b["exposed_other"],
+        "a2a_busy": b["a2a_busy"],
+        "other_busy": b["other_busy"],
+        "max_a2a_wait": b["max_a2a_wait"],
+        "imbalance": 1.0,  # T*H*K rows on every rank whatever the routing
+        "token_a2a_bytes": case.layers * float(hp_formulas.step_bytes(T, H, h, P, v["b"])),
+        "projection_compute": case.layers * 3 * 2 * proj_fwd,
+    }
+    memory = case.layers * (float(hp_formulas.memory_per_rank(T, case.D, H, h, E, K, F, m, P, v["s"], v["b"]))
+                            + 4 * case.D**2 * v["s"])
+    plan = {"hp": P, "heads": H, "head_dim": h, "ffn": F, "sched": "fair"}
+    return tl.step, breakdown, memory, plan
 
 
 def _slots(sc: dict[str, Any], case: Case, assumptions: list[str]) -> int:
@@ -470,24 +575,12 @@ def _prefetch_depth(system: dict[str, Any]) -> int:
     return int(found.group(1)) if found else 2
 
 
-def _integer_rows(counts_SE: np.ndarray) -> np.ndarray:
-    """Counts rounded to integers per row by largest remainder (each row keeps its rounded total; ties: lower
-    expert), for the planner and lite routing, which split whole tokens."""
-    counts = np.asarray(counts_SE, dtype=np.float64)
-    out = np.floor(counts)
-    short = np.rint(counts.sum(axis=1) - out.sum(axis=1)).astype(np.int64)
-    order = np.argsort(-(counts - out), axis=1, kind="stable")
-    for i, k in enumerate(short):
-        out[i, order[i, :k]] += 1
-    return out.astype(np.int64)
-
-
-def _lina_choice(case: Case, hw: Hardware, counts: np.ndarray, system: dict[str, Any]) -> tuple[int, int]:
-    """Chunks and packing the cost model picks for Lina: the plan search restricted to ep = W, dropless."""
+def _case_spec(case: Case) -> Any:
+    """The MoESpec of a case's block (SwiGLU when gated, GELU otherwise), for the search and the HP conversion."""
     from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
     gated = case.gated
-    spec = MoESpec(
+    return MoESpec(
         path="scenario",
         recogniser="scenario",
         router=RouterSpec(num_experts=case.E, top_k=case.K),
@@ -499,6 +592,11 @@ def _lina_choice(case: Case, hw: Hardware, counts: np.ndarray, system: dict[str,
             w_up=TensorSource.param("experts.w_up") if gated else None,
         ),
     )
+
+
+def _lina_choice(case: Case, hw: Hardware, counts: np.ndarray, system: dict[str, Any]) -> tuple[int, int]:
+    """Chunks and packing the cost model picks for Lina: the plan search restricted to ep = W, dropless."""
+    spec = _case_spec(case)
     packings = (1, 2, 4) if system.get("packing") == "auto" else (int(system.get("packing", 1)),)
     result = search(
         [spec] * case.layers,

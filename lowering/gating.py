@@ -9,6 +9,12 @@ logits when the softmax comes after the top-k), add the selection-only bias, kee
 weights, renormalise and scale. Everything the spec fixes (E, K, G, score function, dtypes, scaling,
 block size) is a literal in the generated source, so a spec with no groups has no group code at all.
 
+Selection bias: `[E]` (every token the same) or `[T, E]` (one row per token: the per-head biases of a
+Multi-Head LatentMoE repeated over its sub-tokens). The kernel reads row t of the bias at
+`bias_ptr + t * bias_row_stride`, so `[E]` is the stride-0 case of the same code: one source and, as
+`bias_row_stride` is never specialised (`do_not_specialize`), one compiled kernel for both layouts --
+the one `GPU_BUILDS` builds. The bias rank is therefore not part of `GatingSpec`.
+
 Precision: the kernel computes in fp32 and rounds to the logits' (or the choice's) dtype at exactly
 the points where `moepass.dialect.route_ref` (which computes in the logits' dtype) rounds, so the
 selected experts agree with the reference for fp16/bf16 logits too.
@@ -60,11 +66,12 @@ class GatingSpec:
     bias_dtype: torch.dtype | None
 
     @classmethod
-    def from_args(cls, logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group,
+    def from_args(cls, logits_TE, selection_bias, score_func, softmax_before_topk, top_k, renormalize, n_group,
                   topk_group, group_score, scaling) -> GatingSpec:
+        """The spec of these `moe.route` arguments; `selection_bias` is `[E]`, `[T, E]` or None."""
         return cls(int(logits_TE.shape[1]), int(top_k), score_func, bool(softmax_before_topk), bool(renormalize),
                    int(n_group), int(topk_group), group_score, float(scaling), logits_TE.dtype,
-                   None if selection_bias_E is None else selection_bias_E.dtype)
+                   None if selection_bias is None else selection_bias.dtype)
 
     @property
     def softmax_after(self) -> bool:
@@ -103,13 +110,14 @@ import triton.language as tl
 
 $HELPERS
 
-@triton.jit
+@triton.jit(do_not_specialize=["bias_row_stride"])  # stride 0 and E: one compiled kernel
 def route_kernel(
-    logits_ptr,   # [T, $E] $LOGITS_DTYPE
-    bias_ptr,     # [$E] selection-only bias, $BIAS_DTYPE (None: not read)
-    weights_ptr,  # [T, $K] $LOGITS_DTYPE out
-    experts_ptr,  # [T, $K] int64 out
-    T,            # tokens
+    logits_ptr,       # [T, $E] $LOGITS_DTYPE
+    bias_ptr,         # [$E] or [T, $E] selection-only bias, $BIAS_DTYPE (None: not read)
+    bias_row_stride,  # elements between bias rows: 0 for [$E], the row stride for [T, $E]
+    weights_ptr,      # [T, $K] $LOGITS_DTYPE out
+    experts_ptr,      # [T, $K] int64 out
+    T,                # tokens
     BLOCK_T: tl.constexpr,
 ):
     NEG = float("-inf")
@@ -144,15 +152,16 @@ $WEIGHT_STAGES
     tl.store(experts_ptr + out_offsets_BK, experts_BK.to(tl.int64), mask=out_ok_BK)
 
 
-def launch(logits_TE, bias_E, weights_TK, experts_TK):
+def launch(logits_TE, bias, bias_row_stride, weights_TK, experts_TK):
     T = logits_TE.shape[0]
-    route_kernel[(triton.cdiv(T, $BLOCK_T),)](logits_TE, bias_E, weights_TK, experts_TK, T,
+    route_kernel[(triton.cdiv(T, $BLOCK_T),)](logits_TE, bias, bias_row_stride, weights_TK, experts_TK, T,
                                               BLOCK_T=$BLOCK_T, num_warps=$NUM_WARPS)
 
 
+# One build serves an [E] bias (stride 0) and a [T, E] bias alike: bias_row_stride is never specialised.
 GPU_BUILDS = [dict(kernel="route_kernel", num_warps=$NUM_WARPS, constexprs=dict(BLOCK_T=$BLOCK_T),
-                   signature=dict(logits_ptr="*$LOGITS_SIG", bias_ptr="*$BIAS_SIG", weights_ptr="*$LOGITS_SIG",
-                                  experts_ptr="*i64", T="i32"))]
+                   signature=dict(logits_ptr="*$LOGITS_SIG", bias_ptr="*$BIAS_SIG", bias_row_stride="i32",
+                                  weights_ptr="*$LOGITS_SIG", experts_ptr="*i64", T="i32"))]
 '''
 
 _SCORE = {
@@ -169,9 +178,11 @@ _SCORE = {
     source_BC = logits_BC''',
 }
 
-_BIAS = '''    # selection-only bias: it picks the experts, the weights come from the unbiased scores
-    bias_C = tl.load(bias_ptr + cols_C, mask=col_ok_C, other=0.0).to(tl.float32)
-    choice_BC = round_c(scores_BC + bias_C[None, :])'''
+_BIAS = '''    # selection-only bias (row t at t * bias_row_stride; stride 0: one [E] row for every token);
+    # it picks the experts, the weights come from the unbiased scores
+    bias_offsets_BC = rows64_B[:, None] * bias_row_stride + cols_C[None, :]
+    bias_BC = tl.load(bias_ptr + bias_offsets_BC, mask=ok_BC, other=0.0).to(tl.float32)
+    choice_BC = round_c(scores_BC + bias_BC)'''
 
 _GROUPS = '''    # group-limited selection: $G groups of $X experts, keep the best $TOPK_GROUP groups
     group_C = cols_C // $X
@@ -256,7 +267,7 @@ def kernel_module(*route_args):
 # ----------------------------------------------------------------------------------------------
 
 
-def eligible(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
+def eligible(logits_TE, selection_bias, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
              group_score, scaling) -> str | None:
     """None if the generated kernel can run `moe.route` on these arguments, else the reason."""
     if logits_TE.dim() != 2:
@@ -272,35 +283,43 @@ def eligible(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k
         return f"unknown score_func={score_func!r} or group_score={group_score!r}"
     if n_group > 1 and (E % n_group or not 1 <= topk_group <= n_group):
         return f"n_group={n_group} must divide E={E} and topk_group={topk_group} lie in [1, n_group]"
-    if selection_bias_E is not None:
-        if selection_bias_E.dim() == 2:  # legal for moe.route (one row per token), not built into the kernel
-            return (f"a per-token selection bias {tuple(selection_bias_E.shape)} (one row per token, e.g. the "
-                    f"per-head biases of a Multi-Head LatentMoE) is not supported by the kernel; the torch "
-                    f"reference runs")
-        if selection_bias_E.shape != (E,) or selection_bias_E.dtype not in cg.FLOAT_DTYPES:
-            return f"selection_bias_E has shape {tuple(selection_bias_E.shape)} / dtype {selection_bias_E.dtype}"
-        if selection_bias_E.device != logits_TE.device:
-            return f"selection_bias_E on {selection_bias_E.device}, logits on {logits_TE.device}"
+    if selection_bias is not None:  # [E], or [T, E]: one row per token (a Multi-Head LatentMoE's head biases)
+        if selection_bias.shape not in ((E,), (T, E)) or selection_bias.dtype not in cg.FLOAT_DTYPES:
+            return (f"selection_bias has shape {tuple(selection_bias.shape)} / dtype {selection_bias.dtype}; the "
+                    f"kernel takes ({E},) or ({T}, {E}) in fp32/fp16/bf16")
+        if selection_bias.device != logits_TE.device:
+            return f"selection_bias on {selection_bias.device}, logits on {logits_TE.device}"
     return cg.launch_blocker(logits_TE.device)
 
 
-def _check(logits_TE: Tensor, selection_bias_E: Tensor | None, top_k: int) -> None:
+def _check(logits_TE: Tensor, selection_bias: Tensor | None, top_k: int) -> None:
     if logits_TE.dim() != 2:
         raise ValueError(f"moe_lowered.route: logits_TE has shape {tuple(logits_TE.shape)}, expected (T, E)")
-    E = logits_TE.shape[1]
+    T, E = logits_TE.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"moe_lowered.route: top_k={top_k} must lie in [1, E={E}]")
-    if selection_bias_E is not None and selection_bias_E.shape != (E,):
-        raise ValueError(f"moe_lowered.route: selection_bias_E has shape {tuple(selection_bias_E.shape)}, "
-                         f"expected (E={E},)")
+    if selection_bias is not None and selection_bias.shape not in ((E,), (T, E)):
+        raise ValueError(f"moe_lowered.route: selection_bias has shape {tuple(selection_bias.shape)}, expected "
+                         f"(E={E},) or one row per token (T={T}, E={E})")
 
 
-def route_triton(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group,
+def _bias_rows(selection_bias: Tensor | None, logits_TE: Tensor) -> tuple[Tensor, int]:
+    """The bias pointer and its row stride for the kernel: [E] -> stride 0, [T, E] -> its row stride
+    (an expanded [E] -> [T, E] view keeps stride 0, no copy). No bias: any pointer, never read."""
+    if selection_bias is None:
+        return logits_TE, 0
+    if selection_bias.stride(-1) != 1:
+        selection_bias = selection_bias.contiguous()
+    return selection_bias, selection_bias.stride(0) if selection_bias.dim() == 2 else 0
+
+
+def route_triton(logits_TE, selection_bias, score_func, softmax_before_topk, top_k, renormalize, n_group,
                  topk_group, group_score, scaling) -> tuple[Tensor, Tensor]:
-    """Launch the generated kernel (no fallback: callers check `eligible` first)."""
-    args = (logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
+    """Launch the generated kernel (no fallback: callers check `eligible` first). `selection_bias` is
+    `[E]`, `[T, E]` (one row per token) or None."""
+    args = (logits_TE, selection_bias, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
             group_score, scaling)
-    _check(logits_TE, selection_bias_E, top_k)
+    _check(logits_TE, selection_bias, top_k)
     reason = eligible(*args)
     if reason is not None:
         raise ValueError(f"moe_lowered.route: cannot launch the Triton kernel: {reason}")
@@ -309,8 +328,8 @@ def route_triton(logits_TE, selection_bias_E, score_func, softmax_before_topk, t
     experts_TK = logits_TE.new_empty(T, top_k, dtype=torch.int64)
     if T:
         logits_TE = logits_TE.contiguous()
-        bias_E = logits_TE if selection_bias_E is None else selection_bias_E.contiguous()
-        kernel_module(*args).launch(logits_TE, bias_E, weights_TK, experts_TK)
+        bias, bias_row_stride = _bias_rows(selection_bias, logits_TE)
+        kernel_module(*args).launch(logits_TE, bias, bias_row_stride, weights_TK, experts_TK)
     return weights_TK, experts_TK
 
 

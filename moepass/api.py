@@ -67,7 +67,9 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
 def resolve_auto(plan: Plan, report: DetectionReport):
     """`form="auto"`: ask the cost model, priced with `Plan.hardware`; returns (the concrete plan, the
     search result or None). A `Plan.slots_per_device` given with form="auto" is the only C the search
-    prices for FSEP; the FSEP-only fields are reset when another form wins (they would be rejected)."""
+    prices for FSEP; the FSEP-only fields are reset when another form wins (they would be rejected).
+    auto never picks a math-changing form (HP, capacity on a dropless block: DESIGN.md, only by name):
+    HP is priced with `Plan.heads` / `Plan.head_dim` and shown, and those HP-only fields are reset."""
     if plan.form != "auto":
         return plan, None
     if plan.batch is None:
@@ -78,11 +80,13 @@ def resolve_auto(plan: Plan, report: DetectionReport):
     topology = plan.topology if plan.topology is not None else _default_topology()
     slots = None if plan.slots_per_device is None else (plan.slots_per_device,)
     result = (search(report.blocks, topology, plan.batch, profile=plan.hardware, recompute=plan.expert_recompute,
-                     slots=slots)
+                     slots=slots, heads=plan.heads, head_dim=plan.head_dim, allow_math_changes=False)
               if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
     if chosen["form"] != "fsep":
         chosen = {"slots_per_device": None, "planner": "auto", **chosen}
+    if chosen["form"] != "hp":
+        chosen = {"heads": None, "head_dim": None, **chosen}
     return plan.replace(**chosen), result
 
 

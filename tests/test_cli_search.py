@@ -5,7 +5,8 @@ by hand from the scenario file and the a100 preset, priced with the cost model's
 (`cost_model.ep.ep_layer`, whose own terms tests/test_cost_model.py checks against known answers),
 and the bytes, memory and the candidate set against closed formulas. FSEP candidates (uniform routing:
 the set-up gives none) are priced by hand from the runtime planner's table (`fsep_by_hand`, shared with
-tests/test_cost_model.py). Wall time: benchmarks/tool_time.py.
+tests/test_cost_model.py), HP candidates from the converted block's sizes (`hp_by_hand`, likewise).
+Wall time: benchmarks/tool_time.py.
 """
 
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cost_model import fsep_by_hand
+from test_cost_model import fsep_by_hand, hp_by_hand
 
 from cost_model.ep import ep_layer
 from cost_model.presets import preset
@@ -55,11 +56,13 @@ def test_search_scenario_ranks_every_case_by_its_cost(results):
         assert result.hardware.values() == figures, label
 
         # the candidates: no rewrite, EP over every divisor of W > 1 x capacity x chunks; packing P
-        # would only repeat ep_size / P, which is already listed, so every candidate is unpacked; and FSEP
-        # over the W = E ranks with C = ceil(E/W) = 1 .. 3 slots per device x chunks
+        # would only repeat ep_size / P, which is already listed, so every candidate is unpacked; FSEP
+        # over the W = E ranks with C = ceil(E/W) = 1 .. 3 slots per device x chunks; and HP over every
+        # divisor P > 1 of W (unchunked: the rewrite waits for each exchange)
         want = ({("single", 1, None, 1, None)} | {("ep", ep, cf, n, None) for ep in range(2, E + 1) if E % ep == 0
                                                   for cf in CAPACITY_FACTORS for n in CHUNKS}
-                | {("fsep", E, None, n, C) for C in (1, 2, 3) for n in CHUNKS})
+                | {("fsep", E, None, n, C) for C in (1, 2, 3) for n in CHUNKS}
+                | {("hp", P, None, 1, None) for P in range(2, E + 1) if E % P == 0})
         got = [(c.form, c.ep_size, c.capacity_factor, c.a2a_chunks, c.slots) for c in result.ranked]
         assert len(got) == len(set(got)) and set(got) == want, label
         assert all(c.packing == 1 for c in result.ranked)
@@ -74,6 +77,16 @@ def test_search_scenario_ranks_every_case_by_its_cost(results):
                 assert c.step == pytest.approx(step, rel=1e-9), (label, c.label)
                 assert float(c.terms.memory) == pytest.approx(memory, rel=1e-9), (label, c.label)
                 assert c.feasible == (memory <= float(a100.memory)) and not c.math_changing, (label, c.label)
+                continue
+            if c.form == "hp":  # the block converted to a Multi-Head LatentMoE: H = max(P, 4) heads of D/H
+                hp = hp_by_hand(result.hardware, T=TOKENS, D=D, E=E, K=K, F=F, n=2, W=E, G=per_node, P=c.ep_size,
+                                layers=L)
+                expected_step[c] = hp["step"]
+                assert c.step == pytest.approx(hp["step"], rel=1e-9), (label, c.label)
+                assert 4 * float(c.terms.a2a_bytes) == pytest.approx(hp["bytes"], rel=1e-12), (label, c.label)
+                assert float(c.terms.memory) == pytest.approx(hp["memory"], rel=1e-9), (label, c.label)
+                assert c.latent[0].heads == max(c.ep_size, 4) and c.latent[0].ffn_dim == hp["ffn"], (label, c.label)
+                assert c.feasible == (hp["memory"] <= float(a100.memory)) and c.math_changing, (label, c.label)
                 continue
             ep = c.ep_size
             factor = 1.0 if c.capacity_factor is None else c.capacity_factor

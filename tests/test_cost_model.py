@@ -14,8 +14,9 @@ import torch
 from cost_model import calibrate, schedule, simulate
 from cost_model import ep as cm
 from cost_model import fsep as fsep_cm
+from cost_model import hp as hp_cm
 from cost_model import symbols as S
-from cost_model.presets import A100, PRESETS, Figure, this_machine
+from cost_model.presets import A100, H100, PRESETS, Figure, this_machine
 from cost_model.search import search
 from cost_model.timeline import Timeline
 from moepass import Plan
@@ -215,9 +216,15 @@ def test_search_table_and_expression():
 
     result = search([spec(8, 2, 512, 1024)] * 3, Topo(), (4, 1024), profile=A100)
     text = result.table()
-    for form in ("hp", "locality"):
-        assert f"{form}:" in text and "not modelled yet" in text
+    assert "locality: locality routing (LocMoE): not modelled yet" in text
     assert "fsep:" not in text and "fsep C=1 n=" in text  # FSEP is priced: its rows name C
+    # HP is priced (P = 2, 4, 8) and ranked after every exact plan: its best is named below the table
+    hp = [c for c in result.ranked if c.form == "hp"]
+    assert sorted(c.ep_size for c in hp) == [2, 4, 8] and all(c.math_changing for c in hp)
+    assert "hp: changes the model: Multi-Head LatentMoE H=" in text and "never picked unless" in text
+    assert "not modelled yet" not in text.split("locality:")[0]  # only locality is left unpriced
+    full = result.table(limit=len(result.ranked))
+    assert all(f"{c.label}  " in full for c in hp) and "changes the model: Multi-Head LatentMoE (active" in full
     assert "compute" in text and "exposed a2a" in text and "other comm" in text and "mem GB" in text
     expr = result.expression_substituted
     assert isinstance(expr, sympy.Expr) and expr.free_symbols <= {S.T}
@@ -399,6 +406,183 @@ def test_form_auto_picks_fsep_when_only_its_shards_fit():
     assert plan3.form == "ep" and plan3.slots_per_device is None
 
 
+# ---- HP next to EP in the plan search ---------------------------------------------------------------
+#
+# Expected HP figures are priced by hand from TECHNIQUES.md §3 and the rewrite (moepass/rewrite/hp.py):
+# the converted block from the equal-active-parameter rule (moepass/rewrite/latent.py's formula, written
+# out again here), T*H*K expert rows of width h on every rank, w_in and w_out 2*T*D*Q FLOPs each, the
+# routers 2*T*Q*E, four unchunked equal exchanges of T*Q/P elements to each peer, and the gradient
+# all-reduces (head parameters over W/P replicas, w_in/w_out over W) behind the next layer's backward.
+# The sweep is Mixtral-8x7B's layer made fine-grained: E = 4K experts of F = 2*14336/K (K*F constant).
+
+
+def fine_grained(K: int, D: int = 4096) -> MoESpec:
+    return spec(4 * K, K, D, 2 * 14336 // K)
+
+
+def latent_by_hand(*, D: int, E: int, K: int, F: int, n: int, H: int, h: int) -> int:
+    """The latent experts' hidden width: floor((K n D F + D E - 2 D H h - H E h) / (H K n h))."""
+    return (K * n * D * F + D * E - 2 * D * H * h - H * E * h) // (H * K * n * h)
+
+
+def hp_by_hand(hw, *, T: int, D: int, E: int, K: int, F: int, n: int, W: int, G: int, P: int, layers: int,
+               H: int | None = None, h: int | None = None) -> dict[str, float]:
+    """Step seconds, compute, token bytes sent per rank and memory per rank of HP over P of W ranks."""
+    v = hw.values()
+    H = H or P * max(1, -(-4 // P))  # the world size, at least 4, a multiple of it
+    h = h or D // H
+    Q, Fl, rate = H * h, latent_by_hand(D=D, E=E, K=K, F=F, n=n, H=H, h=h), v["R"] * v["eta"]
+    fwd = (2 * T * H * K * h * Fl * n + 2 * T * D * Q + 2 * T * D * Q + 2 * T * Q * E) / rate
+    on_node = min(P, G)
+    per_peer = T * Q / P * v["b"]
+    exchange = v["alpha"] + per_peer * (on_node - 1) / v["B_intra"] + per_peer * (P - on_node) / v["B_inter"]
+    B = v["B_inter"] if W > G else v["B_intra"]
+
+    def ring(nbytes: float, group: int) -> float:
+        return 0.0 if group == 1 else v["alpha"] + 2 * (group - 1) / group * nbytes / B
+
+    heads = H // P * E * (h + n * h * Fl)  # routers and experts of this rank's heads
+    ar = ring(heads * v["b_g"], W // P) + ring(2 * D * Q * v["b_g"], W)
+    rows = T * H * K
+    memory = (heads + 2 * D * Q) * v["s"] + rows * (2 * h + n * Fl) * v["b"] + 2 * T * Q * v["b"]
+    return {"step": layers * (3 * fwd + 4 * exchange + max(0.0, ar - 2 * fwd)), "compute": layers * 3 * fwd,
+            "bytes": layers * 4 * T * Q * (P - 1) / P * v["b"], "memory": layers * memory, "ffn": Fl}
+
+
+def test_hp_layer_bytes_do_not_depend_on_k():
+    x = {name: info.symbol for name, info in S.TABLE.items()} | {"G": 8}
+    terms = hp_cm.hp_layer(x, ep=8, dp=1, cross_node=False)
+    sent = sympy.sympify(cm.A2A_PER_LAYER * terms.a2a_bytes)
+    assert S.K not in sent.free_symbols and S.K in sympy.sympify(terms.compute).free_symbols
+    assert sympy.simplify(sent - 4 * S.T * S.H * S.h * 7 * S.b / 8) == 0
+    assert sympy.simplify(hp_cm.step_bytes(S.T, S.H, S.h, 8, S.b) - sent) == 0
+    ep_sent = sympy.sympify(cm.A2A_PER_LAYER * cm.ep_layer({**x, "c_f": 1}, ep=8, n=1, dp=1, dropless=True,
+                                                           cross_node_dp=False).a2a_bytes)
+    assert sympy.diff(ep_sent, S.K) != 0  # EP's grows with K
+
+
+def test_hp_bytes_per_rank_flat_in_k_in_the_search():
+    T, D, P, L = 4096, 4096, 8, 2
+    b = H100.values()["b"]
+    Q = 8 * (D // 8)  # H = P = 8 heads of h = D/8
+    by_hand = L * 4 * T * Q * (P - 1) / P * b  # dispatch + combine, forward and backward
+    sent = {}
+    for K in (1, 2, 4, 8):
+        result = search([fine_grained(K)] * L, (1, 8), (1, T), profile=H100, chunks=(1,), slots=())
+        hp = next(c for c in result.ranked if c.form == "hp" and c.ep_size == P)
+        assert (hp.latent[0].heads, hp.latent[0].head_dim, hp.latent[0].top_k) == (8, D // 8, K)
+        sent[K] = cm.A2A_PER_LAYER * float(hp.terms.a2a_bytes)
+        ep = next(c for c in result.ranked if c.form == "ep" and c.ep_size == 4 and c.capacity_factor is None
+                  and c.packing == 1)  # E = 4K experts: EP over 4 ranks at every K
+        ep_by_hand = L * 4 * K * T * D * 3 / 4 * b  # K rows of D per token
+        assert cm.A2A_PER_LAYER * float(ep.terms.a2a_bytes) == pytest.approx(ep_by_hand, rel=1e-12)
+    assert len(set(sent.values())) == 1 and sent[1] == pytest.approx(by_hand, rel=1e-12), sent
+
+
+BANDWIDTH_BOUND = (8, 1)  # 8 nodes x 1 H100: every peer of an all-to-all over the one NDR NIC (44.5 GB/s)
+FREE_NET = H100.with_figures("test: communication free", intra_bw=1e30, inter_bw=1e30, alpha=0.0)
+
+
+def test_hp_beats_ep_at_k8_when_bandwidth_bound_and_not_when_communication_is_free():
+    T, D, K, n, L, W = 4096, 4096, 8, 3, 2, 8
+    E, F = 4 * K, 2 * 14336 // K
+    blocks = [fine_grained(K)] * L
+    result = search(blocks, BANDWIDTH_BOUND, (1, T), profile=H100)
+    v = H100.values()
+    hp = {c.ep_size: c for c in result.ranked if c.form == "hp"}
+    assert set(hp) == {2, 4, 8}
+    for P, c in hp.items():
+        want = hp_by_hand(H100, T=T, D=D, E=E, K=K, F=F, n=n, W=W, G=1, P=P, layers=L)
+        assert c.step == pytest.approx(want["step"], rel=1e-9), c.label
+        assert float(c.terms.compute) == pytest.approx(want["compute"], rel=1e-9), c.label
+        assert float(c.terms.memory) == pytest.approx(want["memory"], rel=1e-9), c.label
+        assert c.latent[0].ffn_dim == want["ffn"] and c.math_changing and c.feasible
+    # a lower bound for every exact plan, whatever its chunking: a pass takes at least its expert compute and
+    # at least the time the network needs for dispatch + combine; the expert all-reduce hides behind 2x compute
+    C = 2 * T * K * D * F * n / (v["R"] * v["eta"])
+
+    def ring(nbytes: float, group: int) -> float:
+        return 0.0 if group == 1 else v["alpha"] + 2 * (group - 1) / group * nbytes / v["B_inter"]
+
+    expert_bytes = n * D * F * v["b_g"]
+    bound = {"single": L * (3 * C + max(0.0, ring(E * expert_bytes, W) - 2 * C))}
+    for ep in (2, 4, 8):
+        X = K * T * D * v["b"] * (ep - 1) / ep / v["B_inter"]
+        bound[f"ep={ep}"] = L * (max(C, 2 * X) + max(2 * C, 2 * X) + max(0.0, ring(E // ep * expert_bytes, W // ep)
+                                                                         - 2 * C))
+    best_hp = hp[8]
+    assert best_hp.step < min(bound.values()), (best_hp.step, bound)
+    exact = [c for c in result.eligible() if c.form in ("single", "ep")]
+    assert min(c.step for c in exact) >= min(bound.values()) * (1 - 1e-12)
+    assert result.best.form != "hp" and result.best is not best_hp  # math-changing: never picked by default
+    assert min((c for c in result.ranked if c.feasible), key=lambda c: c.step) is best_hp
+
+    # the same model with communication free: HP's projections and routers are work EP does not do (its
+    # router is not priced) beyond the rounding of the active parameters, so exact plans tie or win
+    free = search(blocks, BANDWIDTH_BOUND, (1, T), profile=FREE_NET)
+    free_hp = next(c for c in free.ranked if c.form == "hp" and c.ep_size == 8)
+    want = hp_by_hand(FREE_NET, T=T, D=D, E=E, K=K, F=F, n=n, W=W, G=1, P=8, layers=L)
+    assert free_hp.step == pytest.approx(want["step"], rel=1e-9) and want["step"] == pytest.approx(want["compute"])
+    assert free.best.step == pytest.approx(L * 3 * C, rel=1e-9)
+    assert free_hp.step >= free.best.step and free_hp.step / free.best.step - 1 < 1e-3
+
+
+def test_hp_winner_builds_a_valid_plan_and_its_formula():
+    from moepass.rewrite.latent import latent_shape
+
+    T, L = 4096, 2
+    blocks = [fine_grained(8)] * L
+    result = search(blocks, BANDWIDTH_BOUND, (1, T), profile=H100, allow_math_changes=True)
+    best = result.best
+    assert best.form == "hp" and best.ep_size == 8 and best.math_changing
+    kwargs = result.to_plan_kwargs()
+    assert kwargs == {"form": "hp", "ep_size": 8, "heads": 8, "head_dim": 512, "capacity_factor": None,
+                      "a2a_chunks": 1, "packing": 1}
+    plan = Plan(**kwargs)
+    assert plan.form == "hp" and plan.changes_math and (plan.heads, plan.head_dim) == (8, 512)
+    assert latent_shape(blocks[0], plan, 8) == best.latent[0]  # the conversion the pipeline will make
+    auto = Plan(form="auto", batch=(1, T), packing="auto", hardware="h100").replace(**kwargs)
+    assert auto.form == "hp" and auto.heads == 8
+    assert float(result.expression_substituted.subs(S.T, T)) == pytest.approx(best.step, rel=1e-3)
+    assert {S.H, S.h, S.K, S.T} <= result.expression.free_symbols
+    assert f"best: {best.label}" in result.table()
+
+
+def test_hp_skips_what_it_cannot_convert():
+    from cost_model.search import BlockShape
+
+    three = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), profile=A100, heads=3)
+    assert not any(c.form == "hp" for c in three.ranked)
+    assert "P=2: Plan.heads=3 is invalid" in three.not_modelled["hp"] and "hp: not priced: " in three.table()
+    some = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), profile=A100, heads=2)  # P=4 does not divide 2
+    assert [c.ep_size for c in some.ranked if c.form == "hp"] == [2] and "P=4" in some.not_modelled["hp"]
+    capped = search([BlockShape(E=8, K=2, D=512, F=1024, m=3, cf=1.25)], (1, 4), (4, 1024), profile=A100)
+    assert not any(c.form == "hp" for c in capped.ranked) and "capacity" in capped.not_modelled["hp"]
+    assert not any(c.form == "hp" for c in search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), profile=A100,
+                                                  ep_sizes=(4,)).ranked)  # restricted to EP degrees
+    only = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), profile=A100, ep_sizes=(4,), hp_sizes=(4,))
+    assert [c.ep_size for c in only.ranked if c.form == "hp"] == [4]
+
+
+@pytest.mark.parametrize("heads", [None, 8])
+def test_form_auto_never_picks_hp(heads):
+    """Where HP is the fastest plan priced, form="auto" still picks an exact one: HP changes the model and is
+    applied only when the plan names it (DESIGN.md). Plan.heads given with auto shapes the HP rows, then is reset."""
+    from types import SimpleNamespace
+
+    from moepass.api import resolve_auto
+    from moepass.runtime.topology import Topology
+
+    report = SimpleNamespace(blocks=[fine_grained(8)] * 2)
+    auto = Plan(form="auto", batch=(1, 4096), topology=Topology(*BANDWIDTH_BOUND), hardware="h100", heads=heads)
+    plan, result = resolve_auto(auto, report)
+    fastest = min((c for c in result.ranked if c.feasible), key=lambda c: c.step)
+    assert fastest.form == "hp" and fastest.latent[0].heads == 8
+    assert plan.form in ("single", "ep", "fsep") and not plan.changes_math
+    assert (plan.heads, plan.head_dim) == (None, None)
+    assert not result.allow_math_changes and result.best is not fastest and not result.best.math_changing
+
+
 # ---- presets and calibration --------------------------------------------------------------------------
 
 
@@ -490,6 +674,35 @@ def test_simulator_names_the_preset_for_null_figures():
     assert "preset a100" in lina.filled["intra_node_bw"]
     hp = simulate.simulate(SCENARIO_DIR / "mh_latentmoe_hp.json")
     assert "h100" in hp.filled["device"]
+
+
+def test_hp_scenario_sweeps_k_with_flat_hp_bytes():
+    """The HP set-up gives no sizes: the Mixtral-8x7B layer (D 4096, SwiGLU, 32 layers) at K = 2, 4, 8 with
+    fine-grained experts (E = 4K, F = 28672/K), 8 x 1024 tokens per device on one node of 8 H100 (preset);
+    HP converts every case at equal active parameters, H = 8 heads of h = 512 over the 8 ranks."""
+    result = simulate.simulate(SCENARIO_DIR / "mh_latentmoe_hp.json")
+    assert "h100" in result.filled["device"] and any("Mixtral-8x7B-like" in a for a in result.assumptions)
+    by = {(p.system, p.case): p for p in result.predictions}
+    L, T, D, W, n, b = 32, 8 * 1024, 4096, 8, 3, 2
+    Q = 8 * 512
+    hp_bytes = L * 4 * T * Q * (W - 1) / W * b  # per rank per step, independent of K
+    rate = H100.values()["R"] * H100.values()["eta"]
+    seen = []
+    for K in (2, 4, 8):
+        case = f"moe-ep-baseline[K={K},E={4 * K}] W=8"
+        ep, hp = by["ep", case], by["hp", case]
+        assert ep.modelled and hp.modelled and hp.form == "hp"
+        want = hp_by_hand(H100, T=T, D=D, E=4 * K, K=K, F=28672 // K, n=n, W=W, G=8, P=8, layers=L)
+        assert hp.plan == {"hp": 8, "heads": 8, "head_dim": 512, "ffn": want["ffn"], "sched": "fair"}
+        assert hp.breakdown["token_a2a_bytes"] == pytest.approx(hp_bytes, rel=1e-12)
+        assert ep.breakdown["token_a2a_bytes"] == pytest.approx(K * hp_bytes, rel=1e-12)  # K rows of D per token
+        assert hp.breakdown["expert_compute"] == pytest.approx(want["compute"], rel=1e-9)
+        assert ep.breakdown["expert_compute"] == pytest.approx(L * 3 * 2 * T * K * D * (28672 // K) * n / rate, rel=1e-9)
+        assert hp.step_s < ep.step_s
+        seen.append((ep.step_s - hp.step_s, hp.breakdown["exposed_a2a"], ep.breakdown["exposed_a2a"]))
+    assert [s[1] for s in seen] == [pytest.approx(seen[0][1], rel=1e-9)] * 3  # HP's exchanges: flat in K
+    assert seen[0][2] < seen[1][2] < seen[2][2] and seen[0][0] < seen[1][0] < seen[2][0]  # EP's grow with K
+    assert "a2a GB" in result.table() and "hp      moe-ep-baseline[K=8,E=32] W=8" in result.table()
 
 
 def test_lina_is_never_slower_than_its_baseline():

@@ -327,3 +327,46 @@ def test_torch_compile_keeps_the_planner_running():
     for r in pool(2).run(case_torch_compile, 3):
         assert r["same_tables"] and r["tables_change"], r
         assert r["loss_err"] <= 1e-6 and r["grad_err"] <= 1e-6, r
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation checkpointing: the recomputed forward routes with its forward's table, records nothing.
+# ----------------------------------------------------------------------------------------------
+
+
+def case_checkpointed(rank, world, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    import moepass
+    from moepass.rewrite.fsep import controllers
+    from samples.models import LoopMoE
+
+    def run(use_checkpoint):
+        torch.manual_seed(0)
+        cm = moepass.compile(LoopMoE(32, 64, 8, 2), moepass.Plan(form="fsep", slots_per_device=5,
+                                                                  planner=rotating_planner))
+        controller = next(iter(controllers(cm).values()))
+        out = []
+        for step in range(3):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank)).requires_grad_(True)
+            y = checkpoint(cm, x, use_reentrant=reentrant) if use_checkpoint else cm(x)
+            y.pow(2).sum().backward()
+            grads = [p.grad.to_local().clone() if hasattr(p.grad, "to_local") else p.grad.clone()
+                     for p in cm.parameters()]
+            cm.zero_grad()
+            out.append((controller.step, controller.slot_expert.tolist(), x.grad, grads))
+        return out
+
+    plain, checkpointed = run(False), run(True)
+    return {"steps": [(a[0], b[0]) for a, b in zip(plain, checkpointed)],
+            "tables": all(a[1] == b[1] for a, b in zip(plain, checkpointed)),
+            "grad_err": max(max((a[2] - b[2]).abs().max().item(),
+                                max((g - h).abs().max().item() for g, h in zip(a[3], b[3])))
+                            for a, b in zip(plain, checkpointed))}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_replays_the_step_table(reentrant):
+    for r in pool(2).run(case_checkpointed, reentrant):
+        assert r["steps"] == [(1, 1), (2, 2), (3, 3)] and r["tables"], r  # the recompute is not a step
+        assert r["grad_err"] <= 1e-6, r

@@ -258,8 +258,11 @@ class FSEPPlacement(nn.Module):
 
 
 def _shape_only() -> bool:
-    """A fake-tensor trace (the verifier's shape propagation, explain): not a training step."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    """Not a training step: a fake-tensor trace (the verifier's shape propagation, explain), or a forward
+    recomputed inside the backward (activation checkpointing), which must route with the table its
+    forward used and record nothing."""
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    return fake or torch._C._current_graph_task_id() != -1
 
 
 @torch.compiler.disable  # hands tensors to a thread: runs eagerly under torch.compile (a graph break)

@@ -297,9 +297,15 @@ def predict(
         tl, case, hw, counts_SE, chunks=chunks, policy=policy, bucket_bytes=bucket_bytes, packing=packing,
         rows_SR=rows_SR, params=params,
     )
+    breakdown = _breakdown(tl, case.layers * 3 * figures["dense_fwd"], figures["imbalance"],
+                           figures["token_a2a_bytes"])
+    return tl.step, breakdown, figures["memory"]
+
+
+def _breakdown(tl: Timeline, dense: float, imbalance: float, token_a2a_bytes: float) -> dict[str, float]:
+    """A simulated step's figures: expert vs dense compute, exposed and busy communication."""
     b = tl.breakdown()
-    dense = case.layers * 3 * figures["dense_fwd"]
-    breakdown = {
+    return {
         "expert_compute": b["compute"] - dense,
         "dense_compute": dense,
         "exposed_a2a": b["exposed_a2a"],
@@ -307,10 +313,9 @@ def predict(
         "a2a_busy": b["a2a_busy"],
         "other_busy": b["other_busy"],
         "max_a2a_wait": b["max_a2a_wait"],
-        "imbalance": figures["imbalance"],
-        "token_a2a_bytes": figures["token_a2a_bytes"],
+        "imbalance": imbalance,
+        "token_a2a_bytes": token_a2a_bytes,
     }
-    return tl.step, breakdown, figures["memory"]
 
 
 # ---- a scenario's token distribution (reading the file: cost_model.scenarios) ----------------------
@@ -532,20 +537,9 @@ def _predict_hp(case: Case, hw: Hardware, sc: dict[str, Any],
         last = tl.add("compute", f"L{layer}.bwd.dense", 2 * dense_fwd, [last])
         _allreduce(tl, f"L{layer}.replicated_grads", replicated_grads, W, ar_bw, v["alpha"], DDP_BUCKET_BYTES, [last])
     tl.run("fair")
-    b = tl.breakdown()
-    dense = case.layers * 3 * dense_fwd
-    breakdown = {
-        "expert_compute": b["compute"] - dense,
-        "dense_compute": dense,
-        "exposed_a2a": b["exposed_a2a"],
-        "exposed_other": b["exposed_other"],
-        "a2a_busy": b["a2a_busy"],
-        "other_busy": b["other_busy"],
-        "max_a2a_wait": b["max_a2a_wait"],
-        "imbalance": 1.0,  # T*H*K rows on every rank whatever the routing
-        "token_a2a_bytes": case.layers * float(hp_formulas.step_bytes(T, H, h, P, v["b"])),
-        "projection_compute": case.layers * 3 * 2 * proj_fwd,
-    }
+    breakdown = _breakdown(tl, case.layers * 3 * dense_fwd, 1.0,  # T*H*K rows on every rank whatever the routing
+                           case.layers * float(hp_formulas.step_bytes(T, H, h, P, v["b"])))
+    breakdown["projection_compute"] = case.layers * 3 * 2 * proj_fwd
     memory = case.layers * (float(hp_formulas.memory_per_rank(T, case.D, H, h, E, K, F, m, P, v["s"], v["b"]))
                             + 4 * case.D**2 * v["s"])
     plan = {"hp": P, "heads": H, "head_dim": h, "ffn": F, "sched": "fair"}

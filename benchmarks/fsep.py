@@ -1,6 +1,6 @@
 """FSEP vs EP vs FSDP at W=2: load balance under skewed routing, training-step time, parameter memory (issue 14).
 
-    .venv/bin/python benchmarks/fsep.py                  # full run (~10 min here)
+    .venv/bin/python benchmarks/fsep.py                  # full run (~8 min here, plus --wait-load)
     .venv/bin/python benchmarks/fsep.py --quick          # smoke run (< 1 min): a small layer (T=128, D=128,
                                                          # F=256), 2 timed steps; JSON + plot to the temp dir
     .venv/bin/python benchmarks/fsep.py --wait-load 1.0  # first wait for the shared cores to quieten down
@@ -14,12 +14,12 @@ machine's 2 cores), with T = 2048 tokens per rank (the headline) and T = 512 (is
 each (`--tokens`). Why 2048: FSEP's restore brings C*S*b bytes of weights to every device each layer
 whatever T is, while a device's forward expert GEMMs do 6*T*K*D*F FLOPs on average, so the FLOPs per
 restored byte are 2*T*K/(C*b) (b = 4 bytes, fp32): 51 at T=512, 205 at T=2048, ~33000 in the paper's
-setup (32k tokens per GPU, K=2, C=2, bf16). This machine does ~45 GFLOP/s per core and a restore
-all_to_all runs at ~0.85 GB/s on gloo loopback (both measured in the run: `floor`, `collectives`),
-~50 FLOPs per byte: at T=512 the restore alone costs about as much as the expert compute; T=2048 is
-the smallest power of two at which the expert compute dominates it. Seeded weights: experts N(0, 1/D) (gate/up) and N(0, 1/F) (down), router N(0, 1/D).
-The router is frozen (requires_grad False): the routing skew is the controlled variable and must not
-drift while the experts train.
+setup (32k tokens per GPU, K=2, C=2, bf16). This machine does ~55 GFLOP/s per core and a restore
+all_to_all runs at 0.6-0.85 GB/s on gloo loopback (both measured in the run: `floor`, `collectives`),
+~80 FLOPs per byte: at T=512 the restore alone costs more than the forward expert GEMMs; at T=2048
+they cost ~2.5x the restore. Seeded weights: experts N(0, 1/D) (gate/up) and N(0, 1/F) (down), router
+N(0, 1/D). The router is frozen (requires_grad False): the routing skew is the controlled variable and
+must not drift while the experts train.
 
 Routing scenarios: the block's own router makes the skew. Every input token has feature 0 equal to 1
 (the other features N(0, 1); a pool of 16 seeded batches per rank, cycled step by step), so the
@@ -605,7 +605,8 @@ def aggregate(name: str, res: dict, layer: dict) -> dict:
     warm = res["warmup_steps"]
     phases = {}
     for s in SYSTEMS:
-        phases[s] = [{p: 1e3 * statistics.median(ph[i] for ph in rank["phases"][s][warm:warm + len(step[s]["all_steps_ms"])])
+        window = slice(warm, warm + len(step[s]["all_steps_ms"]))  # the timed steps
+        phases[s] = [{p: 1e3 * statistics.median(ph[i] for ph in rank["phases"][s][window])
                       for i, p in enumerate(("forward_ms", "backward_ms", "optimizer_ms"))} for rank in res["ranks"]]
     losses = {s: [sum(v) / W for v in zip(*(rank["losses"][s] for rank in res["ranks"]))] for s in SYSTEMS}
     n = min(len(v) for v in losses.values())
@@ -617,6 +618,7 @@ def aggregate(name: str, res: dict, layer: dict) -> dict:
     formula = (E * S // W + C * S) * 4
     counts = torch.tensor(res["run_counts_last_5_steps"], dtype=torch.float64)
     sources = {}
+    solves = [d["solve_ms"] for d in res["decisions"][1:]]
     for d in res["decisions"][1:]:
         sources[d["source"]] = sources.get(d["source"], 0) + 1
     restore_shape = str([[W * C, S // W]])  # the restore's [W*C, S/W] buffer, as the profiler prints it
@@ -637,7 +639,8 @@ def aggregate(name: str, res: dict, layer: dict) -> dict:
         "parity_max_rel_loss_diff_vs_ep": parity, "losses_first_steps": {s: v[:3] for s, v in losses.items()},
         "memory_per_layer": {
             "fsep_measured_bytes": measured, "fsep_formula_bytes": formula, "measured/formula": measured / formula,
-            "fsep_local_shards_bytes": mem["fsep_local_expert_bytes"], "fsep_restored_bytes": mem["fsep_restored"]["bytes"],
+            "fsep_local_shards_bytes": mem["fsep_local_expert_bytes"],
+            "fsep_restored_bytes": mem["fsep_restored"]["bytes"],
             "fsep_restored_nodes": mem["fsep_restored"]["nodes"],
             "formula": f"(E*S)/W + C*S = ({E}*{S})/{W} + {C}*{S} elements x 4 bytes (S = 3*D*F)",
             "ep_local_expert_bytes": mem["ep_local_expert_bytes"],
@@ -646,7 +649,7 @@ def aggregate(name: str, res: dict, layer: dict) -> dict:
         },
         "planner": {"decisions_by_candidate": sources, "final_table": res["decisions"][-1]["table"],
                     "initial_table": res["decisions"][0]["table"],
-                    "solve_ms": summary([d["solve_ms"] for d in res["decisions"][1:]]) if len(res["decisions"]) > 1 else None,
+                    "solve_ms": summary(solves) if solves else None,
                     "max_wait_ms": max((d["wait_ms"] for d in res["decisions"][1:]), default=0.0),
                     "config": res["planner_config"]},
         "collectives": res["collectives"],
@@ -667,7 +670,8 @@ def goals(results: dict) -> dict:
         out["fsep_max_over_mean<=1.15"][s] = {"fsep": mm["fsep"]["median"], "ep": mm["ep"]["median"],
                                              "met": mm["fsep"]["median"] <= GOALS["fsep_max_over_mean"]}
         ratio = r["ratios"]
-        out["ep/fsep>=1.2 (skewed)"][s] = {"ratio": ratio["ep/fsep"], "per_round_median": ratio["ep/fsep_per_round_median"],
+        out["ep/fsep>=1.2 (skewed)"][s] = {"ratio": ratio["ep/fsep"],
+                                          "per_round_median": ratio["ep/fsep_per_round_median"],
                                           "met": ratio["ep/fsep"] >= GOALS["ep_over_fsep_skewed"]}
     if "balanced" in results:
         ratio = results["balanced"]["ratios"]
@@ -746,7 +750,8 @@ def orchestrate(args) -> int:
             "ep": "moepass Plan(form='ep', topology=Topology(1, 2))",
             "fsdp": "moepass Plan(form='single') + FSDP2 fully_shard (non-root unit, reshard_after_forward=True)",
         },
-        "step_definition": "zero_grad + forward + backward + Adam step; barrier before each step, time = max over ranks",
+        "step_definition": "zero_grad + forward + backward + Adam step; barrier before each step, time = max over "
+                           "ranks",
         "warmup_steps": args.warmup, "rounds": args.rounds, "steps_per_round": args.steps,
         "interleaved": "per round: " + ", ".join([*SYSTEMS, "floors"]) + f", {args.steps} steps each",
         "goals_targets": GOALS,
@@ -781,7 +786,8 @@ def table(key: str, entry: dict, args) -> None:
         mm, st, fl = r["max_over_mean"], r["step_ms"], r["floor"]
         cell = lambda s: f"{st[s]['median_ms']:6.1f} [{st[s]['min_ms']:.0f},{st[s]['max_ms']:.0f}]"  # noqa: E731
         print(f"{name:9s} {mm['ep']['median']:11.3f} {mm['fsep']['median']:6.3f} | {cell('fsep'):>17s} "
-              f"{cell('ep'):>17s} {cell('fsdp'):>17s} | {r['ratios']['ep/fsep']:7.2f} {r['ratios']['fsdp/fsep']:9.2f} | "
+              f"{cell('ep'):>17s} {cell('fsdp'):>17s} | {r['ratios']['ep/fsep']:7.2f} "
+              f"{r['ratios']['fsdp/fsep']:9.2f} | "
               f"{fl['balanced']['median_ms']:9.1f} {fl['ep_max_rows']['median_ms']:6.1f} "
               f"{fl['fsep_max_rows']['median_ms']:8.1f}")
     print("max/mean: rows per device per timed step (median); ms: median [range] of round medians; floor: the "

@@ -14,7 +14,7 @@ buckets, plus the restore of the weights:
     ... permute by slot, exchange counts, dispatch (as EP, buckets = P*C slots, L = C) ...
     send_GS        = cat_j(index_select(shard_j.flatten(1), 0, slot_expert_S))    # my slice of each slot's expert
     recv_GS        = wait(moe_comm.equal_all_to_all(send_GS, "restore"))           # issued after the dispatch
-    w_j            = assemble(recv_GS, j)                                          # [C, a, ...]: C whole experts
+    w_j            = assemble(recv_GS)[j]                                          # [C, a, ...]: C whole experts
     y = moe.expert_ffn(x_MD, counts_C, w_*) ... unpermute, combine (as EP)
 
 `moe_comm.equal_all_to_all` (kind "restore") is a balanced, fixed-shape all_to_all: every pair exchanges
@@ -109,17 +109,69 @@ def _(experts_TK, slot_expert_S, rank, ranks_per_node, slots, num_experts):
 ROUTE_TO_SLOTS = torch.ops.moe_fsep.route_to_slots.default
 
 
+class _GatherSlices(torch.autograd.Function):
+    """The restore's send buffer; its backward sums each slot's gradient slice into its expert's row
+    (replicas add up) with one `index_add_` per weight."""
+
+    @staticmethod
+    def forward(ctx, slot_expert_S, *shards):  # type: ignore[override]
+        ctx.save_for_backward(slot_expert_S)
+        ctx.shapes = [shard.shape for shard in shards]
+        return torch.cat([shard.flatten(1).index_select(0, slot_expert_S) for shard in shards], 1)
+
+    @staticmethod
+    def backward(ctx, grad_GS):  # type: ignore[override]
+        (slot_expert_S,) = ctx.saved_tensors
+        grads, offset = [], 0
+        for shape in ctx.shapes:
+            width = int(torch.Size(shape[1:]).numel())
+            rows = grad_GS.new_zeros(shape[0], width).index_add_(0, slot_expert_S, grad_GS[:, offset:offset + width])
+            grads.append(rows.view(shape))
+            offset += width
+        return (None, *grads)
+
+
 def gather_slices(shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
     """[P*C, s]: this rank's slice of the expert in every slot, all weights side by side (the send buffer)."""
-    return torch.cat([shard.flatten(1).index_select(0, slot_expert_S) for shard in shards], 1)
+    return _GatherSlices.apply(slot_expert_S, *shards)
 
 
-def assemble(recv_GS: Tensor, peers: int, offset: int, shape: Sequence[int]) -> Tensor:
-    """One weight of the C restored experts, [C, *shape], from the restore's output (peer-major slices)."""
-    size = recv_GS.shape[1]
-    width = (shape[0] // peers) * int(torch.Size(shape[1:]).numel())
-    slices = recv_GS.view(peers, -1, size)[:, :, offset:offset + width]  # [P, C, a/P * rest]
-    return slices.permute(1, 0, 2).reshape(-1, *shape)
+class _Assemble(torch.autograd.Function):
+    """The C restored experts of every weight from the restore's output; the backward writes the weights'
+    gradients straight into one gradient send buffer (no zero-filled per-weight buffers to add up)."""
+
+    @staticmethod
+    def forward(ctx, recv_GS, peers, shapes):  # type: ignore[override]
+        ctx.peers, ctx.shapes = peers, shapes
+        slices = recv_GS.view(peers, -1, recv_GS.shape[1])  # [P, C, s]
+        out, offset = [], 0
+        for shape in shapes:
+            width = (shape[0] // peers) * int(torch.Size(shape[1:]).numel())
+            out.append(slices[:, :, offset:offset + width].permute(1, 0, 2).reshape(-1, *shape))
+            offset += width
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        P, shapes = ctx.peers, ctx.shapes
+        some = next(g for g in grads if g is not None)
+        total = sum((shape[0] // P) * int(torch.Size(shape[1:]).numel()) for shape in shapes)
+        C = some.shape[0]
+        buffer = some.new_empty(P, C, total)
+        offset = 0
+        for shape, grad in zip(shapes, grads):
+            width = (shape[0] // P) * int(torch.Size(shape[1:]).numel())
+            if grad is None:
+                buffer[:, :, offset:offset + width].zero_()
+            else:
+                buffer[:, :, offset:offset + width].copy_(grad.reshape(C, P, width).transpose(0, 1))
+            offset += width
+        return buffer.view(P * C, total), None, None
+
+
+def assemble(recv_GS: Tensor, peers: int, shapes: tuple[tuple[int, ...], ...]) -> tuple[Tensor, ...]:
+    """Every weight of the C restored experts, [C, *shape] each, from the restore's output (peer-major)."""
+    return _Assemble.apply(recv_GS, peers, tuple(tuple(s) for s in shapes))
 
 
 class Restore:
@@ -138,11 +190,7 @@ class Restore:
             with torch.no_grad():
                 send = gather_slices([s.detach() for s in self.shards], self.slot_expert_S)
                 recv = comm.WAIT(comm.EQUAL_ALL_TO_ALL(send, self.group_name, "restore_again"))
-                out, offset = [], 0
-                for shape in self.shapes:
-                    out.append(assemble(recv, self.peers, offset, shape))
-                    offset += (shape[0] // self.peers) * int(torch.Size(shape[1:]).numel())
-                self.weights = out
+                self.weights = list(assemble(recv, self.peers, self.shapes))
         return self.weights
 
     @staticmethod
@@ -364,11 +412,8 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
 
         def weights() -> list[fx.Node | None]:
             recv = b.fn(comm.WAIT, pending, name="restore_recv")
-            restored, offset = {}, 0
-            for name in params:
-                shape = shapes[name]
-                restored[name] = b.fn(assemble, recv, P, offset, shape, name=f"{_node(name)}_slots")
-                offset += (shape[0] // P) * int(torch.Size(shape[1:]).numel())
+            experts = b.fn(assemble, recv, P, tuple(shapes[n] for n in params), name="restored")
+            restored = {name: b.item(experts, j, f"{_node(name)}_slots") for j, name in enumerate(params)}
             # the backward restores again rather than keeping every layer's C whole experts alive
             again = b.fn(Restore, shards, slot_expert, group_name, tuple(shapes[n] for n in params), P,
                          name="restore_again")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,8 @@ MODEL = dict(style="fused", vocab_size=2048, dim=256, ffn_dim=256, num_experts=8
 BATCH, SEQ = 4, 64  # per rank
 MICRO_OP_BYTES = 256 * 1024
 WARMUP, STEPS = 2, 5
-NETNS = dict(prefix="mpb", subnet="10.77.0", rate="100mbit", burst="64kb", latency="100ms")
+NETNS = dict(prefix="mpb", subnet="10.77.0", port=29611)  # W=4 namespaces (benchmarks/netns.py)
+LINK = dict(rate="100mbit", burst="64kb", latency="100ms")  # the inter-node link
 FLOPS, ALPHA = 5e10, 2e-3  # cost-model figures for the chunk count (see main)
 
 
@@ -125,57 +125,18 @@ def run_loopback(world, mode, chunks, out_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# Network namespaces (W=4, two simulated nodes, a tc-limited inter-node link).
+# Network namespaces (W=4, two simulated nodes, a tc-limited inter-node link): benchmarks/netns.py.
 # ----------------------------------------------------------------------------------------------
 
 
-def _sh(cmd):
-    subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True)
+def netns_runner(ns):
+    """A runner (like `run_loopback`) that starts the ranks in the namespaces of `ns`."""
 
+    def run_netns(world, mode, chunks, out_dir):
+        ns.run(lambda r: [sys.executable, __file__, "--worker", str(r), str(world), ns.master_addr, str(ns.port),
+                          mode, str(chunks), out_dir, "2"], timeout=900)
 
-def netns_up(world=4):
-    p, net = NETNS["prefix"], NETNS["subnet"]
-    netns_down(world)
-    _sh(f"ip netns add {p}sw")
-    for br in ("A", "B"):
-        _sh(f"ip -n {p}sw link add br{br} type bridge && ip -n {p}sw link set br{br} up")
-    _sh(f"ip -n {p}sw link add xa type veth peer name xb")
-    _sh(f"ip -n {p}sw link set xa master brA && ip -n {p}sw link set xb master brB")
-    _sh(f"ip -n {p}sw link set xa up && ip -n {p}sw link set xb up")
-    for dev in ("xa", "xb"):  # the inter-node link, both directions (netem is not available in this kernel)
-        _sh(f"ip netns exec {p}sw tc qdisc add dev {dev} root tbf rate {NETNS['rate']} "
-            f"burst {NETNS['burst']} latency {NETNS['latency']}")
-    for r in range(world):
-        _sh(f"ip netns add {p}{r}")
-        _sh(f"ip link add {p}v{r} type veth peer name {p}e{r}")
-        _sh(f"ip link set {p}v{r} netns {p}{r} && ip link set {p}e{r} netns {p}sw")
-        _sh(f"ip -n {p}sw link set {p}e{r} master br{'A' if r < world // 2 else 'B'} && ip -n {p}sw link set {p}e{r} up")
-        _sh(f"ip -n {p}{r} addr add {net}.{r + 1}/24 dev {p}v{r} && ip -n {p}{r} link set {p}v{r} up "
-            f"&& ip -n {p}{r} link set lo up")
-
-
-def netns_down(world=4):
-    p = NETNS["prefix"]
-    for name in [f"{p}{r}" for r in range(world)] + [f"{p}sw"]:
-        subprocess.run(f"ip netns del {name}", shell=True, capture_output=True)
-
-
-def run_netns(world, mode, chunks, out_dir):
-    p, net = NETNS["prefix"], NETNS["subnet"]
-    port = 29611
-    procs = []
-    for r in range(world):
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": f"{p}v{r}"}
-        cmd = ["ip", "netns", "exec", f"{p}{r}", sys.executable, __file__, "--worker", str(r), str(world),
-               f"{net}.1", str(port), mode, str(chunks), out_dir, "2"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    errors = []
-    for pr in procs:
-        _, err = pr.communicate(timeout=900)
-        if pr.returncode:
-            errors.append(err[-2000:])
-    if errors:
-        raise RuntimeError("netns workers failed:\n" + "\n".join(errors))
+    return run_netns
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,22 +249,19 @@ def main(argv=None):
     plot(ev2, RESULTS / "schedule_timeline", "W=2 loopback, last step: plain (DDP buckets, n=1) vs lina "
          "(chunked n=2 + prioritised)")
     if not args.no_netns:
+        from benchmarks.netns import Link, Namespaces, rate_bytes_per_s
+
         try:
-            netns_up()
-            rate_Bps = 100e6 / 8
-            _, n4 = pick_chunks(spec, BATCH * SEQ, 4, 2, bandwidth=rate_Bps, flops=FLOPS, alpha=ALPHA)
-            result["w4_netns"], ev4 = measure(4, run_netns, sorted({n4, 2}), "W=4 netns")
-            result["w4_netns"]["cost_model_chunks"] = n4
-            result["w4_netns"]["settings"] = {**NETNS, "nodes": 2, "ranks_per_node": 2,
-                                              "intra": "veth into a per-node bridge, no limit",
-                                              "inter": f"one veth pair between the bridges: tbf rate {NETNS['rate']} burst "
-                                                       f"{NETNS['burst']} latency {NETNS['latency']}, both directions"}
+            with Namespaces(4, "two_nodes", Link(**LINK), **NETNS) as ns:
+                _, n4 = pick_chunks(spec, BATCH * SEQ, 4, 2, bandwidth=rate_bytes_per_s(LINK["rate"]), flops=FLOPS,
+                                    alpha=ALPHA)
+                result["w4_netns"], ev4 = measure(4, netns_runner(ns), sorted({n4, 2}), "W=4 netns")
+                result["w4_netns"]["cost_model_chunks"] = n4
+                result["w4_netns"]["settings"] = {**ns.settings(), "nodes": 2, "ranks_per_node": 2}
             plot(ev4, RESULTS / "schedule_timeline_w4", "W=4 netns (tc-limited inter-node link), last step")
         except Exception as err:  # report exactly what blocked it
             result["w4_netns"] = {"error": f"{type(err).__name__}: {err}"[:3000]}
             print("W=4 netns failed:", err, flush=True)
-        finally:
-            netns_down()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "schedule.json").write_text(json.dumps(result, indent=2))
     return 0

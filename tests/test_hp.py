@@ -192,3 +192,21 @@ def test_ep_on_a_latent_block_is_refused_with_the_form_to_use():
     spec = moepass.detect(_model()).blocks[0]
     with pytest.raises(moepass.PlanError, match=r"Plan.form='ep' is not built for block .* form='hp'"):
         resolve(spec, moepass.Plan(form="ep"))
+
+
+def case_ddp(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import moepass
+
+    cm = moepass.compile(_model(), moepass.Plan(form="hp", topology=moepass.Topology(1, world)))
+    ddp = DDP(cm)  # the sharded routers, experts and selection-bias buffers are left to moepass
+    tokens = torch.randint(0, CFG["vocab_size"], (BATCH_PER_RANK, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    logits = ddp(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return sorted(n for n in cm._ddp_params_and_buffers_to_ignore if n.endswith("selection_bias"))
+
+
+def test_ddp_wraps_an_hp_model():
+    for ignored in pool(2).run(case_ddp):
+        assert ignored == ["layers.0.mlp.selection_bias", "layers.1.mlp.selection_bias"], ignored

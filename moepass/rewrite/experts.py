@@ -153,8 +153,9 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 
 
 def finalize_model(model: nn.Module) -> None:
-    """Model-level set-up after all blocks are rewritten: DDP ignores the expert parameters."""
-    names = expert_parameter_names(model)
+    """Model-level set-up after all blocks are rewritten: DDP ignores the expert parameters and every
+    sharded buffer (HP's selection bias): DDP would broadcast them as plain tensors."""
+    names = expert_parameter_names(model) + [n for n, b in model.named_buffers() if isinstance(b, DTensor)]
     if names:
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -136,6 +136,11 @@ def gather_slices(shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
     return _GatherSlices.apply(slot_expert_S, *shards)
 
 
+def _peer_widths(shapes: tuple[tuple[int, ...], ...], peers: int) -> list[int]:
+    """Elements of one expert's slice of each weight, as the restore lays them side by side."""
+    return [(shape[0] // peers) * int(torch.Size(shape[1:]).numel()) for shape in shapes]
+
+
 class _Assemble(torch.autograd.Function):
     """The C restored experts of every weight from the restore's output; the backward writes the weights'
     gradients straight into one gradient send buffer (no zero-filled per-weight buffers to add up)."""
@@ -145,8 +150,7 @@ class _Assemble(torch.autograd.Function):
         ctx.peers, ctx.shapes = peers, shapes
         slices = recv_GS.view(peers, -1, recv_GS.shape[1])  # [P, C, s]
         out, offset = [], 0
-        for shape in shapes:
-            width = (shape[0] // peers) * int(torch.Size(shape[1:]).numel())
+        for shape, width in zip(shapes, _peer_widths(shapes, peers)):
             out.append(slices[:, :, offset:offset + width].permute(1, 0, 2).reshape(-1, *shape))
             offset += width
         return tuple(out)
@@ -155,18 +159,17 @@ class _Assemble(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         P, shapes = ctx.peers, ctx.shapes
         some = next(g for g in grads if g is not None)
-        total = sum((shape[0] // P) * int(torch.Size(shape[1:]).numel()) for shape in shapes)
+        widths = _peer_widths(shapes, P)
         C = some.shape[0]
-        buffer = some.new_empty(P, C, total)
+        buffer = some.new_empty(P, C, sum(widths))
         offset = 0
-        for shape, grad in zip(shapes, grads):
-            width = (shape[0] // P) * int(torch.Size(shape[1:]).numel())
+        for width, grad in zip(widths, grads):
             if grad is None:
                 buffer[:, :, offset:offset + width].zero_()
             else:
                 buffer[:, :, offset:offset + width].copy_(grad.reshape(C, P, width).transpose(0, 1))
             offset += width
-        return buffer.view(P * C, total), None, None
+        return buffer.view(P * C, sum(widths)), None, None
 
 
 def assemble(recv_GS: Tensor, peers: int, shapes: tuple[tuple[int, ...], ...]) -> tuple[Tensor, ...]:

@@ -114,7 +114,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 OUT = HERE / "results" / "fsep.json"
 W = 2
-SYSTEMS = ("fsep", "ep", "fsdp")  # order within a round (the floor follows)
+SYSTEMS = ("fsep", "fsep_keep", "ep", "fsdp")  # order within a round (the floor follows)
 SCENARIOS = ("zipf", "real_l0", "real_l1", "balanced")
 SKEWED = ("zipf", "real_l0", "real_l1")
 LAYERS = {  # C slots per device; T (tokens per rank) from --tokens
@@ -295,11 +295,12 @@ class System:
         block.gate.weight.requires_grad_(False)
         topology = moepass.Topology(1, W)
         self.controller = None
-        if name == "fsep":
+        if name.startswith("fsep"):
             self.module = moepass.compile(block, moepass.Plan(form="fsep", topology=topology,
-                                                              slots_per_device=layer["C"], planner="auto"))
+                                                              slots_per_device=layer["C"], planner="auto",
+                                                              keep_restored=name == "fsep_keep"))
             (self.controller,) = controllers(self.module).values()
-            self.controller.track_loads = True
+            self.controller.track_loads = name == "fsep"
         elif name == "ep":
             self.module = moepass.compile(block, moepass.Plan(form="ep", topology=topology))
         else:
@@ -596,10 +597,11 @@ def aggregate(name: str, res: dict, layer: dict) -> dict:
     floors = {k[len("floor_"):]: {**ms(v), "rows": res["floor_rows"][k[len("floor_"):]]}
               for k, v in rounds.items() if k.startswith("floor_")}
     ratios = {}
-    for other in ("ep", "fsdp"):
-        ratios[f"{other}/fsep"] = step[other]["median_ms"] / step["fsep"]["median_ms"]
-        ratios[f"{other}/fsep_per_round_median"] = statistics.median(
-            a / b for a, b in zip(rounds[other], rounds["fsep"]))
+    for fsep in ("fsep", "fsep_keep"):
+        for other in ("ep", "fsdp"):
+            ratios[f"{other}/{fsep}"] = step[other]["median_ms"] / step[fsep]["median_ms"]
+            ratios[f"{other}/{fsep}_per_round_median"] = statistics.median(
+                a / b for a, b in zip(rounds[other], rounds[fsep]))
     for s in SYSTEMS:
         ratios[f"{s}/floor_balanced"] = step[s]["median_ms"] / floors["balanced"]["median_ms"]
     warm = res["warmup_steps"]
@@ -611,7 +613,7 @@ def aggregate(name: str, res: dict, layer: dict) -> dict:
     losses = {s: [sum(v) / W for v in zip(*(rank["losses"][s] for rank in res["ranks"]))] for s in SYSTEMS}
     n = min(len(v) for v in losses.values())
     parity = {s: max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[s][:n], losses["ep"][:n]))
-              for s in ("fsep", "fsdp")}
+              for s in ("fsep", "fsep_keep", "fsdp")}
     S = 3 * D * F
     mem = res["ranks"][0]["memory"]
     measured = mem["fsep_local_expert_bytes"] + mem["fsep_restored"]["bytes"]
@@ -622,7 +624,8 @@ def aggregate(name: str, res: dict, layer: dict) -> dict:
     for d in res["decisions"][1:]:
         sources[d["source"]] = sources.get(d["source"], 0) + 1
     restore_shape = str([[W * C, S // W]])  # the restore's [W*C, S/W] buffer, as the profiler prints it
-    own_floor = {"fsep": floors["fsep_max_rows"], "ep": floors["ep_max_rows"], "fsdp": floors["balanced"]}
+    own_floor = {"fsep": floors["fsep_max_rows"], "fsep_keep": floors["fsep_max_rows"], "ep": floors["ep_max_rows"],
+                 "fsdp": floors["balanced"]}
     where = {
         "step_minus_own_floor_ms": {s: step[s]["median_ms"] - own_floor[s]["median_ms"] for s in SYSTEMS},
         "own_floor": "the GEMMs alone on the system's most-loaded device rows (fsdp: T*K, data parallel)",
@@ -670,14 +673,14 @@ def goals(results: dict) -> dict:
         out["fsep_max_over_mean<=1.15"][s] = {"fsep": mm["fsep"]["median"], "ep": mm["ep"]["median"],
                                              "met": mm["fsep"]["median"] <= GOALS["fsep_max_over_mean"]}
         ratio = r["ratios"]
-        out["ep/fsep>=1.2 (skewed)"][s] = {"ratio": ratio["ep/fsep"],
-                                          "per_round_median": ratio["ep/fsep_per_round_median"],
-                                          "met": ratio["ep/fsep"] >= GOALS["ep_over_fsep_skewed"]}
+        out["ep/fsep>=1.2 (skewed)"][s] = {
+            fsep: {"ratio": ratio[f"ep/{fsep}"], "per_round_median": ratio[f"ep/{fsep}_per_round_median"],
+                   "met": ratio[f"ep/{fsep}"] >= GOALS["ep_over_fsep_skewed"]} for fsep in ("fsep", "fsep_keep")}
     if "balanced" in results:
         ratio = results["balanced"]["ratios"]
-        out["fsep/ep<=1.10 (balanced)"] = {"ratio": 1 / ratio["ep/fsep"],
-                                           "per_round_median": 1 / ratio["ep/fsep_per_round_median"],
-                                           "met": 1 / ratio["ep/fsep"] <= GOALS["fsep_over_ep_balanced"]}
+        out["fsep/ep<=1.10 (balanced)"] = {
+            fsep: {"ratio": 1 / ratio[f"ep/{fsep}"], "per_round_median": 1 / ratio[f"ep/{fsep}_per_round_median"],
+                   "met": 1 / ratio[f"ep/{fsep}"] <= GOALS["fsep_over_ep_balanced"]} for fsep in ("fsep", "fsep_keep")}
     return out
 
 
@@ -747,6 +750,8 @@ def orchestrate(args) -> int:
                          "headline": f"T={args.tokens[0]}"},
         "systems": {
             "fsep": f"moepass Plan(form='fsep', topology=Topology(1, 2), slots_per_device={base['C']}, planner='auto')",
+            "fsep_keep": f"moepass Plan(form='fsep', topology=Topology(1, 2), slots_per_device={base['C']}, "
+                         f"planner='auto', keep_restored=True): the backward reuses the forward's restored experts",
             "ep": "moepass Plan(form='ep', topology=Topology(1, 2))",
             "fsdp": "moepass Plan(form='single') + FSDP2 fully_shard (non-root unit, reshard_after_forward=True)",
         },
@@ -780,14 +785,15 @@ def table(key: str, entry: dict, args) -> None:
     loads = [v for r in results.values() for v in r["load1"].values()]
     print(f"\nFSEP benchmark {key}: D={lay['D']} F={lay['F']} E={lay['E']} K={lay['K']} W={lay['W']} C={lay['C']}; "
           f"{args.rounds} rounds x {args.steps} steps; load1 {min(loads):.2f}-{max(loads):.2f}")
-    print(f"{'scenario':9s} {'max/mean EP':>11s} {'FSEP':>6s} | {'fsep ms':>17s} {'ep ms':>17s} {'fsdp ms':>17s} | "
-          f"{'ep/fsep':>7s} {'fsdp/fsep':>9s} | {'floor bal':>9s} {'ep max':>6s} {'fsep max':>8s}")
+    print(f"{'scenario':9s} {'max/mean EP':>11s} {'FSEP':>6s} | {'fsep ms':>17s} {'fsep_keep ms':>17s} {'ep ms':>17s} "
+          f"{'fsdp ms':>17s} | {'ep/fsep':>7s} {'ep/keep':>7s} {'fsdp/fsep':>9s} | {'floor bal':>9s} {'ep max':>6s} "
+          f"{'fsep max':>8s}")
     for name, r in results.items():
         mm, st, fl = r["max_over_mean"], r["step_ms"], r["floor"]
         cell = lambda s: f"{st[s]['median_ms']:6.1f} [{st[s]['min_ms']:.0f},{st[s]['max_ms']:.0f}]"  # noqa: E731
         print(f"{name:9s} {mm['ep']['median']:11.3f} {mm['fsep']['median']:6.3f} | {cell('fsep'):>17s} "
-              f"{cell('ep'):>17s} {cell('fsdp'):>17s} | {r['ratios']['ep/fsep']:7.2f} "
-              f"{r['ratios']['fsdp/fsep']:9.2f} | "
+              f"{cell('fsep_keep'):>17s} {cell('ep'):>17s} {cell('fsdp'):>17s} | {r['ratios']['ep/fsep']:7.2f} "
+              f"{r['ratios']['ep/fsep_keep']:7.2f} {r['ratios']['fsdp/fsep']:9.2f} | "
               f"{fl['balanced']['median_ms']:9.1f} {fl['ep_max_rows']['median_ms']:6.1f} "
               f"{fl['fsep_max_rows']['median_ms']:8.1f}")
     print("max/mean: rows per device per timed step (median); ms: median [range] of round medians; floor: the "

@@ -219,7 +219,8 @@ def planned_routing(counts_WE: Any, hw: Any, *, C: int, ranks_per_node: int, D: 
 # ---- one layer, one plan ------------------------------------------------------------------------------------
 
 
-def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows: tuple[Any, Any]) -> LayerTerms:
+def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows: tuple[Any, Any],
+               keep_restored: bool = False) -> LayerTerms:
     """Step terms of one dropless FSEP layer over W ranks with C slots per device, on the busiest rank, as
     `cost_model.ep.ep_layer` prices EP (`x`: the same symbol names, numbers or symbols).
 
@@ -230,12 +231,14 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     - compute: the busiest device's T*K*rho rows, forward + backward (`ep.compute_time`);
     - token all-to-all: dispatch and combine, forward and backward, pipelined in n chunks behind the
       expert compute (`schedule.pipeline_time`, as EP), plus the split-size exchange;
-    - other: the restore (C*S_e/W elements per pair, b bytes) and, in the backward, the gradient slices
-      back (b_g bytes), `restore_time` each, exposed: the rewrite issues the restore behind the dispatch
-      on the same links and waits for it before the experts;
-    - memory: the 1/W shards of all E experts with grads and optimizer state (s), the C restored experts
-      autograd keeps for the backward (b), and the busiest device's activations (`ep.memory_per_rank`'s
-      estimate). The C restored gradients (C*S_e*b_g) live one layer at a time: the caller adds them once.
+    - other: the restore (C*S_e/W elements per pair, b bytes), in the backward the restore again (b; not
+      with `keep_restored`, `Plan.keep_restored`) and the gradient slices back (b_g bytes), `restore_time`
+      each, exposed: the rewrite issues the restore behind the dispatch on the same links and waits for it
+      before the experts;
+    - memory: the 1/W shards of all E experts with grads and optimizer state (s), the busiest device's
+      activations (`ep.memory_per_rank`'s estimate) and, with `keep_restored`, the C restored experts
+      autograd keeps from the forward to the backward (b). Without it the restored experts, and in any case
+      the C restored gradients (C*S_e*b_g), live one layer at a time: the caller adds them once.
     """
     from cost_model.schedule import pipeline_time
 
@@ -248,9 +251,11 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     a2a = (pipeline_time(n, transfer, fwd_compute, x["alpha"]) + pipeline_time(n, transfer, compute - fwd_compute,
                                                                                  x["alpha"]) - compute + x["alpha"])
     S_e = expert_elements(D, F, m)
-    restores = sum(restore_time(C, S_e, W, x["G"], b, x["B_intra"], x["B_inter"], x["alpha"])
-                   for b in (x["b"], x["b_g"]))
-    memory = ep_formulas.memory_per_rank(x["E"], W, D, F, m, x["s"], rows, x["b"]) + C * S_e * x["b"]
+    exchanged = (x["b"], x["b_g"]) if keep_restored else (x["b"], x["b"], x["b_g"])
+    restores = sum(restore_time(C, S_e, W, x["G"], b, x["B_intra"], x["B_inter"], x["alpha"]) for b in exchanged)
+    memory = ep_formulas.memory_per_rank(x["E"], W, D, F, m, x["s"], rows, x["b"])
+    if keep_restored:
+        memory += C * S_e * x["b"]
     host = ep_formulas.host_time(rows, D, F, C, 1, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
                                  c_row=x.get("c_row", 0), c_act=x.get("c_act", 0))
     return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=restores, memory=memory, a2a_bytes=intra + inter,

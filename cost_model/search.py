@@ -458,8 +458,9 @@ def _fsep_candidate(shapes: list[BlockShape], routing: tuple[Routed, ...], hw: H
         total = terms if total is None else total + terms
     assert total is not None
     v = hw.values()
-    grads = max(C * float(fsep_formulas.expert_elements(s.D, s.F, s.m)) * v["b_g"] for s in shapes)
-    total = total + LayerTerms(0, 0, 0, grads, 0)  # one layer's restored gradients at a time
+    # one layer's restored experts and their gradients at a time (Plan.keep_restored=False, the default)
+    grads = max(C * float(fsep_formulas.expert_elements(s.D, s.F, s.m)) * (v["b"] + v["b_g"]) for s in shapes)
+    total = total + LayerTerms(0, 0, 0, grads, 0)
     notes = []
     feasible = float(total.memory) <= float(hw.memory)
     if not feasible:

@@ -31,6 +31,9 @@ class Plan:
     packing: int | str = 1
     slots_per_device: int | None = None  # FSEP: expert slots per device (C); None: ceil(E/P) + 1
     planner: Any = "auto"  # FSEP placement: "auto" (load-adaptive), "static" (even), or planner(counts_PE, table)
+    # FSEP: keep each layer's C restored experts from its forward to its backward (+C*S elements per layer
+    # alive until its backward) instead of restoring them again in the backward (one restore fewer per step)
+    keep_restored: bool = False
     heads: int | None = None  # HP: latent heads H of the converted Multi-Head LatentMoE; None: the world size
     head_dim: int | None = None  # HP: width h of a head; None: hidden // heads
     lowering: str = "auto"
@@ -90,8 +93,9 @@ class Plan:
             if value is not None and self.form not in ("hp", "auto"):
                 raise PlanError(f"Plan.{name}={value!r} has no effect with form={self.form!r}: it shapes the "
                                 f"Multi-Head LatentMoE of form='hp'. Use form='hp', or leave it None.")
-        if not isinstance(self.expert_recompute, bool):
-            raise PlanError(f"Plan.expert_recompute={self.expert_recompute!r} is invalid: use True or False.")
+        for name in ("expert_recompute", "keep_restored"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")
         _not_implemented(self)
         _hardware(self.hardware)
         for pattern, override in self.blocks.items():
@@ -147,6 +151,9 @@ def _not_implemented(plan: Plan) -> None:
     if plan.form == "fsep" and plan.packing != 1:
         raise PlanError(f"Plan.packing={plan.packing!r} has no effect with form='fsep': FSEP replicates experts "
                         f"itself (slots_per_device, planner). Leave packing at 1, or use form='ep'.")
+    if plan.keep_restored and plan.form not in ("fsep", "auto"):
+        raise PlanError(f"Plan.keep_restored=True has no effect with form={plan.form!r}: it keeps FSEP's restored "
+                        f"experts for the backward. Use form='fsep', or leave it False.")
     if plan.planner != "auto" and plan.form not in ("fsep", "auto"):
         raise PlanError(f"Plan.planner={plan.planner!r} has no effect with form={plan.form!r}: it places the expert "
                         f"slots of FSEP. Use form='fsep', or leave it 'auto'.")

@@ -287,11 +287,12 @@ def fsep_by_hand(counts_WE: np.ndarray, hw, *, C: int, G: int, D: int, F: int, m
     a2a = pipeline(fwd) + pipeline(2 * fwd) - 3 * fwd + v["alpha"]  # + the split-size exchange
     S_e = m * D * F
     per_pair = C * S_e / W
+    # the restore, the restore again in the backward (Plan.keep_restored=False), the gradient slices back
     restores = sum(v["alpha"] + per_pair * b * ((G - 1) / v["B_intra"] + (W - G) / v["B_inter"])
-                   for b in (v["b"], v["b_g"]))
+                   for b in (v["b"], v["b"], v["b_g"]))
     step = layers * (3 * fwd + a2a + restores)
-    memory = layers * (E * S_e / W * v["s"] + C * S_e * v["b"] + busiest * (2 * D + m * F) * v["b"]) + (
-        C * S_e * v["b_g"])
+    memory = layers * (E * S_e / W * v["s"] + busiest * (2 * D + m * F) * v["b"]) + (
+        C * S_e * (v["b"] + v["b_g"]))  # one layer's restored experts and gradients at a time
     return step, memory
 
 
@@ -320,7 +321,7 @@ def test_fsep_is_priced_next_to_ep_and_loses_by_its_restore_under_balanced_routi
         assert c.step == pytest.approx(step, rel=1e-9), c.label
         assert float(c.terms.memory) == pytest.approx(memory, rel=1e-9), c.label
         if c.slots == 1:  # one expert per device: EP over the 8 ranks, plus the restore and the slices back
-            restore = sum(v["alpha"] + S_e / W * b * (W - 1) / v["B_intra"] for b in (v["b"], v["b_g"]))
+            restore = sum(v["alpha"] + S_e / W * b * (W - 1) / v["B_intra"] for b in (v["b"], v["b"], v["b_g"]))
             assert c.step == pytest.approx(_ep(result, W, c.a2a_chunks).step + L * restore, rel=1e-9)
     best_fsep = min(fsep, key=lambda c: c.step)
     assert best_fsep.slots == 1 and best_fsep.step > result.best.step

@@ -153,7 +153,7 @@ def test_hf_mixtral_parity(world, nodes):
 # ----------------------------------------------------------------------------------------------
 
 
-def case_restore_bytes(rank, world, steps, C):
+def case_restore_bytes(rank, world, steps, C, keep_restored=False):
     """Per step: restore bytes by kind; the parameter and optimizer-state storages, before and after."""
     import moepass
     from moepass.rewrite.fsep import controllers
@@ -161,7 +161,8 @@ def case_restore_bytes(rank, world, steps, C):
 
     torch.manual_seed(0)
     cm = moepass.compile(tiny_mixtral(style="fused", **CFG),
-                         moepass.Plan(form="fsep", planner=rotating_planner, slots_per_device=C))
+                         moepass.Plan(form="fsep", planner=rotating_planner, slots_per_device=C,
+                                      keep_restored=keep_restored))
     opt = torch.optim.Adam(cm.parameters(), lr=1e-3)
     storages = lambda: {n: p.to_local().data_ptr() if hasattr(p, "to_local") else p.data_ptr()  # noqa: E731
                         for n, p in cm.named_parameters()}
@@ -206,6 +207,27 @@ def test_restore_bytes_fixed_and_relayout_moves_nothing():
         assert r["local_expert_elems"] == layers * E * S // world  # parameter memory: E*S/W per layer
         restored = [(C, D, 2 * F), (C, 2 * F, D), (C, F, D), (C, D, F)]  # whole experts, any layout
         assert not [s for s in r["saved_shapes"] if s in restored]  # ... and C*S only while a layer runs
+
+
+def test_keep_restored_trades_the_backward_restore_for_memory():
+    """Plan.keep_restored: exact as the default, one restore fewer per layer-step, the C whole experts kept."""
+    C, world = 5, 2
+    reports = pool(world).run(case_parity, "fused", form="fsep", planner=rotating_planner, slots_per_device=C,
+                              steps=3, keep_restored=True)
+    assert max(r["grad"] for r in reports) < 1e-4 and max(r["param"] for r in reports) < 1e-4
+    D, F, layers = CFG["dim"], CFG["ffn_dim"], CFG["layers"]
+    S = 3 * D * F
+    for r in pool(world).run(case_restore_bytes, 2, C, True):
+        for step in r["per_step"]:
+            assert set(step) == {"restore", "restore_bwd"}, step
+            assert all(k["intra"] == layers * (world - 1) * C * S // world * 4 for k in step.values()), step
+        kept = [s for s in r["saved_shapes"] if s in [(C, 2 * F, D), (C, D, F)]]  # fused gate_up, down
+        assert len(kept) == 2 * layers, r["saved_shapes"]
+    from moepass import Plan, PlanError
+
+    with pytest.raises(PlanError, match=r"Plan.keep_restored=True has no effect with form='ep': it keeps FSEP's "
+                                        r"restored experts for the backward. Use form='fsep', or leave it False."):
+        Plan(form="ep", keep_restored=True)
 
 
 # ----------------------------------------------------------------------------------------------

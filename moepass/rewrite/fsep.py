@@ -17,6 +17,10 @@ buckets, plus the restore of the weights:
     w_j            = assemble(recv_GS)[j]                                          # [C, a, ...]: C whole experts
     y = moe.expert_ffn(x_MD, counts_C, w_*) ... unpermute, combine (as EP)
 
+The expert FFN keeps a `Restore` handle rather than the C whole experts: the backward restores them again
+(kind "restore_again"), so restored weights live one layer at a time. `Plan(keep_restored=True)` keeps them
+from the forward instead (C*S more elements alive per layer until its backward, one restore fewer).
+
 `moe_comm.equal_all_to_all` (kind "restore") is a balanced, fixed-shape all_to_all: every pair exchanges
 C·S/P elements, every step. Its backward returns each slice's gradient to its owner and `index_select`'s backward sums the
 replicas' contributions into [E, S/P] (the reduce-scatter of the technique). A new table changes only
@@ -417,6 +421,9 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
             recv = b.fn(comm.WAIT, pending, name="restore_recv")
             experts = b.fn(assemble, recv, P, tuple(shapes[n] for n in params), name="restored")
             restored = {name: b.item(experts, j, f"{_node(name)}_slots") for j, name in enumerate(params)}
+            if plan.keep_restored:  # autograd keeps the C whole experts until this layer's backward
+                return canonical.expert_weights(
+                    b, spec.experts, lambda source, role: b.view(source, restored[attrs[role]], f"{role}_w"))
             # the backward restores again rather than keeping every layer's C whole experts alive
             again = b.fn(Restore, shards, slot_expert, group_name, tuple(shapes[n] for n in params), P,
                          name="restore_again")
@@ -435,6 +442,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
                                       route=route, issue_weights=issue_restore, axis="S")
     stats: dict[str, Any] = {"experts": E, "slots_per_device": C, "fsep_size": P, "dp_size": groups.dp_size,
              "replicas": P * C - E, "planner": plan.planner if isinstance(plan.planner, str) else "callable",
+             "backward_restore": "kept from the forward" if plan.keep_restored else "restored again",
              "capacity": counts["capacity"]}
     gm.form = PASS
     gm.layout = layout

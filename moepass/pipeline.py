@@ -90,6 +90,7 @@ def resolve(spec: MoESpec, plan: Plan) -> tuple[MoESpec, Plan]:
 def finalize(model: nn.Module) -> None:
     """Model-level set-up after every block is rewritten (EP, FSEP: DDP ignores the expert parameters)."""
     experts.finalize_model(model)
+    fsep.chain_restores(model)  # each FSEP block prefetches the next blocks' restores
 
 
 def run_pass(name: str, fn: Pass, gm: MoEGraphModule, plan: Plan, verify: bool) -> MoEGraphModule:

@@ -18,6 +18,7 @@ FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")
 MATH_CHANGING_FORMS = ("hp", "locality")
 LOWERINGS = ("auto", "triton", "torch")
 DEFAULT_MICRO_OP_BYTES = 30 * 2**20
+DEFAULT_PREFETCH_DEPTH = 2
 
 
 @dataclass(frozen=True, init=False)
@@ -34,6 +35,7 @@ class Plan:
     # FSEP: keep each layer's C restored experts from its forward to its backward (+C*S elements per layer
     # alive until its backward) instead of restoring them again in the backward (one restore fewer per step)
     keep_restored: bool = False
+    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH  # FSEP: later blocks whose restore a block issues behind its expert compute; 0: none
     heads: int | None = None  # HP: latent heads H of the converted Multi-Head LatentMoE; None: the world size
     head_dim: int | None = None  # HP: width h of a head; None: hidden // heads
     lowering: str = "auto"
@@ -74,6 +76,9 @@ class Plan:
             )
         _count_or_auto("a2a_chunks", self.a2a_chunks)
         _count_or_auto("packing", self.packing)
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise PlanError(f"Plan.prefetch_depth={self.prefetch_depth!r} is invalid: use an int >= 0 (0: each FSEP "
+                            f"block restores its own experts; n: a block issues the next n blocks' restores).")
         if not isinstance(self.micro_op_bytes, int) or self.micro_op_bytes < 1:
             raise PlanError(f"Plan.micro_op_bytes={self.micro_op_bytes!r} is invalid: use a positive byte count.")
         if self.slots_per_device is not None and (
@@ -151,6 +156,10 @@ def _not_implemented(plan: Plan) -> None:
     if plan.form == "fsep" and plan.packing != 1:
         raise PlanError(f"Plan.packing={plan.packing!r} has no effect with form='fsep': FSEP replicates experts "
                         f"itself (slots_per_device, planner). Leave packing at 1, or use form='ep'.")
+    if plan.prefetch_depth != DEFAULT_PREFETCH_DEPTH and plan.form not in ("fsep", "auto"):
+        raise PlanError(f"Plan.prefetch_depth={plan.prefetch_depth!r} has no effect with form={plan.form!r}: it "
+                        f"prefetches FSEP's expert restores. Use form='fsep', or leave it at "
+                        f"{DEFAULT_PREFETCH_DEPTH}.")
     if plan.keep_restored and plan.form not in ("fsep", "auto"):
         raise PlanError(f"Plan.keep_restored=True has no effect with form={plan.form!r}: it keeps FSEP's restored "
                         f"experts for the backward. Use form='fsep', or leave it False.")

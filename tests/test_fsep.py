@@ -230,6 +230,73 @@ def test_keep_restored_trades_the_backward_restore_for_memory():
         Plan(form="ep", keep_restored=True)
 
 
+class Reversed(torch.nn.Module):
+    """Two MoE blocks registered as a, b whose forward runs b first: the prefetch chain's order is wrong."""
+
+    def __init__(self):
+        super().__init__()
+        from samples.models import LoopMoE
+
+        self.a, self.b = (LoopMoE(CFG["dim"], CFG["ffn_dim"], CFG["num_experts"], CFG["top_k"]) for _ in range(2))
+
+    def forward(self, x):
+        return self.a(torch.tanh(self.b(x)))
+
+
+def case_prefetch(rank, world, steps):
+    """Per block: restores prefetched by the block before it, over `steps` training steps with a placement
+    that changes every step; a model whose blocks run in the other order trained with SGD next to the same
+    model under EP (which has no prefetch): outputs per step."""
+    import copy
+
+    import moepass
+    from moepass.rewrite.fsep import controllers
+    from moepass.runtime.grads import all_reduce_replicated_grads
+    from samples.models import tiny_mixtral
+
+    torch.manual_seed(0)
+    cm = moepass.compile(tiny_mixtral(style="fused", **{**CFG, "layers": 3}),
+                         moepass.Plan(form="fsep", planner=rotating_planner, slots_per_device=5))
+    for step in range(steps):
+        tokens = torch.randint(0, CFG["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(step + 10 * rank))
+        cm.loss(tokens).backward()
+    hits = {path: c.prefetched_restores for path, c in controllers(cm).items()}
+    torch.manual_seed(1)
+    model = Reversed()
+    em = moepass.compile(copy.deepcopy(model), moepass.Plan(form="ep"))
+    rm = moepass.compile(model, moepass.Plan(form="fsep", planner=rotating_planner, slots_per_device=5))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (rm, em)]
+    errors = []
+    for step in range(steps):
+        x = torch.randn(3, 4, CFG["dim"], generator=torch.Generator().manual_seed(step + 10 * rank))
+        outs = [m(x) for m in (rm, em)]
+        errors.append(float((outs[0] - outs[1]).detach().abs().max()))
+        for m, out, opt in zip((rm, em), outs, opts):
+            (out * out).sum().backward()
+            all_reduce_replicated_grads(m)
+            opt.step()
+            opt.zero_grad()
+    chain = next(iter(controllers(rm).values())).chain
+    return {"hits": hits, "errors": errors, "enabled": chain.enabled,
+            "reversed_hits": [c.prefetched_restores for c in controllers(rm).values()]}
+
+
+def test_prefetch_issues_later_blocks_restores_and_falls_back_when_the_order_is_wrong():
+    """Plan.prefetch_depth=2 (the default): block i issues blocks i+1 and i+2's restores behind its expert
+    compute; every block after the first uses them, every step, with the table that changes every step
+    (parity with it on is in every other test here). Blocks that run in another order than registered
+    stay exact: the unused prefetch is dropped and the chain stops prefetching."""
+    for r in pool(2).run(case_prefetch, 3):
+        assert r["hits"] == {"layers.0.mlp": 0, "layers.1.mlp": 3, "layers.2.mlp": 3}, r["hits"]
+        assert max(r["errors"]) < 1e-5 and not r["enabled"] and r["reversed_hits"] == [0, 0], r
+    from moepass import Plan, PlanError
+
+    with pytest.raises(PlanError, match=r"Plan.prefetch_depth=-1 is invalid: use an int >= 0"):
+        Plan(form="fsep", prefetch_depth=-1)
+    with pytest.raises(PlanError, match=r"Plan.prefetch_depth=1 has no effect with form='ep'"):
+        Plan(form="ep", prefetch_depth=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: FSEP at W=4 -> EP at W=2 -> the original model.
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +342,7 @@ def test_fake_pg_world_64_graph_table_and_bytes():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import moepass
-    from moepass.rewrite.fsep import controllers
+    from moepass.rewrite.fsep import controllers, restore_issue, restore_prefetch
     from moepass.runtime import collectives as comm
     from samples.models import tiny_mixtral
 
@@ -295,13 +362,17 @@ def test_fake_pg_world_64_graph_table_and_bytes():
         nodes_of = [{(g // C) // 8 for g, x in enumerate(table) if x == e} for e in range(E)]
         assert all(len(n) == 4 for n in nodes_of)  # ... on 4 different nodes (node-spreading)
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-        assert targets.count(comm.EQUAL_ALL_TO_ALL) == 1 and targets.count(comm.ALL_TO_ALL) == 2
+        # the restore (an equal all_to_all, or the one an earlier block prefetched), then the next blocks'
+        assert targets.count(restore_issue) == 1 and targets.count(restore_prefetch) == 1
+        assert targets.count(comm.EQUAL_ALL_TO_ALL) == 0 and targets.count(comm.ALL_TO_ALL) == 2
+        assert "restore: issues the next 2 FSEP blocks' restores behind its expert compute; 0 of its own restores " \
+               "were prefetched" in gm.layout.describe(gm)
         assert targets.count(comm.GATHER_COUNTS) == 1  # the planner's counts ("auto")
         mode = FakeTensorMode(shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True), allow_non_fake_inputs=True)
         FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(2, 5, D)))
         by_name = {n.name: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
         S = 3 * D * F  # one expert: gate and up [F, D] + down [D, F]
-        assert by_name["restore_send"].shape == (world * C, S // world)  # C*S/W elements to every peer
+        assert by_name["restore"].shape == (world * C, S // world)  # C*S/W elements to every peer
         assert by_name["w_gate_up_slots"].shape == (C, D, 2 * F)
         assert by_name["out"].shape == (2, 5, D)
         assert by_name["slots_TK"].shape == (10, 4)

@@ -14,12 +14,21 @@ buckets, plus the restore of the weights:
     ... permute by slot, exchange counts, dispatch (as EP, buckets = P*C slots, L = C) ...
     send_GS        = cat_j(index_select(shard_j.flatten(1), 0, slot_expert_S))    # my slice of each slot's expert
     recv_GS        = wait(moe_comm.equal_all_to_all(send_GS, "restore"))           # issued after the dispatch
+                                                    # (restore_issue: or the one an earlier block prefetched)
+    restore_prefetch(...)                                                          # the next blocks' restores
     w_j            = assemble(recv_GS)[j]                                          # [C, a, ...]: C whole experts
     y = moe.expert_ffn(x_MD, counts_C, w_*) ... unpermute, combine (as EP)
 
 The expert FFN keeps a `Restore` handle rather than the C whole experts: the backward restores them again
 (kind "restore_again"), so restored weights live one layer at a time. `Plan(keep_restored=True)` keeps them
 from the forward instead (C*S more elements alive per layer until its backward, one restore fewer).
+
+Prefetch (`Plan.prefetch_depth`, default 2): right after its restore is waited, before its expert compute,
+a block issues the restores of the next blocks (`restore_prefetch`; module order, linked by `chain_restores`
+at compile time), which they then use (`restore_issue`) instead of issuing their own: their weights travel
+behind this block's expert compute, at the cost of prefetch_depth*C*S more elements alive. A prefetched
+restore is used only in the forward that issued it and with the table it gathered; one left unused (blocks
+that run in another order, or skip) is dropped when the backward reaches its issuer, and prefetching stops.
 
 `moe_comm.equal_all_to_all` (kind "restore") is a balanced, fixed-shape all_to_all: every pair exchanges
 C·S/P elements, every step. Its backward returns each slice's gradient to its owner and `index_select`'s backward sums the
@@ -45,9 +54,12 @@ group is smaller than the world.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -210,6 +222,107 @@ class Restore:
 
 
 # ----------------------------------------------------------------------------------------------
+# Prefetch: a block issues the restore of the next blocks behind its own expert compute.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RestoreSource:
+    """What a restore needs besides the table: the block's expert parameters (by name, read when issued, so
+    the values are those of the step) and its group."""
+
+    params: tuple[str, ...]
+    group_name: str
+    block: Callable[[], nn.Module | None] | None = None  # a weak reference to the block, set by chain_restores
+
+    def shards(self) -> list[Tensor]:
+        block = self.block() if self.block is not None else None
+        assert block is not None, "a prefetch needs the FSEP block (chain_restores links it)"
+        return [local_shard(block.get_parameter(name)) for name in self.params]
+
+
+@dataclass
+class Prefetched:
+    """A restore issued ahead by an earlier block: valid for the chain forward it was issued in and the
+    table it gathered."""
+
+    forward: int
+    table: Tensor
+    pending: Tensor
+
+
+@dataclass
+class PrefetchChain:
+    """The FSEP blocks of one model in the order their forwards run (registration order, checked as they
+    run). `forward` counts training forwards: it advances when a block enters at or before the position of
+    the last one that entered. A prefetched restore that was not used (the blocks ran in another order, or
+    one was skipped) is completed and dropped, and the chain stops prefetching (logged once): it never
+    uses a restore issued for another forward or table."""
+
+    members: list[FSEPPlacement]
+    forward: int = 0
+    last: int = -1
+    enabled: bool = True
+
+    def entered(self, controller: FSEPPlacement) -> None:
+        if controller.position <= self.last:
+            self.forward += 1
+        self.last = controller.position
+
+    def missed(self, controller: FSEPPlacement) -> None:
+        if self.enabled:
+            log.warning("FSEP restore prefetch is off from now: block %s ran without the restore an earlier block "
+                        "issued for it in this forward (blocks run in another order than registered, or one was "
+                        "skipped); every block restores its own experts instead", controller.block)
+        self.enabled = False
+
+
+@torch.compiler.disable  # the step's host logic: runs eagerly under torch.compile (a graph break)
+def restore_issue(controller: FSEPPlacement, shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
+    """Graph node: this block's restore (pending; `moe_comm.wait` completes it), prefetched or issued now."""
+    if _shape_only() or not controller.training:  # a trace, a checkpoint recompute, eval: no prefetch state
+        return comm.EQUAL_ALL_TO_ALL(gather_slices(shards, slot_expert_S), controller.restore.group_name, "restore")
+    return controller.issue_restore(shards, slot_expert_S)
+
+
+def _drop_unused(issued: list[tuple[FSEPPlacement, Prefetched]], grad: Tensor) -> None:
+    """Backward hook of a prefetching block: the restores it issued that no later block used are stale now."""
+    for later, entry in issued:
+        if later._prefetched is entry:
+            later._prefetched = None
+            comm.WAIT(entry.pending)
+            if later.chain is not None:
+                later.chain.missed(later)
+
+
+@torch.compiler.disable
+def restore_prefetch(controller: FSEPPlacement, restored: Tensor) -> None:
+    """Graph node, right after this block's restore is waited (`restored`), before its expert compute: issue
+    the next blocks' restores so they travel behind this block's expert compute."""
+    if controller.training and not _shape_only():
+        controller.prefetch(restored)
+
+
+fx.node.has_side_effect(restore_prefetch)
+
+
+def chain_restores(model: nn.Module) -> int:
+    """Link the FSEP blocks of `model` (module order) so each prefetches the next ones' restores; returns the
+    number of blocks linked. Called once by `moepass.compile` after every block is rewritten."""
+    members = []
+    for module in model.modules():
+        if isinstance(module, MoEGraphModule) and isinstance(module.layout, FSEPLayout):
+            controller = module.get_submodule(module.layout.controller)
+            assert isinstance(controller, FSEPPlacement) and controller.restore is not None
+            controller.restore.block = weakref.ref(module)
+            members.append(controller)
+    chain = PrefetchChain(members)
+    for position, controller in enumerate(members):
+        controller.chain, controller.position = chain, position
+    return len(members)
+
+
+# ----------------------------------------------------------------------------------------------
 # The placement controller: this step's table; planning off the critical path.
 # ----------------------------------------------------------------------------------------------
 
@@ -233,9 +346,16 @@ class FSEPPlacement(nn.Module):
     """The placement table of one FSEP block and the planner that changes it (see module doc)."""
 
     def __init__(self, block: str, config: placement.PlannerConfig, rank: int, planner: str | Planner,
-                 table: placement.PlacementTable):
+                 table: placement.PlacementTable, restore: RestoreSource | None = None, prefetch_depth: int = 0):
         super().__init__()
         self.block, self.config, self.rank, self.planner = block, config, rank, planner
+        self.restore = restore  # how to issue this block's restore from outside its graph (a prefetch)
+        self.prefetch_depth = prefetch_depth  # later blocks whose restore this one issues ahead
+        self.chain: PrefetchChain | None = None  # set by `chain_restores(model)`
+        self.position = 0  # index in the chain
+        self._advanced_in = -1  # the chain forward in which this controller last advanced
+        self._prefetched: Prefetched | None = None
+        self.prefetched_restores = 0  # restores of this block an earlier block issued (and this one used)
         self.slot_expert: Tensor
         self.register_buffer("slot_expert", table.as_tensor("cpu"), persistent=False)
         self.history = placement.CountHistory(config.history, config.W, config.E)
@@ -255,17 +375,68 @@ class FSEPPlacement(nn.Module):
     def forward(self) -> Tensor:
         """This step's table: install the layout planned after the previous step first."""
         if self.training and not _shape_only():
-            self.step += 1
-            if self._pending is not None:
-                start = time.perf_counter()
-                decision: Installed = self._pending.result()
-                decision.wait_s = time.perf_counter() - start
-                self._pending = None
-                decision.step = self.step
-                self.slot_expert = torch.tensor(decision.table, dtype=torch.int64, device=self.slot_expert.device)
-                self.decisions.append(decision)
-                log.debug("%s step %d: %s", self.block, self.step, decision)
+            if self.chain is not None:
+                self.chain.entered(self)
+            self.advance()
         return self.slot_expert
+
+    def advance(self) -> None:
+        """Once per training forward (its own, or an earlier block's prefetch, whichever comes first): count
+        the step and install the layout planned after the previous one."""
+        if self.chain is not None:
+            if self._advanced_in == self.chain.forward:
+                return
+            self._advanced_in = self.chain.forward
+        self.step += 1
+        if self._pending is not None:
+            start = time.perf_counter()
+            decision: Installed = self._pending.result()
+            decision.wait_s = time.perf_counter() - start
+            self._pending = None
+            decision.step = self.step
+            self.slot_expert = torch.tensor(decision.table, dtype=torch.int64, device=self.slot_expert.device)
+            self.decisions.append(decision)
+            log.debug("%s step %d: %s", self.block, self.step, decision)
+
+    def issue_restore(self, shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
+        """This step's restore: the one an earlier block prefetched when it is still right, else issued now."""
+        ahead, self._prefetched = self._prefetched, None
+        if ahead is not None:
+            if self.chain is not None and ahead.forward == self.chain.forward and torch.equal(ahead.table,
+                                                                                               slot_expert_S):
+                self.prefetched_restores += 1
+                return ahead.pending
+            comm.WAIT(ahead.pending)  # issued for a forward that did not run this block: complete and drop it
+            if self.chain is not None:
+                self.chain.missed(self)
+        assert self.restore is not None
+        send = gather_slices(shards, slot_expert_S)
+        return comm.EQUAL_ALL_TO_ALL(send, self.restore.group_name, "restore")
+
+    def prefetch(self, restored: Tensor) -> None:
+        """Issue the restore of the next `prefetch_depth` blocks of the chain that have none pending (their
+        tables installed now, one forward early for them as for everyone: the same on every rank).
+
+        A prefetched restore is good only within this forward: when the backward reaches this block (the
+        gradient of its own `restored` buffer), any it issued that was not used is dropped and the chain stops
+        prefetching — so a restore gathered before an optimizer step is never used after it."""
+        if self.chain is None or not self.chain.enabled or not restored.requires_grad:
+            return
+        issued = []
+        for later in self.chain.members[self.position + 1:self.position + 1 + self.prefetch_depth]:
+            if later._prefetched is not None and later._prefetched.forward == self.chain.forward:
+                continue
+            if later._prefetched is not None:  # a stale one: complete it before issuing the next
+                comm.WAIT(later._prefetched.pending)
+            later.advance()
+            table = later.slot_expert
+            assert later.restore is not None
+            send = gather_slices(later.restore.shards(), table)
+            later._prefetched = Prefetched(self.chain.forward, table,
+                                           comm.EQUAL_ALL_TO_ALL(send, later.restore.group_name, "restore"))
+            issued.append((later, later._prefetched))
+        if issued:
+            restored.register_hook(functools.partial(_drop_unused, issued))
 
     def observe(self, counts_PE: Tensor) -> None:
         """Record this step's gathered counts; plan the next layout in the worker."""
@@ -302,9 +473,11 @@ class FSEPPlacement(nn.Module):
         decision.solve_s = time.perf_counter() - start
         return decision
 
-    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: no thread, no pending work
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: no thread, no pending work, no chain
         state = self.__dict__.copy()
-        state.update(_pending=None, _executor=None, _lock=None)
+        state.update(_pending=None, _executor=None, _lock=None, _prefetched=None, chain=None)
+        if self.restore is not None:  # a copy is linked again by chain_restores, never to this block
+            state["restore"] = dataclasses.replace(self.restore, block=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -358,6 +531,12 @@ class FSEPLayout(ExpertLayout):
         lines += [f"  device {n}: experts {list(table[n * C:(n + 1) * C])}" for n in range(len(table) // C)]
         last = controller.decisions[-1]
         lines.append(f"last decision: step {last.step}, {last.source}" + (f": {last.details}" if last.details else ""))
+        chain = controller.chain
+        ahead = (f"issues the next {controller.prefetch_depth} FSEP blocks' restores behind its expert compute"
+                 if controller.prefetch_depth else "no prefetch (Plan.prefetch_depth=0)")
+        if chain is not None and not chain.enabled:
+            ahead += " (off: the blocks did not run in module order)"
+        lines.append(f"restore: {ahead}; {controller.prefetched_restores} of its own restores were prefetched")
         return lines
 
 
@@ -391,7 +570,9 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
                                                    D=x.hidden_dim, F=x.ffn_dim, gated=x.gated,
                                                    recompute=plan.expert_recompute)
     table = placement.even_table(E, P, C, rpn)
-    controller = FSEPPlacement(spec.path or "<root>", config, groups.ep_rank, plan.planner, table)
+    source = RestoreSource(tuple(params), groups.ep_group.group_name)
+    controller = FSEPPlacement(spec.path or "<root>", config, groups.ep_rank, plan.planner, table, source,
+                               plan.prefetch_depth)
     effects.modules[CONTROLLER] = controller
     group_name = groups.ep_group.group_name
 
@@ -414,11 +595,13 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
         """The restore is issued right behind the token dispatch and waited just before the experts."""
         shards = [b.fn(local_shard, b.attr(name, name=f"{_node(name)}_param"), name=f"{_node(name)}_shard")
                   for name in params]
-        send = b.fn(gather_slices, shards, slot_expert, name="restore_send")
-        pending = b.fn(comm.EQUAL_ALL_TO_ALL, send, group_name, "restore", name="restore")
+        placement_ = b.attr(CONTROLLER, name="restore_placement")
+        pending = b.fn(restore_issue, placement_, shards, slot_expert, name="restore")
 
         def weights() -> list[fx.Node | None]:
             recv = b.fn(comm.WAIT, pending, name="restore_recv")
+            if plan.prefetch_depth:
+                b.fn(restore_prefetch, placement_, recv, name="restore_prefetch")
             experts = b.fn(assemble, recv, P, tuple(shapes[n] for n in params), name="restored")
             restored = {name: b.item(experts, j, f"{_node(name)}_slots") for j, name in enumerate(params)}
             if plan.keep_restored:  # autograd keeps the C whole experts until this layer's backward

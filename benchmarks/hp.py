@@ -57,9 +57,10 @@ peer (intra + inter, not self) by every moepass collective: EP counts + dispatch
 hp_dispatch + hp_combine (+ backward); plus DDP's gradient all-reduce (its bucket bytes, seen through
 `events.ddp_logging_hook`; a ring at W=2 sends each rank's buffer once).
 
-Workaround (a moepass bug, not fixed here): `moepass.compile(..., Plan(form="hp"))` leaves the DTensor buffer
-`selection_bias` off DDP's ignore list, so `DDP(cm)` fails in its initial broadcast ("aten.cat.default got
-mixed torch.Tensor and DTensor"); `ddp_ignore_dtensor_buffers` adds them (the EP models have none).
+DDP and HP's sharded buffers: `moepass.compile(..., Plan(form="hp"))` puts the DTensor buffer `selection_bias`
+on DDP's ignore list itself (`moepass.rewrite.experts.finalize_model`; before that fix `DDP(cm)` failed in its
+initial broadcast, "aten.cat.default got mixed torch.Tensor and DTensor"). `ddp_ignore_dtensor_buffers`, the
+workaround this benchmark was first run with, is kept: it now re-adds names already there (the JSON lists them).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def shapes(sizes: dict) -> dict:
 
 
 def ddp_ignore_dtensor_buffers(cm) -> list[str]:
-    """Workaround for the moepass bug in the module doc: DDP ignores HP's DTensor selection-bias buffers too."""
+    """DDP ignores HP's DTensor selection-bias buffers (moepass does this itself now; see the module doc)."""
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel as DDP
 

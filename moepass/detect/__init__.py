@@ -16,6 +16,7 @@ from torch import nn
 from moepass.detect import fused_experts, gshard, loop_experts, self_described
 from moepass.detect.candidates import SELF_DESCRIBED, Candidate, find_candidates, find_dense_mlps
 from moepass.detect.check import CheckResult, semantic_check
+from moepass.detect.structure import structural_key
 from moepass.spec import MoESpec
 
 Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
@@ -56,6 +57,7 @@ class BlockReport:
     check: CheckResult | None = None
     reason: str = ""
     tried: list[CheckResult] = field(default_factory=list)
+    same_as: str | None = None  # the block whose verdict this one reuses (identical structure: not re-checked)
 
 
 @dataclass
@@ -77,10 +79,12 @@ class DetectionReport:
     def summary(self) -> str:
         lines = [f"{len(self.blocks)} MoE block(s) accepted, {len(self.rejected)} rejected"]
         for d in self.details:
+            same = f" (structure identical to {d.same_as or '<root>'}: its check)" if d.same_as is not None else ""
             if d.accepted and d.spec is not None and d.check is not None:
-                lines.append(f"  {d.path or '<root>'}: {d.recogniser}: {d.spec.summary()}; check {d.check.describe()}")
+                lines.append(f"  {d.path or '<root>'}: {d.recogniser}: {d.spec.summary()}; check "
+                             f"{d.check.describe()}{same}")
             else:
-                lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}")
+                lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}{same}")
         for path in self.dense:
             lines.append(f"  {path}: dense FFN, not MoE")
         return "\n".join(lines)
@@ -112,7 +116,20 @@ def detect_block(candidate: Candidate) -> BlockReport:
 
 
 def detect(model: nn.Module) -> DetectionReport:
-    """Detect the MoE blocks of `model` (read-only)."""
-    details = [detect_block(c) for c in find_candidates(model)]
+    """Detect the MoE blocks of `model` (read-only). A block structurally identical to one already checked
+    (`moepass.detect.structure`) gets that block's verdict, its spec re-rooted at its own path."""
+    details: list[BlockReport] = []
+    checked: dict[object, BlockReport] = {}
+    for candidate in find_candidates(model):
+        key = structural_key(candidate.module)
+        first = checked.get(key) if key is not None else None
+        if first is None:
+            details.append(detect_block(candidate))
+            if key is not None:
+                checked[key] = details[-1]
+            continue
+        details.append(BlockReport(candidate.path, first.module_type, first.accepted, first.recogniser,
+                                   first.spec.replace(path=candidate.path) if first.spec is not None else None,
+                                   first.check, first.reason, same_as=first.path))
     moe_paths = [d.path for d in details]
     return DetectionReport(details=details, dense=find_dense_mlps(model, moe_paths))

@@ -64,6 +64,33 @@ def step_bytes(T, H, h, ep, b):
     return A2A_PER_LAYER * exchange_elements(T, H, h, ep) * b
 
 
+# ---- HP with EP inside (Plan(form="hp", head_ep_size=P); moepass.rewrite.hp_ep) ----------------------
+# G head groups of P ranks: the HP exchange runs over the G ranks sharing an ep index, the expert exchange
+# over the P ranks of a head group. Per rank and direction:
+
+
+def hp_ep_hp_elements(T, H, h, G):
+    """HP exchange: elements a rank sends to the other G-1 ranks of its HP group, whatever K (T*Q/G to each)."""
+    return exchange_elements(T, H, h, G)
+
+
+def hp_ep_routed_elements(T, H, h, K):
+    """Expert exchange: elements a rank's dispatch splits over its EP group, its own part included: the
+    G*T received tokens x H/G heads x K choices = T*H*K rows of width h, whatever G and P."""
+    return sub_token_rows(T, H, K) * h
+
+
+def hp_ep_expert_elements(T, H, h, K, P):
+    """Expert exchange: elements a rank sends to the other P-1 ranks of its EP group under uniform routing
+    (the exact split follows the routing; the count exchange carries it)."""
+    return hp_ep_routed_elements(T, H, h, K) * (P - 1) / P
+
+
+def hp_ep_step_bytes(T, H, h, K, G, P, b):
+    """Bytes one rank sends per layer step (dispatch + combine, forward and backward) under uniform routing."""
+    return A2A_PER_LAYER * (hp_ep_hp_elements(T, H, h, G) + hp_ep_expert_elements(T, H, h, K, P)) * b
+
+
 # ---- compute ---------------------------------------------------------------------------------------
 
 

@@ -71,6 +71,19 @@ def _shard_index(layout: ExpertLayout, local: Tensor, dim: int) -> Index:
     return rows if dim == 0 else (*(slice(None),) * dim, rows)
 
 
+def _placed_index(param: DTensor, local: Tensor, dim: int) -> Index:
+    """Where this rank's shard of `param` (evenly sharded on `dim`, over one mesh dim or several: HP with EP
+    inside shards experts over "hp" then "ep", routers over "hp" only) lies in the full tensor."""
+    mesh, index = param.device_mesh, 0
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "a rank outside the parameter's mesh has no shard"
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard) and placement.dim == dim:  # DTensor's order: left to right
+            index = index * mesh.size(mesh_dim) + coordinate[mesh_dim]
+    rows = slice(index * local.shape[dim], (index + 1) * local.shape[dim])
+    return rows if dim == 0 else (*(slice(None),) * dim, rows)
+
+
 def logical_state_dict(model: nn.Module, full: bool = False) -> dict[str, Tensor]:
     """The state dict of `model` as the original (un-rewritten) model names it. See the module doc."""
     stacked = _stacked_keys(model)
@@ -161,7 +174,8 @@ def logical_grads(model: nn.Module) -> dict[str, tuple[Tensor, Index]]:
             out.update({originals[e]: (part, index) for e, part in _expert_entries(layout, grad)})
         elif name in experts:
             layout = experts[name]
-            out[name] = (grad, _shard_index(layout, grad, layout.shard_dim))
+            out[name] = (grad, _placed_index(p, grad, layout.shard_dim) if isinstance(p, DTensor)
+                         else _shard_index(layout, grad, layout.shard_dim))
         else:
             out[name] = (grad, None)
     return out

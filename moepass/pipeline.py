@@ -69,7 +69,11 @@ def convert(spec: MoESpec, block: nn.Module, plan: Plan) -> tuple[MoESpec, nn.Mo
     from moepass.runtime.topology import resolve as resolve_world
 
     _, world = resolve_world(plan.topology, plan.ep_size)
-    latent_block, shape = latent.convert(spec, block, plan, world)
+    if world % plan.head_ep_size:
+        raise PlanError(f"Plan.head_ep_size={plan.head_ep_size} is invalid for block {spec.path or '<root>'}: it must "
+                        f"divide the {world} ranks of the block (Plan.ep_size, None: the world size) into head "
+                        f"groups; use a divisor of {world}.")
+    latent_block, shape = latent.convert(spec, block, plan, world // plan.head_ep_size)  # heads over head groups
     record = {"pass": "convert:hp", "seconds": 0.0, "changed": True,
               "stats": {"math": "changed (fresh Multi-Head LatentMoE, named by Plan.form='hp')",
                         "latent": shape.summary()}}

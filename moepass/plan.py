@@ -38,6 +38,9 @@ class Plan:
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH  # FSEP: later blocks whose restore a block issues behind its expert compute; 0: none
     heads: int | None = None  # HP: latent heads H of the converted Multi-Head LatentMoE; None: the world size
     head_dim: int | None = None  # HP: width h of a head; None: hidden // heads
+    # HP with EP inside: the ep_size ranks of a block (its model-parallel group) form ep_size/head_ep_size head
+    # groups (heads sharded over them) of head_ep_size ranks (a group's experts sharded over them); 1: pure HP
+    head_ep_size: int = 1
     lowering: str = "auto"
     deterministic: bool = False
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
@@ -98,6 +101,16 @@ class Plan:
             if value is not None and self.form not in ("hp", "auto"):
                 raise PlanError(f"Plan.{name}={value!r} has no effect with form={self.form!r}: it shapes the "
                                 f"Multi-Head LatentMoE of form='hp'. Use form='hp', or leave it None.")
+        if isinstance(self.head_ep_size, bool) or not isinstance(self.head_ep_size, int) or self.head_ep_size < 1:
+            raise PlanError(f"Plan.head_ep_size={self.head_ep_size!r} is invalid: use a positive int dividing ep_size "
+                            f"(1: pure head parallel).")
+        if self.head_ep_size != 1 and self.form != "hp":
+            raise PlanError(f"Plan.head_ep_size={self.head_ep_size!r} has no effect with form={self.form!r}: it puts "
+                            f"expert parallel inside the head groups of form='hp'. Use form='hp', or leave it 1.")
+        if self.head_ep_size != 1 and self.ep_size is not None and self.ep_size % self.head_ep_size:
+            raise PlanError(f"Plan.head_ep_size={self.head_ep_size} is invalid with Plan.ep_size={self.ep_size}: the "
+                            f"ep_size ranks of a block must split into head groups of head_ep_size ranks; use a "
+                            f"head_ep_size dividing {self.ep_size}.")
         for name in ("expert_recompute", "keep_restored"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from moepass import canonical
 from moepass.canonical import MoEGraphModule
@@ -58,7 +58,7 @@ def local_shard(param: Tensor) -> Tensor:
 
 
 def as_dtensor(local: Tensor, groups: EPGroups, shard_dim: int, requires_grad: bool) -> nn.Parameter:
-    dt = DTensor.from_local(local, groups.mesh, [Replicate(), Shard(shard_dim)], run_check=False)
+    dt = DTensor.from_local(local, groups.mesh, groups.placements(shard_dim), run_check=False)
     return nn.Parameter(dt, requires_grad=requires_grad)
 
 

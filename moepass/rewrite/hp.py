@@ -21,6 +21,8 @@ Shard(0)) on the ("dp", "ep") mesh — each rank its heads' rows, original names
 aux-loss-free selection bias [H, E] is a DTensor buffer sharded the same way (each rank updates its
 heads' rows, from all P*T tokens: the global-batch update). `w_in` / `w_out` are replicated.
 
+`Plan(head_ep_size=P)` puts expert parallel inside groups of P ranks instead: `moepass.rewrite.hp_ep`.
+
 Gradient convention (DDP's): a head's router and expert gradients sum every rank's tokens, so
 `grad_scale` divides them by P at their reads (the gradient of the mean of the ranks' losses); w_in /
 w_out hold each rank's local gradient, averaged by DDP or `all_reduce_replicated_grads`.
@@ -81,6 +83,10 @@ def _node(graph: fx.Graph, name: str) -> fx.Node:
 
 def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The HP pass: shard the heads over the group, exchange sub-tokens before routing (see module doc)."""
+    if plan.head_ep_size > 1:  # EP inside each head group
+        from moepass.rewrite.hp_ep import rewrite_hp_ep
+
+        return rewrite_hp_ep(gm, plan)
     spec = gm.spec
     if spec.heads is None:
         raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; block {spec.path or '<root>'} has no "

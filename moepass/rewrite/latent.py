@@ -13,7 +13,10 @@ router. The Multi-Head LatentMoE keeps D, E (per head), K and the activation fam
     m = floor((K·n·D·F + D·E − 2·D·H·h − H·E·h) / (H·K·n·h))      (>= 1, else an error saying what to lower)
 
 so W_mh (D·H·h) + W_mg (H·h·D) + H routers (E·h) + H·K active experts (n·h·m each) ≈ the original's active
-parameters, rounded down. Blocks with shared experts, capacity or side outputs are refused (a
+parameters, rounded down. Then m is rounded down to a multiple of M_ALIGN = 4 (grouped-GEMM alignment: the
+expert GEMMs of width m ran ~12% faster aligned) when that loses at most ALIGN_TOLERANCE = 2% of the
+original's active parameters; else the exact m stays. The converted block never has more active
+parameters than the original. Blocks with shared experts, capacity or side outputs are refused (a
 Multi-Head LatentMoE has none of them), with the reason.
 """
 
@@ -29,6 +32,8 @@ from moepass.plan import Plan
 from moepass.spec import MoESpec
 
 ACTIVATIONS = {"swiglu": "swiglu", "gelu": "gelu"}  # the standard block's activation -> the latent block's
+M_ALIGN = 4  # the latent experts' hidden width m is rounded down to a multiple of this ...
+ALIGN_TOLERANCE = 0.02  # ... when that loses at most this fraction of the original's active parameters
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,8 @@ def latent_shape(spec: MoESpec, plan: Plan, world: int) -> LatentShape:
     n = 3 if x.gated else 2
     H = plan.heads or world * max(1, -(-4 // world))
     if H % world:
-        raise PlanError(f"Plan.heads={H} is invalid for {where}: head parallel shards heads over the {world} ranks; "
-                        f"use a multiple of {world}.")
+        raise PlanError(f"Plan.heads={H} is invalid for {where}: head parallel shards heads over the {world} ranks "
+                        f"(head groups, with Plan.head_ep_size); use a multiple of {world}.")
     h = plan.head_dim or D // H
     if h < 1 or (plan.head_dim is None and D % H):
         raise PlanError(f"Plan.heads={H} is invalid for {where}: hidden {D} does not split into {H} heads; pass "
@@ -86,6 +91,9 @@ def latent_shape(spec: MoESpec, plan: Plan, world: int) -> LatentShape:
     if m < 1:
         raise PlanError(f"Plan.form='hp' cannot keep {where}'s {before:,} active parameters with H={H} heads of "
                         f"h={h}: the projections alone take {fixed:,}; use fewer heads or a smaller head_dim.")
+    aligned = m - m % M_ALIGN
+    if aligned >= M_ALIGN and before - (fixed + H * K * n * h * aligned) <= ALIGN_TOLERANCE * before:
+        m = aligned
     after = fixed + H * K * n * h * m
     return LatentShape(H, h, E, K, m, ACTIVATIONS[x.activation], before, after)
 

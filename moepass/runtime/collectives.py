@@ -55,6 +55,11 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
 
 
+def process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a graph names (graphs carry group names, not group objects)."""
+    return _group(group_name)
+
+
 def _peers(group_name: str) -> tuple[Topology, list[int]]:
     try:
         return group_info(group_name)

@@ -26,6 +26,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from moepass.errors import PlanError
 
@@ -97,6 +99,10 @@ class EPGroups:
     @property
     def world_size(self) -> int:
         return self.ep_size * self.dp_size
+
+    def placements(self, shard_dim: int) -> list[Placement]:
+        """DTensor placements, one per mesh dim, of a tensor whose dim `shard_dim` the group shards."""
+        return [Replicate(), Shard(shard_dim)]
 
 
 class _WorldCache:
@@ -175,6 +181,87 @@ def ep_groups(topology: Topology | None, ep_size: int | None, device_type: str) 
                       ep_lists[rank // ep_size], dp_lists[rank % ep_size])
     cache.info[ep_group.group_name] = (topology, groups.ep_ranks)
     cache.info[dp_group.group_name] = (topology, groups.dp_ranks)
+    cache.groups[key] = groups
+    return groups
+
+
+@dataclass
+class HeadEPGroups(EPGroups):
+    """HP with EP inside (`Plan(form="hp", head_ep_size=P)`): a block's ep_size = G*P ranks as G head
+    groups of P ranks each, on the mesh ("dp", "hp", "ep") of shape (W/(G*P), G, P):
+
+        rank = dp_index * G*P + hp_index * P + ep_index
+
+    The P ranks of an EP group (one head group) are consecutive: inside a node when P <= ranks_per_node,
+    so the expert exchange, whose bytes grow with K and follow the routing, stays on the fast links. The
+    HP exchange (equal splits, flat in K) runs between the G ranks sharing (dp_index, ep_index), across
+    nodes when G*P > ranks_per_node. Inherited fields keep their EP meaning: ep_size = G*P ranks shard
+    the block's experts (ep_rank = hp_index*P + ep_index), ep_group holds them, dp_group the replicas of
+    this rank's shards. Groups of their own:
+      - `hp_group` (G ranks): the equal-split HP exchange;
+      - `expert_group` (P ranks): the variable-split expert exchange and its count exchange, and the
+        selection bias's load sum;
+      - `head_replica_group` (dp*P ranks holding this rank's heads): the router gradient sum.
+    """
+
+    head_groups: int  # G
+    head_ep: int  # P
+    hp_group: dist.ProcessGroup
+    expert_group: dist.ProcessGroup
+    head_replica_group: dist.ProcessGroup
+    hp_ranks: list[int]
+    expert_ranks: list[int]
+    head_replica_ranks: list[int]
+
+    @property
+    def hp_rank(self) -> int:
+        return self.ep_rank // self.head_ep
+
+    @property
+    def expert_rank(self) -> int:
+        return self.ep_rank % self.head_ep
+
+    def placements(self, shard_dim: int) -> list[Placement]:
+        """Sharded over "hp", then each part over "ep": the flat shard index is ep_rank (as under EP)."""
+        return [Replicate(), Shard(shard_dim), Shard(shard_dim)]
+
+    def head_placements(self, shard_dim: int) -> list[Placement]:
+        """A tensor sharded by heads only (routers, selection bias): replicated over "ep"."""
+        return [Replicate(), Shard(shard_dim), Replicate()]
+
+
+def head_ep_groups(topology: Topology | None, ep_size: int | None, head_ep_size: int,
+                   device_type: str) -> HeadEPGroups:
+    """The (cached) mesh and groups of HP with EP inside (see `HeadEPGroups`). Collective: every rank
+    must call it, in order."""
+    topology, ep_size = resolve(topology, ep_size)
+    if ep_size % head_ep_size:
+        raise PlanError(f"Plan.head_ep_size={head_ep_size} is invalid: it must divide the {ep_size} ranks of a block "
+                        f"(Plan.ep_size, None: the world size) into head groups; use a divisor of {ep_size}.")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cache = _cache()
+    key = ("hp_ep", world, ep_size, head_ep_size, device_type, topology, topology.timeout)
+    if key in cache.groups:
+        return cache.groups[key]  # type: ignore[return-value]
+    dp, G, P = world // ep_size, ep_size // head_ep_size, head_ep_size
+    mesh = init_device_mesh(device_type, (dp, G, P), mesh_dim_names=("dp", "hp", "ep"))
+    lists = {
+        "block": [[d * ep_size + i for i in range(ep_size)] for d in range(dp)],
+        "dp": [[d * ep_size + i for d in range(dp)] for i in range(ep_size)],
+        "hp": [[d * ep_size + g * P + p for g in range(G)] for d in range(dp) for p in range(P)],
+        "expert": [[d * ep_size + g * P + p for p in range(P)] for d in range(dp) for g in range(G)],
+        "head_replica": [[d * ep_size + g * P + p for d in range(dp) for p in range(P)] for g in range(G)],
+    }
+    timeout = timedelta(seconds=topology.timeout)
+    made: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
+    for what, enumeration in lists.items():
+        group, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=timeout, group_desc=f"moepass_hp_ep_{what}")
+        ranks = next(r for r in enumeration if rank in r)
+        cache.info[group.group_name] = (topology, ranks)
+        made[what] = (group, ranks)
+    groups = HeadEPGroups(topology, ep_size, dp, rank, mesh, made["block"][0], made["dp"][0], made["block"][1],
+                          made["dp"][1], G, P, made["hp"][0], made["expert"][0], made["head_replica"][0],
+                          made["hp"][1], made["expert"][1], made["head_replica"][1])
     cache.groups[key] = groups
     return groups
 

@@ -1,0 +1,259 @@
+"""Head parallel with expert parallel inside (`Plan(form="hp", head_ep_size=P)`): HP across head groups,
+EP inside each group, for a Multi-Head LatentMoE block.
+
+Mesh and ranks (`moepass.runtime.topology.HeadEPGroups`): the ep_size = G*P ranks of a block (the world
+unless Plan.ep_size says otherwise; W/(G*P) data-parallel replicas) on the mesh ("dp", "hp", "ep") of
+shape (W/(G*P), G, P), rank = dp_index*G*P + g*P + p. EP is the inner dim: the P ranks of a head group
+are consecutive (inside a node when P <= ranks_per_node), because the expert exchange is the one whose
+bytes grow with K and follow the routing; the HP exchange (equal splits, flat in K) crosses nodes.
+
+Sharding. The H heads are sharded over "hp" (H % G == 0, Hl = H/G heads per head group g: heads
+[g*Hl, (g+1)*Hl)); the X = Hl*E experts of a group's heads (head-major, as the block stores them) are
+sharded over "ep" (X % P == 0, L = X/P per rank): rank (g, p) keeps experts [(g*P+p)*L, (g*P+p+1)*L) of
+the block's H*E — the DTensor placement (Replicate(), Shard(0), Shard(0)), whose flat shard index is
+g*P+p, as under EP. The routers [H, E, h] and the selection bias [H, E] are sharded by heads only:
+(Replicate(), Shard(0), Replicate()). w_in / w_out stay replicated.
+
+Forward, rank (g, p), T tokens:
+
+    z_TQ   = linear(x_TD, w_in)
+    z_RQl  = wait(equal_all_to_all(tokens_to_heads(z_TQ, G), hp_group, "hp_dispatch"))
+             # R = G*T tokens: those of the G ranks sharing p, sub-tokens of group g's Hl heads
+    routing per head (the group's routers and selection bias), top-k, K-fold duplication: N = R*Hl*K rows
+    update_selection_bias_over_group(...)          # train mode: the load summed over the head's replicas
+    the expert exchange of `moepass.rewrite.exchange` inside the EP group (buckets = the group's X experts,
+    L per rank): exchange_counts, dispatch, local permute, expert FFN over L experts, combine
+    weighted sum over K → y_Gh [R*Hl, h]
+    y_TQ   = heads_to_tokens(wait(equal_all_to_all(y_Gh.view(G*T, Hl*h), hp_group, "hp_combine")), G)
+    out_TD = linear(y_TQ, w_out)
+
+Bytes per rank and direction (elements; `cost_model.hp.hp_ep_exchange_elements`): HP T*H*h*(G-1)/G,
+whatever K; EP N*h = T*H*K*h rows leave the permute, of which the rows for the P-1 other ranks of the
+group travel (T*H*K*h*(P-1)/P under uniform routing). The dispatch needs the EP count exchange (P*L
+counts) and its host sync for the split sizes, inside the group only; the HP exchange keeps none.
+
+Gradient convention (DDP's, as the other forms): every head and expert weight's gradient is that of
+the mean of the W ranks' losses. Reads of the router and expert shards carry `grad_scale(1/W)`; an
+expert's rows come from every rank (the exchanges' backward brings them home), so its gradient is
+complete on its owner, then summed over the dp replicas (`dp_group`, when W > G*P); a head's router
+sees only the R tokens of its rank, so its gradient is summed over the dp*P ranks that hold the head
+(`head_replica_group`). The selection bias is updated from the load summed over the same ranks, so it
+stays one value per head — the global-batch update of the single-device block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx, nn
+from torch.distributed.tensor import DTensor
+
+from moepass import canonical, dialect
+from moepass.canonical import GraphBuilder, MoEGraphModule
+from moepass.errors import PlanError
+from moepass.passes import Effects, PassResult
+from moepass.plan import Plan
+from moepass.rewrite.exchange import grad_scale, insert_exchange, only
+from moepass.rewrite.experts import local_shard, shard_experts
+from moepass.rewrite.hp import HPLayout, heads_to_tokens, tokens_to_heads
+from moepass.runtime import collectives as comm
+from moepass.runtime.topology import HeadEPGroups, head_ep_groups
+
+PASS = "hp"
+
+
+@dataclass
+class HPEPLayout(HPLayout):
+    """HP with EP inside: this rank's head group computes heads [first_head, first_head + local_heads);
+    this rank keeps experts [first_expert, first_expert + local_experts) of the block's H*E."""
+
+    local_experts: int = 0
+    first_expert: int = 0
+
+    def describe(self, gm: nn.Module) -> list[str]:
+        g = self.groups
+        assert isinstance(g, HeadEPGroups)
+        last_head, last_expert = self.first_head + self.local_heads - 1, self.first_expert + self.local_experts - 1
+        return [
+            f"mesh ('dp', 'hp', 'ep') of shape ({g.dp_size}, {g.head_groups}, {g.head_ep}): {g.head_groups} head "
+            f"groups (heads over 'hp') x {g.head_ep} ranks each (experts over 'ep', the inner dim: consecutive "
+            f"ranks) x {g.dp_size} data-parallel replicas; this rank is (dp {g.dp_rank}, hp {g.hp_rank}, "
+            f"ep {g.expert_rank})",
+            f"heads {self.first_head}..{last_head} of {self.heads} on this rank's head group (routers and selection "
+            f"bias, replicated over its {g.head_ep} ranks); HP exchange (equal splits) over ranks {g.hp_ranks}",
+            f"experts {self.first_expert}..{last_expert} of {self.num_experts} (head-major) on this rank, sharded "
+            f"over the 'hp' then the 'ep' dim; expert exchange (variable splits, count exchange) over ranks "
+            f"{g.expert_ranks}; parameters: {self.expert_param_names()}",
+        ]
+
+
+def head_load(experts_GK: Tensor, num_heads: int, experts_per_head: int) -> Tensor:
+    """[num_heads, E] int64: how many of the rows' K choices picked each expert (rows token-major, head-minor)."""
+    ids_N = canonical.head_expert_ids(experts_GK, num_heads, experts_per_head).reshape(-1)
+    return torch.bincount(ids_N, minlength=num_heads * experts_per_head).view(num_heads, experts_per_head)
+
+
+@torch.library.custom_op("moe_hp::update_selection_bias_over_group", mutates_args=("selection_bias",))
+def update_selection_bias_over_group(selection_bias: Tensor, experts_GK: Tensor, rate: float, training: bool,
+                                     group_name: str) -> None:
+    """`moe.update_selection_bias` for heads whose sub-tokens are spread over the ranks of `group_name`:
+    in train mode, the load is summed over the group (a blocking all-reduce of Hl*E counts, kind
+    "bias_load") and compared with the group's mean, so every rank makes the single-device block's
+    update on the concatenated batch; in eval mode nothing (no communication)."""
+    if not training:
+        return
+    with torch.no_grad():
+        Hl, E = selection_bias.shape
+        rows, K = experts_GK.shape
+        load_HE = head_load(experts_GK, Hl, E)
+        group = comm.process_group(group_name)
+        peers = dist.get_world_size(group)
+        comm.all_reduce_sum_(load_HE, group, kind="bias_load")
+        mean = peers * (rows // Hl) * K / E
+        selection_bias.copy_(selection_bias + rate * torch.sign(mean - load_HE.to(selection_bias.dtype)))
+
+
+@update_selection_bias_over_group.register_fake
+def _(selection_bias, experts_GK, rate, training, group_name):
+    return None
+
+
+UPDATE_SELECTION_BIAS_OVER_GROUP = torch.ops.moe_hp.update_selection_bias_over_group.default
+
+
+def head_grad_hook(groups: HeadEPGroups) -> Callable[[Tensor], Tensor]:
+    """A router's gradient := its sum over the ranks holding its heads (the 1/W is already in it)."""
+
+    def hook(grad: Tensor) -> Tensor:
+        local = (grad.to_local() if isinstance(grad, DTensor) else grad).clone()  # a hook must not modify its argument
+        comm.all_reduce_sum_(local, groups.head_replica_group)
+        if isinstance(grad, DTensor):
+            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return local
+
+    return hook
+
+
+def _node(graph: fx.Graph, name: str) -> fx.Node:
+    for n in graph.nodes:
+        if n.name == name:
+            return n
+    raise ValueError(f"HP+EP rewrite expects a node {name!r} in the canonical Multi-Head LatentMoE graph")
+
+
+def _redirect(old: fx.Node, new: fx.Node) -> None:
+    """Every user of `old` but `new` (which reads it) reads `new` instead."""
+    old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+
+
+def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
+    """The HP pass with EP inside each head group (see module doc)."""
+    spec = gm.spec
+    where = f"block {spec.path or '<root>'}"
+    if spec.heads is None:
+        raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; {where} has no heads (the pipeline "
+                        f"converts standard blocks first: see moepass.rewrite.latent).")
+    if spec.side_outputs:
+        raise PlanError(f"Plan.form='hp' cannot keep {where}'s side outputs {list(spec.side_outputs)} (router "
+                        f"logits live on the heads' ranks).")
+    device = next(iter(gm.parameters())).device
+    groups = head_ep_groups(plan.topology, plan.ep_size, plan.head_ep_size, device.type)
+    G, P, W = groups.head_groups, groups.head_ep, groups.world_size
+    H, h, E = spec.heads.num_heads, spec.heads.head_dim, spec.router.num_experts
+    if H % G:
+        raise PlanError(f"Plan.head_ep_size={P} is invalid for {where}: its {H} heads do not split over the {G} head "
+                        f"groups ({groups.ep_size} ranks / head_ep_size {P}); use Plan(heads=...) a multiple of {G} "
+                        f"(conversion), or a head_ep_size making {groups.ep_size}/head_ep_size divide {H}.")
+    Hl = H // G
+    X = Hl * E
+    if X % P:
+        raise PlanError(f"Plan.head_ep_size={P} is invalid for {where}: a head group's {Hl} heads x {E} experts = {X} "
+                        f"experts do not split over its {P} ranks; use a head_ep_size dividing {X} (and "
+                        f"{groups.ep_size}), or experts per head making {Hl}*E a multiple of {P}.")
+    L = X // P
+    layout = HPEPLayout(num_experts=H * E, groups=groups, shard_dim=0, heads=H, local_heads=Hl,
+                        first_head=groups.hp_rank * Hl, local_experts=L, first_expert=groups.ep_rank * L)
+    effects = Effects()
+    attrs = shard_experts(gm, spec, layout, PASS, effects)  # flat shard g*P+p; dp replicas sum (dp_group)
+    for source, kind in ((spec.router.weight, "parameter"), (spec.router.selection_bias, "buffer")):
+        if source is None:
+            continue
+        path = source.paths[0]
+        full = gm.get_parameter(path) if kind == "parameter" else gm.get_buffer(path)
+        local = full.detach().chunk(G, 0)[groups.hp_rank].clone()
+        value = DTensor.from_local(local, groups.mesh, groups.head_placements(0), run_check=False)
+        if kind == "parameter":
+            effects.parameters[path] = nn.Parameter(value, requires_grad=full.requires_grad)
+            effects.grad_hooks.append((path, head_grad_hook(groups)))
+            layout.sharded.append(path)
+        else:
+            effects.replaced_buffers[path] = value.detach()
+
+    graph = gm.graph
+    b = GraphBuilder(PASS, spec.path)
+    b.graph = graph
+    hp_name, expert_name = groups.hp_group.group_name, groups.expert_group.group_name
+
+    # 1. sub-tokens to the head group of their heads (the G ranks sharing this rank's ep index), before routing
+    z_TQ = _node(graph, "z_TQ")
+    users = list(z_TQ.users)
+    with graph.inserting_after(z_TQ):
+        send = b.fn(tokens_to_heads, z_TQ, G, name="z_send")
+    with graph.inserting_after(send):
+        pending = b.fn(comm.EQUAL_ALL_TO_ALL, send, hp_name, "hp_dispatch", name="hp_dispatch")
+    with graph.inserting_after(pending):
+        z_RQl = b.fn(comm.WAIT, pending, name="z_RQl")
+    for user in users:
+        user.replace_input_with(z_TQ, z_RQl)
+
+    # 2. the group's heads: local shards of routers, bias and experts; weights carry the 1/W of the mean loss
+    scaled = set(attrs.values()) | set(layout.sharded)
+    for name in dict.fromkeys([*attrs.values(), *layout.sharded, *effects.replaced_buffers]):
+        node = next(n for n in graph.nodes if n.op == "get_attr" and n.target == name)
+        with graph.inserting_after(node):
+            shard = b.fn(local_shard, node, name=f"{node.name}_local")
+        _redirect(node, shard)
+        if name in scaled:
+            with graph.inserting_after(shard):
+                over_w = b.fn(grad_scale, shard, 1.0 / W, name=f"{node.name}_grad_over_W")
+            _redirect(shard, over_w)
+    z_THh = _node(graph, "z_THh")
+    z_THh.args = (z_THh.args[0], -1, Hl, h)
+    for n in [n for n in graph.nodes if n.name == "tokens"]:  # rows of the selection bias: one per received token
+        n.args = (z_RQl, 0)
+    ids = _node(graph, "ids_GK")
+    ids.args = (ids.args[0], Hl, E)
+    for update in [n for n in graph.nodes if n.op == "call_function" and n.target is dialect.UPDATE_SELECTION_BIAS]:
+        bias, experts_GK, rate, training = update.args
+        with graph.inserting_before(update):
+            b.fn(UPDATE_SELECTION_BIAS_OVER_GROUP, bias, experts_GK, rate, training,
+                 groups.head_replica_group.group_name, name="update_selection_bias_over_group")
+        graph.erase_node(update)
+
+    # 3. the expert exchange inside the EP group: buckets are the group's X experts, L on each rank. Its own
+    #    gradient scaling is off (world=1): the weight reads above already carry the 1/W.
+    ffn = only(graph, dialect.EXPERT_FFN, "moe.expert_ffn")
+    ffn_weights = [a if isinstance(a, fx.Node) else None for a in ffn.args[2:8]]
+    insert_exchange(gm, b, buckets=X, local=L, group_name=expert_name, world=1, route=None,
+                    issue_weights=lambda: (lambda: ffn_weights), axis="X")
+
+    # 4. outputs back to the tokens' ranks, then the data-parallel output projection
+    y_TQ = _node(graph, "y_TQ")
+    y_Gh = y_TQ.args[0]
+    with graph.inserting_before(y_TQ):
+        y_RQl = b.method("reshape", y_Gh, -1, Hl * h, name="y_RQl")
+        back = b.fn(comm.EQUAL_ALL_TO_ALL, y_RQl, hp_name, "hp_combine", name="hp_combine")
+        y_back = b.fn(comm.WAIT, back, name="y_from_heads")
+        y_new = b.fn(heads_to_tokens, y_back, G, name="y_TQ_gathered")
+    y_TQ.replace_all_uses_with(y_new)
+    graph.erase_node(y_TQ)
+
+    gm.form = PASS
+    gm.layout = layout
+    stats = {"heads": H, "local_heads": Hl, "hp_size": G, "head_ep_size": P, "dp_size": groups.dp_size,
+             "mesh": f"dp x hp x ep = {groups.dp_size} x {G} x {P}", "experts_per_head": E, "local_experts": L,
+             "exchange_rows_per_peer": "HP: T*Ql (equal); EP: by routing"}
+    return PassResult(gm, changed=True, stats=stats, effects=effects)

@@ -37,12 +37,14 @@ def _model(**latent):
     return tiny_latent_lm(**{**LATENT, **latent}, **CFG)
 
 
-def case_parity(rank, world, steps=1, activation="gelu", nodes=1):
+def case_parity(rank, world, steps=1, activation="gelu", nodes=1, ep_size=None):
     import moepass
     from moepass.runtime.grads import all_reduce_replicated_grads
 
     model = _model(activation=activation)
-    cm = moepass.compile(model, moepass.Plan(form="hp", topology=moepass.Topology(nodes, world // nodes)))
+    cm = moepass.compile(model, moepass.Plan(form="hp", topology=moepass.Topology(nodes, world // nodes),
+                                             ep_size=ep_size))
+    head_rank = rank % (ep_size or world)  # heads follow the rank's place in its group; replicas hold the same
     opt, ref_opt = torch.optim.SGD(cm.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     report = {"out": 0.0, "grad": 0.0, "param": 0.0, "bias": 0.0,
               "forms": sorted({gm.form for gm in cm.moepass_info.rewritten.values()})}
@@ -74,7 +76,7 @@ def case_parity(rank, world, steps=1, activation="gelu", nodes=1):
         for name, value in state.items():
             if name.endswith("selection_bias"):
                 local = value.to_local()
-                rows = slice(rank * local.shape[0], (rank + 1) * local.shape[0])
+                rows = slice(head_rank * local.shape[0], (head_rank + 1) * local.shape[0])
                 assert torch.equal(local, ref_state[name][rows]), name
                 report["bias"] = max(report["bias"], _max_err(local, ref_state[name][rows]))
         with torch.no_grad():  # eval: the updated selection bias routes, nothing updates it
@@ -121,6 +123,13 @@ def test_parity_with_the_single_device_block(world, nodes):
     reports = pool(world).run(case_parity, steps=2, nodes=nodes)
     assert reports[0]["forms"] == ["hp"]
     assert max(r["grad"] for r in reports) < 1e-4
+
+
+def test_parity_with_data_parallel_replicas_of_the_heads():
+    """W=4, heads over 2 ranks, 2 replicas: router gradients and the selection bias's load are summed over the
+    replicas, so both replicas keep the single-device block's values (the global batch)."""
+    reports = pool(4).run(case_parity, steps=2, ep_size=2)
+    assert max(r["grad"] for r in reports) < 1e-4 and max(r["param"] for r in reports) < 1e-4
 
 
 def test_parity_swiglu_heads():

@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import fx, nn
+import torch.distributed as dist
+from torch import Tensor, fx, nn
 
 from moepass import canonical
 from moepass.canonical import GraphBuilder, MoEGraphModule
@@ -41,7 +42,7 @@ from moepass.errors import PlanError
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import grad_scale
-from moepass.rewrite.experts import ExpertLayout, as_dtensor, local_shard, shard_experts
+from moepass.rewrite.experts import ExpertLayout, as_dtensor, expert_grad_hook, local_shard, shard_experts
 from moepass.runtime import collectives as comm
 from moepass.runtime.topology import ep_groups
 
@@ -81,6 +82,40 @@ def _node(graph: fx.Graph, name: str) -> fx.Node:
     raise ValueError(f"HP rewrite expects a node {name!r} in the canonical Multi-Head LatentMoE graph")
 
 
+def head_load(experts_GK: Tensor, num_heads: int, experts_per_head: int) -> Tensor:
+    """[num_heads, E] int64: how many of the rows' K choices picked each expert (rows token-major, head-minor)."""
+    ids_N = canonical.head_expert_ids(experts_GK, num_heads, experts_per_head).reshape(-1)
+    return torch.bincount(ids_N, minlength=num_heads * experts_per_head).view(num_heads, experts_per_head)
+
+
+@torch.library.custom_op("moe_hp::update_selection_bias_over_group", mutates_args=("selection_bias",))
+def update_selection_bias_over_group(selection_bias: Tensor, experts_GK: Tensor, rate: float, training: bool,
+                                     group_name: str) -> None:
+    """`moe.update_selection_bias` for heads whose sub-tokens are spread over the ranks of `group_name`:
+    in train mode, the load is summed over the group (a blocking all-reduce of Hl*E counts, kind
+    "bias_load") and compared with the group's mean, so every rank makes the single-device block's
+    update on the concatenated batch; in eval mode nothing (no communication)."""
+    if not training:
+        return
+    with torch.no_grad():
+        Hl, E = selection_bias.shape
+        rows, K = experts_GK.shape
+        load_HE = head_load(experts_GK, Hl, E)
+        group = comm.process_group(group_name)
+        peers = dist.get_world_size(group)
+        comm.all_reduce_sum_(load_HE, group, kind="bias_load")
+        mean = peers * (rows // Hl) * K / E
+        selection_bias.copy_(selection_bias + rate * torch.sign(mean - load_HE.to(selection_bias.dtype)))
+
+
+@update_selection_bias_over_group.register_fake
+def _(selection_bias, experts_GK, rate, training, group_name):
+    return None
+
+
+UPDATE_SELECTION_BIAS_OVER_GROUP = torch.ops.moe_hp.update_selection_bias_over_group.default
+
+
 def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The HP pass: shard the heads over the group, exchange sub-tokens before routing (see module doc)."""
     if plan.head_ep_size > 1:  # EP inside each head group
@@ -114,6 +149,8 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
         if kind == "parameter":
             effects.parameters[path] = as_dtensor(local, groups, 0, full.requires_grad)
             layout.sharded.append(path)
+            if groups.dp_size > 1:  # a head's router on every replica: its gradient summed over them, as experts'
+                effects.grad_hooks.append((path, expert_grad_hook(groups)))
         else:
             effects.replaced_buffers[path] = as_dtensor(local, groups, 0, False).detach()
 
@@ -156,6 +193,13 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     ids.args = (ids.args[0], Hl, E)
     permute = next(n for n in graph.nodes if n.op == "call_function" and n.target is canonical.dialect.PERMUTE)
     permute.args = (*permute.args[:2], Hl * E)
+    if groups.dp_size > 1:  # the selection bias: updated from the load of every replica (the global batch)
+        for update in [n for n in graph.nodes
+                       if n.op == "call_function" and n.target is canonical.dialect.UPDATE_SELECTION_BIAS]:
+            with graph.inserting_before(update):
+                b.fn(UPDATE_SELECTION_BIAS_OVER_GROUP, *update.args, groups.dp_group.group_name,
+                     name="update_selection_bias_over_replicas")
+            graph.erase_node(update)
 
     # 3. outputs back to the tokens' ranks, then the data-parallel output projection
     y_TQ = _node(graph, "y_TQ")

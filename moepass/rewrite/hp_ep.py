@@ -46,19 +46,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch import Tensor, fx, nn
 from torch.distributed.tensor import DTensor
 
-from moepass import canonical, dialect
+from moepass import dialect
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import grad_scale, insert_exchange, only
 from moepass.rewrite.experts import local_shard, shard_experts
-from moepass.rewrite.hp import HPLayout, heads_to_tokens, tokens_to_heads
+from moepass.rewrite.hp import UPDATE_SELECTION_BIAS_OVER_GROUP, HPLayout, heads_to_tokens, tokens_to_heads
 from moepass.runtime import collectives as comm
 from moepass.runtime.topology import HeadEPGroups, head_ep_groups
 
@@ -88,40 +86,6 @@ class HPEPLayout(HPLayout):
             f"over the 'hp' then the 'ep' dim; expert exchange (variable splits, count exchange) over ranks "
             f"{g.expert_ranks}; parameters: {self.expert_param_names()}",
         ]
-
-
-def head_load(experts_GK: Tensor, num_heads: int, experts_per_head: int) -> Tensor:
-    """[num_heads, E] int64: how many of the rows' K choices picked each expert (rows token-major, head-minor)."""
-    ids_N = canonical.head_expert_ids(experts_GK, num_heads, experts_per_head).reshape(-1)
-    return torch.bincount(ids_N, minlength=num_heads * experts_per_head).view(num_heads, experts_per_head)
-
-
-@torch.library.custom_op("moe_hp::update_selection_bias_over_group", mutates_args=("selection_bias",))
-def update_selection_bias_over_group(selection_bias: Tensor, experts_GK: Tensor, rate: float, training: bool,
-                                     group_name: str) -> None:
-    """`moe.update_selection_bias` for heads whose sub-tokens are spread over the ranks of `group_name`:
-    in train mode, the load is summed over the group (a blocking all-reduce of Hl*E counts, kind
-    "bias_load") and compared with the group's mean, so every rank makes the single-device block's
-    update on the concatenated batch; in eval mode nothing (no communication)."""
-    if not training:
-        return
-    with torch.no_grad():
-        Hl, E = selection_bias.shape
-        rows, K = experts_GK.shape
-        load_HE = head_load(experts_GK, Hl, E)
-        group = comm.process_group(group_name)
-        peers = dist.get_world_size(group)
-        comm.all_reduce_sum_(load_HE, group, kind="bias_load")
-        mean = peers * (rows // Hl) * K / E
-        selection_bias.copy_(selection_bias + rate * torch.sign(mean - load_HE.to(selection_bias.dtype)))
-
-
-@update_selection_bias_over_group.register_fake
-def _(selection_bias, experts_GK, rate, training, group_name):
-    return None
-
-
-UPDATE_SELECTION_BIAS_OVER_GROUP = torch.ops.moe_hp.update_selection_bias_over_group.default
 
 
 def head_grad_hook(groups: HeadEPGroups) -> Callable[[Tensor], Tensor]:

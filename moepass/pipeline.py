@@ -1,11 +1,12 @@
 """The compiler order, on one screen. Each stage is a plain function GraphModule -> PassResult.
 
-    MoESpec ─convert (hp only)─► ─resolve─► MoESpec, Plan ─canonical─► dialect graph ─rewrite[form]─► distributed graph
+    MoESpec ─convert (hp, locality)─► ─resolve─► MoESpec, Plan ─canonical─► dialect graph ─rewrite[form]─► distributed graph
             ─expert_recompute─► ─schedule─► ─lower─► runnable
 
 Ordering rules:
 - form="hp" converts a standard block into a Multi-Head LatentMoE first (an architecture change the plan
-  names); everything after works on the new block's spec.
+  names); form="locality" makes its router top-1 (the routing change the plan names); everything after
+  works on the new block's spec.
 - the plan and the spec are resolved first (packing -> EP degree, chunks, EP capacity): the canonical
   graph is generated once, from the spec the rewrite will use.
 - rewrite comes next: it decides which communication exists; schedule can only split what exists.
@@ -28,7 +29,7 @@ from moepass.envflags import flag
 from moepass.errors import PlanError
 from moepass.passes import Pass, PassResult, apply_effects
 from moepass.plan import Plan
-from moepass.rewrite import ep, experts, fsep, hp, latent
+from moepass.rewrite import ep, experts, fsep, hp, latent, locality
 from moepass.spec import MoESpec
 
 log = logging.getLogger("moepass")
@@ -58,12 +59,16 @@ REWRITES: dict[str, Pass] = {  # one pass per parallel form
     "ep": ep.rewrite_ep,
     "fsep": fsep.rewrite_fsep,
     "hp": hp.rewrite_hp,
+    "locality": locality.rewrite_locality,
 }
 
 
 def convert(spec: MoESpec, block: nn.Module, plan: Plan) -> tuple[MoESpec, nn.Module, dict | None]:
     """form="hp" on a standard block: the architecture change the plan named (a fresh Multi-Head
-    LatentMoE of equal active parameters, `moepass.rewrite.latent`), before any graph exists."""
+    LatentMoE of equal active parameters, `moepass.rewrite.latent`), before any graph exists; form="locality":
+    the router change it names (top-1, its own capacity rule: `moepass.rewrite.locality.convert`)."""
+    if plan.form == "locality":
+        return locality.convert(spec, block, plan)
     if plan.form != "hp" or spec.heads is not None:
         return spec, block, None
     from moepass.runtime.topology import resolve as resolve_world

@@ -7,6 +7,7 @@ impossible value raises `PlanError` naming the field, the value and the fix.
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -19,6 +20,8 @@ MATH_CHANGING_FORMS = ("hp", "locality")
 LOWERINGS = ("auto", "triton", "torch")
 DEFAULT_MICRO_OP_BYTES = 30 * 2**20
 DEFAULT_PREFETCH_DEPTH = 2
+GATES = ("grap", "learned")  # form="locality": the top-1 router's gate
+DEFAULT_ALPHA = 0.01  # form="locality": the balance-loss weight (LocMoE, Switch)
 
 
 @dataclass(frozen=True, init=False)
@@ -41,6 +44,12 @@ class Plan:
     # HP with EP inside: the ep_size ranks of a block (its model-parallel group) form ep_size/head_ep_size head
     # groups (heads sharded over them) of head_ep_size ranks (a group's experts sharded over them); 1: pure HP
     head_ep_size: int = 1
+    # locality routing (form="locality", LocMoE): the top-1 router's gate ("grap": the fixed mean of each of E
+    # contiguous blocks of D/E channels; "learned": the block's own router weight), the locality-loss weight
+    # mu (required with that form; 0: no locality loss) and the balance-loss weight alpha (moepass.aux_loss)
+    gate: str = "learned"
+    mu: float | None = None
+    alpha: float = DEFAULT_ALPHA
     lowering: str = "auto"
     deterministic: bool = False
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
@@ -114,6 +123,7 @@ class Plan:
         for name in ("expert_recompute", "keep_restored"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")
+        _locality(self)
         _not_implemented(self)
         _hardware(self.hardware)
         for pattern, override in self.blocks.items():
@@ -154,6 +164,32 @@ class Plan:
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise PlanError(f"Plan.{name}={value!r} is invalid: use one of {list(choices)}.{nearest(value, choices)}")
+
+
+def _locality(plan: Plan) -> None:
+    """gate / mu / alpha: valid values, and only with form="locality" (elsewhere they would do nothing)."""
+    _choice("gate", plan.gate, GATES)
+    for name, what in (("mu", "locality loss mu*KL(D_current || D_local)"), ("alpha", "balance loss")):
+        value = getattr(plan, name)
+        if value is None and name == "mu":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise PlanError(f"Plan.{name}={value!r} is invalid: use a finite float >= 0, the weight of the {what} "
+                            f"(0 turns it off).")
+    if plan.form == "locality":
+        if plan.mu is None:
+            raise PlanError("Plan(form='locality') needs mu=<float >= 0>, the weight of the locality loss "
+                            "mu*KL(D_current || D_local); mu=0 gives the plain top-1 router with the balance loss "
+                            "only (a switch router).")
+        if plan.packing != 1:
+            raise PlanError(f"Plan.packing={plan.packing!r} has no effect with form='locality': its experts are "
+                            f"placed E/P per rank as EP places them. Leave packing at 1.")
+        return
+    for name, default in (("gate", "learned"), ("mu", None), ("alpha", DEFAULT_ALPHA)):
+        if getattr(plan, name) != default:
+            raise PlanError(f"Plan.{name}={getattr(plan, name)!r} has no effect with form={plan.form!r}: gate, mu "
+                            f"and alpha configure the routing of form='locality'. Use form='locality', or leave "
+                            f"{name} at its default ({default!r}).")
 
 
 def _not_implemented(plan: Plan) -> None:

@@ -58,7 +58,7 @@ from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite import exchange
 from moepass.rewrite.experts import ExpertLayout, local_shard, shard_experts
-from moepass.runtime.topology import ep_groups
+from moepass.runtime.topology import EPGroups, ep_groups
 from moepass.spec import CapacitySpec, MoESpec, TensorSource
 
 PASS = "ep"
@@ -81,7 +81,7 @@ def ep_capacity(spec: MoESpec, plan: Plan) -> CapacitySpec | None:
     return dataclasses.replace(spec.capacity, capacity_factor=float(plan.capacity_factor), fixed=None)
 
 
-def _local_weight(b: GraphBuilder, attr: str, source: TensorSource, role: str, reads: dict[str, fx.Node]) -> fx.Node:
+def local_weight(b: GraphBuilder, attr: str, source: TensorSource, role: str, reads: dict[str, fx.Node]) -> fx.Node:
     """get_attr → local shard → the source's chunk / transpose (as the canonical graph reads it).
 
     A parameter several roles read (gate and up halves of one tensor) is read and chunked once.
@@ -91,11 +91,8 @@ def _local_weight(b: GraphBuilder, attr: str, source: TensorSource, role: str, r
     return b.view(source, reads[attr], f"{role}_local")
 
 
-def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
-    """The EP pass: shard the block's experts over the EP group and rewrite its graph (see module doc)."""
-    spec = gm.spec
-    device = next(iter(gm.parameters())).device
-    groups = ep_groups(plan.topology, plan.ep_size, device.type)
+def experts_per_rank(spec: MoESpec, plan: Plan, groups: EPGroups) -> int:
+    """L = E/P experts per rank of the EP group; a PlanError naming the valid ep_size values otherwise."""
     E, P = spec.num_experts, groups.ep_size
     if E % P:
         world = groups.world_size
@@ -104,8 +101,17 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
         raise PlanError(f"{given} is invalid for block {spec.path or '<root>'}: its {E} experts do not split evenly "
                         f"over {P} EP ranks; use an ep_size dividing both {E} and the world size {world} "
                         f"(valid: {valid}), or leave this block alone with Plan(blocks={{{spec.path!r}: None}}).")
+    return E // P
+
+
+def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
+    """The EP pass: shard the block's experts over the EP group and rewrite its graph (see module doc)."""
+    spec = gm.spec
+    device = next(iter(gm.parameters())).device
+    groups = ep_groups(plan.topology, plan.ep_size, device.type)
+    E, P = spec.num_experts, groups.ep_size
     assert spec.capacity == ep_capacity(spec, plan), "pipeline.resolve applies the EP capacity before canonical.build"
-    L = E // P
+    L = experts_per_rank(spec, plan, groups)
     layout = EPLayout(num_experts=E, groups=groups, shard_dim=0, local_experts=L, first_expert=groups.ep_rank * L)
     effects = Effects()
     attrs = shard_experts(gm, spec, layout, PASS, effects)
@@ -114,7 +120,7 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
 
     def weights() -> list[fx.Node | None]:  # local shards: nothing to issue
         return canonical.expert_weights(b, spec.experts,
-                                        lambda source, role: _local_weight(b, attrs[role], source, role, reads))
+                                        lambda source, role: local_weight(b, attrs[role], source, role, reads))
 
     stats = exchange.insert_exchange(gm, b, buckets=E, local=L, group_name=groups.ep_group.group_name,
                                      world=groups.world_size, route=None, issue_weights=lambda: weights)

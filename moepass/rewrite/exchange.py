@@ -79,7 +79,7 @@ Weights = Callable[[], list[fx.Node | None]]
 
 def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local: int, group_name: str, world: int,
                     route: Callable[[fx.Node], fx.Node] | None, issue_weights: Callable[[], Weights],
-                    axis: str = "E") -> dict[str, int]:
+                    axis: str = "E", keep: fx.Node | None = None) -> dict[str, int]:
     """Replace `gm`'s expert compute by dispatch / local compute / combine (in place; see module doc).
 
     The form's hooks add their nodes where they are called: `route(experts_TK)`, before the permute,
@@ -87,12 +87,15 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
     expert id E); `issue_weights()`, right after the dispatch is issued (communication a form needs for
     its weights starts behind the token exchange), returns `weights()`, called just before the local
     expert compute, which makes the six weight operands. `axis` names the bucket axis in node names.
+    `keep` is the capacity mask [T, K] of a form that computes its own (locality's floor capacity);
+    None: the graph's `moe.capacity_keep`, if any.
     """
     graph, E = gm.graph, gm.spec.num_experts
     b.graph = graph
     permute = only(graph, dialect.PERMUTE, "moe.permute")
     ffn = only(graph, dialect.EXPERT_FFN, "moe.expert_ffn")
-    keeps = [n for n in graph.nodes if n.op == "call_function" and n.target is dialect.CAPACITY_KEEP]
+    keeps = [keep] if keep is not None else [
+        n for n in graph.nodes if n.op == "call_function" and n.target is dialect.CAPACITY_KEEP]
     x_ND, counts = ffn.args[0], ffn.args[1]
 
     x_TD, experts_TK, _ = permute.args

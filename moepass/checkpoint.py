@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from moepass.rewrite.experts import ExpertLayout, expert_layouts
+from moepass.runtime.topology import HeadEPGroups
 
 Index = slice | tuple[slice, ...] | None  # where in the original tensor a local value lies
 
@@ -174,7 +175,10 @@ def logical_grads(model: nn.Module) -> dict[str, tuple[Tensor, Index]]:
             out.update({originals[e]: (part, index) for e, part in _expert_entries(layout, grad)})
         elif name in experts:
             layout = experts[name]
-            out[name] = (grad, _placed_index(p, grad, layout.shard_dim) if isinstance(p, DTensor)
+            # sharded over more than one mesh dim (HP with EP inside): from the placements; else the layout's rank
+            multi = isinstance(p, DTensor) and sum(isinstance(q, Shard) for q in p.placements) != 1
+            multi = multi or isinstance(layout.groups, HeadEPGroups)
+            out[name] = (grad, _placed_index(p, grad, layout.shard_dim) if multi
                          else _shard_index(layout, grad, layout.shard_dim))
         else:
             out[name] = (grad, None)

@@ -176,10 +176,11 @@ def logical_grads(model: nn.Module) -> dict[str, tuple[Tensor, Index]]:
         elif name in experts:
             layout = experts[name]
             # sharded over more than one mesh dim (HP with EP inside): from the placements; else the layout's rank
-            multi = isinstance(p, DTensor) and sum(isinstance(q, Shard) for q in p.placements) != 1
-            multi = multi or isinstance(layout.groups, HeadEPGroups)
-            out[name] = (grad, _placed_index(p, grad, layout.shard_dim) if multi
-                         else _shard_index(layout, grad, layout.shard_dim))
+            if isinstance(p, DTensor) and (sum(isinstance(q, Shard) for q in p.placements) != 1
+                                           or isinstance(layout.groups, HeadEPGroups)):
+                out[name] = (grad, _placed_index(p, grad, layout.shard_dim))
+            else:
+                out[name] = (grad, _shard_index(layout, grad, layout.shard_dim))
         else:
             out[name] = (grad, None)
     return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from moepass import determinism
 from moepass.canonical import CANONICAL_PASS, MoEGraphModule
 from moepass.detect import DetectionReport, detect
 from moepass.errors import PlanError
@@ -45,6 +46,8 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
     report = detect(model) if report is None else report
     plan, _ = resolve_auto(plan, report)
+    if plan.deterministic:
+        determinism.enable()  # before any block is built: kernels specialise on it
     target = model if inplace else copy.deepcopy(model)
     info = CompileInfo(plan=plan, report=report)
     for spec in report.blocks:
@@ -131,6 +134,8 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
         plan = Plan() if plan is None else plan
         lines.append(f"moepass plan: form={plan.form!r} lowering={plan.lowering!r}"
                      + (" (changes the model's math: named explicitly)" if plan.changes_math else ""))
+        if plan.deterministic:
+            lines.append(determinism.describe(True))
     except Exception as err:  # explain never raises
         return f"moepass: invalid plan: {err}"
     try:

@@ -124,7 +124,7 @@ class Plan:
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")
         _locality(self)
-        _not_implemented(self)
+        _form_only_fields(self)
         _hardware(self.hardware)
         for pattern, override in self.blocks.items():
             if override is None:
@@ -134,6 +134,10 @@ class Plan:
                     f"Plan.blocks[{pattern!r}]={override!r} is invalid: use a dict of Plan fields, "
                     f"or None to leave the block alone."
                 )
+            if override.get("deterministic", self.deterministic) != self.deterministic:
+                raise PlanError(f"Plan.blocks[{pattern!r}]['deterministic']={override['deterministic']!r} is invalid: "
+                                f"determinism is process-wide (torch.use_deterministic_algorithms); set "
+                                f"Plan(deterministic=...) on the whole plan, not per block.")
             Plan(**{**self._as_dict(exclude=("blocks",)), **override})  # validates the override
 
     def _as_dict(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -192,12 +196,8 @@ def _locality(plan: Plan) -> None:
                             f"{name} at its default ({default!r}).")
 
 
-def _not_implemented(plan: Plan) -> None:
-    """Fields a plan may name but nothing in this build reads: setting one is an error, not a no-op."""
-    if plan.deterministic:
-        raise PlanError("Plan.deterministic=True is not implemented in this build: no pass reads it, so it would "
-                        "promise bit-reproducible training without providing it. Leave it False (the default); for "
-                        "PyTorch's own deterministic kernels call torch.use_deterministic_algorithms(True).")
+def _form_only_fields(plan: Plan) -> None:
+    """Fields that only one form reads: setting one with another form is an error, not a no-op."""
     if plan.slots_per_device is not None and plan.form not in ("fsep", "auto"):
         raise PlanError(f"Plan.slots_per_device={plan.slots_per_device!r} has no effect with form={plan.form!r}: it "
                         f"sizes the expert slots of FSEP. Use form='fsep', or leave it None; to host more experts "

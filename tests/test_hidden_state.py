@@ -1,6 +1,6 @@
 """No hidden state (issue 13, item 2): the process-group cache follows the world it was made in,
 boolean environment flags have one parser ("0" means off), the hardware a compile-time decision
-prices with is a Plan field, and Plan fields nothing implements raise PlanError.
+prices with is a Plan field, and Plan fields that another form reads raise PlanError.
 
 None of these tests uses a fixture that clears `moepass.runtime.topology`'s cache: the cache must
 be right by itself across explain / compile / destroy_process_group.
@@ -351,17 +351,8 @@ def test_plan_hardware_reaches_the_schedule_pass():
 
 
 # ----------------------------------------------------------------------------------------------
-# Plan fields nothing implements yet.
+# Plan fields that only apply to some forms (Plan.deterministic: tests/test_deterministic.py).
 # ----------------------------------------------------------------------------------------------
-
-
-def test_deterministic_is_not_implemented():
-    with pytest.raises(PlanError, match=r"Plan.deterministic=True is not implemented in this build: .* "
-                                        r"Leave it False \(the default\)"):
-        Plan(deterministic=True)
-    with pytest.raises(PlanError, match=r"Plan.deterministic=True is not implemented"):
-        Plan(blocks={"layers.0.mlp": {"deterministic": True}})
-    assert Plan(deterministic=False).deterministic is False
 
 
 def test_fsep_fields_with_another_form_are_errors():

@@ -5,7 +5,8 @@ block_k the reduction (wgrad: Q).
 
 Block sizes: on a GPU every kernel is `@triton.autotune`d over its config list (keyed on the
 dimensions and a power-of-two bucket of rows per expert; configs over the device's shared memory are
-pruned: `fits`); interpreted, one config is picked per shape from the same list (`pick_config`).
+pruned: `fits`); interpreted, or while `torch.use_deterministic_algorithms` is on (a timing race must
+not choose the summation order), one config is picked per shape from the same list (`pick_config`).
 16-bit and fp32 have separate lists (`configs_for`), each checked to build for sm_80/sm_90 without
 spills (`source.gpu_build_requests`).
 
@@ -38,6 +39,14 @@ class FfnSpec:
     dtype: str  # "float32" | "float16" | "bfloat16": every floating input and output
     interpreted: bool  # TRITON_INTERPRET: dot operands upcast to fp32, no autotune
     tf32: bool  # fp32 GEMMs may use TF32 (follows torch.backends.cuda.matmul.allow_tf32)
+    # torch.use_deterministic_algorithms is on (Plan(deterministic=True)): no autotuning race on a GPU, one
+    # config per shape (`pick_config`), so every run reduces in the same order
+    deterministic: bool = False
+
+    @property
+    def fixed_configs(self) -> bool:
+        """Launch with `pick_config`'s config (interpreted, or deterministic) rather than autotuning."""
+        return self.interpreted or self.deterministic
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -69,6 +78,7 @@ def spec_of(
         dtype=DTYPES.get(x_ND.dtype, str(x_ND.dtype)),
         interpreted=codegen.is_interpreted() if interpreted is None else interpreted,
         tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
     )
 
 

@@ -1,5 +1,5 @@
 """Launching the grouped-GEMM kernels: one host wrapper per kernel (allocate outputs, lay out the
-arguments, size the grid), each launch autotuned on a GPU or run with `pick_config`'s config when interpreted.
+arguments, size the grid), each launch autotuned on a GPU or run with `pick_config`'s config when interpreted or deterministic.
 
 Shape legend: N routed rows sorted by expert, D model width, F expert hidden width, E experts;
 K, Q the reduction and output columns of rows_kernel; P, Q the two sides of a weight gradient.
@@ -40,10 +40,11 @@ Grid = Callable[[dict[str, Any]], tuple[int, ...]]  # launch meta-parameters -> 
 
 @functools.cache
 def _kernels(spec: FfnSpec) -> dict[str, Any]:
-    """Launchable kernels by role: the jit functions when interpreted, autotuners over CONFIGS on a GPU."""
+    """Launchable kernels by role: the jit functions with fixed configs (interpreted, or deterministic),
+    autotuners over CONFIGS otherwise."""
     module = kernel_module(spec)
     by_role = {role: getattr(module, kernel_name(role)) for role in ROLES}
-    if spec.interpreted:
+    if spec.fixed_configs:
         return by_role
     return {role: triton.autotune(
         configs=[triton.Config(c.kwargs(kernel_name(role)), num_warps=c.num_warps, num_stages=c.num_stages)
@@ -69,9 +70,9 @@ def _pruner(role: str, elem_bytes: int, gated: bool):
 
 def _launch(spec: FfnSpec, role: str, grid: Grid, args: tuple, constexprs: dict[str, Any],
             shape: tuple[int, int, int]) -> None:
-    """Launch `role` with `grid(meta)`; interpreted, with the config `pick_config` gives for `shape`."""
+    """Launch `role` with `grid(meta)`; with fixed configs, the config `pick_config` gives for `shape`."""
     kernel = _kernels(spec)[role]
-    if spec.interpreted:
+    if spec.fixed_configs:
         cfg = pick_config(role, spec.dtype, *shape)
         meta = cfg.kwargs(kernel_name(role))
         kernel[grid(meta)](*args, **constexprs, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

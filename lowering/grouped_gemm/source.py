@@ -49,7 +49,7 @@ def render(spec: FfnSpec) -> str:
     return codegen.render(
         TEMPLATE,
         LABEL=spec.label,
-        TUNED="one config per shape (pick_config)" if spec.interpreted else "@triton.autotune over CONFIGS",
+        TUNED="one config per shape (pick_config)" if spec.fixed_configs else "@triton.autotune over CONFIGS",
         GATED=spec.gated, HAS_B_GATE=spec.has_b_gate, HAS_B_UP=spec.has_b_up, HAS_B_DOWN=spec.has_b_down,
         STORE_TL=codegen.TL_DTYPES[spec.torch_dtype],
         DOT_TL=codegen.TL_DTYPES[getattr(torch, spec.dot_dtype)],

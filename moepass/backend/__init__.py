@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from moepass import determinism
 from moepass.backend.regions import Modules, blocks_of, frame_scope
 from moepass.backend.reports import (
     COUNTERS,
@@ -163,6 +164,8 @@ def moepass_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     if kwargs:
         options = {**(options or {}), **kwargs}
     plan, inner = _options(options)
+    if plan.deterministic:
+        determinism.enable()
     start = time.perf_counter()
     report = new_report(inner if isinstance(inner, str) else repr(inner))
     count("graphs")

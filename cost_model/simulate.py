@@ -27,8 +27,15 @@ routing note), turned into counts and priced exactly with `cost_model.ep.exact_a
 
 Null figures are filled from presets and every fill is reported; shapes a set-up does not give are
 filled with stated assumptions. Every prediction reports the token all-to-all bytes one rank sends per
-step (the busiest one; dispatch and combine, forward and backward). Locality routing is listed as not
-modelled yet.
+step (the busiest one; dispatch and combine, forward and backward).
+
+- Locality (a set-up with a system of form "locality", LocMoE): every system of it is a top-1 router on
+  one placement (`cost_model.locality.Placement`: each expert on one home node, tokens exchanged over all
+  W ranks): the hash router, the switch router (routing "hash" or not) and LocMoE (form "locality") differ
+  in their locality ratio (`cost_model.locality.router_ratio`, or a system's `locality_ratio`), hence in
+  their [src rank, dst rank] rows, their inter/intra-node bytes and their all-to-all time. Dropless
+  unless a system gives `capacity_factor` (with `delta` for the floor, 0 if absent). Expert replicas
+  inside a node all-reduce their gradients over the intra-node links.
 
     python -m cost_model.simulate ../shared/scenarios/lina_priority.json [--json out.json]
 """
@@ -49,6 +56,7 @@ import numpy as np
 from cost_model import ep as ep_formulas
 from cost_model import fsep as fsep_formulas
 from cost_model import hp as hp_formulas
+from cost_model import locality
 from cost_model.presets import Hardware
 from cost_model.scenarios import Case, cases
 from cost_model.search import NOT_MODELLED, search
@@ -56,7 +64,7 @@ from cost_model.timeline import Timeline
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "scenarios"
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
-MODELLED_FORMS = ("ep", "fsep", "hp")
+MODELLED_FORMS = ("ep", "fsep", "hp", "locality")
 
 
 # ---- what one system on one case predicts ---------------------------------------------------------
@@ -154,6 +162,17 @@ class ParamTraffic:
     dense: bool = False
 
 
+@dataclass(frozen=True)
+class ExpertGrads:
+    """The expert gradient all-reduce of a layout that is not EP's (default: E/ep experts per rank over
+    their W/ep replicas, on the inter-node links when there are several nodes): `nbytes` per rank,
+    all-reduced over `replicas` ranks at `bandwidth` bytes/s."""
+
+    nbytes: float
+    replicas: int
+    bandwidth: float
+
+
 def _allreduce(tl: Timeline, name: str, nbytes: float, dp: int, B: float, alpha: float, bucket_bytes: float,
                deps: list[int]) -> None:
     """A gradient all-reduce on the "other" stream, in DDP's buckets of `bucket_bytes` (none over one rank)."""
@@ -181,12 +200,13 @@ def _layer_timeline(
     packing: int = 1,
     rows_SR: np.ndarray | None = None,
     params: ParamTraffic | None = None,
+    expert_grads: ExpertGrads | None = None,
 ) -> dict[str, float]:
     """Lay out one step of `case` on `tl`; returns the per-layer figures used (for the report).
 
     `rows_SR` [src rank, device]: the routed rows of the all-to-all group when the layout is not EP's
     contiguous one (FSEP: all W ranks, from the planner's table); `params`: the parameter collectives
-    of a sharded layout (`ParamTraffic`).
+    of a sharded layout (`ParamTraffic`); `expert_grads`: its expert gradient all-reduce (`ExpertGrads`).
     """
     v = hw.values()
     W = case.nodes * case.per_node
@@ -205,7 +225,9 @@ def _layer_timeline(
     expert_fwd = ep_formulas.expert_flops(rows_max, case.D, case.F, m) / rate
     dense_fwd = _dense_flops(case) / rate
     ar_bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
-    expert_grad = ep_formulas.expert_params(case.E, case.D, case.F, m) / ep * v["b_g"]
+    if expert_grads is None:
+        expert_grads = ExpertGrads(ep_formulas.expert_params(case.E, case.D, case.F, m) / ep * v["b_g"], dp_expert,
+                                   ar_bw)
     dense_grad = 4 * case.D**2 * v["b_g"]
 
     def allreduce(name: str, nbytes: float, dp: int, deps: list[int]) -> None:
@@ -253,7 +275,8 @@ def _layer_timeline(
     for layer in reversed(range(case.layers)):
         done = moe(f"L{layer}.bwd", 2 * expert_fwd, last, weights("bwd", layer))
         if params is None:
-            allreduce(f"L{layer}.expert_grads", expert_grad, dp_expert, done)
+            _allreduce(tl, f"L{layer}.expert_grads", expert_grads.nbytes, expert_grads.replicas, expert_grads.bandwidth,
+                       v["alpha"], bucket_bytes, done)
         else:
             gather("bwd", layer - depth - 1, done)
             tl.add("other", f"L{layer}.grads", params.grads, done)
@@ -287,6 +310,7 @@ def predict(
     packing: int = 1,
     rows_SR: np.ndarray | None = None,
     params: ParamTraffic | None = None,
+    expert_grads: ExpertGrads | None = None,
 ) -> tuple[float, dict[str, float], float]:
     """(step seconds, breakdown, memory bytes per rank) of one EP configuration, or of a sharded layout
     with its routed rows and parameter collectives (`_layer_timeline`; its memory is the EP layout's:
@@ -295,7 +319,7 @@ def predict(
     tl = Timeline()
     figures = _layer_timeline(
         tl, case, hw, counts_SE, chunks=chunks, policy=policy, bucket_bytes=bucket_bytes, packing=packing,
-        rows_SR=rows_SR, params=params,
+        rows_SR=rows_SR, params=params, expert_grads=expert_grads,
     )
     breakdown = _breakdown(tl, case.layers * 3 * figures["dense_fwd"], figures["imbalance"],
                            figures["token_a2a_bytes"])
@@ -368,6 +392,9 @@ def _predict_system(
     if form not in MODELLED_FORMS:
         return Prediction(system["id"], case.label, form, modelled=False)
     notes: list[str] = []
+    if _is_locality_scenario(sc) and form in ("ep", "locality"):
+        step, breakdown, memory, plan = _predict_locality(system, case, hw, notes, assumptions)
+        return _prediction(system, case, hw, form, step, breakdown, memory, plan, notes, who=f"{system['id']} on ")
     if form == "hp":
         step, breakdown, memory, plan = _predict_hp(case, hw, sc, assumptions)
         notes.append(f"{system['id']}: changes the model: Multi-Head LatentMoE at the EP case's active parameters; "
@@ -481,6 +508,73 @@ def _predict_fsep(system: dict[str, Any], case: Case, hw: Hardware, sc: dict[str
     return step, breakdown, memory, {"slots": C, "table": decision.candidate, "max_mean": round(decision.max_over_mean, 3),
                                      "ep_max_mean": round(decision.ep_max_over_mean, 3), "prefetch": depth,
                                      "sched": "priority"}
+
+
+# ---- locality routing: three top-1 routers on one placement (cost_model.locality) -----------------------
+
+
+def _is_locality_scenario(sc: dict[str, Any]) -> bool:
+    """A set-up comparing locality routing: its EP-form systems are its baseline routers on the same placement."""
+    return any(s.get("form") == "locality" for s in sc.get("systems") or [])
+
+
+def _router(system: dict[str, Any]) -> str:
+    """The router of a locality set-up's system: LocMoE (form "locality"), the hash router, else the switch."""
+    if system.get("form") == "locality":
+        return "locmoe"
+    return "hash" if system.get("routing") == "hash" else "switch"
+
+
+def _predict_locality(system: dict[str, Any], case: Case, hw: Hardware, notes: list[str],
+                      assumptions: list[str]) -> tuple[float, dict[str, float], float, dict[str, Any]]:
+    """One router of a locality set-up (module doc): the placement's rows under the router's locality ratio,
+    priced exactly (`cost_model.ep.exact_a2a`) on the step timeline; the breakdown adds the cluster's mean
+    inter- and intra-node bytes per rank per step, and those of an expert-less rank when N > E."""
+    if case.K != 1:
+        raise ValueError(f"{case.label}: top_k={case.K}: locality routing (LocMoE) and its baselines are top-1")
+    v = hw.values()
+    try:
+        placement = locality.Placement(case.E, case.nodes, case.per_node)
+    except ValueError as err:
+        raise ValueError(f"{case.label} ({system['id']}): {err}") from None
+    router = _router(system)
+    given = system.get("locality_ratio")
+    lam = float(given) if given is not None else locality.router_ratio(router, placement)
+    text = (f"locality set-up: each of the E experts on one home node, tokens exchanged over all W ranks "
+            f"(cost_model.locality.Placement; the set-up's expert/model parallel degrees not modelled); hash and "
+            f"switch routers uniform in expectation, LocMoE's locality ratio 1 - {locality.MEASURED_INTER_FACTOR} "
+            f"x (1 - k/E) (our measured inter-node factor, benchmarks/results/locality.json); dropless unless a "
+            f"system gives capacity_factor")
+    if text not in assumptions:
+        assumptions.append(text)
+    capacity = locality.capacity_rows(case.tokens, case.E, system.get("capacity_factor"),
+                                      float(system.get("delta", 0.0)), case.D)
+    counts_SE = locality.routing_counts(placement, case.tokens, lam)
+    rows_SR = locality.rows_matrix(placement, counts_SE, capacity)
+    m = ep_formulas.matmuls(case.gated)
+    expert = float(fsep_formulas.expert_elements(case.D, case.F, m)) * placement.rank_experts
+    grads = ExpertGrads(expert * v["b_g"], len(placement.hosts(0)), v["B_intra"])  # replicas share a node
+    step, breakdown, _ = predict(case, hw, counts_SE, rows_SR=rows_SR, expert_grads=grads)
+    dispatch = ep_formulas.exact_a2a(rows_SR, case.D, int(v["b"]), case.per_node)
+    per_step = 2 * case.layers  # forward and backward; each rank's dispatch sent + its combine sent (= received)
+    inter_R = per_step * (dispatch.sent_inter + dispatch.recv_inter)
+    intra_R = per_step * (dispatch.sent_intra + dispatch.recv_intra)
+    breakdown.update(locality_ratio=lam, inter_node_bytes=float(inter_R.mean()), intra_node_bytes=float(intra_R.mean()))
+    source = " (the set-up's)" if given is not None else ""
+    line = (f"{case.label} {system['id']} ({router}): locality ratio {lam:.4g}{source}, per rank per step inter-node "
+            f"{inter_R.mean() / 1e9:.4g} GB, intra-node {intra_R.mean() / 1e9:.4g} GB")
+    if placement.nodes_gt_experts:
+        expertless = case.per_node * next(n for n in range(case.nodes) if not placement.local_experts(n))
+        breakdown["inter_node_bytes_expertless"] = float(inter_R[expertless])
+        line += f" (a rank of an expert-less node: {inter_R[expertless] / 1e9:.4g} GB, whatever the router)"
+        notes.append(f"{case.label}: {case.nodes} nodes > {case.E} experts: {case.nodes - case.E} nodes hold no "
+                     f"local expert, every token of theirs crosses nodes (locality pays only on the experts' nodes)")
+    notes.append(line)
+    rows_max = float(rows_SR.sum(axis=0).max())
+    memory = case.layers * (expert * v["s"] + _activation_bytes(case, rows_max, v["b"]) + 4 * case.D**2 * v["s"])
+    plan = {"router": router, "a2a": f"W={placement.ranks}", "experts/node": placement.node_experts,
+            "replicas": len(placement.hosts(0)), "cap": capacity if capacity is not None else "none"}
+    return step, breakdown, memory, plan
 
 
 # ---- head parallel: the Multi-Head LatentMoE of a case --------------------------------------------------

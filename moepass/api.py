@@ -7,6 +7,7 @@ import copy
 import traceback
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch import nn
 
 from moepass import determinism
@@ -14,7 +15,7 @@ from moepass.canonical import CANONICAL_PASS, MoEGraphModule
 from moepass.detect import DetectionReport, detect
 from moepass.errors import PlanError
 from moepass.pipeline import compile_block, finalize
-from moepass.plan import Plan
+from moepass.plan import DISTRIBUTED_FORMS, Plan
 
 
 @dataclass
@@ -46,6 +47,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
     report = detect(model) if report is None else report
     plan, _ = resolve_auto(plan, report)
+    _needs_process_group(plan, report)  # before anything is copied or changed
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
     target = model if inplace else copy.deepcopy(model)
@@ -65,6 +67,20 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     finalize(target)  # model-level set-up of the rewritten forms
     object.__setattr__(target, "moepass_info", info)
     return target
+
+
+def _needs_process_group(plan: Plan, report: DetectionReport) -> None:
+    """A block planned into a distributed form needs torch.distributed initialised: say so, naming the
+    block and its form, before compile touches anything (with inplace=True a later failure would leave
+    the model half rewritten)."""
+    if dist.is_initialized():
+        return
+    for spec in report.blocks:
+        block_plan = plan.for_block(spec.path)
+        if block_plan is not None and block_plan.form in DISTRIBUTED_FORMS:
+            raise PlanError(f"Plan(form={block_plan.form!r}) for block {spec.path or '<root>'!r} needs torch.distributed "
+                            f"initialised (init_process_group) on every rank: run under torchrun or "
+                            f"torch.multiprocessing.spawn, or use form='single' on one process.")
 
 
 def resolve_auto(plan: Plan, report: DetectionReport):

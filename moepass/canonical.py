@@ -63,6 +63,28 @@ class MoEGraphModule(fx.GraphModule):
         self.history: list[dict[str, Any]] = []
         self.layout = None
         self.meta["moepass_dialect"] = True
+        self.register_forward_pre_hook(check_block_input)
+
+
+def check_block_input(gm: MoEGraphModule, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook of every rewritten block: its hidden states are floating point and D wide (a wrong
+    width whose size D divides would otherwise be re-cut silently into rows of D by the graph's reshape)
+    and, under `torch.autograd.detect_anomaly()` (PyTorch's NaN-hunting switch; no host sync otherwise),
+    finite (eagerly: under torch.compile the finiteness check is skipped, it would break the graph). Raises ValueError naming the block, the value and the fix."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return
+    x, D = args[0], gm.spec.model_dim
+    where = f"MoE block {gm.spec.path or '<root>'!r}"
+    if not x.is_floating_point():
+        raise ValueError(f"{where} got hidden states of dtype {x.dtype}: pass floating-point hidden states [..., {D}] "
+                         f"(e.g. the embedding's output, not token ids).")
+    if x.dim() == 0 or x.shape[-1] != D:
+        raise ValueError(f"{where} got hidden states of shape {tuple(x.shape)}: its router and experts take width "
+                         f"D={D}; pass [..., {D}].")
+    if not torch.compiler.is_compiling() and torch.is_anomaly_enabled() and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{where} got {bad} non-finite hidden-state values (NaN/inf) of {x.numel()}: they come from "
+                         f"the layers before it; fix the source (learning rate, loss scaling, input data).")
 
 
 def adopt_state(gm: nn.Module, block: nn.Module) -> None:

@@ -17,6 +17,7 @@ from moepass.errors import PlanError, nearest
 
 FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")
 MATH_CHANGING_FORMS = ("hp", "locality")
+DISTRIBUTED_FORMS = ("ep", "fsep", "hp", "locality")  # need torch.distributed initialised
 LOWERINGS = ("auto", "triton", "torch")
 DEFAULT_MICRO_OP_BYTES = 30 * 2**20
 DEFAULT_PREFETCH_DEPTH = 2

@@ -148,10 +148,13 @@ def resolve_packing(spec: MoESpec, plan: Plan) -> Plan:
 
     topology, ep = resolve(plan.topology, plan.ep_size)
     k = choose_packing(spec, plan, ep, topology.ranks_per_node) if plan.packing == "auto" else int(plan.packing)
-    if ep % k or spec.num_experts % (ep // k):
-        raise PlanError(f"Plan.packing={plan.packing!r} is invalid for block {spec.path or '<root>'}: {k} experts "
-                        f"groups per device need ep_size {ep} divisible by {k} and {spec.num_experts} experts "
-                        f"divisible by {ep // max(k, 1)} ranks; use a packing dividing {ep}.")
+    where = f"Plan.packing={plan.packing!r} is invalid for block {spec.path or '<root>'}"
+    if ep % k:
+        raise PlanError(f"{where}: packing {k} spreads the experts over ep_size/{k} ranks, and ep_size {ep} is not "
+                        f"divisible by {k}; use a packing dividing {ep}.")
+    if spec.num_experts % (ep // k):
+        raise PlanError(f"{where}: its {spec.num_experts} experts do not split evenly over the {ep // k} ranks "
+                        f"packing {k} leaves; use a packing k with {spec.num_experts} divisible by {ep}/k.")
     return plan.replace(ep_size=ep // k, packing=k)
 
 

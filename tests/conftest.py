@@ -22,6 +22,7 @@ settings.register_profile(
     "ci", derandomize=True, max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
+settings.register_profile("full", max_examples=200, deadline=None)  # tests/test_properties.py: 220 cases
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -487,10 +487,17 @@ def test_plan_errors():
 
 
 def test_grap_needs_width_multiple_of_experts():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     torch.manual_seed(0)
-    net = Net(dim=18, experts=4)  # 18 % 4 = 2: raised by the conversion, before any process group is needed
-    with pytest.raises(PlanError) as err:
-        moepass.compile(net, moepass.Plan(form="locality", gate="grap", mu=0.1))
+    net = Net(dim=18, experts=4)  # 18 % 4 = 2: raised by the conversion, before any process group is made
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())  # compile checks one exists first
+    try:
+        with pytest.raises(PlanError) as err:
+            moepass.compile(net, moepass.Plan(form="locality", gate="grap", mu=0.1))
+    finally:
+        dist.destroy_process_group()
     assert str(err.value) == (
         "Plan.gate='grap' is invalid for block moe: the GrAP gate averages E=4 contiguous blocks of D/E channels, "
         "but D=18 is not a multiple of 4 (D % E = 2); use gate='learned' (the block's own router), or leave this "

@@ -13,6 +13,21 @@ W=4     : ranks 0,1 = "node A", ranks 2,3 = "node B", each rank in its own netwo
           limited with `tc tbf` in both directions (inter-node). 4 ranks share 2 cores: the W=4 times
           include CPU contention (ENVIRONMENT.md), the link limit is what makes communication matter.
 Writes benchmarks/results/schedule.json and schedule_timeline.png (+ .svg).
+
+Lina's scenario (issue 18), W=2: two ranks in two network namespaces joined by one tc-limited veth
+(benchmarks/netns.py, layout one_node), a model whose dense gradients (embedding + LM head, untied) are
+large enough that DDP's bucket all-reduce runs while the backward all-to-all does:
+
+    sudo .venv/bin/python benchmarks/schedule.py --lina-w2                 # writes results/schedule_lina_w2.json
+    .venv/bin/python benchmarks/schedule.py --lina-w2 --loopback --tiny    # a smoke run: no root, no link
+
+Each rank builds both set-ups and alternates them step by step (interleaved rounds: the same machine
+state for both): plain = Plan(a2a_chunks=1) in DDP (25 MB buckets), lina = Plan(a2a_chunks=n,
+micro_op_bytes=m) in moepass.DataParallel (priority micro-ops, pipelined forward and backward). Per
+set-up: step time median and range (a step ends on its slower rank), the all-to-all share of the plain
+step (union of all-to-all intervals / step), all-to-all durations with and without an all-reduce
+running at the same time (event log), the most all-reduce micro-ops any all-to-all overlapped and the
+largest micro-op. Timelines of one step each (forward and backward) next to the JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -140,6 +156,146 @@ def netns_runner(ns):
 
 
 # ----------------------------------------------------------------------------------------------
+# Lina's scenario at W=2: plain EP + DDP vs Lina, interleaved, over one tc-limited veth.
+# ----------------------------------------------------------------------------------------------
+
+LINA_W2: dict[str, Any] = dict(model=dict(style="fused", vocab_size=16384, dim=256, ffn_dim=512, num_experts=8, top_k=2, layers=2,
+                          heads=4),
+               batch=(8, 128), chunks=4, micro_op_bytes=1 << 20, rounds=12, warmup=2,
+               link=dict(rate="1gbit", burst="256kb", latency="100ms"))
+LINA_W2_TINY: dict[str, Any] = dict(LINA_W2, model=dict(LINA_W2["model"], vocab_size=512, dim=32, ffn_dim=32, heads=2),
+                    batch=(2, 16), chunks=2, micro_op_bytes=4096, rounds=2, warmup=1)
+
+
+def _union(spans):
+    """Total length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def step_figures(events, step_s, micro_op_bytes):
+    """One rank's step: all-to-all share, durations with / without a concurrent all-reduce, priority."""
+    from moepass.runtime import events as ev
+
+    a2a = [e for e in events if e.category == "all_to_all" and e.kind != "counts"]
+    reduces = [e for e in events if e.category == "all_reduce"]
+    shared, alone = [], []
+    for e in a2a:
+        (shared if any(r.start < e.end and r.end > e.start for r in reduces) else alone).append(e.end - e.start)
+    return {"step_s": step_s, "a2a_share": _union([(e.start, e.end) for e in a2a]) / step_s,
+            "a2a_s_with_allreduce": shared, "a2a_s_alone": alone,
+            "max_allreduce_per_a2a": max(ev.priority_waits(events), default=0),
+            "largest_allreduce_bytes": max((e.nbytes for e in reduces), default=0),
+            "micro_op_bytes": micro_op_bytes}
+
+
+def lina_w2_worker(config):
+    """One rank (env from Namespaces.run / Loopback.run): both set-ups, alternating; JSON to $NETNS_RESULT."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import moepass
+    from moepass.runtime import events
+    from samples.models import tiny_mixtral
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    setups = {}
+    for mode, chunks in (("plain", 1), ("lina", config["chunks"])):
+        torch.manual_seed(0)
+        cm = moepass.compile(tiny_mixtral(**config["model"]), moepass.Plan(
+            form="ep", a2a_chunks=chunks, topology=moepass.Topology(1, world),
+            micro_op_bytes=config["micro_op_bytes"]))
+        if mode == "plain":
+            wrapped = DDP(cm)
+            wrapped.register_comm_hook(None, events.ddp_logging_hook)  # DDP's all-reduce, seen by the event log
+        else:
+            wrapped = moepass.DataParallel(cm)
+        setups[mode] = (cm, wrapped, torch.optim.SGD(cm.parameters(), lr=1e-3))
+    dense = sum(p.numel() * p.element_size() for p in setups["plain"][0].parameters()
+                if not hasattr(p, "device_mesh"))
+    log = events.EventLog(rank).start()
+    batch, seq = config["batch"]
+    out = {mode: [] for mode in setups}
+    timelines = {}
+    for step in range(config["warmup"] + config["rounds"]):
+        tokens = torch.randint(0, config["model"]["vocab_size"], (batch, seq + 1),
+                               generator=torch.Generator().manual_seed(1000 * step + rank))
+        for mode in (("plain", "lina") if step % 2 == 0 else ("lina", "plain")):  # alternate who goes first
+            cm, wrapped, opt = setups[mode]
+            dist.barrier()
+            log.clear()
+            start = time.perf_counter()
+            logits = wrapped(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step_s = time.perf_counter() - start
+            if step >= config["warmup"]:
+                out[mode].append(step_figures(log.events, step_s, config["micro_op_bytes"]))
+                timelines[mode] = [e.to_json() for e in log.events]
+    log.stop()
+    setups["lina"][1].close()
+    dist.barrier()
+    dist.destroy_process_group()
+    result = {"rank": rank, "dense_grad_bytes": dense, "steps": out, "timeline": timelines}
+    Path(os.environ["NETNS_RESULT"]).write_text(json.dumps(result))
+
+
+def summarise_lina_w2(runs, config):
+    """Both ranks' JSON -> the figures of the closing note (see the module doc)."""
+    import statistics
+
+    def stats(values):
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+    summary = {}
+    for mode in ("plain", "lina"):
+        steps = [max(r["steps"][mode][i]["step_s"] for r in runs) for i in range(config["rounds"])]
+        every = [s for r in runs for s in r["steps"][mode]]
+        summary[mode] = {
+            "step_s": stats(steps),
+            "a2a_share": stats([s["a2a_share"] for s in every]),
+            "a2a_s_with_allreduce": stats([d for s in every for d in s["a2a_s_with_allreduce"]]),
+            "a2a_s_alone": stats([d for s in every for d in s["a2a_s_alone"]]),
+            "max_allreduce_per_a2a": max(s["max_allreduce_per_a2a"] for s in every),
+            "largest_allreduce_bytes": max(s["largest_allreduce_bytes"] for s in every),
+        }
+    summary["speedup_plain_over_lina"] = summary["plain"]["step_s"]["median"] / summary["lina"]["step_s"]["median"]
+    summary["dense_grad_bytes"] = runs[0]["dense_grad_bytes"]
+    return summary
+
+
+def run_lina_w2(loopback: bool, tiny: bool, out_path: Path) -> dict:
+    from benchmarks.netns import Link, Loopback, Namespaces
+
+    config = LINA_W2_TINY if tiny else LINA_W2
+    argv = [sys.executable, __file__, "--lina-w2-worker", json.dumps(config)]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    ctx: Loopback | Namespaces = Loopback(2) if loopback else Namespaces(2, "one_node", Link(**config["link"]), prefix="mplina",
+                                                  subnet="10.78.0", port=29631)
+    with ctx as ns:
+        runs: list[Any] = [run.result for run in ns.run(argv, env=env, timeout=1800)]  # each rank's JSON
+        settings = ns.settings()
+    result = {"config": config, "link_settings": settings, **summarise_lina_w2(runs, config)}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2))
+    plot({mode: [{"events": runs[0]["timeline"][mode]}] for mode in ("plain", "lina")},  # rank 0
+         out_path.with_suffix(""), "W=2, one step each: plain EP + DDP vs Lina (chunked, pipelined, prioritised)")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("config", "link_settings")}, indent=1))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
 # Main.
 # ----------------------------------------------------------------------------------------------
 
@@ -223,7 +379,18 @@ def main(argv=None):
     parser.add_argument("--no-netns", action="store_true")
     parser.add_argument("--worker", nargs=8)
     parser.add_argument("--breakdown", type=int, default=0, help="W=2: plain/lina at n=1 and n=N, then exit")
+    parser.add_argument("--lina-w2", action="store_true", help="Lina's scenario at W=2 over a tc-limited veth")
+    parser.add_argument("--loopback", action="store_true", help="with --lina-w2: loopback, no namespaces (debug)")
+    parser.add_argument("--tiny", action="store_true", help="with --lina-w2: tiny sizes (a smoke run)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "schedule_lina_w2.json")
+    parser.add_argument("--lina-w2-worker", metavar="CONFIG_JSON")
     args = parser.parse_args(argv)
+    if args.lina_w2_worker:
+        lina_w2_worker(json.loads(args.lina_w2_worker))
+        return 0
+    if args.lina_w2:
+        run_lina_w2(args.loopback, args.tiny, args.out)
+        return 0
     if args.breakdown:
         print(breakdown(2, run_loopback, args.breakdown))
         return 0

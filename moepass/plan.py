@@ -32,6 +32,10 @@ class Plan:
     topology: Any = None  # moepass.Topology; None: from the torchrun environment
     capacity_factor: float | None = None  # None: dropless, or the model's own capacity semantics
     a2a_chunks: int | str = "auto"
+    # EP / locality: the token exchange as a two-stage (intra-node, then inter-node) all-to-all, each row
+    # crossing the slow links once in n-1 aggregated messages per rank; needs an EP group of >= 2 whole nodes
+    # of >= 2 ranks (moepass.runtime.collectives, "Hierarchical (2D) all-to-all")
+    hierarchical_a2a: bool = False
     micro_op_bytes: int = DEFAULT_MICRO_OP_BYTES
     packing: int | str = 1
     slots_per_device: int | None = None  # FSEP: expert slots per device (C); None: ceil(E/P) + 1
@@ -125,6 +129,7 @@ class Plan:
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")
         _locality(self)
+        _hierarchical(self)
         _form_only_fields(self)
         _hardware(self.hardware)
         for pattern, override in self.blocks.items():
@@ -195,6 +200,31 @@ def _locality(plan: Plan) -> None:
             raise PlanError(f"Plan.{name}={getattr(plan, name)!r} has no effect with form={plan.form!r}: gate, mu "
                             f"and alpha configure the routing of form='locality'. Use form='locality', or leave "
                             f"{name} at its default ({default!r}).")
+
+
+def _hierarchical(plan: Plan) -> None:
+    """hierarchical_a2a: a bool; True only where it changes something (refused, never a silent no-op): the
+    token exchange of form ep / locality, on a topology of >= 2 nodes of >= 2 ranks, not chunked. Whether
+    the EP group spans >= 2 whole nodes is checked at compile (`moepass.runtime.topology.node_groups`)."""
+    value = plan.hierarchical_a2a
+    if not isinstance(value, bool):
+        raise PlanError(f"Plan.hierarchical_a2a={value!r} is invalid: use True or False.")
+    if not value:
+        return
+    if plan.form not in ("ep", "locality"):
+        raise PlanError(f"Plan.hierarchical_a2a=True has no effect with form={plan.form!r}: it splits the token "
+                        f"all-to-all of form='ep' and form='locality' into an intra-node and an inter-node stage. "
+                        f"Use one of those forms, or leave it False.")
+    topology = plan.topology
+    if topology is not None and (topology.nodes < 2 or topology.ranks_per_node < 2):
+        raise PlanError(f"Plan.hierarchical_a2a=True is invalid with Plan.topology=Topology(nodes={topology.nodes}, "
+                        f"ranks_per_node={topology.ranks_per_node}): it needs >= 2 nodes of >= 2 ranks (with one node every link is "
+                        f"intra-node, with one rank per node the intra-node stage is empty: the exchange would be the "
+                        f"flat one). Leave it False.")
+    if isinstance(plan.a2a_chunks, int) and plan.a2a_chunks > 1:
+        raise PlanError(f"Plan.a2a_chunks={plan.a2a_chunks} with hierarchical_a2a=True is not built: the schedule "
+                        f"pass chunks the flat exchange only. Use a2a_chunks=1 or 'auto' (which then picks 1), or "
+                        f"hierarchical_a2a=False.")
 
 
 def _form_only_fields(plan: Plan) -> None:

@@ -5,32 +5,53 @@ back in one combine. This pass cuts the tokens into n chunks (`torch.tensor_spli
 and clones the region from the token permute to its inverse once per chunk:
 
     x_TD_c{j}, experts_TK_c{j} = tensor_split(x_TD, n)[j], tensor_split(experts_TK, n)[j]
-    permute_c{j} -> exchange_counts_c{j} -> dispatch_c{j} -> local permute -> expert_ffn -> combine_c{j}
+    permute_c{j} (all chunks) -> counts_nB = stack(counts_c0 .. c{n-1})
+    recv_nPL = wait(exchange_counts(counts_nB)); splits_n2P = host_splits(counts_nB, recv_nPL)   (ONCE)
+    dispatch_c{j}(splits_n2P[j]) -> local permute -> expert_ffn -> combine_c{j}(splits_n2P[j] flipped)
                  -> unpermute_c{j} (K)         and   y_TKD = cat(unpermute_c0 .. c{n-1})
 
-so the graph holds n count exchanges, n dispatch and n combine issue nodes and 3n waits. Pipelining
-is the order the clones are emitted in, with the waits moved:
+so the graph holds ONE count exchange and ONE host split table (the block's only host sync, reused by
+every chunk's dispatch and combine and by their backward: moepass/runtime/collectives.py), n dispatch
+and n combine issue nodes and 2n + 1 waits. Pipelining is the order the clones are emitted in, with
+the waits moved:
 
-    permute + issue counts (all chunks) | wait counts 0, issue dispatch 0 |
-    for j: [wait counts j+1, issue dispatch j+1] [wait dispatch j, expert compute j, issue combine j] |
+    permute (all chunks), exchange counts, wait, split table | issue dispatch 0 |
+    for j: [issue dispatch j+1] [wait dispatch j, expert compute j, issue combine j] |
     wait every combine, unpermute
 
 i.e. the transfer of chunk j+1 is in flight while chunk j computes. The region's nodes are put in
 those phases by which wait they depend on (counts / dispatch / combine), so the rewrite is generic
 over what EP put between permute and unpermute (capacity buckets, local permute, weight views).
 
+Backward. The all-to-all backward is pipelined by the same order: a wait's backward issues the
+reverse transfer and its issue's backward waits for it (moepass/runtime/collectives.py, "Pipelined
+backward"); autograd runs the backward in reverse forward order, so every chunk's combine-backward
+is issued as soon as the block's output gradient exists, chunk j's is waited after chunk j+1's
+expert backward, and chunk j+1's dispatch-backward is in flight while chunk j's expert backward
+computes. Nothing here is specific to the backward: where the forward puts an issue or a wait sets
+where the backward waits or issues.
+
 Exactness: permute, expert FFN rows, unpermute and combine are per token, so the chunked block gives
 the same outputs and input gradients bit for bit in fp32, provided the BLAS computes a row the same
 way whatever the number of rows of its GEMM. On this machine's MKL that holds for GEMMs of >= 4 rows
 (1-3 rows take another kernel and round differently): tests keep every expert chunk >= 4 rows.
-Weight gradients sum over rows in another order: equal within rtol 1e-6. Backward is not pipelined:
-the all-to-all backward (moepass.runtime.collectives) issues and waits in one step.
+Weight gradients sum over rows in another order: equal within rtol 1e-6.
 
 The chunk count: `Plan(a2a_chunks=n)`, or "auto": the cost model's `optimal_chunks(transfer, compute,
 alpha)` (`cost_model.schedule`) for this block with `Plan.batch` tokens per rank, priced with
 `Plan.hardware` (None: this machine's calibrated figures, `cost_model.presets.this_machine`; or a
-preset such as "h100"; the figures' name is recorded in the pass stats). Without `Plan.batch` there
-is no basis: n = 1 (recorded in the pass stats).
+preset such as "h100"; the figures' name is recorded in the pass stats), raised if needed so that
+every chunk's dispatch tensor is at most `Plan.micro_op_bytes` (Lina's micro-op size, the same knob
+as the gradient all-reduce micro-ops; `micro_op_chunks`: ceil(tokens * K * D * element bytes /
+micro_op_bytes) at `Plan.batch` tokens per rank, at most one chunk per token; the combine carries
+the same rows back). Without `Plan.batch` there is no basis: n = 1 (recorded in the pass stats). The
+count is fixed at compile time (it is the graph's structure); a batch larger than `Plan.batch` makes
+larger micro-ops.
+
+Independent work (Lancet's idea, `overlap_independent`): nodes of the block that neither depend on a
+collective nor feed one (a shared expert and its gate) move between the last combine issue and the
+first combine wait: they compute while the combine is in flight, and their backward (reverse order)
+while the combine-backward is. Any n, also unchunked; recorded as `overlapped_nodes` in the stats.
 
 Marks. The pass also places `moe_sched.mark` identity nodes: "expert_in"/"expert_out" around every
 expert FFN (compute regions for the event log) and "moe_combine" on the combine output, whose
@@ -49,6 +70,7 @@ there is no run-time re-packing, so no parameter or optimizer-state migration.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -113,15 +135,28 @@ def _tokens(plan: Plan) -> int | None:
     return None if plan.batch is None else int(plan.batch[0]) * int(plan.batch[1])
 
 
+def micro_op_chunks(spec: MoESpec, tokens: int, micro_op_bytes: int, element_bytes: float) -> int:
+    """Fewest chunks whose dispatch tensor (tokens * K rows of D elements per rank, cut along tokens)
+    is at most `micro_op_bytes` each; at most one chunk per token."""
+    total = tokens * spec.top_k * spec.experts.hidden_dim * element_bytes
+    return max(1, min(tokens, math.ceil(total / micro_op_bytes)))
+
+
 def choose_chunks(spec: MoESpec, plan: Plan, ep: int, ranks_per_node: int) -> tuple[int, str]:
     if plan.a2a_chunks != "auto":
         return int(plan.a2a_chunks), "plan"
     tokens = _tokens(plan)
     if tokens is None or ep == 1:
         return 1, "auto: no Plan.batch, no basis for the cost model" if tokens is None else "auto: ep=1"
+    from cost_model.presets import resolve_hardware
+
     times = layer_times(spec, tokens, ep, ranks_per_node, hardware=plan.hardware)
-    return times.chunks(), (f"auto: cost model on {times.hardware} transfer={times.transfer * 1e3:.3g} ms compute="
-                            f"{times.compute * 1e3:.3g} ms alpha={times.alpha * 1e6:.3g} us")
+    floor = micro_op_chunks(spec, tokens, plan.micro_op_bytes, float(resolve_hardware(plan.hardware).values()["b"]))
+    why = (f"auto: cost model on {times.hardware} transfer={times.transfer * 1e3:.3g} ms compute="
+           f"{times.compute * 1e3:.3g} ms alpha={times.alpha * 1e6:.3g} us")
+    if floor > times.chunks():
+        return floor, f"{why}; raised to {floor} so each dispatch micro-op <= micro_op_bytes={plan.micro_op_bytes}"
+    return times.chunks(), why
 
 
 def choose_packing(spec: MoESpec, plan: Plan, ep: int, ranks_per_node: int) -> int:
@@ -237,6 +272,39 @@ def pipeline_order(n: int) -> list[tuple[int, int]]:
     return order + [(COMBINE, j) for j in range(n)]
 
 
+def _shared_exchange(region: list[fx.Node]) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """The region's count exchange, its wait and the host split table: emitted once for every chunk."""
+    exchange = [n for n in region if n.op == "call_function" and n.target is comm.EXCHANGE_COUNTS]
+    if len(exchange) != 1:
+        raise ValueError(f"schedule: expected one count exchange in the dispatch/combine region, found {len(exchange)}")
+    waits = [u for u in exchange[0].users if u.target is comm.WAIT]
+    tables = [u for w in waits for u in w.users if u.target is comm.HOST_SPLITS]
+    if len(waits) != 1 or len(tables) != 1:
+        raise ValueError("schedule: the count exchange must feed one wait and one moe_comm.host_splits "
+                         f"(found {len(waits)} waits, {len(tables)} split tables)")
+    return exchange[0], waits[0], tables[0]
+
+
+def _emit_shared(graph: fx.Graph, block: str, shared: tuple[fx.Node, fx.Node, fx.Node],
+                 clones: list[dict[fx.Node, fx.Node]]) -> None:
+    """One count exchange of the [n, B] counts and one host split table; each chunk reads its row."""
+    exchange, wait, table = shared
+    counts_B, group_name = exchange.args
+    assert isinstance(counts_B, fx.Node), counts_B
+
+    def node(target: Any, args: tuple, name: str, op: str = "call_function", **extra: Any) -> fx.Node:
+        return _stamp(graph.create_node(op, target, args, name=name), block, **extra)
+
+    counts_nB = node(torch.stack, ([env[counts_B] for env in clones], 0), f"{counts_B.name}_nB")
+    issued = node(comm.EXCHANGE_COUNTS, (counts_nB, group_name), f"{exchange.name}_n")
+    recv_nPL = node(comm.WAIT, (issued,), f"{wait.name}_nPL")
+    table_n2P = node(comm.HOST_SPLITS, (counts_nB, recv_nPL, group_name), f"{table.name}_n")
+    for j, env in enumerate(clones):
+        row = node(operator.getitem, (recv_nPL, j), f"{wait.name}_PL_c{j}", chunk=j)
+        env[wait] = node("reshape", (row, -1), f"{wait.name}_c{j}", op="call_method", chunk=j)
+        env[table] = node(operator.getitem, (table_n2P, j), f"{table.name}_c{j}", chunk=j)
+
+
 def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
     """Cut the dispatch / expert compute / combine of an EP graph into n pipelined chunks (in place)."""
     graph, block = gm.graph, gm.spec.path
@@ -255,6 +323,7 @@ def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
         raise ValueError(f"schedule: a node of block {block or '<root>'} uses the routed rows outside the "
                          "dispatch/compute/combine region; cannot chunk it")
     phase = _phases(region)
+    shared = _shared_exchange(region)
     x_TD, experts_TK = permute.args[0], permute.args[1]
     clones: list[dict[fx.Node, fx.Node]] = [{} for _ in range(n)]
     with graph.inserting_before(unpermute):
@@ -270,8 +339,11 @@ def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
             pieces.append(items)
         by_phase: dict[int, list[fx.Node]] = defaultdict(list)
         for node in region:
-            by_phase[phase[node]].append(node)
+            if node not in shared:
+                by_phase[phase[node]].append(node)
         for p, j in pipeline_order(n):
+            if (p, j) == (COUNTS, 0):  # every chunk's counts are known: exchange them at once
+                _emit_shared(graph, block, shared, clones)
             env = clones[j]
             for node in by_phase[p]:
                 if node is permute:
@@ -307,17 +379,54 @@ def add_marks(gm: MoEGraphModule) -> int:
     return count
 
 
+def overlap_independent(gm: MoEGraphModule) -> int:
+    """Lancet's idea where the graph allows it: the block's work that neither depends on the token
+    exchange nor feeds it (a shared expert, its gate) moves from after the combine to between the last
+    combine issue and the first combine wait, so it computes while the combine is in flight (forward),
+    and, by the backward's reverse order, its backward runs between the issue and the wait of the
+    combine-backward. Returns how many nodes moved."""
+    graph = gm.graph
+    combines = [a for a in _calls(graph, comm.ALL_TO_ALL) if a.args[4] == "combine"]
+    pos = {node: i for i, node in enumerate(graph.nodes)}
+    waits = [u for c in combines for u in c.users if u.target is comm.WAIT]
+    if not combines or not waits:
+        return 0
+    last_issue, first_wait = max(combines, key=pos.__getitem__), min(waits, key=pos.__getitem__)
+    if pos[first_wait] < pos[last_issue]:
+        return 0
+    exchanged, todo = set(), [n for n in graph.nodes if n.op == "call_function" and
+                              getattr(n.target, "namespace", None) == comm.NAMESPACE]
+    while todo:  # everything that depends on a collective of the block
+        node = todo.pop()
+        if node not in exchanged:
+            exchanged.add(node)
+            todo.extend(node.users)
+    movable: dict[fx.Node, None] = {}  # in graph order
+    for node in list(graph.nodes)[pos[first_wait] + 1:]:
+        if (node.op in ("call_function", "call_method", "call_module") and node not in exchanged
+                and not node.is_impure()
+                and all(pos[i] < pos[first_wait] or i in movable for i in node.all_input_nodes)):
+            movable[node] = None
+    for node in movable:
+        first_wait.prepend(node)
+        node.meta.setdefault("moepass", {})["overlaps"] = "combine"
+    return len(movable)
+
+
 def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """Chunk and pipeline the block's all-to-all and expert compute; place the scheduler's marks."""
     layout = gm.layout
     if gm.form not in ("ep", "fsep") or layout is None:
         return PassResult(gm, changed=False, stats={"reason": f"form {gm.form!r} has no all-to-all to schedule"})
     n, why = choose_chunks(gm.spec, plan, layout.groups.ep_size, layout.groups.topology.ranks_per_node)
+    if plan.hierarchical_a2a and n > 1:  # chunking handles the flat exchange only (Plan refuses an int > 1)
+        n, why = 1, f"hierarchical_a2a: not chunked ({why}: {n} chunks)"
     stats: dict[str, Any] = {"chunks": n, "chunks_from": why, "packing": plan.packing,
                              "ep_size": layout.groups.ep_size}
     stats["marks"] = add_marks(gm)
     if n > 1:
         stats.update(chunk_graph(gm, n))
+    stats["overlapped_nodes"] = overlap_independent(gm)
     counts = {name: len(_calls(gm.graph, t)) for name, t in
               (("exchange_counts", comm.EXCHANGE_COUNTS), ("all_to_all", comm.ALL_TO_ALL), ("wait", comm.WAIT))}
     stats.update(counts)

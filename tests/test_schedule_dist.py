@@ -39,7 +39,7 @@ def _pools():
 # ----------------------------------------------------------------------------------------------
 
 
-def _block_input(rank):
+def block_input(rank):
     return torch.randn(T, D, generator=torch.Generator().manual_seed(1000 + rank))
 
 
@@ -48,7 +48,7 @@ def min_rows_per_expert_chunk(block, world, n):
     worst = 1 << 30
     per_rank = []
     for r in range(world):
-        logits = block.gate(_block_input(r)).float().softmax(-1)
+        logits = block.gate(block_input(r)).float().softmax(-1)
         per_rank.append(logits.topk(K, dim=-1).indices)
     for j in range(n):
         counts = sum(torch.bincount(torch.tensor_split(e, n)[j].reshape(-1), minlength=E) for e in per_rank)
@@ -66,7 +66,7 @@ def case_chunk_parity(rank, world, chunks):
     runs = {}
     for n in (1, chunks):
         cm = moepass.compile(block, moepass.Plan(form="ep", a2a_chunks=n, topology=topo))
-        x = _block_input(rank).requires_grad_()
+        x = block_input(rank).requires_grad_()
         y = cm(x)
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(7 + rank)))
         grads = {name: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -133,7 +133,7 @@ def _lm_setup(world, a2a_chunks=2):
     return model, cm
 
 
-def _tokens(world, rank, step):
+def lm_tokens(world, rank, step):
     tokens = torch.randint(0, LM["vocab_size"], (world * 2, 33), generator=torch.Generator().manual_seed(50 + step))
     return tokens[rank * 2:(rank + 1) * 2]
 
@@ -149,7 +149,7 @@ def _reference_grads(world, rank, step):
     from moepass.runtime.grads import all_reduce_replicated_grads
 
     _, cm = _lm_setup(world)
-    cm.loss(_tokens(world, rank, step)).backward()
+    cm.loss(lm_tokens(world, rank, step)).backward()
     all_reduce_replicated_grads(cm)
     return _replicated_grads(cm)
 
@@ -190,8 +190,8 @@ def case_priority(rank, world, mode, steps=2, sleeps=False):
             log.clear()
             for p in cm.parameters():
                 p.grad = None
-            out = wrapped(_tokens(world, rank, step)[:, :-1])
-            tok = _tokens(world, rank, step)
+            out = wrapped(lm_tokens(world, rank, step)[:, :-1])
+            tok = lm_tokens(world, rank, step)
             loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tok[:, 1:].reshape(-1))
             loss.backward()
             waits += events.priority_waits(log.events)
@@ -211,7 +211,20 @@ def case_priority(rank, world, mode, steps=2, sleeps=False):
             state.close()
     ar_kinds = [k for k, _ in sequence if k in ("grad_allreduce", "ddp_bucket")]
     return {"max_wait": max(waits), "a2a": len(waits), "ops": n_ops, "match": match, "ar": len(ar_kinds),
-            "ar_sizes": [b for k, b in sequence if k in ("grad_allreduce", "ddp_bucket")]}
+            "ar_sizes": [b for k, b in sequence if k in ("grad_allreduce", "ddp_bucket")],
+            "per_tensor_sizes": per_tensor_micro_ops(cm, world) * steps}
+
+
+def per_tensor_micro_ops(cm, world):
+    """Registry byte counts of Lina's micro-ops: every replicated gradient cut on its own."""
+    from moepass.runtime.scheduler import replicated_parameters
+
+    sizes = []
+    for _, p in replicated_parameters(cm):
+        per = MICRO_OP_BYTES // p.element_size()
+        sizes += [2 * (world - 1) * min(per, p.numel() - start) * p.element_size() // world
+                  for start in range(0, p.numel(), per)]
+    return sizes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,3 +277,4 @@ def test_ddp_comm_hook_priority():
     for r in results:
         assert r["match"], r
         assert r["max_wait"] <= 1, r
+        assert sorted(r["ar_sizes"]) == sorted(r["per_tensor_sizes"]), r  # no micro-op spans two tensors

@@ -123,7 +123,8 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
                                         lambda source, role: local_weight(b, attrs[role], source, role, reads))
 
     stats = exchange.insert_exchange(gm, b, buckets=E, local=L, group_name=groups.ep_group.group_name,
-                                     world=groups.world_size, route=None, issue_weights=lambda: weights)
+                                     world=groups.world_size, route=None, issue_weights=lambda: weights,
+                                     hierarchy=exchange.hierarchy_of(plan, groups))
     stats = {"experts": E, "local_experts": L, "ep_size": P, "dp_size": groups.dp_size, "capacity": stats["capacity"]}
     gm.form = PASS
     gm.layout = layout

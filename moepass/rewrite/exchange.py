@@ -4,12 +4,18 @@ A form that computes experts on other ranks replaces the canonical `moe.expert_f
 
     x_ND, counts_B, order_N = moe.permute(x_TD, buckets_TK, B)        # the canonical permute, re-keyed
     recv_counts_B = wait(moe_comm.exchange_counts(counts_B))          # metadata all-to-all
-    x_RD          = wait(moe_comm.all_to_all(x_ND, counts_B, recv_counts_B, "dispatch"))
+    splits_2P     = moe_comm.host_splits(counts_B, recv_counts_B)     # the one host sync (rows per peer)
+    x_RD          = wait(moe_comm.all_to_all(x_ND, counts_B, recv_counts_B, "dispatch", splits_2P))
     ids_R1        = moe_ep.local_expert_ids(recv_counts_B, L, R)      # rows arrive (source, bucket)-major
     x_MD, counts_L, order_R = moe.permute(x_RD, ids_R1, L)            # ... sort them bucket-major
     y_MD          = moe.expert_ffn(x_MD, counts_L, <the form's L local experts>)
     y_RD          = moe.unpermute(y_MD, order_R, 1)
-    y_ND          = wait(moe_comm.all_to_all(y_RD, recv_counts_B, counts_B, "combine", out_rows=N))
+    y_ND          = wait(moe_comm.all_to_all(y_RD, recv_counts_B, counts_B, "combine", out_rows=N,
+                                         splits_2P.flip(0)))
+
+The split table is read on the host once per block and step and reused by the combine and by both
+backward exchanges (moepass/runtime/collectives.py); the schedule pass keeps one count exchange and
+one table for all its chunks.
 
 B = P*L buckets, L per rank of the P-rank group: EP's buckets are experts, FSEP's are expert slots.
 What a form decides is how assignments map to buckets (`route`) and where the L local experts' weights
@@ -31,7 +37,9 @@ from torch import Tensor, fx
 
 from moepass import dialect
 from moepass.canonical import GraphBuilder, MoEGraphModule
+from moepass.plan import Plan
 from moepass.runtime import collectives as comm
+from moepass.runtime.topology import EPGroups, NodeGroups, node_groups
 
 
 @torch.library.custom_op("moe_ep::local_expert_ids", mutates_args=())
@@ -79,7 +87,7 @@ Weights = Callable[[], list[fx.Node | None]]
 
 def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local: int, group_name: str, world: int,
                     route: Callable[[fx.Node], fx.Node] | None, issue_weights: Callable[[], Weights],
-                    axis: str = "E", keep: fx.Node | None = None) -> dict[str, int]:
+                    axis: str = "E", keep: fx.Node | None = None, hierarchy: NodeGroups | None = None) -> dict[str, int]:
     """Replace `gm`'s expert compute by dispatch / local compute / combine (in place; see module doc).
 
     The form's hooks add their nodes where they are called: `route(experts_TK)`, before the permute,
@@ -88,7 +96,8 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
     its weights starts behind the token exchange), returns `weights()`, called just before the local
     expert compute, which makes the six weight operands. `axis` names the bucket axis in node names.
     `keep` is the capacity mask [T, K] of a form that computes its own (locality's floor capacity);
-    None: the graph's `moe.capacity_keep`, if any.
+    None: the graph's `moe.capacity_keep`, if any. `hierarchy` (`hierarchy_of`): the dispatch and combine
+    as the two-stage hierarchical all-to-all (`split_by_node`); None: flat.
     """
     graph, E = gm.graph, gm.spec.num_experts
     b.graph = graph
@@ -110,7 +119,10 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
         counts_B = b.fn(operator.getitem, counts, slice(0, buckets), name=f"send_counts_{axis}") if keeps else counts
         recv_counts = b.fn(comm.WAIT, b.fn(comm.EXCHANGE_COUNTS, counts_B, group_name, name="exchange_counts"),
                            name=f"recv_counts_{axis}")
-        dispatch = b.fn(comm.ALL_TO_ALL, x_ND, counts_B, recv_counts, group_name, "dispatch", -1, name="dispatch")
+        splits_2P = b.fn(comm.HOST_SPLITS, counts_B, recv_counts, group_name, name="splits_2P")
+        back_2P = b.method("flip", splits_2P, 0, name="combine_splits_2P")
+        dispatch = b.fn(comm.ALL_TO_ALL, x_ND, counts_B, recv_counts, group_name, "dispatch", -1, splits_2P,
+                        name="dispatch")
         weights = issue_weights()
         x_RD = b.fn(comm.WAIT, dispatch, name="x_RD")
         rows_R = b.method("size", x_RD, 0, name="rows_R")
@@ -128,7 +140,49 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
         y_RD = b.method("flatten", y_R1D, 0, 1, name="y_RD")
         rows_N = b.method("size", x_ND, 0, name="rows_N")
         y_ND = b.fn(comm.WAIT, b.fn(comm.ALL_TO_ALL, y_RD, recv_counts, counts_B, group_name, "combine", rows_N,
-                                    name="combine"), name="y_ND_combined")
+                                    back_2P, name="combine"), name="y_ND_combined")
     ffn.replace_all_uses_with(y_ND)
     graph.erase_node(ffn)  # its weight reads are now dead: dropped when the pass's effects are applied
+    if hierarchy is not None:
+        split_by_node(graph, b, hierarchy)
     return {"experts": E, "buckets": buckets, "local_buckets": local, "capacity": int(bool(keeps))}
+
+
+def hierarchy_of(plan: Plan, groups: EPGroups) -> NodeGroups | None:
+    """The node groups of the hierarchical exchange when the plan asks for it (`Plan.hierarchical_a2a`)."""
+    return node_groups(groups) if plan.hierarchical_a2a else None
+
+
+def split_by_node(graph: fx.Graph, b: GraphBuilder, hierarchy: NodeGroups) -> None:
+    """Replace the flat dispatch and combine by the hierarchical all-to-all (in place):
+
+        node_counts   = wait(moe_comm.exchange_counts(node_count_totals(counts_B, recv_counts_B), intra))
+        splits_2S     = moe_comm.node_split_table(counts_B, recv_counts_B, node_counts)   # the one host sync
+        x_SD          = wait(moe_comm.intra_node_all_to_all(x_ND, splits_2S[0], intra, "dispatch"))
+        dispatch      = moe_comm.inter_node_all_to_all(x_SD, splits_2S[0], inter, "dispatch")
+        ...
+        y_SD          = wait(moe_comm.intra_node_all_to_all(y_RD, splits_2S[1], intra, "combine"))
+        combine       = moe_comm.inter_node_all_to_all(y_SD, splits_2S[1], inter, "combine", out_rows=N)
+
+    The result is the flat exchange's, row for row; the flat nodes' waits now wait for stage 2 (S: the rows
+    stage 1 gathered). What only the flat nodes used (their split table) is dead and dropped with the
+    pass's effects."""
+    flat = {n.args[4]: n for n in graph.nodes if n.op == "call_function" and n.target is comm.ALL_TO_ALL}
+    dispatch, combine = flat["dispatch"], flat["combine"]
+    counts_B, recv_counts = dispatch.args[1], dispatch.args[2]
+    intra, inter = hierarchy.intra_group.group_name, hierarchy.inter_group.group_name
+    with graph.inserting_before(dispatch):
+        totals = b.fn(comm.node_count_totals, counts_B, recv_counts, hierarchy.nodes, hierarchy.ranks_per_node,
+                      name="node_count_totals")
+        node_counts = b.fn(comm.WAIT, b.fn(comm.EXCHANGE_COUNTS, totals, intra, name="exchange_node_counts"),
+                           name="node_counts")
+        tables = b.fn(comm.NODE_SPLIT_TABLE, counts_B, recv_counts, node_counts, hierarchy.nodes, name="splits_2S")
+    for row, (kind, a2a) in enumerate((("dispatch", dispatch), ("combine", combine))):
+        x, out_rows = a2a.args[0], a2a.args[5]
+        with graph.inserting_before(a2a):
+            table = b.fn(operator.getitem, tables, row, name=f"{kind}_splits_S")
+            staged = b.fn(comm.INTRA_NODE_ALL_TO_ALL, x, table, intra, kind, -1, name=f"{kind}_intra")
+            x_SD = b.fn(comm.WAIT, staged, name=f"{kind}_staged_SD")
+            stage2 = b.fn(comm.INTER_NODE_ALL_TO_ALL, x_SD, table, inter, kind, out_rows, name=f"{kind}_inter")
+        a2a.replace_all_uses_with(stage2)
+        graph.erase_node(a2a)

@@ -402,7 +402,8 @@ def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
                                         lambda source, role: local_weight(b, attrs[role], source, role, reads))
 
     exchange.insert_exchange(gm, b, buckets=E, local=L, group_name=groups.ep_group.group_name,
-                             world=groups.world_size, route=None, issue_weights=lambda: weights, keep=keep_T1)
+                             world=groups.world_size, route=None, issue_weights=lambda: weights, keep=keep_T1,
+                             hierarchy=exchange.hierarchy_of(plan, groups))
 
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):

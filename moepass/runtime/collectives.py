@@ -3,11 +3,18 @@
 Ops (namespace `moe_comm`; each issue op returns a pending tensor that `moe_comm.wait` completes, so
 a schedule pass can move the wait to overlap the transfer with compute):
 
-    exchange_counts(counts_E, group_name)                        -> recv_counts_E   (issue, no grad)
-    all_to_all(x_XD, send_counts_E, recv_counts_E, group_name, kind, out_rows) -> y_YD   (issue)
+    exchange_counts(counts_E | counts_nE, group_name)             -> recv_counts_E | recv_counts_nPL (issue, no grad)
+    host_splits(send_counts_nE, recv_counts_nE, group_name)       -> splits_n2P (CPU; the host sync, no grad)
+    all_to_all(x_XD, send_counts_E, recv_counts_E, group_name, kind, out_rows, splits_2P=None) -> y_YD   (issue)
     equal_all_to_all(x_GS, group_name, kind)                     -> y_GS            (issue; equal splits)
     gather_counts(counts_E, group_name)                          -> counts_PE       (blocking, no grad)
     wait(t)                                                      -> t               (wait; grad passes)
+
+  the hierarchical (2D) all-to-all (`Plan(hierarchical_a2a=True)`, section at the end of this file):
+    node_split_table(send_counts_B, recv_counts_B, node_counts, nodes) -> splits_2S (CPU; its host sync, no grad)
+    intra_node_all_to_all(x_XD, splits_S, intra_group, kind, out_rows) -> x_SD   (issue; stage 1)
+    inter_node_all_to_all(x_SD, splits_S, inter_group, kind, out_rows) -> y_YD   (issue; stage 2 = the flat result)
+    node_all_to_all_backward(grad, splits_S, group, stage, kind, out_rows)        (a stage's reverse, blocking)
 
 Count layout: E = P*L entries blocked by peer (P ranks in the group, L experts each):
 `send_counts_E[p*L + l]` rows go to local expert l of peer p; `recv_counts_E[p*L + l]` rows arrive
@@ -16,8 +23,39 @@ from peer p for this rank's local expert l. `all_to_all` sends the first sum(sen
 `out_rows` rows with a zero tail when out_rows >= 0. Its backward is the reverse all_to_all (counts
 swapped) of the gradient, padded back to x's rows.
 
-Host sync point (the only one here): `split_sizes` — one `.tolist()` of both count vectors, in the
-issue op, to hand Python-int splits to the backend.
+Counts of n chunks at once: `exchange_counts` of a [n, E] table sends peer p the [n, L] block of its
+buckets in one message (`recv_counts_nPL[j, p, l]`: rows of chunk j from peer p for local bucket l;
+chunk j's `recv_counts_E` is row j flattened), so a chunked block exchanges counts once, not per chunk.
+
+Host sync point (the only one here): `host_split_table` — one device -> host copy of the per-peer
+row totals of every chunk, both directions: [n, 2, P] int64 on the CPU (row 0 sent, row 1 received).
+The `host_splits` op runs it once per block and step; each `all_to_all` gets its chunk's [2, P] rows
+(`splits_2P`, the combine the flipped rows) and reads its Python-int splits from host memory, and its
+autograd keeps them (flipped) for the backward exchange: no sync per chunk, none in the backward.
+Without `splits_2P` the op syncs itself (`split_sizes`; callers outside the rewrites).
+With `Plan(hierarchical_a2a=True)` the block's host sync is `node_split_table` instead (the flat table is
+not made): one device -> host copy of [2, 3P] ints that every stage of the dispatch and the combine, and
+their backward, read from host memory.
+
+Pipelined backward (issue/wait pairs in both directions). autograd runs a node's backward once its
+output gradients are ready, highest sequence number (latest forward op) first. A forward issue node
+I and its wait W (I -> W) are two autograd nodes, so the backward is split the other way round: W's
+backward ISSUES the reverse transfer (and hands I a placeholder gradient), I's backward WAITS for
+it. Everything the forward ran between I and W runs, in the backward, between that issue and that
+wait, i.e. overlaps the transfer. The schedule pass emits chunk j's combine issue before chunk j+1's
+dispatch wait and expert compute (moepass/schedule.py), so in the backward the combine-backward of
+every chunk is issued as soon as the block's output gradient exists and chunk j's is waited only
+after chunk j+1's expert backward; chunk j+1's dispatch-backward is issued right after its expert
+backward and waited after chunk j's. The order is the engine's, deterministic and the same on every
+rank (same graph), so every rank issues the same collectives in the same order. Moving an issue or
+wait node in the forward graph moves the matching wait or issue in the backward.
+How I and W meet: the issue op registers its output tensor with its `Transfer` (the work, the
+listeners' tokens, and, from autograd's setup, the reverse issue); W looks it up (weakly keyed by the
+tensor; popped at the wait, so nothing outlives the step). The placeholder is an expanded zero of the
+gradient's shape; I's backward uses the early transfer only if the gradient it receives IS that
+placeholder (else something else also used the pending tensor: it waits the early transfer, discards
+it and exchanges the full gradient, the same on every rank). Under tracing (fake tensors,
+torch.compile) nothing is registered: the backward issues and waits in one step as before.
 
 Fake implementations: the dynamic row count comes from `ctx.new_dynamic_size()` (Dynamo-friendly);
 in a FakeTensorMode without a ShapeEnv (which cannot represent such a size) the send-side row count
@@ -31,12 +69,17 @@ tensors are on the input's device and that its split sizes are Python ints.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
+from torch.utils.weak import WeakIdKeyDictionary
 
 from moepass.envflags import flag
 from moepass.runtime import scheduler, stats
@@ -67,10 +110,23 @@ def _peers(group_name: str) -> tuple[Topology, list[int]]:
         return Topology.from_env(), dist.get_process_group_ranks(_group(group_name))
 
 
+def host_split_table(send_counts_nE: Tensor, recv_counts_nE: Tensor, peers: int) -> Tensor:
+    """THE SYNC POINT: per-peer rows to send and to receive of every chunk, [n, 2, P] int64 on the CPU
+    (one device -> host copy; [2, P] for 1-D counts)."""
+    lead = send_counts_nE.shape[:-1]  # recv may be exchange_counts' [n, P, L]: same totals per (chunk, peer)
+    send_nP = send_counts_nE.reshape(*lead, peers, -1).sum(-1)
+    recv_nP = recv_counts_nE.reshape(*lead, peers, -1).sum(-1)
+    return torch.stack([send_nP, recv_nP], dim=-2).to("cpu", torch.int64)
+
+
 def split_sizes(send_counts_E: Tensor, recv_counts_E: Tensor, peers: int) -> tuple[list[int], list[int]]:
-    """SYNC POINT: per-peer rows to send and to receive, as Python ints (one device->host copy)."""
-    both_2P = torch.stack([send_counts_E.view(peers, -1).sum(1), recv_counts_E.view(peers, -1).sum(1)])
-    send, recv = both_2P.tolist()
+    """Per-peer rows to send and to receive, as Python ints (syncs: `host_split_table`)."""
+    return _splits_of(host_split_table(send_counts_E, recv_counts_E, peers))
+
+
+def _splits_of(splits_2P: Tensor) -> tuple[list[int], list[int]]:
+    """Python ints from a host split table row pair (host memory: no device sync)."""
+    send, recv = splits_2P.tolist()
     return [int(s) for s in send], [int(r) for r in recv]
 
 
@@ -84,18 +140,42 @@ def record_bytes(kind: str, group_name: str, send_splits: list[int], row_bytes: 
     stats.record(kind, intra=by_link["intra"], inter=by_link["inter"], self_bytes=by_link["self"])
 
 
+@dataclass
+class Transfer:
+    """One issued exchange, from its issue op to its `moe_comm.wait` (see "Pipelined backward")."""
+
+    issued: list[tuple[Any, Any]] = field(default_factory=list)  # (listener, token): `scheduler.notify_waited`
+    reverse: Callable[[Tensor], Tensor] | None = None  # grad of the output -> pending grad of the input
+    placeholder: Tensor | None = None  # what the wait's backward handed the issue's backward
+    pending: Tensor | None = None  # the reverse transfer in flight
+
+
+_transfers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # pending output tensor -> Transfer, until its wait
+
+
+def _eager(t: Tensor) -> bool:
+    """A real tensor outside any tracing (fake tensors, torch.compile): only then are transfers linked."""
+    return type(t) is Tensor and not torch.compiler.is_compiling()
+
+
 def _issue(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int], group_name: str,
-           kind: str) -> None:
-    """Launch all_to_all_single(out <- inp) asynchronously; `moe_comm.wait(out)` completes it."""
+           kind: str, key: Tensor | None = None) -> None:
+    """Launch all_to_all_single(out <- inp) asynchronously; `moe_comm.wait(key)` completes it (`key`:
+    the tensor the op returns, `out` or a tensor whose rows `out` is)."""
     if checks_enabled():
         assert out.device == inp.device, f"moe_comm {kind}: output on {out.device}, input on {inp.device}"
         for what, splits in (("output", out_splits), ("input", in_splits)):
             assert all(type(s) is int for s in splits), f"moe_comm {kind}: {what} splits {splits} are not ints"
     row_bytes = inp.element_size() * math.prod(inp.shape[1:])  # not inp[0]: a rank may send 0 rows
     record_bytes(kind, group_name, in_splits, row_bytes)
+    transfer = Transfer()
     work = scheduler.issue_collective(kind, group_name, sum(in_splits) * row_bytes, lambda: dist.all_to_all_single(
-        out, inp, out_splits, in_splits, group=_group(group_name), async_op=True))  # tells the priority scheduler
+        out, inp, out_splits, in_splits, group=_group(group_name), async_op=True),  # tells the priority scheduler
+        issued=transfer.issued)
     torch._C._distributed_c10d._register_work(out, work)
+    key = out if key is None else key
+    if _eager(key):
+        _transfers[key] = transfer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,19 +185,47 @@ def _issue(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]
 
 @torch.library.custom_op("moe_comm::exchange_counts", mutates_args=())
 def exchange_counts(counts_E: Tensor, group_name: str) -> Tensor:
+    """[E] -> [E]; [n, E] (n chunks) -> [n, P, L], a view of the [P, n, L] receive buffer: entry
+    [j, p, l] = rows of chunk j peer p sends to local bucket l. One message per peer either way."""
     peers = len(_peers(group_name)[1])
-    E = counts_E.shape[0]
-    if E % peers:
-        raise ValueError(f"moe_comm.exchange_counts: {E} counts do not split over {peers} ranks")
-    send = counts_E.contiguous()
-    recv = torch.empty_like(send)
-    _issue(recv, send, [E // peers] * peers, [E // peers] * peers, group_name, "counts")
-    return recv
+    E = counts_E.shape[-1]
+    if E % peers or counts_E.dim() not in (1, 2):
+        raise ValueError(f"moe_comm.exchange_counts: counts of shape {tuple(counts_E.shape)} do not split over "
+                         f"{peers} ranks: use [E] or [n, E] counts with E divisible by {peers}")
+    if counts_E.dim() == 1:
+        send = counts_E.contiguous()
+        recv = torch.empty_like(send)
+        _issue(recv, send, [E // peers] * peers, [E // peers] * peers, group_name, "counts")
+        return recv
+    n = counts_E.shape[0]
+    send_PnL = counts_E.reshape(n, peers, E // peers).transpose(0, 1).contiguous()  # peer p's buckets, every chunk
+    recv_PnL = torch.empty_like(send_PnL)
+    out_nPL = recv_PnL.transpose(0, 1)
+    per = n * (E // peers)
+    _issue(recv_PnL.view(-1), send_PnL.view(-1), [per] * peers, [per] * peers, group_name, "counts", key=out_nPL)
+    return out_nPL
 
 
 @exchange_counts.register_fake
 def _(counts_E, group_name):
-    return torch.empty_like(counts_E)
+    if counts_E.dim() == 1:
+        return torch.empty_like(counts_E)
+    peers = len(_peers(group_name)[1])
+    n, E = counts_E.shape
+    return counts_E.new_empty((peers, n, E // peers)).transpose(0, 1)
+
+
+@torch.library.custom_op("moe_comm::host_splits", mutates_args=())
+def host_splits(send_counts_E: Tensor, recv_counts_E: Tensor, group_name: str) -> Tensor:
+    """The block's one host sync: [n, 2, P] (or [2, P] for 1-D counts) int64 CPU split table
+    (`host_split_table`); `recv_counts_E` as `exchange_counts` returns it."""
+    return host_split_table(send_counts_E, recv_counts_E, len(_peers(group_name)[1]))
+
+
+@host_splits.register_fake
+def _(send_counts_E, recv_counts_E, group_name):
+    peers = len(_peers(group_name)[1])
+    return torch.empty((*send_counts_E.shape[:-1], 2, peers), dtype=torch.int64, device="cpu")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,12 +235,19 @@ def _(counts_E, group_name):
 
 @torch.library.custom_op("moe_comm::all_to_all", mutates_args=())
 def all_to_all(x_XD: Tensor, send_counts_E: Tensor, recv_counts_E: Tensor, group_name: str, kind: str,
-               out_rows: int) -> Tensor:
+               out_rows: int, splits_2P: Tensor | None = None) -> Tensor:
+    """`splits_2P`: this exchange's rows per peer, sent (row 0) and received (row 1), on the CPU
+    (`host_splits`); None: read from the counts here (a host sync)."""
     peers = len(_peers(group_name)[1])
     if checks_enabled():
         for t in (send_counts_E, recv_counts_E):
             assert t.device == x_XD.device, f"moe_comm {kind}: counts on {t.device}, x on {x_XD.device}"
-    send_splits, recv_splits = split_sizes(send_counts_E, recv_counts_E, peers)  # host sync point
+        assert splits_2P is None or (splits_2P.device.type == "cpu" and tuple(splits_2P.shape) == (2, peers)), (
+            f"moe_comm {kind}: splits_2P must be a [2, {peers}] CPU table, got {splits_2P.shape} on {splits_2P.device}")
+    if splits_2P is None:
+        send_splits, recv_splits = split_sizes(send_counts_E, recv_counts_E, peers)  # host sync point
+    else:
+        send_splits, recv_splits = _splits_of(splits_2P)  # host memory
     n_send, n_recv = sum(send_splits), sum(recv_splits)
     if n_send > x_XD.shape[0]:
         raise ValueError(f"moe_comm.all_to_all[{kind}]: counts send {n_send} rows, x has {x_XD.shape[0]}")
@@ -142,12 +257,12 @@ def all_to_all(x_XD: Tensor, send_counts_E: Tensor, recv_counts_E: Tensor, group
     out = x_XD.new_empty((rows, *x_XD.shape[1:]))
     if rows > n_recv:
         out[n_recv:].zero_()
-    _issue(out[:n_recv], x_XD[:n_send].contiguous(), recv_splits, send_splits, group_name, kind)
+    _issue(out[:n_recv], x_XD[:n_send].contiguous(), recv_splits, send_splits, group_name, kind, key=out)
     return out
 
 
 @all_to_all.register_fake
-def _(x_XD, send_counts_E, recv_counts_E, group_name, kind, out_rows):
+def _(x_XD, send_counts_E, recv_counts_E, group_name, kind, out_rows, splits_2P=None):
     if out_rows >= 0:
         rows = out_rows
     else:
@@ -165,17 +280,42 @@ def _(x_XD, send_counts_E, recv_counts_E, group_name, kind, out_rows):
 
 
 def _a2a_setup(ctx, inputs, output):
-    x_XD, send_counts_E, recv_counts_E, group_name, kind, _out_rows = inputs
+    x_XD, send_counts_E, recv_counts_E, group_name, kind, _out_rows, splits_2P = inputs
     ctx.save_for_backward(send_counts_E, recv_counts_E)
-    ctx.options = (group_name, kind, x_XD.shape[0])
+    # the reverse exchange sends what this one received: the same table, rows swapped (no sync in backward)
+    ctx.options = (group_name, kind, x_XD.shape[0], None if splits_2P is None else splits_2P.flip(0))
+    ctx.transfer = _transfers.get(output) if _eager(output) else None
+    if ctx.transfer is not None:
+        ctx.transfer.reverse = functools.partial(_reverse_a2a, ctx)
+
+
+def _reverse_a2a(ctx, grad_YD: Tensor) -> Tensor:
+    """Issue the backward exchange of `grad_YD` (pending: `moe_comm.wait` completes it)."""
+    send_counts_E, recv_counts_E = ctx.saved_tensors
+    group_name, kind, x_rows, back_2P = ctx.options
+    return torch.ops.moe_comm.all_to_all(grad_YD.contiguous(), recv_counts_E, send_counts_E, group_name,
+                                         f"{kind}_bwd", x_rows, back_2P)
 
 
 def _a2a_bwd(ctx, grad_YD):
-    send_counts_E, recv_counts_E = ctx.saved_tensors
-    group_name, kind, x_rows = ctx.options
-    pending = torch.ops.moe_comm.all_to_all(grad_YD.contiguous(), recv_counts_E, send_counts_E, group_name,
-                                            f"{kind}_bwd", x_rows)
-    return torch.ops.moe_comm.wait(pending), None, None, None, None, None
+    pending = early_transfer(ctx.transfer, grad_YD)
+    ctx.transfer = None  # (the transfer's reverse holds this ctx: no cycle left behind)
+    if pending is None:  # not issued by the wait's backward (see "Pipelined backward"): issue now
+        pending = _reverse_a2a(ctx, grad_YD)
+    return torch.ops.moe_comm.wait(pending), None, None, None, None, None, None
+
+
+def early_transfer(transfer: Transfer | None, grad: Tensor) -> Tensor | None:
+    """The reverse transfer the wait's backward issued for this gradient, or None (then an issued one
+    whose gradient was not the whole story is completed and dropped: every rank does the same)."""
+    if transfer is None or transfer.pending is None:
+        return None
+    pending, placeholder = transfer.pending, transfer.placeholder
+    transfer.pending = transfer.placeholder = None
+    if grad is placeholder:
+        return pending
+    torch.ops.moe_comm.wait(pending)
+    return None
 
 
 all_to_all.register_autograd(_a2a_bwd, setup_context=_a2a_setup)
@@ -248,12 +388,22 @@ _lib.define("wait(Tensor(a) t) -> Tensor(a)")
 class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Tensor) -> Tensor:
+        transfer = _transfers.pop(t, None) if _eager(t) else None
+        if transfer is not None:
+            scheduler.notify_waited(transfer.issued)
         torch.ops._c10d_functional.wait_tensor(t)
+        ctx.transfer = transfer if transfer is not None and transfer.reverse is not None else None
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        return grad
+        transfer = ctx.transfer
+        if transfer is None or transfer.reverse is None or not _eager(grad):
+            return grad
+        # issue the reverse exchange now; the issue op's backward waits for it (module doc)
+        transfer.pending, transfer.reverse = transfer.reverse(grad), None
+        transfer.placeholder = grad.new_zeros(()).expand_as(grad)
+        return transfer.placeholder
 
 
 def _wait_impl(t: Tensor) -> Tensor:
@@ -263,6 +413,7 @@ def _wait_impl(t: Tensor) -> Tensor:
 _lib.impl("wait", _wait_impl, "CompositeImplicitAutograd")
 
 EXCHANGE_COUNTS = torch.ops.moe_comm.exchange_counts.default
+HOST_SPLITS = torch.ops.moe_comm.host_splits.default
 ALL_TO_ALL = torch.ops.moe_comm.all_to_all.default
 EQUAL_ALL_TO_ALL = torch.ops.moe_comm.equal_all_to_all.default
 GATHER_COUNTS = torch.ops.moe_comm.gather_counts.default
@@ -276,7 +427,9 @@ WAIT = torch.ops.moe_comm.wait.default
 
 def all_reduce_sum_(t: Tensor, group: dist.ProcessGroup, kind: str = "grad_allreduce") -> Tensor:
     """In-place sum over `group` (blocking, with the group's timeout). Bytes counted as a ring would
-    send them: 2(n-1)/n of the payload, attributed to inter-node if the group spans nodes."""
+    send them: 2(n-1)/n of the payload, attributed to inter-node if the group spans nodes. Launched
+    through the collective registry (category "all_reduce"), so the event log sees it; it is not a
+    priority-scheduler micro-op (it blocks where it is called)."""
     topology, ranks = _peers(group.group_name)
     n = len(ranks)
     if n == 1:
@@ -284,5 +437,227 @@ def all_reduce_sum_(t: Tensor, group: dist.ProcessGroup, kind: str = "grad_allre
     payload = 2 * (n - 1) * t.numel() * t.element_size() // n
     spans_nodes = len({topology.node_of(r) for r in ranks}) > 1
     stats.record(kind, intra=0 if spans_nodes else payload, inter=payload if spans_nodes else 0)
-    dist.all_reduce(t, group=group)
+    issued: list[tuple[Any, Any]] = []
+    work = scheduler.issue_collective(kind, group.group_name, payload, lambda: dist.all_reduce(
+        t, group=group, async_op=True), category=scheduler.ALL_REDUCE, issued=issued)
+    scheduler.notify_waited(issued)
+    work.wait()
     return t
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Hierarchical (2D) all-to-all: the variable-split token exchange of an EP group that spans n nodes of
+# r ranks in two stages, so every row crosses the slow inter-node links once and each rank sends n-1
+# inter-node messages (each aggregating the rows of its whole node) instead of P-r small ones.
+#
+#   group-local rank p = a*r + i (node a, local index i); B = P*L buckets blocked by peer, as above.
+#   stage 1 "intra" (group: the r ranks of the node): rank (a,i) sends to (a,j) every row it has for
+#           local rank j of any node b, node-major: (b, j) blocks in order b = 0..n-1.
+#   stage 2 "inter" (group: the n ranks (b,j) sharing local index j): rank (a,j) sends to (b,j) the rows
+#           its node's ranks (a,i) have for (b,j), source-major: i = 0..r-1.
+#   The receiver (b,j) gets them from a = 0..n-1, each i = 0..r-1, each bucket-sorted: source order p =
+#   a*r + i, exactly the flat all_to_all's output. Rows for the own node go intra in stage 1 and "self"
+#   in stage 2; rows for another node go "self" or intra in stage 1 and inter in stage 2, once.
+#
+# The intermediate rank (a,j) must know how many rows each (a,i) has for each (b,j) (its node counts
+# M[i, b]): one small equal-split `exchange_counts` of `node_count_totals` on the intra group, for the
+# dispatch and the combine together. `node_split_table` then reads everything the four stages (and their
+# backward) need on the host at once: one host sync per block and step.
+# ----------------------------------------------------------------------------------------------
+
+STAGES = ("intra", "inter")
+
+
+def node_count_totals(send_counts_B: Tensor, recv_counts_B: Tensor, nodes: int, ranks_per_node: int) -> Tensor:
+    """What a rank tells each rank of its node before the hierarchical exchanges of a block: [r*2*n] ints,
+    block j (2n entries) = the rows it sends to (b, j), b < n, in the dispatch, then in the combine (the rows
+    it received from (b, j)). `exchange_counts` over the intra-node group delivers block j to local rank j."""
+    both_2NR = torch.stack([send_counts_B, recv_counts_B]).view(2, nodes, ranks_per_node, -1).sum(3)
+    return both_2NR.permute(2, 0, 1).reshape(-1)
+
+
+def _node_geometry(node_counts: Tensor, nodes: int) -> tuple[int, int]:
+    """(P, r) of an exchanged `node_count_totals` vector [r*2n]."""
+    r = node_counts.shape[0] // (2 * nodes)
+    return r * nodes, r
+
+
+@torch.library.custom_op("moe_comm::node_split_table", mutates_args=())
+def node_split_table(send_counts_B: Tensor, recv_counts_B: Tensor, node_counts: Tensor, nodes: int) -> Tensor:
+    """THE SYNC POINT of the hierarchical exchange: one device -> host copy of every split its stages need,
+    [2, 3P] int64 on the CPU (P = r*n ranks): row 0 the dispatch's [rows sent per peer (P), rows received per
+    peer (P), M (r*n, M[i*n + b]: rows local rank i of this node has for (b, this rank's local index))],
+    row 1 the combine's (sent and received swapped, its own M). `node_counts`: the exchanged
+    `node_count_totals` (block i from local rank i)."""
+    P, r = _node_geometry(node_counts, nodes)
+    if r * nodes * 2 != node_counts.shape[0] or send_counts_B.shape[0] % P:
+        raise ValueError(f"moe_comm.node_split_table: {node_counts.shape[0]} node counts and {send_counts_B.shape[0]} "
+                         f"counts do not fit {nodes} nodes")
+    send_P, recv_P = send_counts_B.view(P, -1).sum(1), recv_counts_B.view(P, -1).sum(1)
+    m_R2N = node_counts.view(r, 2, nodes)
+    table_2S = torch.stack([torch.cat([send_P, recv_P, m_R2N[:, 0].reshape(-1)]),
+                            torch.cat([recv_P, send_P, m_R2N[:, 1].reshape(-1)])])
+    return table_2S.to("cpu", torch.int64)
+
+
+@node_split_table.register_fake
+def _(send_counts_B, recv_counts_B, node_counts, nodes):
+    P, _ = _node_geometry(node_counts, nodes)
+    return torch.empty((2, 3 * P), dtype=torch.int64, device="cpu")
+
+
+@dataclass(frozen=True)
+class StageSplits:
+    """One stage on this rank, in Python ints: the input's row blocks (`sizes`, in input order), the order
+    they are sent in (grouped by peer: `order[g*w:(g+1)*w]` go to peer g), rows per peer sent / received."""
+
+    sizes: list[int]
+    order: list[int]
+    send: list[int]
+    recv: list[int]
+
+    @property
+    def arrived_sizes(self) -> list[int]:
+        """Block sizes in the order they are sent (and, in the reverse exchange, arrive)."""
+        return [self.sizes[k] for k in self.order]
+
+
+def stage_splits(stage: str, table_S: Tensor, peers: int) -> StageSplits:
+    """A stage's splits from its direction's row of `node_split_table` (host memory: no device sync)."""
+    if stage not in STAGES:
+        raise ValueError(f"moe_comm hierarchical stage {stage!r} is invalid: use one of {list(STAGES)}")
+    if table_S.device.type != "cpu" or table_S.dim() != 1 or table_S.shape[0] % (3 * peers):
+        raise ValueError(f"moe_comm hierarchical {stage}: the split table must be a row of node_split_table (a CPU "
+                         f"vector of 3*P entries, P a multiple of the group's {peers} ranks), got "
+                         f"{tuple(table_S.shape)} on {table_S.device}")
+    values = [int(v) for v in table_S.tolist()]
+    P = len(values) // 3
+    r, n = (peers, P // peers) if stage == "intra" else (P // peers, peers)
+    sent_P, received_P, m = values[:P], values[P:2 * P], values[2 * P:]
+    if stage == "intra":  # input blocks: destination p = b*r + j (flat order); sent to local rank j, node-major
+        sizes, order = sent_P, [b * r + j for j in range(r) for b in range(n)]
+        recv = [sum(m[i * n:(i + 1) * n]) for i in range(r)]
+    else:  # input blocks: (i, b) as stage 1 delivered them; sent to node b, source-major
+        sizes, order = m, [i * n + b for b in range(n) for i in range(r)]
+        recv = [sum(received_P[a * r:(a + 1) * r]) for a in range(n)]
+    width = len(order) // peers
+    send = [sum(sizes[k] for k in order[g * width:(g + 1) * width]) for g in range(peers)]
+    return StageSplits(sizes, order, send, recv)
+
+
+def _stage_issue(stage: str, x_XD: Tensor, table_S: Tensor, group_name: str, kind: str, out_rows: int) -> Tensor:
+    """Forward stage: reorder the input's blocks into send order, issue the exchange (see `_issue`)."""
+    splits = stage_splits(stage, table_S, len(_peers(group_name)[1]))
+    n_in, n_recv = sum(splits.sizes), sum(splits.recv)
+    if n_in > x_XD.shape[0]:
+        raise ValueError(f"moe_comm.{stage}_node_all_to_all[{kind}]: counts send {n_in} rows, x has {x_XD.shape[0]}")
+    rows = n_recv if out_rows < 0 else out_rows
+    if rows < n_recv:
+        raise ValueError(f"moe_comm.{stage}_node_all_to_all[{kind}]: out_rows={out_rows} < {n_recv} rows received")
+    blocks = x_XD[:n_in].split(splits.sizes)
+    send = torch.cat([blocks[k] for k in splits.order])
+    out = x_XD.new_empty((rows, *x_XD.shape[1:]))
+    if rows > n_recv:
+        out[n_recv:].zero_()
+    _issue(out[:n_recv], send, splits.recv, splits.send, group_name, f"{kind}_{stage}", key=out)
+    return out
+
+
+def _fake_rows(x_XD: Tensor, out_rows: int) -> Tensor:
+    """The fake output of a variable-split exchange (see the module doc on fake implementations)."""
+    if out_rows >= 0:
+        return x_XD.new_empty((out_rows, *x_XD.shape[1:]))
+    ctx = torch.library.get_ctx()
+    rows: int | torch.SymInt
+    try:
+        rows = ctx.new_dynamic_size()
+    except DynamicOutputShapeException:
+        if getattr(ctx, "_shape_env", None) is not None:
+            raise  # Dynamo without dynamic output shapes: graph-break here (as all_to_all)
+        rows = x_XD.shape[0]
+    return x_XD.new_empty((rows, *x_XD.shape[1:]))
+
+
+@torch.library.custom_op("moe_comm::intra_node_all_to_all", mutates_args=())
+def intra_node_all_to_all(x_XD: Tensor, table_S: Tensor, group_name: str, kind: str, out_rows: int) -> Tensor:
+    """Stage 1 of the hierarchical exchange (issue; group: this node's ranks): x's first rows (as many as the
+    table says this rank sends), blocked by destination as `all_to_all`'s, go to the local rank of their
+    destination. Returns the rows of every local rank i for this rank's counterparts (b, j), (i, b)-major:
+    stage 2's input. `table_S`: this direction's row of `node_split_table`."""
+    return _stage_issue("intra", x_XD, table_S, group_name, kind, out_rows)
+
+
+@torch.library.custom_op("moe_comm::inter_node_all_to_all", mutates_args=())
+def inter_node_all_to_all(x_SD: Tensor, table_S: Tensor, group_name: str, kind: str, out_rows: int) -> Tensor:
+    """Stage 2 of the hierarchical exchange (issue; group: the ranks of this local index on every node): the
+    rows stage 1 gathered go to their destination's node. Returns what the flat `all_to_all` returns: the
+    received rows in source order (or `out_rows` rows with a zero tail)."""
+    return _stage_issue("inter", x_SD, table_S, group_name, kind, out_rows)
+
+
+@intra_node_all_to_all.register_fake
+def _(x_XD, table_S, group_name, kind, out_rows):
+    return _fake_rows(x_XD, out_rows)
+
+
+@inter_node_all_to_all.register_fake
+def _(x_SD, table_S, group_name, kind, out_rows):
+    return _fake_rows(x_SD, out_rows)
+
+
+@torch.library.custom_op("moe_comm::node_all_to_all_backward", mutates_args=())
+def node_all_to_all_backward(grad_YD: Tensor, table_S: Tensor, group_name: str, stage: str, kind: str,
+                             out_rows: int) -> Tensor:
+    """The reverse of a stage (blocking: issued and waited here, as the flat exchange's backward is when
+    traced): every received row's gradient goes back to the rank it came from and the blocks are put back
+    in the stage's input order; `out_rows` rows (the forward input's) with a zero tail."""
+    splits = stage_splits(stage, table_S, len(_peers(group_name)[1]))
+    n_in, n_back = sum(splits.recv), sum(splits.sizes)
+    back = grad_YD.new_empty((n_back, *grad_YD.shape[1:]))
+    _issue(back, grad_YD[:n_in].contiguous(), splits.send, splits.recv, group_name, f"{kind}_{stage}")
+    back = torch.ops.moe_comm.wait(back)
+    arrived = back.split(splits.arrived_sizes)
+    position = {k: pos for pos, k in enumerate(splits.order)}
+    out = grad_YD.new_zeros((out_rows, *grad_YD.shape[1:]))
+    out[:n_back] = torch.cat([arrived[position[k]] for k in range(len(splits.sizes))])
+    return out
+
+
+@node_all_to_all_backward.register_fake
+def _(grad_YD, table_S, group_name, stage, kind, out_rows):
+    return grad_YD.new_empty((out_rows, *grad_YD.shape[1:]))
+
+
+def _stage_setup(ctx, inputs, output):
+    x, table_S, group_name, kind, _out_rows = inputs
+    ctx.save_for_backward(table_S)
+    ctx.options = (group_name, kind, x.shape[0])
+
+
+def _stage_bwd(stage: str):
+    def backward(ctx, grad_YD):
+        (table_S,) = ctx.saved_tensors
+        group_name, kind, x_rows = ctx.options
+        grad = torch.ops.moe_comm.node_all_to_all_backward(grad_YD.contiguous(), table_S, group_name, stage,
+                                                           f"{kind}_bwd", x_rows)
+        return grad, None, None, None, None
+
+    return backward
+
+
+intra_node_all_to_all.register_autograd(_stage_bwd("intra"), setup_context=_stage_setup)
+inter_node_all_to_all.register_autograd(_stage_bwd("inter"), setup_context=_stage_setup)
+
+NODE_SPLIT_TABLE = torch.ops.moe_comm.node_split_table.default
+INTRA_NODE_ALL_TO_ALL = torch.ops.moe_comm.intra_node_all_to_all.default
+INTER_NODE_ALL_TO_ALL = torch.ops.moe_comm.inter_node_all_to_all.default
+NODE_ALL_TO_ALL_BACKWARD = torch.ops.moe_comm.node_all_to_all_backward.default
+
+
+def hierarchical_all_to_all(x_XD: Tensor, table_S: Tensor, intra_group: str, inter_group: str, kind: str,
+                            out_rows: int = -1) -> Tensor:
+    """Eager composition: what the flat `all_to_all` + wait returns, in two stages (each issued and waited).
+    `table_S`: the direction's row of `node_split_table` (0: the counts as given, 1: swapped)."""
+    staged = torch.ops.moe_comm.wait(intra_node_all_to_all(x_XD, table_S, intra_group, kind, -1))
+    return torch.ops.moe_comm.wait(inter_node_all_to_all(staged, table_S, inter_group, kind, out_rows))

@@ -7,7 +7,9 @@
 
 Collectives: start = when the collective was queued (the listener hears it before the launch), end
 = when its work's future completed (`work.get_future().then(...)`, i.e. the backend's own
-completion, not a scheduler decision). Categories: "all_to_all" (every moe_comm all-to-all: counts,
+completion, not a scheduler decision), waited = when its consumer started waiting for it (the
+`moe_comm` all-to-alls, forward and backward; 0.0 when not reported): the transfer was in flight,
+unneeded, from start to waited, so compute that ran in that window overlapped it (`in_flight_during`). Categories: "all_to_all" (every moe_comm all-to-all: counts,
 dispatch, combine and their backward) and "all_reduce" (gradient micro-ops, DDP buckets through
 `ddp_logging_hook`). Compute regions: expert compute per chunk from the `moe_sched.mark` nodes the
 schedule pass places around `moe.expert_ffn` ("expert_in" / "expert_out"), forward and backward;
@@ -43,6 +45,7 @@ class Event:
     start: float
     end: float
     nbytes: int = 0
+    waited: float = 0.0  # collectives: when the consumer started waiting (0.0: not reported)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,11 +73,16 @@ class EventLog:
 
     # -- listener -------------------------------------------------------------------------------
     def queued(self, kind: str, category: str, group_name: str, nbytes: int) -> Any:
-        return (kind, category, int(nbytes), time.perf_counter())
+        # the event is logged at completion; `waited` may come before or after it
+        return {"event": Event(self.rank, category, kind, time.perf_counter(), 0.0, int(nbytes))}
 
     def completed(self, token: Any, end: float) -> None:
-        kind, category, nbytes, start = token
-        self.add(Event(self.rank, category, kind, start, end, nbytes))
+        token["event"].end = end
+        self.add(token["event"])
+
+    def waited(self, token: Any, when: float) -> None:
+        with self._lock:
+            token["event"].waited = when
 
     def mark(self, name: str, phase: str) -> None:
         now = time.perf_counter()
@@ -119,6 +127,14 @@ def priority_waits(events: Iterable[Event]) -> list[int]:
     reduces = [e for e in events if e.category == sched.ALL_REDUCE]
     return [sum(1 for r in reduces if r.start < a.end and r.end > a.start)
             for a in events if a.category == sched.A2A]
+
+
+def in_flight_during(events: Iterable[Event], window: Event, kinds: Iterable[str] | None = None) -> list[Event]:
+    """Collectives of one rank's log issued before `window` started and not waited for until it ended
+    (optionally only of `kinds`): transfers that overlapped the work of `window` by construction."""
+    wanted = None if kinds is None else set(kinds)
+    return [e for e in events if e.category != "compute" and (wanted is None or e.kind in wanted)
+            and e.start < window.start and e.waited > window.end]
 
 
 COLORS = {"all_to_all": "tab:red", "all_reduce": "tab:blue", "compute": "tab:green"}

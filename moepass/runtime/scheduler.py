@@ -5,8 +5,11 @@ Collective registry (the hook the EP collectives call; tiny on purpose):
     work = issue_collective(kind, group_name, nbytes, launch)   # launch() -> dist Work (async_op=True)
 
 Every listener (`add_listener`) hears `queued(kind, category, group_name, nbytes) -> token` BEFORE the
-launch, so a scheduler knows an all-to-all is queued before any byte moves, and `completed(token,
-end)` from the work's future (`work.get_future().then`). `moepass.runtime.collectives._issue` launches every `moe_comm` all-to-all (counts,
+launch, so a scheduler knows an all-to-all is queued before any byte moves, `completed(token,
+end)` from the work's future (`work.get_future().then`), and, if it defines it, `waited(token, time)`
+when the consumer starts waiting for the result (`notify_waited(issued)`, `issued` the list
+`issue_collective` filled): a collective in flight between queued and waited overlapped whatever ran
+in between. `moepass.runtime.collectives._issue` launches every `moe_comm` all-to-all (counts,
 dispatch, combine and their backward) through it; the scheduler's own all-reduce micro-ops go
 through it too (category "all_reduce"), which is how the event log sees both. With no listener it is
 just `launch()`. Marks (`notify_mark`) come from the `moe_sched.mark` op that the schedule pass puts
@@ -15,7 +18,9 @@ all-to-all is imminent).
 
 Priority rule (one `PriorityScheduler` per rank, its own process group):
   - gradients of replicated (non-expert) parameters are cut into micro-ops of `micro_op_bytes`
-    (every tensor cut on its own, no cross-tensor bucketing);
+    (every tensor cut on its own, no cross-tensor bucketing); with `expert_replicas=True` so are the
+    gradients of experts several replicas hold (summed over their replicas' group; a micro-op names
+    its group);
   - a micro-op is launched only when no all-to-all is queued or running, backward is not inside an
     MoE combine, and no other micro-op is in flight (at most one) — so an all-to-all waits behind at
     most one all-reduce micro-op;
@@ -25,7 +30,9 @@ Priority rule (one `PriorityScheduler` per rank, its own process group):
 
 Two ways in:
     model = moepass.DataParallel(cm)                                    # wrapper; grads averaged after backward
-    ddp.register_comm_hook(PriorityScheduler(...), priority_hook)        # DDP communication hook
+    sync = GradientSync(cm, expert_replicas=True)                       # the same on cm's parameters, no wrapper;
+                                                                        # + expert replicas summed as micro-ops
+    ddp.register_comm_hook(PriorityScheduler(...), priority_hook)        # DDP communication hook (per-tensor cuts)
 
 Threads: a small daemon thread per scheduler launches micro-ops when the rule allows; completions
 come from `work.get_future()` callbacks. Waiting for the last micro-op is bounded by the group timeout.
@@ -67,13 +74,17 @@ def remove_listener(listener: Any) -> None:
         _listeners.remove(listener)
 
 
-def issue_collective(kind: str, group_name: str, nbytes: int, launch: Callable[[], Any], category: str = A2A) -> Any:
+def issue_collective(kind: str, group_name: str, nbytes: int, launch: Callable[[], Any], category: str = A2A,
+                     issued: list[tuple[Any, Any]] | None = None) -> Any:
     """Launch one asynchronous collective, telling every listener before the launch and when its
-    work's future completes (one completion time, taken before any listener hears of it)."""
+    work's future completes (one completion time, taken before any listener hears of it). `issued`,
+    if given, receives the (listener, token) pairs for `notify_waited`."""
     if not _listeners:
         return launch()
     listeners = list(_listeners)
     tokens = [lst.queued(kind, category, group_name, nbytes) for lst in listeners]
+    if issued is not None:
+        issued.extend(zip(listeners, tokens))
     work = launch()
 
     def completed(fut: Any) -> None:
@@ -83,6 +94,15 @@ def issue_collective(kind: str, group_name: str, nbytes: int, launch: Callable[[
 
     work.get_future().then(completed)
     return work
+
+
+def notify_waited(issued: list[tuple[Any, Any]]) -> None:
+    """The consumer of a collective `issue_collective(..., issued=issued)` launched starts waiting for it."""
+    now = time.perf_counter()
+    for lst, token in issued:
+        waited = getattr(lst, "waited", None)
+        if waited is not None:
+            waited(token, now)
 
 
 def notify_mark(name: str, phase: str) -> None:
@@ -131,6 +151,7 @@ COMBINE_REGION = "moe_combine"
 @dataclass
 class MicroOp:
     flat: Tensor | None = None  # a contiguous 1-D view of the gradient bytes to all-reduce
+    group: dist.ProcessGroup | None = None  # None: the scheduler's own group
     done: threading.Event = field(default_factory=threading.Event)
     on_done: Callable[[], None] | None = None
 
@@ -193,9 +214,10 @@ class PriorityScheduler:
             self._queue.append(op)
             self._cond.notify_all()
 
-    def placeholder(self) -> MicroOp:
-        """A slot reserved in the FIFO now, filled (`fill`) when its gradient is ready."""
-        op = MicroOp()
+    def placeholder(self, group: dist.ProcessGroup | None = None) -> MicroOp:
+        """A slot reserved in the FIFO now, filled (`fill`) when its gradient is ready (on `group`;
+        None: the scheduler's own)."""
+        op = MicroOp(group=group)
         self.submit(op)
         return op
 
@@ -226,11 +248,12 @@ class PriorityScheduler:
                 op = self._queue.popleft()
                 self._inflight += 1
                 self.launched += 1
-                flat = op.flat
+                flat, group = op.flat, op.group or self.group
                 assert flat is not None
-                nbytes = 2 * (self.world - 1) * flat.numel() * flat.element_size() // max(self.world, 1)
-                work = issue_collective("grad_allreduce", self.group.group_name, nbytes,
-                                        lambda: dist.all_reduce(flat, group=self.group, async_op=True),
+                world = dist.get_world_size(group)
+                nbytes = 2 * (world - 1) * flat.numel() * flat.element_size() // max(world, 1)
+                work = issue_collective("grad_allreduce", group.group_name, nbytes,
+                                        lambda: dist.all_reduce(flat, group=group, async_op=True),
                                         category=ALL_REDUCE)
                 work.get_future().then(lambda fut, op=op: self._op_done(op))
 
@@ -258,7 +281,7 @@ class PriorityScheduler:
 
 
 # ----------------------------------------------------------------------------------------------
-# Way 1: the DataParallel wrapper.
+# Way 1: GradientSync on the parameters (DataParallel: the same as a wrapper).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -269,35 +292,65 @@ def replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
 
 
-class DataParallel(nn.Module):
-    """Data parallel for the replicated parameters of a moepass-compiled model, under the priority rule.
+def expert_replica_parameters(model: nn.Module) -> dict[str, dist.ProcessGroup]:
+    """Expert parameters several data-parallel replicas hold (packing, ep_size < world) -> the group of
+    their replicas: their gradients are summed over it (the 1/W is already in them, `exchange.grad_scale`)."""
+    from moepass.rewrite.experts import expert_layouts
+
+    out = {}
+    for path, layout in expert_layouts(model):
+        if layout.groups.dp_size > 1:
+            out.update({f"{path}.{n}" if path else n: layout.groups.dp_group for n in layout.expert_param_names()})
+    return out
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of a (possibly DTensor) parameter or gradient."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A parameter `DataParallel` reduces: over `group` (None: the scheduler's own), averaged or summed."""
+
+    param: nn.Parameter
+    group: dist.ProcessGroup | None
+    average: bool
+
+
+class GradientSync:
+    """The priority scheduler's gradient synchronisation, installed on a model's parameters (no wrapper).
 
     After `loss.backward()` returns, every replicated gradient is the mean over the ranks (DDP's
-    convention); expert gradients are handled by the EP pass. Micro-ops launch in reverse parameter
+    convention); expert gradients are handled by the EP pass, or, with `expert_replicas=True`, the
+    gradients of experts held by several replicas (packing, ep_size < world) are summed over their
+    replicas here, as micro-ops of the same queue (the block's own blocking reduction must then be off:
+    the EP pass installs it as a gradient hook on those parameters). Micro-ops launch in reverse parameter
     order (the order backward produces them); a parameter whose gradient is late only delays the
     ones after it. A parameter that got no gradient is reduced as zeros (every rank reduces the same
     list). Construct on every rank in the same order (it creates a process group).
     """
 
-    def __init__(self, module: nn.Module, micro_op_bytes: int | None = None, group: dist.ProcessGroup | None = None,
-                 priority: bool = True, timeout: float = 600.0):
-        super().__init__()
-        self.module = module
+    def __init__(self, model: nn.Module, micro_op_bytes: int | None = None, group: dist.ProcessGroup | None = None,
+                 priority: bool = True, timeout: float = 600.0, expert_replicas: bool = False):
         if micro_op_bytes is None:
-            info = getattr(module, "moepass_info", None)
+            info = getattr(model, "moepass_info", None)
             from moepass.plan import DEFAULT_MICRO_OP_BYTES
 
             micro_op_bytes = info.plan.micro_op_bytes if info is not None else DEFAULT_MICRO_OP_BYTES
         self.scheduler = PriorityScheduler(micro_op_bytes, group, timeout, enabled=priority)
-        self._params = [p for _, p in reversed(replicated_parameters(module))]
+        replicated = {n for n, _ in replicated_parameters(model)}
+        experts = expert_replica_parameters(model) if expert_replicas else {}
+        self._reduced = [Reduced(p, experts.get(n), n in replicated) for n, p in reversed(list(model.named_parameters()))
+                         if p.requires_grad and (n in replicated or n in experts)]
+        self._params = [r.param for r in self._reduced]
         self._slots: dict[int, list[MicroOp]] = {}
         self._ops: list[MicroOp] = []
         self._step_open = False
-        for index, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(lambda p, index=index: self._ready(index))
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, index=index: self._ready(index))
+                       for index, p in enumerate(self._params)]
 
     def _open_step(self) -> None:
         """First gradient of a backward: reserve every micro-op slot in the fixed order."""
@@ -305,8 +358,8 @@ class DataParallel(nn.Module):
         self._slots, self._ops = {}, []
         for index, p in enumerate(self._params):
             per = max(1, self.scheduler.micro_op_bytes // p.element_size())  # as `cut` splits
-            count = -(-p.numel() // per)
-            self._slots[index] = [self.scheduler.placeholder() for _ in range(count)]
+            count = -(-_local(p).numel() // per)
+            self._slots[index] = [self.scheduler.placeholder(self._reduced[index].group) for _ in range(count)]
             self._ops += self._slots[index]
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
@@ -317,11 +370,11 @@ class DataParallel(nn.Module):
         if not self._slots.get(index) or p.grad is None:
             return
         slots = self._slots.pop(index)
-        for op, piece in zip(slots, self.scheduler.cut(p.grad.view(-1))):
+        for op, piece in zip(slots, self.scheduler.cut(_local(p.grad).view(-1))):
             self.scheduler.fill(op, piece)
 
     def _finish(self) -> None:
-        """End of backward: parameters without a gradient reduce zeros; wait; average."""
+        """End of backward: parameters without a gradient reduce zeros; wait; average (replicated ones)."""
         for index in list(self._slots):
             p = self._params[index]
             if p.grad is None:
@@ -329,13 +382,33 @@ class DataParallel(nn.Module):
             self._ready(index)
         self.scheduler.end_backward()
         self.scheduler.wait(self._ops)
-        for p in self._params:
-            if p.grad is not None:
-                p.grad.div_(self.scheduler.world)
+        for r in self._reduced:
+            if r.average and r.param.grad is not None:
+                r.param.grad.div_(self.scheduler.world)
         self._step_open = False
 
     def close(self) -> None:
+        """Stop the scheduler and take the parameter hooks off (the model is as before)."""
+        for hook in self._hooks:
+            hook.remove()
         self.scheduler.close()
+
+
+class DataParallel(nn.Module):
+    """`GradientSync` as a wrapper module: `DataParallel(cm)(x)` runs `cm(x)`; same arguments."""
+
+    def __init__(self, module: nn.Module, micro_op_bytes: int | None = None, group: dist.ProcessGroup | None = None,
+                 priority: bool = True, timeout: float = 600.0, expert_replicas: bool = False):
+        super().__init__()
+        self.module = module
+        self.sync = GradientSync(module, micro_op_bytes, group, priority, timeout, expert_replicas)
+        self.scheduler = self.sync.scheduler
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def close(self) -> None:
+        self.sync.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,11 +417,13 @@ class DataParallel(nn.Module):
 
 
 def priority_hook(state: PriorityScheduler, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    """`ddp.register_comm_hook(PriorityScheduler(bytes), priority_hook)`: the bucket is cut into
-    micro-ops and averaged under the priority rule on the scheduler's own group."""
+    """`ddp.register_comm_hook(PriorityScheduler(bytes), priority_hook)`: every gradient of the bucket
+    is cut into micro-ops on its own (Lina: no micro-op spans two tensors; DDP's bucket is only the
+    unit it hands over) and averaged under the priority rule on the scheduler's own group."""
     buffer = bucket.buffer()
     fut: torch.futures.Future[Tensor] = torch.futures.Future()
-    pieces = state.cut(buffer)
+    # the gradients are views of the flat buffer, in bucket order (reducing them reduces the buffer)
+    pieces = [piece for grad in bucket.gradients() for piece in state.cut(grad.view(-1))]
     if not pieces:
         fut.set_result(buffer)
         return fut

@@ -276,3 +276,56 @@ def reset_groups() -> None:
 def register_group(group: dist.ProcessGroup, topology: Topology) -> None:
     """Make a user-made group usable by moepass collectives (byte accounting needs its ranks)."""
     _cache().info[group.group_name] = (topology, dist.get_process_group_ranks(group))
+
+
+@dataclass
+class NodeGroups:
+    """The two groups of the hierarchical all-to-all (`Plan(hierarchical_a2a=True)`) of an EP group that
+    spans `nodes` whole nodes of `ranks_per_node` ranks (group-local rank p = a*r + i: node a, local index i):
+
+      - `intra_group`: the r ranks of this rank's node in the EP group (stage 1, fast links);
+      - `inter_group`: the n ranks with this rank's local index on each node of the EP group (stage 2).
+    """
+
+    nodes: int  # n
+    ranks_per_node: int  # r
+    intra_group: dist.ProcessGroup
+    inter_group: dist.ProcessGroup
+    intra_ranks: list[int]
+    inter_ranks: list[int]
+
+
+def node_groups(groups: EPGroups) -> NodeGroups:
+    """The (cached) groups of the hierarchical all-to-all over `groups`' EP groups. Collective: every rank
+    must call it, in order. PlanError unless each EP group covers >= 2 whole nodes of >= 2 ranks (else
+    one of the two stages would be empty and the exchange the flat one)."""
+    topology, P = groups.topology, groups.ep_size
+    r = topology.ranks_per_node
+    if r < 2 or P % r or P // r < 2:
+        why = (f"with {r} rank per node the intra-node stage is empty" if r < 2 else
+               f"the EP group of {P} ranks lies inside one node of {r} ranks: every link is intra-node" if P <= r else
+               f"the EP group of {P} ranks does not cover whole nodes of {r} ranks")
+        raise PlanError(f"Plan.hierarchical_a2a=True is invalid for Plan.topology=Topology(nodes={topology.nodes}, "
+                        f"ranks_per_node={r}) and ep_size={P}: {why}. "
+                        f"It needs an EP group of >= 2 whole nodes with >= 2 ranks each (ep_size a multiple of "
+                        f"ranks_per_node, >= 2*ranks_per_node); otherwise leave it False (the flat exchange).")
+    world, rank = groups.world_size, groups.rank
+    cache = _cache()
+    key = ("nodes", world, P, topology, topology.timeout)
+    if key in cache.groups:
+        return cache.groups[key]  # type: ignore[return-value]
+    n = P // r
+    lists = {
+        "intra": [[d * P + a * r + i for i in range(r)] for d in range(groups.dp_size) for a in range(n)],
+        "inter": [[d * P + a * r + i for a in range(n)] for d in range(groups.dp_size) for i in range(r)],
+    }
+    timeout = timedelta(seconds=topology.timeout)
+    made: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
+    for what, enumeration in lists.items():
+        group, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=timeout, group_desc=f"moepass_a2a_{what}_node")
+        ranks = next(members for members in enumeration if rank in members)
+        cache.info[group.group_name] = (topology, ranks)
+        made[what] = (group, ranks)
+    node = NodeGroups(n, r, made["intra"][0], made["inter"][0], made["intra"][1], made["inter"][1])
+    cache.groups[key] = node  # type: ignore[assignment]
+    return node

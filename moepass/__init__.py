@@ -22,14 +22,14 @@ from moepass.errors import DetectionError, MoepassError, PlanError
 from moepass.inspect import diff, draw, set_debug
 from moepass.plan import Plan
 from moepass.rewrite.locality import aux_loss
-from moepass.runtime import DataParallel, Topology, comm_stats, reset_comm_stats
+from moepass.runtime import DataParallel, GradientSync, Topology, comm_stats, reset_comm_stats
 from moepass.runtime.grads import clip_grad_norm_
 from moepass.spec import CapacitySpec, ExpertsSpec, HeadsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 from moepass.verify import VerificationError, verify
 
 __all__ = [
-    "CapacitySpec", "CompileInfo", "DataParallel", "DetectionError", "DetectionReport", "ExpertsSpec", "HeadsSpec",
-    "MoEGraphModule", "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec",
+    "CapacitySpec", "CompileInfo", "DataParallel", "DetectionError", "DetectionReport", "ExpertsSpec", "GradientSync",
+    "HeadsSpec", "MoEGraphModule", "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec",
     "TensorSource", "Topology", "VerificationError", "aux_loss", "clip_grad_norm_", "comm_stats", "compile", "detect",
     "diff", "draw", "explain", "load_logical_state_dict", "logical_grads", "logical_state_dict", "register_recogniser",
     "reset_comm_stats", "search", "set_debug", "verify",

@@ -65,6 +65,11 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         else:
             target = gm
     finalize(target)  # model-level set-up of the rewritten forms
+    if plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1:
+        from moepass.runtime.scheduler import GradientSync  # every rank compiles in the same order: a collective
+
+        sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
+        object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged
     object.__setattr__(target, "moepass_info", info)
     return target
 

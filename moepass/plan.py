@@ -19,6 +19,8 @@ FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")
 MATH_CHANGING_FORMS = ("hp", "locality")
 DISTRIBUTED_FORMS = ("ep", "fsep", "hp", "locality")  # need torch.distributed initialised
 LOWERINGS = ("auto", "triton", "torch")
+GRAD_SYNCS = ("none", "scheduler")
+PLAN_WIDE = ("deterministic", "grad_sync")  # process- or model-wide: not overridable per block
 DEFAULT_MICRO_OP_BYTES = 30 * 2**20
 DEFAULT_PREFETCH_DEPTH = 2
 GATES = ("grap", "learned")  # form="locality": the top-1 router's gate
@@ -57,6 +59,11 @@ class Plan:
     alpha: float = DEFAULT_ALPHA
     lowering: str = "auto"
     deterministic: bool = False
+    # gradient synchronisation over the ranks: "none" (yours: DDP / FSDP2 for the dense gradients; replicated
+    # experts summed by a blocking gradient hook) or "scheduler" (compile installs the priority scheduler,
+    # runtime.scheduler.GradientSync: dense gradients averaged and expert-replica gradients summed as micro-ops of
+    # <= micro_op_bytes, launched only while no all-to-all is queued or running; do not also wrap it in DDP)
+    grad_sync: str = "none"
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
     blocks: Any = None  # {module path or glob: dict of overrides | None (leave the block alone)}
     batch: Any = None  # (batch, seq) for form="auto"
@@ -82,6 +89,7 @@ class Plan:
     def _validate(self) -> None:
         _choice("form", self.form, FORMS)
         _choice("lowering", self.lowering, LOWERINGS)
+        _choice("grad_sync", self.grad_sync, GRAD_SYNCS)
         if self.ep_size is not None and (not isinstance(self.ep_size, int) or self.ep_size < 1):
             raise PlanError(f"Plan.ep_size={self.ep_size!r} is invalid: use a positive int dividing the world size.")
         if self.capacity_factor is not None and (
@@ -140,10 +148,11 @@ class Plan:
                     f"Plan.blocks[{pattern!r}]={override!r} is invalid: use a dict of Plan fields, "
                     f"or None to leave the block alone."
                 )
-            if override.get("deterministic", self.deterministic) != self.deterministic:
-                raise PlanError(f"Plan.blocks[{pattern!r}]['deterministic']={override['deterministic']!r} is invalid: "
-                                f"determinism is process-wide (torch.use_deterministic_algorithms); set "
-                                f"Plan(deterministic=...) on the whole plan, not per block.")
+            for name in PLAN_WIDE:
+                if override.get(name, getattr(self, name)) != getattr(self, name):
+                    raise PlanError(f"Plan.blocks[{pattern!r}][{name!r}]={override[name]!r} is invalid: {name} applies "
+                                    f"to the whole model (determinism is process-wide, gradient synchronisation "
+                                    f"model-wide); set Plan({name}=...) on the whole plan, not per block.")
             Plan(**{**self._as_dict(exclude=("blocks",)), **override})  # validates the override
 
     def _as_dict(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -81,7 +81,13 @@ CASES = [
     Case("block-override-not-dict", lambda m: Plan(blocks={BLOCK: 3}), PlanError,
          r"Plan.blocks\['layers.0.mlp'\]=3 is invalid: use a dict of Plan fields, or None to leave the block alone."),
     Case("deterministic-per-block", lambda m: Plan(blocks={BLOCK: {"deterministic": True}}), PlanError,
-         r"Plan.blocks\['layers.0.mlp'\]\['deterministic'\]=True is invalid: determinism is process-wide"),
+         r"Plan.blocks\['layers.0.mlp'\]\['deterministic'\]=True is invalid: deterministic applies to the whole "
+         r"model .*; set Plan\(deterministic=...\) on the whole plan, not per block."),
+    Case("grad-sync-per-block", lambda m: Plan(blocks={BLOCK: {"grad_sync": "scheduler"}}), PlanError,
+         r"Plan.blocks\['layers.0.mlp'\]\['grad_sync'\]='scheduler' is invalid: grad_sync applies to the whole "
+         r"model"),
+    Case("grad-sync-typo", lambda m: Plan(grad_sync="sched"), PlanError,
+         r"Plan.grad_sync='sched' is invalid: use one of \['none', 'scheduler'\]."),
     Case("plan-not-a-plan", lambda m: moepass.compile(m, "ep"), PlanError,
          r"moepass.compile\(plan='ep'\) is invalid: pass a moepass.Plan\(...\)"),
     Case("auto-without-batch", _compile(Plan(form="auto")), PlanError,

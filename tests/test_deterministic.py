@@ -114,8 +114,8 @@ def test_compile_turns_on_torch_deterministic_algorithms_and_explain_says_so():
 def test_deterministic_is_a_whole_plan_setting():
     assert Plan(deterministic=True).deterministic is True
     with pytest.raises(PlanError, match=r"Plan.blocks\['layers.0.mlp'\]\['deterministic'\]=True is invalid: "
-                                        r"determinism is process-wide .* set Plan\(deterministic=...\) on the whole "
-                                        r"plan, not per block."):
+                                        r"deterministic applies to the whole model \(determinism is process-wide, "
+                                        r".*\); set Plan\(deterministic=...\) on the whole plan, not per block."):
         Plan(blocks={"layers.0.mlp": {"deterministic": True}})
     with pytest.raises(PlanError, match=r"Plan.deterministic=1 is invalid: use True or False."):
         Plan(deterministic=1)

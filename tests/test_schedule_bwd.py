@@ -185,31 +185,32 @@ def test_chunked_backward_bitwise(world, chunks):
 
 
 def case_expert_replicas(rank, world):
-    """packing=2 at W=2 (every expert on both ranks): expert gradients summed by the priority scheduler
-    (GradientSync(expert_replicas=True)) vs by the block's blocking gradient hook; dense ones as before."""
+    """packing=2 at W=2 (every expert on both ranks): Plan(grad_sync="scheduler") (compile installs
+    GradientSync(expert_replicas=True): dense gradients averaged, expert gradients summed by the priority
+    scheduler) vs Plan(grad_sync="none") (the block's blocking gradient hook; dense: a plain all-reduce)."""
     import moepass
     from moepass.runtime import events, scheduler
     from moepass.runtime.grads import all_reduce_replicated_grads
     from samples.models import tiny_mixtral
 
-    def compiled():
+    def compiled(grad_sync):
         torch.manual_seed(0)
         return moepass.compile(tiny_mixtral(style="fused", **LM), moepass.Plan(
-            form="ep", packing=2, a2a_chunks=2, topology=moepass.Topology(1, world), micro_op_bytes=MICRO_OP_BYTES))
+            form="ep", packing=2, a2a_chunks=2, topology=moepass.Topology(1, world), micro_op_bytes=MICRO_OP_BYTES,
+            grad_sync=grad_sync))
 
     def grads(cm):
         return {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
                 for n, p in cm.named_parameters()}
 
     tok = lm_tokens(world, rank, 0)
-    ref = compiled()
+    ref = compiled("none")
     ref.loss(tok).backward()  # expert replicas: the blocking hook; dense: a plain all-reduce
     all_reduce_replicated_grads(ref)
-    cm = compiled()
+    cm = compiled("scheduler")  # compile installs GradientSync on cm's parameters and leaves the hook out
     experts = scheduler.expert_replica_parameters(cm)
-    for name in experts:  # stands in for the plan switch that leaves the hook out (see the report)
-        cm.get_parameter(name)._backward_hooks.clear()
-    sync = scheduler.GradientSync(cm, expert_replicas=True)  # on cm's parameters: no wrapper
+    assert all(not cm.get_parameter(name)._backward_hooks for name in experts)
+    sync = cm.moepass_grad_sync
     log = events.EventLog(rank).start()
     try:
         cm.loss(tok).backward()

@@ -114,7 +114,7 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     L = experts_per_rank(spec, plan, groups)
     layout = EPLayout(num_experts=E, groups=groups, shard_dim=0, local_experts=L, first_expert=groups.ep_rank * L)
     effects = Effects()
-    attrs = shard_experts(gm, spec, layout, PASS, effects)
+    attrs = shard_experts(gm, spec, layout, PASS, effects, replica_hooks=plan.grad_sync == "none")
     b = GraphBuilder(PASS, spec.path)
     reads: dict[str, fx.Node] = {}
 

@@ -72,8 +72,10 @@ def _check_divisible(spec: MoESpec, form: str, what: str, shape: tuple[int, ...]
 
 
 def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form: str,
-                  effects: Effects) -> dict[str, str]:
+                  effects: Effects, replica_hooks: bool = True) -> dict[str, str]:
     """Declare the sharded expert parameters (see module doc) in `effects`; record them in `layout`.
+    `replica_hooks`: replicas of the same shards (dp_size > 1) sum their gradients in a blocking gradient
+    hook; False when the priority scheduler sums them as micro-ops (`Plan(grad_sync="scheduler")`).
 
     Returns role -> the parameter name the rewritten graph reads (a stacked tensor is read once for
     every role that uses it).
@@ -120,7 +122,7 @@ def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form:
         names[role] = name
     if layout.stacked and spec.experts.container:
         effects.emptied.append(spec.experts.container)
-    if groups.dp_size > 1:  # replicas of the same shards sum their gradients
+    if groups.dp_size > 1 and replica_hooks:  # replicas of the same shards sum their gradients
         effects.grad_hooks += [(n, expert_grad_hook(groups)) for n in layout.expert_param_names()]
     return names
 

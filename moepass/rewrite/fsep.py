@@ -562,7 +562,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     rpn = min(groups.topology.ranks_per_node, P)
     layout = FSEPLayout(num_experts=E, groups=groups, shard_dim=1, slots=C)
     effects = Effects()
-    attrs = shard_experts(gm, spec, layout, PASS, effects)
+    attrs = shard_experts(gm, spec, layout, PASS, effects, replica_hooks=plan.grad_sync == "none")
     params = list(dict.fromkeys(attrs.values()))
     shapes = {name: tuple(effects.parameters[name].shape[1:]) for name in params}
     x = spec.experts

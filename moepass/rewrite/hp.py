@@ -139,7 +139,7 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     layout = HPLayout(num_experts=H * E, groups=groups, shard_dim=0, heads=H, local_heads=Hl,
                       first_head=groups.ep_rank * Hl)
     effects = Effects()
-    attrs = shard_experts(gm, spec, layout, PASS, effects)
+    attrs = shard_experts(gm, spec, layout, PASS, effects, replica_hooks=plan.grad_sync == "none")
     for source, kind in ((spec.router.weight, "parameter"), (spec.router.selection_bias, "buffer")):
         if source is None:
             continue

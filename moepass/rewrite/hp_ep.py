@@ -141,7 +141,7 @@ def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     layout = HPEPLayout(num_experts=H * E, groups=groups, shard_dim=0, heads=H, local_heads=Hl,
                         first_head=groups.hp_rank * Hl, local_experts=L, first_expert=groups.ep_rank * L)
     effects = Effects()
-    attrs = shard_experts(gm, spec, layout, PASS, effects)  # flat shard g*P+p; dp replicas sum (dp_group)
+    attrs = shard_experts(gm, spec, layout, PASS, effects, replica_hooks=plan.grad_sync == "none")  # flat shard g*P+p; dp replicas sum (dp_group)
     for source, kind in ((spec.router.weight, "parameter"), (spec.router.selection_bias, "buffer")):
         if source is None:
             continue

@@ -346,7 +346,7 @@ def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
                             first_expert=groups.ep_rank * L, gate=plan.gate, alpha=float(plan.alpha),
                             mu=float(plan.mu), capacity_factor=plan.capacity_factor, dim=D, own_experts=own)
     effects = Effects()
-    attrs = shard_experts(gm, spec, layout, PASS, effects)
+    attrs = shard_experts(gm, spec, layout, PASS, effects, replica_hooks=plan.grad_sync == "none")
     on_node_E = torch.zeros(E, dtype=torch.bool, device=device)
     on_node_E[own] = True
     grap_ED = grap_gate(E, D).to(device) if plan.gate == "grap" and plan.capacity_factor is not None else None

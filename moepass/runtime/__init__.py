@@ -1,7 +1,7 @@
 """Runtime: topology and process groups, issue/wait collectives, communication counters, gradients."""
 
-from moepass.runtime.scheduler import DataParallel
+from moepass.runtime.scheduler import DataParallel, GradientSync
 from moepass.runtime.stats import comm_stats, reset_comm_stats
 from moepass.runtime.topology import Topology
 
-__all__ = ["DataParallel", "Topology", "comm_stats", "reset_comm_stats"]
+__all__ = ["DataParallel", "GradientSync", "Topology", "comm_stats", "reset_comm_stats"]

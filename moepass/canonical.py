@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from moepass import dialect
-from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, TensorSource
+from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
 if TYPE_CHECKING:
     from moepass.rewrite.experts import ExpertLayout
@@ -56,8 +56,11 @@ class MoEGraphModule(fx.GraphModule):
     layout: ExpertLayout | None
 
     def __init__(self, block: nn.Module, graph: fx.Graph, spec: MoESpec, form: str = "single"):
-        super().__init__(block, graph, class_name="MoEGraphModule")
+        # built on an empty graph, then given the block's state and the graph: GraphModule would otherwise
+        # copy every tensor the graph reads into stub submodules, only for `adopt_state` to drop them
+        super().__init__(block, fx.Graph(), class_name="MoEGraphModule")
         adopt_state(self, block)
+        self.graph = graph
         self.spec = spec
         self.form = form
         self.history: list[dict[str, Any]] = []
@@ -250,9 +253,17 @@ class GraphBuilder:
             if key not in self._chunks:
                 self._chunks[key] = self.method("chunk", node, count, source.chunk_dim, name=f"{name}_chunks")
             node = self.item(self._chunks[key], index, name=f"{name}_chunk")
+        if source.interleave is not None:
+            node = self.fn(interleaved, node, source.interleave, source.chunk_dim, name=f"{name}_interleaved")
         if source.transpose:
             node = self.method("transpose", node, -2, -1, name=f"{name}_t")
         return node
+
+
+def interleaved(tensor: torch.Tensor, start_step: tuple[int, int], dim: int) -> torch.Tensor:
+    """Every step-th slice of `tensor` along `dim`, from `start` (a view: its gradient lands in place)."""
+    start, step = start_step
+    return tensor[(slice(None),) * (dim % tensor.dim()) + (slice(start, None, step),)]
 
 
 def view_of(source: TensorSource, tensor: torch.Tensor) -> torch.Tensor:
@@ -260,6 +271,8 @@ def view_of(source: TensorSource, tensor: torch.Tensor) -> torch.Tensor:
     if source.chunk is not None:
         index, count = source.chunk
         tensor = tensor.chunk(count, source.chunk_dim)[index]
+    if source.interleave is not None:
+        tensor = interleaved(tensor, source.interleave, source.chunk_dim)
     return tensor.transpose(-2, -1) if source.transpose else tensor
 
 
@@ -388,8 +401,16 @@ def build_graph(spec: MoESpec) -> fx.Graph:
 
     # router: logits in the router's dtype, then selection in fp32
     router_logits = None  # what the router module returns as logits (its hooks record this value)
+    if r.logits_from == "selection":  # the user's router module selects: its weights and experts as they are
+        assert r.module_output_index is not None and r.module_experts_index is not None  # RouterSpec.validate
+        out = router_call(b, r, hidden, x_TD)
+        weights_TK = b.method("reshape", b.item(out, r.module_output_index, "router_weights"), -1, K,
+                              name="weights_TK")
+        experts_TK = b.method("reshape", b.item(out, r.module_experts_index, "router_experts"), -1, K,
+                              name="experts_TK")
+        return build_experts_and_output(b, spec, inputs, hidden, x_TD, weights_TK, experts_TK, None, None, None)
     if r.logits_from == "module":  # called on the block's input as given, like HF blocks call it
-        out = b.module(r.module_path, hidden, name="router_out")
+        out = router_call(b, r, hidden, x_TD)
         router_logits = out if r.module_output_index is None else b.item(out, r.module_output_index,
                                                                           "router_logits")
         logits_TE = b.method("reshape", router_logits, -1, E, name="logits_TE")
@@ -409,7 +430,23 @@ def build_graph(spec: MoESpec) -> fx.Graph:
                   r.renormalize, r.n_group, r.topk_group, r.group_score, r.routed_scaling_factor, name="route")
     weights_TK = b.item(routed, 0, "weights_TK")
     experts_TK = b.item(routed, 1, "experts_TK")
+    return build_experts_and_output(b, spec, inputs, hidden, x_TD, weights_TK, experts_TK, logits_TE, router_logits,
+                                    selection_bias)
 
+
+def router_call(b: GraphBuilder, r: RouterSpec, hidden: fx.Node, x_TD: fx.Node) -> fx.Node:
+    """The router module called as the block calls it: on the input (as given, or as [T, D] tokens), then
+    the block's own tensors `module_args`."""
+    first = hidden if r.module_input == "hidden" else x_TD
+    extra = [b.attr(path) for path in r.module_args]
+    return b.module(r.module_path, first, *extra, name="router_out")
+
+
+def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Node], hidden: fx.Node, x_TD: fx.Node,
+                             weights_TK: fx.Node, experts_TK: fx.Node, logits_TE: fx.Node | None,
+                             router_logits: fx.Node | None, selection_bias: fx.Node | None) -> fx.Graph:
+    """Capacity, the routed experts, pass-through, shared experts and the outputs (see the module doc)."""
+    r, E, K = spec.router, spec.num_experts, spec.top_k
     dropped_TK = None
     if spec.capacity is not None:
         c = spec.capacity

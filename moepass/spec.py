@@ -28,7 +28,8 @@ CAPACITY_SCOPES = ("batch", "sequence")
 CAPACITY_PRIORITIES = ("k_major", "token_major")
 DROP_POLICIES = ("zero", "identity")
 ROUTER_DTYPES = ("float32", "input")
-LOGITS_SOURCES = ("linear", "module")
+LOGITS_SOURCES = ("linear", "module", "selection")
+MODULE_INPUTS = ("hidden", "tokens")
 SIDE_OUTPUTS = ("router_logits",)
 
 
@@ -43,7 +44,8 @@ class TensorSource:
 
     `paths` are parameter names relative to the block: one parameter read as it is, or (`stacked`)
     one per expert, stacked along a new leading (expert) dim. Then, in order: `chunk=(index, parts)` takes one of
-    `parts` equal chunks along `chunk_dim`; `transpose=True` swaps the last two dims.
+    `parts` equal chunks along `chunk_dim` (or `interleave=(start, step)` takes every step-th slice
+    along it); `transpose=True` swaps the last two dims.
     """
 
     paths: tuple[str, ...]
@@ -51,6 +53,9 @@ class TensorSource:
     chunk: tuple[int, int] | None = None
     chunk_dim: int = -1
     stacked: bool = False  # stack `paths` (one per expert) along a new leading dim
+    # `(start, step)`: every step-th slice along `chunk_dim` from `start` (gate and up rows interleaved in one
+    # tensor: gate = rows 0, 2, 4, ..., up = rows 1, 3, 5, ...); taken where a `chunk` would be
+    interleave: tuple[int, int] | None = None
 
     @classmethod
     def param(cls, path: str, **kw: object) -> TensorSource:
@@ -82,9 +87,18 @@ class RouterSpec:
     # aux-loss-free balancing done by the block itself: after every train-mode forward, under no_grad,
     # selection_bias[e] += bias_update_rate * sign(mean load - load[e]) (per head with heads); 0: never
     bias_update_rate: float = 0.0
-    logits_from: str = "linear"  # "module": call the router module at `module_path` (fires its hooks)
+    # "module": call the router module at `module_path` (fires its hooks) for the logits; "selection": the
+    # module computes the selection itself and returns the weights and the experts (the user's router as it
+    # is, whatever rule it implements: the fields above then only describe it when it matched a known kind)
+    logits_from: str = "linear"
     module_path: str = "gate"
-    module_output_index: int | None = None  # the router module returns a tuple: logits at this index
+    module_output_index: int | None = None  # the router module returns a tuple: logits (or weights) at this index
+    module_experts_index: int | None = None  # logits_from="selection": the selected experts at this index
+    module_input: str = "hidden"  # the router module's first argument: "hidden" (as given) or "tokens" ([T, D])
+    module_args: tuple[str, ...] = ()  # further arguments: tensors of the block (parameter / buffer paths)
+    # logits_from="selection": whether the module's selection matched the known rule the fields above name
+    # (on the detection probe: a description for reports and the cost model; the graph runs the module)
+    known_kind: bool = True
 
     def validate(self, where: str) -> None:
         if self.num_experts < 1:
@@ -98,6 +112,10 @@ class RouterSpec:
         _check_choice(f"{where}.group_score", self.group_score, GROUP_SCORES)
         _check_choice(f"{where}.dtype", self.dtype, ROUTER_DTYPES)
         _check_choice(f"{where}.logits_from", self.logits_from, LOGITS_SOURCES)
+        _check_choice(f"{where}.module_input", self.module_input, MODULE_INPUTS)
+        if self.logits_from == "selection" and (self.module_output_index is None or self.module_experts_index is None):
+            raise PlanError(f"{where}.logits_from='selection' is invalid without module_output_index and "
+                            f"module_experts_index: name where the router module returns its weights and experts.")
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise PlanError(
                 f"{where}.n_group={self.n_group} is invalid: it must divide num_experts={self.num_experts}."
@@ -266,6 +284,9 @@ class MoESpec:
             )
         for name in self.side_outputs:
             _check_choice(f"{where}.side_outputs", name, SIDE_OUTPUTS)
+        if self.side_outputs and self.router.logits_from == "selection":
+            raise PlanError(f"{where}.side_outputs={list(self.side_outputs)} is invalid with router.logits_from="
+                            f"'selection': the router module returns weights and experts, not logits.")
 
     def _validate_heads(self, where: str, heads: HeadsSpec) -> None:
         heads.validate(f"{where}.heads")
@@ -321,7 +342,11 @@ class MoESpec:
             f"router={r.score_func}" + ("" if r.score_func != "softmax" else
                                         ("(before top-k)" if r.softmax_before_topk else "(after top-k)")),
         ]
-        if r.renormalize:
+        unknown = r.logits_from == "selection" and not r.known_kind
+        if r.logits_from == "selection":  # the user's router module selects, as it is
+            parts[1] = (f"router=module {r.module_path} (its own selection, "
+                        + ("no known kind)" if unknown else f"matches {parts[1].removeprefix('router=')})"))
+        if r.renormalize and not unknown:
             parts.append("renormalised")
         if r.selection_bias is not None:
             parts.append("selection-bias" + (f"(updated, rate {r.bias_update_rate:g})" if r.bias_update_rate else ""))

@@ -1,6 +1,7 @@
 """`moepass.detect(model)`: find the MoE blocks of a model and describe each with a verified MoESpec.
 
-    structural candidates ─► recognisers (MoESpec hypotheses) ─► semantic check ─► accepted | rejected
+    structural candidates ─► captured graph (selection, router) ─► recognisers (MoESpec hypotheses)
+        ─► semantic check ─► accepted | rejected
 
 Detection only reads the model. A block is accepted when one hypothesis of one recogniser
 reproduces it on probe inputs; otherwise it is reported with the reason and left untouched.
@@ -14,7 +15,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from moepass.detect import fused_experts, gshard, loop_experts, self_described
-from moepass.detect.candidates import SELF_DESCRIBED, Candidate, find_candidates, find_dense_mlps
+from moepass.detect.candidates import (
+    SELF_DESCRIBED,
+    Candidate,
+    capture_candidate,
+    find_candidates,
+    find_dense_mlps,
+)
 from moepass.detect.check import CheckResult, semantic_check
 from moepass.detect.structure import structural_key
 from moepass.spec import MoESpec
@@ -39,7 +46,7 @@ def register_recogniser(name: str, fn: Recogniser, first: bool = True) -> None:
     RECOGNISERS.insert(0 if first else len(RECOGNISERS), (name, fn))
 
 
-from moepass.detect import hf  # noqa: E402  (Hugging Face transformers 5.x families, tried first)
+from moepass.detect import hf  # noqa: E402  (router modules returning logits, transformers 5.x style: first)
 
 for _name, _fn in reversed(hf.RECOGNISERS):
     register_recogniser(_name, _fn)
@@ -94,6 +101,11 @@ def detect_block(candidate: Candidate) -> BlockReport:
     report = BlockReport(candidate.path, type(candidate.module).__name__, accepted=False)
     reasons = []
     recognisers = SELF_DESCRIBED_RECOGNISERS if candidate.experts_kind == SELF_DESCRIBED else RECOGNISERS
+    if candidate.experts_kind != SELF_DESCRIBED:
+        why_not = capture_candidate(candidate)
+        if why_not is not None:
+            report.reason = why_not
+            return report
     for name, recognise in recognisers:
         found = recognise(candidate)
         if isinstance(found, str):

@@ -1,23 +1,32 @@
-"""Structural candidates: modules that hold a router producing E scores and E experts, or that say
-they are MoE blocks (a `moepass_spec(path)` method: `moepass.detect.self_described`).
+"""Candidates: modules that may be MoE blocks, from the module tree's structure alone; then their graph.
 
-Detection never edits the model. A candidate only says "this looks like an MoE block"; a
-recogniser turns it into MoESpec hypotheses and the semantic check decides.
+An *expert group* is E same-shaped things at any depth: a ModuleList / ModuleDict of identical modules
+(each with linear layers), or >= 2 three-dimensional parameters of one module sharing a leading dim E.
+The candidate block of a group is its nearest ancestor that also holds (at any depth, outside the
+group) a two-dimensional [E, D] parameter: something that can score E experts. A module that says it
+is an MoE block (a `moepass_spec(path)` method: `moepass.detect.self_described`) is a candidate too.
+Nothing here reads a name: the names of the block's attributes are whatever the user chose.
+
+`capture_candidate` then records the block's forward on a probe (`moepass.detect.capture`): the
+selection over E scores found in that graph is what makes it an MoE block, and the router facts
+(`moepass.detect.router`) come from it. Detection never edits the model: the graph is of a probe copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
-# Linear names by role inside one expert MLP (first match wins).
-GATE_NAMES = ("w1", "gate_proj", "wi_0", "fc1", "wi", "up_proj_gate", "linear_in")
-UP_NAMES = ("w3", "up_proj", "wi_1")
-DOWN_NAMES = ("w2", "down_proj", "wo", "fc2", "linear_out")
-TOPK_ATTRS = ("top_k", "num_experts_per_tok", "k", "topk", "moe_k")
+from moepass.detect.capture import Capture, Selection, capture, selection
+from moepass.detect.check import probe_copy
+from moepass.detect.router import RouterFacts, read_router
+from moepass.spec import SharedExpertSpec
+
 SPEC_METHOD = "moepass_spec"  # the self-description protocol: module.moepass_spec(path) -> MoESpec
 SELF_DESCRIBED = "self-described"  # Candidate.experts_kind of a module implementing it
+PROBE_TOKENS = (2, 6)  # [B, S] of the probe the candidate's graph is captured on
 
 
 @dataclass
@@ -25,138 +34,186 @@ class Candidate:
     path: str
     module: nn.Module
     num_experts: int  # 0 for a self-described block (its spec says)
-    router_path: str  # child holding the router weight [E, D]
+    router_path: str  # module holding the [E, D] weight (relative to the block; any depth)
     experts_path: str  # "" when the experts' 3-D weights live on the block itself
     experts_kind: str  # "modulelist", "moduledict", "fused" or SELF_DESCRIBED
-    fused_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, relative to block
+    fused_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, relative to experts
     expert_names: tuple[str, ...] = ()  # keys of the experts container, in expert order (ModuleList/ModuleDict)
+    hidden_dim: int = 0  # D: the width of the router weight's input
+    graph: Capture | None = None  # filled by `capture_candidate`
+    selection: Selection | None = None
+    router: RouterFacts | None = None
+    outputs: int = 1  # how many values the block returns
 
     @property
     def experts(self) -> nn.Module:
         return self.module.get_submodule(self.experts_path) if self.experts_path else self.module
 
 
-def _is_router_weight(weight: object, num_experts: int) -> bool:
-    return isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] == num_experts
+@dataclass(frozen=True)
+class _Group:
+    path: str  # absolute path of the experts container (or of the module owning the 3-D weights)
+    kind: str
+    num_experts: int
+    names: tuple[str, ...] = ()
+    fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
-def _router_of(module: nn.Module, num_experts: int, exclude: str) -> str | None:
-    """A child whose weight is [E, D] (an nn.Linear to E outputs or a router module), else a router
-    module whose only [E, D] weight is one level down (SwitchTransformers: `router.classifier`)."""
-    children = [(n, c) for n, c in module.named_children() if n != exclude]
-    for name, child in children:
-        if _is_router_weight(getattr(child, "weight", None), num_experts):
-            return name
-    for name, child in children:
-        inner = [n for n, g in child.named_children() if _is_router_weight(getattr(g, "weight", None), num_experts)]
-        if len(inner) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            return f"{name}.{inner[0]}"
+def _listed(path: str, module: nn.Module) -> _Group | None:
+    """A ModuleList / ModuleDict of identical modules with >= 2 linears each (and no expert group inside)."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 1:
+        return None
+    entries = list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
+    if len({type(m) for m in entries}) != 1 or sum(isinstance(m, nn.Linear) for m in entries[0].modules()) < 2:
+        return None
+    if any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) or _fused("", m) is not None
+           for e in entries for m in e.modules()):
+        return None  # e.g. a list of decoder layers, each holding an MoE block
+    if isinstance(module, nn.ModuleDict):
+        return _Group(path, "moduledict", len(entries), tuple(module.keys()))
+    return _Group(path, "modulelist", len(entries), tuple(str(i) for i in range(len(entries))))
+
+
+def _fused(path: str, module: nn.Module) -> _Group | None:
+    params3 = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    if len(params3) >= 2 and len({s[0] for s in params3.values()}) == 1:
+        return _Group(path, "fused", next(iter(params3.values()))[0], fused=tuple(params3.items()))
     return None
 
 
-def _listed_experts(module: nn.Module) -> tuple[str, str, tuple[str, ...]] | None:
-    """A ModuleList or ModuleDict child of >= 1 identical MLPs (>= 2 linears each): (name, kind, keys)."""
-    for name, child in module.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) >= 1:
-            experts = list(child.values()) if isinstance(child, nn.ModuleDict) else list(child)
-            kinds = {type(m) for m in experts}
-            linears = [m for m in experts[0].modules() if isinstance(m, nn.Linear)]
-            if len(kinds) == 1 and len(linears) >= 2:
-                if isinstance(child, nn.ModuleDict):
-                    return name, "moduledict", tuple(child.keys())
-                return name, "modulelist", tuple(str(i) for i in range(len(child)))
-    return None
+def _inside(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
-def _fused_experts(module: nn.Module) -> tuple[str, int, dict[str, tuple[int, ...]]] | None:
-    """3-D parameters sharing a leading dim E, on the block itself or on one child."""
-    places: list[tuple[str, nn.Module]] = [("", module)] + list(module.named_children())
-    for prefix, owner in places:
-        params3 = {n: tuple(p.shape) for n, p in owner.named_parameters(recurse=False) if p.dim() == 3}
-        if len(params3) >= 2 and len({s[0] for s in params3.values()}) == 1:
-            E = next(iter(params3.values()))[0]
-            return prefix, E, params3
-    return None
+def _relative(path: str, root: str) -> str:
+    return path if root == "" else path[len(root) + 1:] if path != root else ""
+
+
+def _widths(group: _Group, modules: dict[str, nn.Module]) -> set[int]:
+    """The widths D the experts of a group may take as input."""
+    if group.kind == "fused":
+        return {d for _, shape in group.fused for d in shape[1:]}
+    container = modules[group.path]
+    first = container.get_submodule(group.names[0])
+    return {m.in_features for m in first.modules() if isinstance(m, nn.Linear)}
+
+
+def _grouped(modules: dict[str, nn.Module], groups: list[_Group]) -> set[str]:
+    """The paths of every parameter that belongs to an expert group."""
+    found: set[str] = set()
+    for g in groups:
+        if g.kind == "fused":
+            found.update(f"{g.path}.{name}" if g.path else name for name, _ in g.fused)
+        else:
+            found.update(name for name, _ in modules[g.path].named_parameters(prefix=g.path))
+    return found
+
+
+def _router_weight(block_path: str, block: nn.Module, group: _Group, grouped: set[str],
+                   widths: set[int]) -> tuple[str, int] | None:
+    """(path relative to the block of the module holding an [E, D] weight outside every expert group, D):
+    D one of the experts' input widths; a weight beside fused expert weights (e.g. an [E, F] bias) last."""
+    found = []
+    for name, p in block.named_parameters():
+        full = f"{block_path}.{name}" if block_path else name
+        if p.dim() == 2 and p.shape[0] == group.num_experts and p.shape[1] in widths \
+                and full not in grouped:
+            owner = name.rsplit(".", 1)[0] if "." in name else ""
+            beside = group.kind == "fused" and (f"{block_path}.{owner}" if block_path else owner).strip(".") == group.path
+            found.append((beside, owner, int(p.shape[1])))
+    return min(found, key=lambda f: f[0])[1:] if found else None
 
 
 def find_candidates(model: nn.Module) -> list[Candidate]:
     """Every module that structurally looks like an MoE block (outermost first, not nested)."""
-    found: list[Candidate] = []
-    for path, module in model.named_modules():
-        if any(path.startswith(c.path + ".") or c.path == "" for c in found if c.path != path):
-            continue
+    modules = dict(model.named_modules())
+    groups = [g for path, m in modules.items() for g in (_listed(path, m), _fused(path, m)) if g is not None]
+    grouped = _grouped(modules, groups)
+    found: dict[str, Candidate] = {}
+    for path, module in modules.items():
         if callable(getattr(module, SPEC_METHOD, None)):  # it says what it is (checked like any other)
-            found.append(Candidate(path, module, 0, router_path="", experts_path="", experts_kind=SELF_DESCRIBED))
-            continue
-        listed = _listed_experts(module)
-        if listed is not None:
-            name, kind, keys = listed
-            router = _router_of(module, len(keys), exclude=name)
-            if router is not None:
-                found.append(Candidate(path, module, len(keys), router, name, kind, expert_names=keys))
+            found[path] = Candidate(path, module, 0, router_path="", experts_path="", experts_kind=SELF_DESCRIBED)
+    for group in groups:
+        parts = group.path.split(".") if group.path else []
+        # ancestors nearest first (the owner of fused weights may itself be the block)
+        ancestors = [".".join(parts[:i]) for i in range(len(parts) - (group.kind != "fused"), -1, -1)]
+        for block_path in ancestors:
+            block = modules[block_path]
+            router = _router_weight(block_path, block, group, grouped, _widths(group, modules))
+            if router is None:
                 continue
-        fused = _fused_experts(module)
-        if fused is not None:
-            prefix, E, params3 = fused
-            router = _router_of(module, E, exclude=prefix)
-            if router is not None:
-                found.append(Candidate(path, module, E, router, prefix, "fused", params3))
-    return found
+            if block_path not in found:
+                found[block_path] = Candidate(
+                    block_path, block, group.num_experts, router_path=router[0],
+                    experts_path=_relative(group.path, block_path), experts_kind=group.kind,
+                    fused_params=dict(group.fused), expert_names=group.names, hidden_dim=router[1])
+            break
+    ordered = [found[p] for p in modules if p in found]
+    return [c for c in ordered if not any(_inside(c.path, o.path) and o.path != c.path for o in ordered)]
+
+
+def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
+    """Record the candidate's forward on a probe copy and read its selection and router; the reason it is
+    not an MoE block (no selection over its E experts) or None."""
+    probe = probe_copy(c.module, seed)
+    x = torch.randn(*PROBE_TOKENS, c.hidden_dim, generator=torch.Generator().manual_seed(seed + 1))
+    try:
+        c.graph = capture(probe, x)
+    except Exception as err:  # the user's block fails on probe inputs: reject, never raise
+        return f"probing the block failed: {type(err).__name__}: {err}"
+    c.selection = selection(c.graph, c.num_experts)
+    if c.selection is None:
+        return f"no top-k / argmax over E={c.num_experts} scores in the block's graph: not an MoE selection"
+    c.router = read_router(c.graph, c.selection, c.num_experts)
+    if c.router.weight is not None:  # the graph says which [E, D] weight scores the experts
+        c.router_path = c.router.weight.rsplit(".", 1)[0] if "." in c.router.weight else ""
+    out = c.graph.output
+    c.outputs = len(out) if isinstance(out, tuple) else 1
+    return None
 
 
 def find_dense_mlps(model: nn.Module, moe_paths: list[str]) -> list[str]:
-    """Modules shaped like a dense FFN (gate/up/down or fc1/fc2 linears) outside any MoE block."""
-    dense = []
+    """Modules shaped like a dense FFN outside any MoE block: 2 or 3 linear children D -> F (-> F) and
+    F -> D (F != D; gate and up may be one D -> 2F linear), beside parameter-free ones (activation, dropout)."""
+    dense: list[str] = []
+    if "" in moe_paths:
+        return dense
+    blocks, inside = set(moe_paths), tuple(p + "." for p in moe_paths)
     for path, module in model.named_modules():
-        if any(path == p or path.startswith(p + ".") or p == "" for p in moe_paths):
+        if path in blocks or path.startswith(inside) or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             continue
-        names = {n for n, c in module.named_children() if isinstance(c, nn.Linear)}
-        has_gate = any(n in names for n in GATE_NAMES)
-        has_down = any(n in names for n in DOWN_NAMES)
-        if has_gate and has_down and not isinstance(module, nn.ModuleList):
+        children = list(module.children())
+        linears = [c for c in children if isinstance(c, nn.Linear)]
+        if not 2 <= len(linears) <= 3 or any(next(c.parameters(), None) is not None for c in children
+                                             if not isinstance(c, nn.Linear)):
+            continue
+        *ins, out = linears
+        D, F = out.out_features, out.in_features
+        widths = sorted(i.out_features for i in ins)
+        if F != D and all(i.in_features == D for i in ins) and widths in ([F], [2 * F], [F, F]):
             dense.append(path)
     return dense
 
 
-def read_top_k(module: nn.Module) -> int | None:
-    for owner in (module, *module.children()):
-        for attr in TOPK_ATTRS:
-            value = getattr(owner, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-                return value
-    return None
-
-
-def first_child(module: nn.Module, names: tuple[str, ...]) -> str | None:
-    for name in names:
-        child = getattr(module, name, None)
-        if isinstance(child, nn.Linear):
-            return name
-    return None
-
-
-def activation_of(expert: nn.Module) -> str | None:
-    """The activation of an expert MLP, from its activation module (nn.SiLU, nn.GELU, nn.ReLU, ...)."""
-    for child in expert.modules():
-        name = type(child).__name__.lower()
-        if "silu" in name or "swish" in name:
-            return "silu"
-        if "gelu" in name:
-            approximate = getattr(child, "approximate", "none")
-            return "gelu_tanh" if approximate == "tanh" or "tanh" in name or "new" in name else "gelu"
-        if "relu" in name:
-            return "relu"
-    return None
-
-
-def shared_expert_of(module: nn.Module, exclude: tuple[str, ...]) -> tuple[str, str | None] | None:
-    """(shared expert path, its sigmoid gate path or None) among the block's children, by name."""
+def shared_expert(c: Candidate) -> SharedExpertSpec | None:
+    """The shared expert, from the block's own module calls: a submodule (outside the router and the
+    experts) called on the tokens that returns [T, D]; its gate, a linear to 1 output called on them too."""
+    if c.graph is None or c.graph.input_node is None:
+        return None
+    x = c.graph.input_node.meta["val"]
+    T, D = x.numel() // x.shape[-1], x.shape[-1]
+    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None) if p]
     shared = gate = None
-    for name, child in module.named_children():
-        if name in exclude or "shared" not in name.lower():
+    for call in c.graph.calls:
+        if call.parent != "" or call.path == "" or any(_inside(call.path, p) for p in skip) or not call.args:
             continue
-        if "gate" in name.lower() and isinstance(child, nn.Linear) and child.out_features == 1:
-            gate = name
-        elif shared is None:
-            shared = name
-    return None if shared is None else (shared, gate)
+        arg, out = call.args[0], call.output
+        if not isinstance(arg, torch.Tensor) or not isinstance(out, torch.Tensor) or arg.shape[-1] != D \
+                or arg.numel() != T * D:  # called on the tokens ([T, D], or the input as given)
+            continue
+        if out.shape == arg.shape and shared is None:
+            shared = call.path
+        elif out.shape == (*arg.shape[:-1], 1) and isinstance(c.module.get_submodule(call.path), nn.Linear) \
+                and gate is None:
+            gate = call.path
+    return None if shared is None else SharedExpertSpec(module_path=shared, gate_path=gate)

@@ -125,7 +125,7 @@ class _TopkSpy(TorchFunctionMode):
             return _Selection(calls=self.calls, other_k=other[-1] if other else None)
         scores, _, indices = final[-1]
         clear = _margin_clear(scores, K)
-        for g_scores, g_k, _ in self.calls:  # group top-k (DeepSeek: best topk_group of G groups)
+        for g_scores, g_k, _ in self.calls:  # group top-k (group-limited: best topk_group of G groups)
             G = g_scores.shape[-1]
             if G < E and E % G == 0 and g_scores.shape[0] == scores.shape[0] and g_k < G:
                 clear &= _margin_clear(g_scores, g_k)
@@ -239,8 +239,8 @@ def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float
     except Exception as err:
         return f"canonical graph does not build: {err}"
     r = spec.router
-    try:
-        router: nn.Module | None = probe.get_submodule(r.module_path)
+    try:  # "": the weight is the block's own parameter, no router module
+        router: nn.Module | None = probe.get_submodule(r.module_path) if r.module_path else None
     except AttributeError:
         router = None
     # A router *module* (not a bare nn.Linear gate, whose weight generic specs read directly) is what

@@ -1,91 +1,143 @@
-"""Recogniser: fused 3-D expert weights used with batched / grouped matmul.
+"""Recogniser: fused 3-D expert weights used with batched / grouped matmul (any calls, any names).
 
 Reads the weight layout from shapes: with D from the router's [E, D] weight, a 3-D parameter
-[E, D, X] is input-major (x @ W) and [E, X, D] output-major (W @ x, nn.Linear's layout). A gate/up
-parameter with X = 2F holds gate and up halves. The activation is functional code, so the gated
-and plain activations are hypotheses for the semantic check.
+[E, D, X] is input-major (x @ W) and [E, X, D] output-major (W @ x, nn.Linear's layout). Two
+parameters: gate/up with X = 2F holds gate and up halves (either order) or interleaved rows; X = F
+is a plain FFN. Three parameters: separate gate and up [E, F, D] (either role) and down. Expert
+biases are the [E, F | 2F] and [E, D] parameters beside them (a [E, 2F] one split as its weight's rows). The activation is functional code:
+the activation calls seen in the block's graph order the hypotheses, the semantic check decides.
 """
 
 from __future__ import annotations
 
-from itertools import permutations, product
+from dataclasses import replace
+from itertools import permutations
 
-from moepass.detect.candidates import Candidate, read_top_k, shared_expert_of
+import torch
+import torch.nn.functional as F
+
+from moepass.detect.candidates import Candidate
+from moepass.detect.loop_experts import block_specs
 from moepass.detect.router import router_hypotheses
-from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, SharedExpertSpec, TensorSource
+from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, TensorSource
 
 NAME = "fused-3d"
-GATED_ACTS = ("swiglu", "geglu")
+GATED_ACTS = ("swiglu", "geglu", "clamped_swiglu")
 PLAIN_ACTS = ("gelu", "relu", "gelu_tanh")
-BIAS_NAMES = {"gate": ("b_gate_up", "gate_up_proj_bias", "bi", "b1"), "down": ("down_proj_bias", "bo", "b2", "b_down")}
+# activation calls seen in a block's graph -> the activations they make likely, first
+SEEN_ACTS = {F.silu: ("swiglu",), F.gelu: ("geglu", "gelu", "gelu_tanh"), F.relu: ("relu",),
+             torch.clamp: ("clamped_swiglu",), torch.Tensor.clamp: ("clamped_swiglu",)}
+
+
+def _halves(name: str, input_major: bool, chunk_dim: int) -> list[tuple[TensorSource, TensorSource]]:
+    """(gate, up) readings of one [.., 2F, ..] tensor: halves in either order, rows interleaved either way."""
+    out = []
+    for g, u in ((0, 1), (1, 0)):
+        view = dict(transpose=input_major, chunk_dim=chunk_dim)
+        out.append((TensorSource.param(name, chunk=(g, 2), **view), TensorSource.param(name, chunk=(u, 2), **view)))
+    for g, u in ((0, 1), (1, 0)):
+        view = dict(transpose=input_major, chunk_dim=chunk_dim)
+        out.append((TensorSource.param(name, interleave=(g, 2), **view),
+                    TensorSource.param(name, interleave=(u, 2), **view)))
+    return out
 
 
 def expert_layouts(c: Candidate, D: int) -> list[dict]:
-    """Possible (w_gate, w_up, w_down, F) readings of two fused parameters.
+    """Possible (w_gate, w_up, w_down, F) readings of the fused parameters (see the module doc).
 
-    Input-major ("x @ W"): gate/up [E, D, X], down [E, F, D]. Output-major (nn.Linear's [out, in]):
-    gate/up [E, X, D], down [E, D, F]. X = 2F holds gate and up halves (either order); X = F is a
-    plain FFN. Canonical layouts are gate/up [E, F, D] and down [E, D, F].
+    Canonical layouts are gate/up [E, F, D] and down [E, D, F].
     """
     prefix = f"{c.experts_path}." if c.experts_path else ""
-    if len(c.fused_params) != 2:
-        return []
     layouts = []
-    for (up_name, su), (down_name, sd) in permutations(c.fused_params.items(), 2):
-        for input_major in (True, False):
-            if input_major and su[1] == D and sd[2] == D:
-                X, F, chunk_dim = su[2], sd[1], 2
-            elif not input_major and su[2] == D and sd[1] == D:
-                X, F, chunk_dim = su[1], sd[2], 1
-            else:
+    for input_major in (True, False):
+        # in-projections: [E, D, X] input-major, [E, X, D] output-major; down the other way round
+        x_dim, chunk_dim = (2, 2) if input_major else (1, 1)
+
+        def reads_in(shape: tuple[int, ...]) -> bool:
+            return shape[1 if input_major else 2] == D
+
+        def down_width(shape: tuple[int, ...]) -> int | None:
+            return shape[1] if input_major and shape[2] == D else shape[2] if not input_major and shape[1] == D else None
+
+        items = list(c.fused_params.items())
+        for (down_name, sd), *ins in (p for n in (2, 3) if len(items) == n for p in permutations(items, n)):
+            F_dim = down_width(sd)
+            if F_dim is None or not all(reads_in(s) for _, s in ins):
                 continue
             down = TensorSource.param(prefix + down_name, transpose=input_major)
-            if X == 2 * F:
-                for gate_half in (0, 1):
-                    half = dict(transpose=input_major, chunk_dim=chunk_dim)
-                    layouts.append(dict(
-                        F=F, gated=True, w_down=down,
-                        w_gate=TensorSource.param(prefix + up_name, chunk=(gate_half, 2), **half),
-                        w_up=TensorSource.param(prefix + up_name, chunk=(1 - gate_half, 2), **half)))
-            elif X == F:
-                layouts.append(dict(F=F, gated=False, w_down=down, w_up=None,
-                                    w_gate=TensorSource.param(prefix + up_name, transpose=input_major)))
+            widths = [s[x_dim] for _, s in ins]
+            if len(ins) == 1 and widths == [2 * F_dim]:
+                for gate, up in _halves(prefix + ins[0][0], input_major, chunk_dim):
+                    layouts.append(dict(F=F_dim, gated=True, w_down=down, w_gate=gate, w_up=up))
+            elif len(ins) == 1 and widths == [F_dim]:
+                layouts.append(dict(F=F_dim, gated=False, w_down=down, w_up=None,
+                                    w_gate=TensorSource.param(prefix + ins[0][0], transpose=input_major)))
+            elif len(ins) == 2 and widths == [F_dim, F_dim]:
+                (g, _), (u, _) = ins
+                layouts.append(dict(F=F_dim, gated=True, w_down=down,
+                                    w_gate=TensorSource.param(prefix + g, transpose=input_major),
+                                    w_up=TensorSource.param(prefix + u, transpose=input_major)))
     return layouts
 
 
-def _bias(c: Candidate, role: str, shape: tuple[int, int]) -> TensorSource | None:
-    owner = c.experts
+def _biases(c: Candidate, width: int) -> list[TensorSource | None]:
+    """The experts' [E, width] parameters (biases) that could serve, or [None]. Several when shapes tie (D == F:
+    the in- and out-biases are both [E, D]): each is a hypothesis, the semantic check decides."""
     prefix = f"{c.experts_path}." if c.experts_path else ""
-    for name in BIAS_NAMES[role]:
-        p = getattr(owner, name, None)
-        if p is not None and tuple(p.shape) == shape:
-            return TensorSource.param(prefix + name)
-    return None
+    router = {c.router.weight, c.router.bias, c.router.selection_bias} if c.router else set()
+    found = [n for n, p in c.experts.named_parameters(recurse=False)
+             if tuple(p.shape) == (c.num_experts, width) and prefix + n not in router]
+    return [TensorSource.param(prefix + n) for n in found] or [None]
+
+
+def _bias_pairs(c: Candidate, in_width: int | None, D: int) -> list[tuple[TensorSource | None, TensorSource | None]]:
+    """(in-projection bias, down bias) readings, never one parameter for both; in_width None: no in-bias read."""
+    ins = _biases(c, in_width) if in_width is not None else [None]
+    pairs = [(b_in, b_down) for b_in in ins for b_down in _biases(c, D)
+             if b_in is None or b_down is None or b_in.paths != b_down.paths]
+    return pairs or [(None, None)]
+
+
+def activations(c: Candidate, gated: bool) -> list[str]:
+    """The known activations, those whose calls the block's graph makes first."""
+    known = GATED_ACTS if gated else PLAIN_ACTS
+    seen = [a for fn, acts in SEEN_ACTS.items() if c.graph is not None and c.graph.nodes([fn]) for a in acts]
+    return sorted(known, key=lambda a: a not in seen)
 
 
 def recognise(c: Candidate, capacity: CapacitySpec | None = None, name: str = NAME) -> list[MoESpec] | str:
-    if c.experts_kind != "fused":
+    if c.experts_kind != "fused" or c.router is None or c.graph is None:
         return "experts are not fused 3-D weights"
-    D = int(c.module.get_submodule(c.router_path).weight.shape[1])  # type: ignore[index]
+    D = c.hidden_dim
     layouts = expert_layouts(c, D)
     if not layouts:
         return f"3-D parameters {c.fused_params} do not read as gate/up [E, D, F|2F] and down [E, F, D] with D={D}"
-    shared = shared_expert_of(c.module, exclude=(c.router_path, c.experts_path))
-    shared_spec = None if shared is None else SharedExpertSpec(module_path=shared[0], gate_path=shared[1])
-    top_k = read_top_k(c.module)
-    specs = []
-    for layout, k in product(layouts, [top_k] if top_k else [1, 2]):
-        F = layout["F"]
-        for act in GATED_ACTS if layout["gated"] else PLAIN_ACTS:
-            b_gate = _bias(c, "gate", (c.num_experts, 2 * F if layout["gated"] else F))
-            if layout["gated"] and b_gate is not None:
-                continue  # fused gate/up bias halves: not read by this recogniser
-            experts = ExpertsSpec(
-                num_experts=c.num_experts, hidden_dim=D, ffn_dim=F, activation=act,  # type: ignore[arg-type]
-                w_gate=layout["w_gate"], w_up=layout["w_up"], w_down=layout["w_down"],
-                b_gate=b_gate, b_down=_bias(c, "down", (c.num_experts, D)), container=c.experts_path,
-            )
-            for router in router_hypotheses(c.module, c.router_path, c.num_experts, min(k, c.num_experts)):
-                specs.append(MoESpec(path=c.path, recogniser=name, router=router, experts=experts,
-                                     shared=shared_spec, capacity=capacity))
+    routers = router_hypotheses(c.graph, c.router)
+    if isinstance(routers, str):
+        return routers
+    specs: list[MoESpec] = []
+    for layout in layouts:
+        F_dim = layout["F"]
+        one_tensor = layout["gated"] and layout["w_gate"].paths == layout["w_up"].paths
+        # separate gate and up tensors: a lone [E, F] bias cannot say which it belongs to (none is read)
+        in_width = 2 * F_dim if one_tensor else None if layout["gated"] else F_dim
+        for b_in, b_down in _bias_pairs(c, in_width, D):
+            b_gate = b_up = None
+            if not layout["gated"]:
+                b_gate = b_in
+            elif one_tensor and b_in is not None:  # one gate/up tensor: its [E, 2F] bias, split like its rows
+                b_gate, b_up = (replace(b_in, chunk=w.chunk, interleave=w.interleave, chunk_dim=1)
+                                for w in (layout["w_gate"], layout["w_up"]))
+            for act in activations(c, layout["gated"]):
+                experts = ExpertsSpec(
+                    num_experts=c.num_experts, hidden_dim=D, ffn_dim=F_dim, activation=act,  # type: ignore[arg-type]
+                    w_gate=layout["w_gate"], w_up=layout["w_up"], w_down=layout["w_down"],
+                    b_gate=b_gate, b_up=b_up, b_down=b_down, container=c.experts_path,
+                )
+                found = block_specs(c, name, experts, routers, capacity=capacity)
+                if isinstance(found, str):
+                    return found
+                specs.extend(found)
     return specs
+
+

@@ -1,19 +1,20 @@
-"""Recognisers for Hugging Face transformers 5.x MoE blocks, one per router family.
+"""Recognisers for blocks whose router is a *module* returning logits (transformers 5.x style).
 
-A transformers 5.x MoE block holds a router *module* beside its experts. The model records the
-router's logits with an output hook on that module (`_can_record_outputs = {"router_logits":
+Such a block holds a router module beside its experts. The model records the router's logits with
+an output hook on that module (transformers: `_can_record_outputs = {"router_logits":
 OutputRecorder(<Router>, index=i)}`) for its auxiliary and z losses, so every spec made here calls
 the router module (`RouterSpec.logits_from="module"`) and the hook still fires after the rewrite.
 Experts are fused 3-D weights (`@use_experts_implementation`: gate_up_proj [E, 2F, D], down_proj
-[E, D, F], with `is_transposed` / `is_concatenated` / `has_bias` flags) or, for SwitchTransformers,
-a ModuleDict of expert MLPs.
+[E, D, F], with `is_transposed` / `is_concatenated` / `has_bias` flags) or a ModuleDict / ModuleList of
+expert modules.
 
-The recognisers key on what the router module holds and does, never on class names alone:
+What the router does comes from the block's captured graph (`moepass.detect.router`): k from the
+selection, the selection-only bias, groups (a top-k over group scores), renormalisation (a sum over
+the K weights) and the routed scaling (a constant the weights are multiplied by):
 
-    softmax_topk   weight [E, D], top_k [, norm_topk_prob]      Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...
-    group_limited  + a selection bias [E] (e_score_correction_bias), n_group, topk_group,
-                     routed_scaling_factor, norm_topk_prob       DeepSeek-V3 and look-alikes
-    top1_capacity  a classifier Linear to E, expert_capacity      SwitchTransformers
+    softmax_topk   softmax over E, top-k [, renormalise]
+    group_limited  + a selection bias [E] and / or a group-limited top-k, scaling, renormalisation
+    top1_capacity  softmax, top-1 with a fixed `expert_capacity` counted per sequence
 
 Which output of the router is the logits, and whether the logits are computed in fp32 or in the
 input dtype, are observed by calling a copy of the router (fp32 and bf16), not assumed. Each
@@ -34,22 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moepass.detect.candidates import (
-    Candidate,
-    activation_of,
-    shared_expert_of,
-)
-from moepass.detect.fused_experts import expert_layouts
-from moepass.detect.loop_experts import GATED, PLAIN, stacked_experts_spec
+from moepass.detect.candidates import Candidate, shared_expert
+from moepass.detect.fused_experts import activations, expert_layouts
+from moepass.detect.loop_experts import stacked_experts_spec
+from moepass.detect.router import RouterFacts, module_call
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 
-SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "selection_bias")
-N_GROUP_NAMES = ("n_group", "num_group", "num_expert_group")
-TOPK_GROUP_NAMES = ("topk_group", "num_limited_groups")
-SCALING_NAMES = ("routed_scaling_factor",)
-RENORM_NAMES = ("norm_topk_prob",)
-JITTER_NAMES = ("jitter_noise", "router_jitter_noise")
-CAPACITY_NAMES = ("expert_capacity",)
+JITTER_NAMES = ("jitter_noise", "router_jitter_noise")  # train-mode only: not in the (eval) graph
+CAPACITY_NAMES = ("expert_capacity",)  # a Python int the block compares counts with: not a graph tensor
 
 
 def _attr(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, ...]) -> Any:
@@ -64,15 +57,15 @@ def _attr(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, ..
 class HFBlock:
     """What the recognisers share about one candidate block: its router module and experts."""
 
-    def __init__(self, c: Candidate):
+    def __init__(self, c: Candidate, facts: RouterFacts):
         self.c = c
         self.router_name = c.router_path.split(".")[0]  # the block's child: the module whose hooks record logits
         self.router: nn.Module = c.module.get_submodule(self.router_name)
-        self.linear_path = c.router_path  # holds the [E, D] router weight (itself, or e.g. router.classifier)
-        linear = c.module.get_submodule(self.linear_path)
-        self.weight = linear.get_parameter("weight")
-        bias = getattr(linear, "bias", None)
-        self.bias = bias if isinstance(bias, nn.Parameter) else None
+        self.weight_name = facts.weight or ""
+        self.weight = c.module.get_parameter(self.weight_name)
+        self.bias_name = facts.bias
+        self.bias = None if facts.bias is None else c.module.get_parameter(facts.bias)
+        self.call = module_call(c.graph, self.router_name) if c.graph is not None else "no graph"
         self.E, self.D = self.weight.shape
         self._dtype: str | None = None
 
@@ -84,7 +77,7 @@ class HFBlock:
                             None if self.bias is None else self.bias.detach().float())
         try:
             with torch.no_grad():
-                out = router(x)
+                out = router(*self.call_args(x, torch.float32))
         except Exception as err:
             return f"router {self.router_name} ({type(self.router).__name__}) fails on a [2, 3, D={self.D}] probe: {err}"
         outputs = out if isinstance(out, tuple) else (out,)
@@ -93,7 +86,16 @@ class HFBlock:
                     and torch.allclose(value.reshape(expected.shape).float(), expected, atol=1e-5, rtol=1e-4):
                 return i if isinstance(out, tuple) else None
         return (f"no output of router {self.router_name} ({type(self.router).__name__}) equals its logits "
-                f"x @ {self.linear_path}.weight.T")
+                f"x @ {self.weight_name}.T")
+
+    def call_args(self, x: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The router module's arguments as the block passes them, for a [2, 3, D] probe `x`."""
+        assert not isinstance(self.call, str)
+        module_input, module_args = self.call
+        first = x if module_input == "hidden" else x.reshape(-1, self.D)
+        extra = [self.c.module.get_parameter(p) if p in dict(self.c.module.named_parameters())
+                 else self.c.module.get_buffer(p) for p in module_args]
+        return [first] + [t.detach().to(dtype) if t.is_floating_point() else t for t in extra]
 
     def logits_dtype(self, index: int | None) -> str:
         """'float32' if the router computes fp32 logits for a bf16 input and bf16 weights, else 'input'."""
@@ -102,7 +104,7 @@ class HFBlock:
             x = torch.randn(2, 3, self.D, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
             try:
                 with torch.no_grad():
-                    out = router(x)
+                    out = router(*self.call_args(x, torch.bfloat16))
                 logits = out if index is None else out[index]
                 self._dtype = "float32" if logits.dtype == torch.float32 else "input"
             except Exception:
@@ -110,26 +112,29 @@ class HFBlock:
         return self._dtype
 
     def router_spec(self, index: int | None, **fields: object) -> RouterSpec:
+        assert self.c.graph is not None and not isinstance(self.call, str)
+        module_input, module_args = self.call
         return RouterSpec(
-            num_experts=self.E, weight=TensorSource.param(f"{self.linear_path}.weight"),
-            bias=None if self.bias is None else TensorSource.param(f"{self.linear_path}.bias"),
+            module_input=module_input, module_args=module_args,
+            num_experts=self.E, weight=TensorSource.param(self.weight_name),
+            bias=None if self.bias_name is None else TensorSource.param(self.bias_name),
             logits_from="module", module_path=self.router_name, module_output_index=index,
             dtype=self.logits_dtype(index), **fields,  # type: ignore[arg-type]
         )
 
-    def experts(self) -> ExpertsSpec | str:
+    def experts(self) -> list[ExpertsSpec] | str:
         if self.c.experts_kind == "fused":
-            return fused_experts_spec(self.c, self.D)
-        if self.c.experts_kind == "moduledict":
-            return dict_experts_spec(self.c)
-        return f"experts are a {self.c.experts_kind}, not fused 3-D weights or a dict of expert MLPs"
+            return fused_experts_specs(self.c, self.D)
+        if self.c.experts_kind in ("moduledict", "modulelist"):
+            found = dict_experts_spec(self.c)
+            return found if isinstance(found, str) else [found]
+        return f"experts are a {self.c.experts_kind}, not fused 3-D weights or a container of expert modules"
 
     def shared(self) -> SharedExpertSpec | None:
-        found = shared_expert_of(self.c.module, exclude=(self.router_name, self.c.experts_path))
-        return None if found is None else SharedExpertSpec(module_path=found[0], gate_path=found[1])
+        return shared_expert(self.c)
 
     def block_jitter(self) -> float:
-        """Input jitter the block applies itself (Mixtral); jitter inside the router module runs with it."""
+        """Input jitter the block applies itself; jitter inside the router module runs with it."""
         value = _attr(self.c.module, JITTER_NAMES, (float, int))
         return float(value) if value else 0.0
 
@@ -139,13 +144,14 @@ class HFBlock:
         if isinstance(experts, str):
             return experts
         # transformers 5.x blocks return the hidden states; 4.x-style blocks also return the router logits
-        return [MoESpec(path=self.c.path, recogniser=name, router=r, experts=experts, shared=self.shared(),
+        side: tuple[str, ...] = ("router_logits",) if self.c.outputs == 2 else ()
+        return [MoESpec(path=self.c.path, recogniser=name, router=r, experts=x, shared=self.shared(),
                         capacity=cap, side_outputs=side, notes=notes)
-                for r, cap, side in product(routers, capacities, ((), ("router_logits",)))]
+                for x, r, cap in product(experts, routers, capacities)]
 
 
-def fused_experts_spec(c: Candidate, D: int) -> ExpertsSpec | str:
-    """transformers' fused experts: the layout from its declared flags, the activation from `act_fn`."""
+def fused_experts_specs(c: Candidate, D: int) -> list[ExpertsSpec] | str:
+    """transformers' fused experts: the layout from its declared flags; the activations the graph calls first."""
     x = c.experts
     flags = {f: getattr(x, f, None) for f in ("has_gate", "has_bias", "is_transposed", "is_concatenated",
                                               "has_post_expert_norm")}
@@ -161,13 +167,10 @@ def fused_experts_spec(c: Candidate, D: int) -> ExpertsSpec | str:
                and (not gated or lay["w_gate"].chunk == (0, 2))]
     if not layouts:
         return f"3-D parameters {c.fused_params} do not read as the declared layout (is_transposed={transposed}, D={D})"
-    act = activation_of(x)
-    activation = (GATED if gated else PLAIN).get(act or "")
-    if activation is None:
-        return f"expert activation {act!r} ({'gated' if gated else 'plain'}) of {c.experts_path} is not supported"
     lay = layouts[0]
-    return ExpertsSpec(num_experts=c.num_experts, hidden_dim=D, ffn_dim=lay["F"], activation=activation,  # type: ignore[arg-type]
-                       w_gate=lay["w_gate"], w_up=lay["w_up"], w_down=lay["w_down"], container=c.experts_path)
+    return [ExpertsSpec(num_experts=c.num_experts, hidden_dim=D, ffn_dim=lay["F"], activation=act,  # type: ignore[arg-type]
+                        w_gate=lay["w_gate"], w_up=lay["w_up"], w_down=lay["w_down"], container=c.experts_path)
+            for act in activations(c, gated)]
 
 
 def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
@@ -180,84 +183,74 @@ def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
     return stacked_experts_spec(c, list(c.expert_names))
 
 
-def _router_block(c: Candidate) -> tuple[HFBlock, int | None] | str:
+def _router_block(c: Candidate) -> tuple[HFBlock, int | None, RouterFacts] | str:
     """The shared preamble: a router *module* (not a bare Linear) whose output holds the logits."""
-    if c.experts_kind not in ("fused", "moduledict"):
-        return "experts are not fused 3-D weights or a dict of expert MLPs"
-    block = HFBlock(c)
+    if c.experts_kind not in ("fused", "moduledict", "modulelist") or c.router is None:
+        return "experts are not fused 3-D weights or a container of expert modules"
+    if not c.router_path or c.router.weight is None:
+        return "the router weight is not held by a router module of the block"
+    block = HFBlock(c, c.router)
+    if isinstance(block.call, str):
+        return block.call
     if isinstance(block.router, nn.Linear):
         return f"router {block.router_name} is a plain nn.Linear: no router module to keep calling"
     index = block.logits_index()
     if isinstance(index, str):
         return index
-    return block, index
+    return block, index, c.router
+
+
+def _renorms(facts: RouterFacts) -> list[bool]:
+    """Renormalised or not: what the graph shows (a sum over the K weights) first."""
+    return [facts.renormalized, not facts.renormalized]
 
 
 def softmax_topk(c: Candidate) -> list[MoESpec] | str:
-    """softmax over E → top-k → renormalise if `norm_topk_prob` (Mixtral always does)."""
+    """softmax over E → top-k → renormalise or not (the graph orders the two)."""
     found = _router_block(c)
     if isinstance(found, str):
         return found
-    block, index = found
-    top_k = _attr(block.router, ("top_k",), int)
-    if top_k is None:
-        return f"router {block.router_name} has no int top_k attribute"
-    if _attr(block.router, N_GROUP_NAMES, int) or _selection_bias(block) is not None:
+    block, index, facts = found
+    if facts.groups is not None or facts.selection_bias is not None:
         return f"router {block.router_name} has groups or a selection bias: a group_limited router"
-    renorm = _attr(block.router, RENORM_NAMES, bool)
-    routers = [block.router_spec(index, top_k=top_k, score_func="softmax", renormalize=r, jitter_eps=block.block_jitter())
-               for r in ([renorm] if renorm is not None else [True, False])]
+    routers = [block.router_spec(index, top_k=facts.top_k, score_func="softmax", renormalize=r,
+                                 jitter_eps=block.block_jitter()) for r in _renorms(facts)]
     return block.specs("hf-softmax-topk", routers)
 
 
-def _selection_bias(block: HFBlock) -> str | None:
-    for name in SELECTION_BIAS_NAMES:
-        value = getattr(block.router, name, None)
-        if isinstance(value, torch.Tensor) and value.shape == (block.E,):
-            return f"{block.router_name}.{name}"
-    return None
-
-
 def group_limited(c: Candidate) -> list[MoESpec] | str:
-    """DeepSeek-V3: sigmoid scores (+ selection-only bias) → group-limited top-k → weights from the
-    unbiased scores, renormalised if `norm_topk_prob`, times `routed_scaling_factor`."""
+    """Group-limited: sigmoid (or softmax) scores (+ selection-only bias) → group-limited top-k → weights from the
+    unbiased scores, renormalised or not, times the routed scaling factor (a constant in the graph)."""
     found = _router_block(c)
     if isinstance(found, str):
         return found
-    block, index = found
-    r = block.router
-    top_k = _attr(r, ("top_k",), int)
-    bias = _selection_bias(block)
-    n_group = _attr(r, N_GROUP_NAMES, int) or 1
-    if top_k is None or (bias is None and n_group == 1):
-        return f"router {block.router_name} has no top_k, or neither a selection bias {SELECTION_BIAS_NAMES} nor groups"
-    if _attr(r, ("topk_method",), str) == "greedy":  # DeepSeek-V2: groups configured but not used
-        n_group = 1
-    topk_group = min(_attr(r, TOPK_GROUP_NAMES, int) or n_group, n_group)
-    scaling = _attr(r, SCALING_NAMES, (float, int)) or 1.0
-    renorm = _attr(r, RENORM_NAMES, bool)
-    common = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(scaling),
-                  selection_bias=None if bias is None else TensorSource.param(bias), jitter_eps=block.block_jitter())
+    block, index, facts = found
+    n_group, topk_group = facts.groups or (1, 1)
+    if facts.selection_bias is None and n_group == 1:
+        return f"router {block.router_name}: the graph shows neither a selection bias nor a group-limited top-k"
+    scaling = facts.scales[0] if facts.scales else 1.0
+    common = dict(top_k=facts.top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(scaling),
+                  selection_bias=None if facts.selection_bias is None else TensorSource.param(facts.selection_bias),
+                  jitter_eps=block.block_jitter())
     routers = [block.router_spec(index, score_func=score, renormalize=rn, group_score=gs, **common)
-               for score, gs, rn in product(("sigmoid", "softmax"), ("top2_sum", "max"),
-                                            [renorm] if renorm is not None else [True, False])]
+               for score, gs, rn in product(("sigmoid", "softmax"), ("top2_sum", "max"), _renorms(facts))]
     return block.specs("hf-group-limited", routers)
 
 
 def top1_capacity(c: Candidate) -> list[MoESpec] | str:
-    """SwitchTransformers: softmax → top-1 (argmax) with a fixed expert capacity counted per sequence;
+    """Top-1 with capacity: softmax → top-1 (argmax) with a fixed expert capacity counted per sequence;
     an overflowing token's expert output is dropped (its weight is the unrenormalised probability)."""
     found = _router_block(c)
     if isinstance(found, str):
         return found
-    block, index = found
+    block, index, facts = found
     capacity = _attr(block.router, CAPACITY_NAMES, int)
     if capacity is None:
         return f"router {block.router_name} has no int {CAPACITY_NAMES[0]} attribute"
     notes: tuple[str, ...] = ()
     if _attr(block.router, JITTER_NAMES, (float, int)):
         notes = (f"router jitter runs inside {block.router_name} (called by the graph)",)
-    router = block.router_spec(index, top_k=1, score_func="softmax", renormalize=False, jitter_eps=block.block_jitter())
+    router = block.router_spec(index, top_k=facts.top_k, score_func="softmax", renormalize=False, jitter_eps=block.block_jitter())
     capacities = [CapacitySpec(capacity_factor=None, fixed=capacity, scope=scope, priority="token_major",
                                drop_policy=drop)
                   for scope, drop in product(("sequence", "batch"), ("zero", "identity"))]

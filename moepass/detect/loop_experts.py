@@ -1,62 +1,67 @@
-"""Recogniser: a ModuleList of expert MLPs called in a Python loop (Mixtral reference style)."""
+"""Recogniser: experts held as one module each (a ModuleList or ModuleDict), whatever calls them.
+
+The expert function comes from one expert's graph (`moepass.detect.experts`), the router from the
+block's (`moepass.detect.router`); the experts' weights are stacked per role in expert order.
+"""
 
 from __future__ import annotations
 
-from moepass.detect.candidates import (
-    DOWN_NAMES,
-    GATE_NAMES,
-    UP_NAMES,
-    Candidate,
-    activation_of,
-    first_child,
-    read_top_k,
-)
+from moepass.detect.candidates import Candidate, shared_expert
+from moepass.detect.experts import Role, read_expert
 from moepass.detect.router import router_hypotheses
-from moepass.spec import ExpertsSpec, MoESpec, TensorSource
+from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
 NAME = "modulelist-loop"
-GATED = {"silu": "swiglu", "gelu": "geglu"}
-PLAIN = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "relu": "relu"}
 
 
 def stacked_experts_spec(c: Candidate, keys: list[str]) -> ExpertsSpec | str:
-    """Experts held as one MLP module each (ModuleList / ModuleDict entries `keys`), stacked per expert."""
-    expert = c.experts.get_submodule(keys[0])
-    gate, up, down = first_child(expert, GATE_NAMES), first_child(expert, UP_NAMES), first_child(expert, DOWN_NAMES)
-    if gate is None or down is None:
-        return f"expert {type(expert).__name__} has no recognisable gate/down linears (looked for {GATE_NAMES}, {DOWN_NAMES})"
-    act = activation_of(expert)
-    activation = (GATED if up else PLAIN).get(act or "")
-    if activation is None:
-        return f"expert activation {act!r} with{'' if up else 'out'} an up projection is not supported"
-    linear = getattr(expert, gate)
+    """Experts held as one module each (container entries `keys`), their weights stacked per expert."""
+    fn = read_expert(c.experts.get_submodule(keys[0]), c.hidden_dim)
+    if isinstance(fn, str):
+        return fn
+    prefix = f"{c.experts_path}." if c.experts_path else ""
 
-    def stacked(name: str | None, kind: str) -> TensorSource | None:
-        if name is None or (kind == "bias" and getattr(expert, name).bias is None):
+    def stacked(role: Role | None, bias: bool = False) -> TensorSource | None:
+        name = None if role is None else role.bias if bias else role.weight
+        if role is None or name is None:
             return None
-        return TensorSource.stack([f"{c.experts_path}.{key}.{name}.{kind}" for key in keys])
+        # the rows of one expert's [out, in] weight are dim 1 of the stacked [E, out, in]
+        return TensorSource.stack([f"{prefix}{key}.{name}" for key in keys], chunk=role.chunk,
+                                  interleave=role.interleave, chunk_dim=1)
 
-    w_gate, w_down = stacked(gate, "weight"), stacked(down, "weight")
+    w_gate, w_down = stacked(fn.gate), stacked(fn.down)
     assert w_gate is not None and w_down is not None
     return ExpertsSpec(
-        num_experts=c.num_experts, hidden_dim=linear.in_features, ffn_dim=linear.out_features,
-        activation=activation,  # type: ignore[arg-type]
-        w_gate=w_gate, w_up=stacked(up, "weight"), w_down=w_down,
-        b_gate=stacked(gate, "bias"), b_up=stacked(up, "bias"), b_down=stacked(down, "bias"),
+        num_experts=c.num_experts, hidden_dim=fn.hidden_dim, ffn_dim=fn.ffn_dim,
+        activation=fn.activation,  # type: ignore[arg-type]
+        w_gate=w_gate, w_up=stacked(fn.up), w_down=w_down,
+        b_gate=stacked(fn.gate, bias=True), b_up=stacked(fn.up, bias=True), b_down=stacked(fn.down, bias=True),
         container=c.experts_path,
     )
 
 
+def block_specs(c: Candidate, name: str, experts: ExpertsSpec, routers: list[RouterSpec], **fields: object
+                ) -> list[MoESpec] | str:
+    """The MoESpecs of `routers` x `experts`, with the side outputs the block returns (router logits)."""
+    side: tuple[str, ...] = ("router_logits",) if c.outputs == 2 else ()
+    if c.outputs > 2:
+        return f"the block returns {c.outputs} values: only (hidden states[, router logits]) are known"
+    if side and routers and routers[0].logits_from == "selection":
+        return "the block returns a second value, but its router module returns a selection, not logits"
+    fields.setdefault("shared", shared_expert(c))
+    return [MoESpec(path=c.path, recogniser=name, router=r, experts=experts, side_outputs=side, **fields)  # type: ignore[arg-type]
+            for r in routers]
+
+
 def recognise(c: Candidate) -> list[MoESpec] | str:
-    if c.experts_kind != "modulelist":
-        return "experts are not a ModuleList"
-    experts = stacked_experts_spec(c, [str(i) for i in range(c.num_experts)])
+    if c.experts_kind not in ("modulelist", "moduledict") or c.router is None or c.graph is None:
+        return "experts are not a ModuleList / ModuleDict"
+    experts = stacked_experts_spec(c, list(c.expert_names))
     if isinstance(experts, str):
         return experts
-    top_k = read_top_k(c.module)
-    top_ks = [top_k] if top_k is not None else [1, 2]
-    return [
-        MoESpec(path=c.path, recogniser=NAME, router=router, experts=experts)
-        for k in top_ks
-        for router in router_hypotheses(c.module, c.router_path, c.num_experts, min(k, c.num_experts))
-    ]
+    routers = router_hypotheses(c.graph, c.router)
+    if isinstance(routers, str):
+        return routers
+    return block_specs(c, NAME, experts, routers)
+
+

@@ -1,21 +1,43 @@
-"""Router hypotheses: the selection rules a hand-written router may implement.
+"""The router, read from the captured graph of a block (`moepass.detect.capture`).
 
-A block's code is not read; its attributes order the hypotheses (e.g. `renormalize=False` puts the
-un-normalised rule first) and the semantic check keeps the first one that reproduces the block.
+The selection call (the block's last top-k / argmax over E scores) is found in the graph; what feeds
+it says the rest, whatever the attributes are called:
+
+    weight          the [E, D] parameter its scores depend on (at any depth in the block)
+    bias            a [E] tensor the same linear / matmul adds (part of the logits)
+    selection_bias  a [E] tensor added to the scores before the selection only
+    groups          a top-k over G < E group scores before it (group-limited selection)
+    module          the submodule the selection ran in (below the block), if any; when that module
+                    returns the selected experts itself, the router region calls it as it is
+                    (`RouterSpec.logits_from="selection"`): an unknown router rule is legal
+
+Which known rule the scores follow (softmax before / after the top-k, sigmoid, renormalised or not,
+a constant scale) is a set of hypotheses, ordered by the calls seen between the logits and the
+combination; the semantic check keeps the first that reproduces the block.
 """
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
 
+from moepass.detect.capture import Capture, Selection, attrs, downstream, upstream, value
+from moepass.dialect import route_ref
 from moepass.spec import RouterSpec, TensorSource
 
-RENORM_ATTRS = ("renormalize", "norm_topk_prob", "normalize_expert_weights", "normalize")
+SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax)
+SIGMOID = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)
+SUM = (torch.sum, torch.Tensor.sum)
+MUL = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, operator.mul)
+ADD = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, operator.add)
 
 # (label, RouterSpec fields), in default prior order
-_RULES: list[tuple[str, dict[str, Any]]] = [
+RULES: list[tuple[str, dict[str, Any]]] = [
     ("softmax, top-k, renormalise", dict(score_func="softmax", softmax_before_topk=True, renormalize=True)),
     ("softmax, top-k", dict(score_func="softmax", softmax_before_topk=True, renormalize=False)),
     ("top-k logits, softmax", dict(score_func="softmax", softmax_before_topk=False, renormalize=False)),
@@ -24,28 +46,227 @@ _RULES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def read_flag(module: nn.Module, names: tuple[str, ...]) -> bool | None:
-    for owner in (module, *module.children()):
-        for name in names:
-            value = getattr(owner, name, None)
-            if isinstance(value, bool):
-                return value
+@dataclass
+class RouterFacts:
+    """What the captured graph says about a block's router (see the module doc)."""
+
+    num_experts: int
+    top_k: int
+    weight: str | None = None
+    bias: str | None = None
+    selection_bias: str | None = None
+    groups: tuple[int, int] | None = None  # (n_group, topk_group)
+    module: str | None = None  # the block's submodule the selection ran in
+    selection_outputs: tuple[int, int] | None = None  # the module returns (weights, experts) at these indices
+    module_input: str = "hidden"
+    module_args: tuple[str, ...] = ()
+    why_not_module: str = ""  # why the router module cannot be called as the block calls it
+    scales: list[float] = field(default_factory=list)  # constants the weights are multiplied by
+    sigmoid: bool = False
+    softmax_after: bool = False  # a softmax over the top-k values
+    renormalized: bool = False  # a sum over the K weights
+    logits_fp32: bool = False  # the router linear's input is cast to fp32 first (`RouterSpec.dtype`)
+
+
+def _is_vector(node: fx.Node, E: int) -> bool:
+    val = value(node)
+    return isinstance(val, torch.Tensor) and val.dim() == 1 and val.shape[0] == E and val.is_floating_point()
+
+
+def _casts_to_fp32(node: fx.Node) -> bool:
+    """`x.float()`, `x.to(torch.float32)`, `x.type(torch.float32)` (no-ops on fp32 probes, yet in the graph)."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.Tensor.float:
+        return True
+    return node.target in (torch.Tensor.to, torch.Tensor.type) and torch.float32 in (*node.args[1:],
+                                                                                    *node.kwargs.values())
+
+
+def _linear_of(weight: fx.Node, scores_slice: set[fx.Node]) -> fx.Node | None:
+    return next((u for u in weight.users if u in scores_slice), None)
+
+
+def _tensor_arg(cap: Capture, arg: Any, block_input: torch.Tensor) -> str | None:
+    """How the block passes `arg` to a submodule: "hidden" (its input), "tokens" (its input as [T, D]),
+    a parameter / buffer path, or None (something else)."""
+    if not isinstance(arg, torch.Tensor):
+        return None
+    if arg is block_input:
+        return "hidden"
+    for node in cap.graph.nodes:
+        if value(node) is arg:
+            if node.op == "get_attr":
+                return str(node.target)
+            if arg.dim() == 2 and arg.shape == (block_input.numel() // block_input.shape[-1], block_input.shape[-1]) \
+                    and torch.equal(arg, block_input.reshape(arg.shape)):
+                return "tokens"
     return None
 
 
-def router_hypotheses(block: nn.Module, router_path: str, num_experts: int, top_k: int) -> list[RouterSpec]:
-    """RouterSpecs to try for a block whose router is the child `router_path`, best guess first."""
-    router = block.get_submodule(router_path)
-    bias = getattr(router, "bias", None)
+def _module_selection(cap: Capture, facts: RouterFacts, sel: Selection) -> None:
+    """Fill the router module facts: the outermost submodule the selection ran in, and whether it returns
+    the selection itself (and how the block calls it)."""
+    stack = [p for p in sel.node.meta["stack"] if p]
+    if not stack:
+        return
+    facts.module = stack[0]
+    call = next((c for c in reversed(cap.calls) if c.path == facts.module), None)
+    out = call.output if call is not None else None
+    if call is None or not isinstance(out, (tuple, list)):
+        return
+    K = facts.top_k
+    experts = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and not v.is_floating_point()
+                    and v.numel() == sel.indices.numel() and torch.equal(v.reshape(-1, K), sel.indices)), None)
+    weights = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                    and v.numel() == sel.indices.numel()), None)
+    if experts is None or weights is None:
+        return
+    found = module_call(cap, facts.module)
+    if isinstance(found, str):
+        facts.why_not_module = found
+        return
+    facts.selection_outputs = (weights, experts)
+    facts.module_input, facts.module_args = found
+
+
+def module_call(cap: Capture, path: str) -> tuple[str, tuple[str, ...]] | str:
+    """How the block calls its submodule `path` (its last call): ("hidden" | "tokens", the block tensors
+    passed after it), or why the router region cannot call it the same way."""
+    call = next((c for c in reversed(cap.calls) if c.path == path), None)
+    if call is None:
+        return f"the block does not call {path}"
+    block_input = value(cap.input_node)
+    args = [_tensor_arg(cap, a, block_input) for a in call.args]
+    if call.kwargs or not args or args[0] not in ("hidden", "tokens") or any(a in (None, "hidden", "tokens")
+                                                                               for a in args[1:]):
+        return (f"router module {path} is called with arguments other than the block's input and its own "
+                f"tensors (or keyword arguments)")
+    return str(args[0]), tuple(str(a) for a in args[1:])
+
+
+def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
+    """The router facts of a captured block whose selection is `sel` (see the module doc)."""
+    E = num_experts
+    facts = RouterFacts(num_experts=E, top_k=sel.k)
+    scores_slice = upstream(sel.scores)
+    for node in attrs(scores_slice):
+        val = value(node)
+        if facts.weight is None and isinstance(val, nn.Parameter | torch.Tensor) and val.dim() == 2 \
+                and val.shape[0] == E:
+            facts.weight = str(node.target)
+            linear = _linear_of(node, scores_slice)
+            if linear is not None:
+                facts.bias = next((str(a.target) for a in linear.all_input_nodes
+                                   if a.op == "get_attr" and _is_vector(a, E)), None)
+                facts.logits_fp32 = any(_casts_to_fp32(n) for n in upstream(linear) if n is not node)
+    for node in sorted(scores_slice, key=lambda n: n.meta["order"]):
+        if node.op == "call_function" and node.target in ADD:
+            vectors = [a for a in node.all_input_nodes if a.op == "get_attr" and _is_vector(a, E)
+                       and str(a.target) != facts.bias]
+            scored = any(n.op == "call_function" and n.target in SOFTMAX + SIGMOID for n in upstream(node))
+            if vectors and scored:  # added to the scores: for the selection only
+                facts.selection_bias = str(vectors[0].target)
+            elif vectors and facts.bias is None:  # added to the logits (`x @ w.T + b`): the router's bias
+                facts.bias = str(vectors[0].target)
+        if node.op == "call_function" and node.target in SIGMOID:
+            facts.sigmoid = True
+        if node is not sel.node and node.op == "call_function" and node.target is sel.node.target:
+            G = value(node.args[0]).shape[-1] if isinstance(node.args[0], fx.Node) else 0
+            k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+            if 1 < G < E and E % G == 0 and isinstance(k, int):
+                facts.groups = (G, k)
+    after = downstream(sel.node) - {sel.node}
+    for node in after:
+        if node.op != "call_function":
+            continue
+        if node.target in SOFTMAX and sel.values is not None and sel.values in node.all_input_nodes:
+            facts.softmax_after = True
+        val, first = value(node), value(node.args[0]) if node.args else None
+        TK = sel.indices.numel()
+        if node.target in SUM and isinstance(first, torch.Tensor) and first.numel() == TK \
+                and isinstance(val, torch.Tensor) and val.numel() == TK // sel.k:
+            facts.renormalized = True  # a sum over each token's K weights
+        if node.target in MUL and isinstance(val, torch.Tensor) and val.numel() == TK:
+            facts.scales += [float(a) for a in node.args if isinstance(a, float | int) and not isinstance(a, bool)
+                             and a != 1]
+    _module_selection(cap, facts, sel)
+    return facts
+
+
+def _attr_value(cap: Capture, path: str | None) -> torch.Tensor | None:
+    node = next((n for n in cap.graph.nodes if n.op == "get_attr" and n.target == path), None)
+    return None if node is None else value(node)
+
+
+def known_rule(cap: Capture, facts: RouterFacts) -> dict[str, Any] | None:
+    """The known rule (RULES, the graph's scales, its selection bias) that the router module's own
+    selection matches on the captured probe (same experts, same weights), as RouterSpec fields; or None."""
+    call = next((c for c in reversed(cap.calls) if c.path == facts.module), None)
+    weight = _attr_value(cap, facts.weight)
+    if call is None or weight is None or facts.selection_outputs is None:
+        return None
+    bias, selection_bias = _attr_value(cap, facts.bias), _attr_value(cap, facts.selection_bias)
+    x_TD = call.args[0].reshape(-1, weight.shape[1])
+    logits_TE = F.linear(x_TD.float(), weight.float(), None if bias is None else bias.float())
+    K = facts.top_k
+    w_TK, e_TK = (call.output[i].reshape(-1, K) for i in facts.selection_outputs)
+    order = e_TK.argsort(-1)
+    want_e, want_w = e_TK.gather(1, order), w_TK.float().gather(1, order)
+    for scale in dict.fromkeys([*facts.scales, 1.0]):
+        for _label, fields in RULES:
+            sb = selection_bias.float() if selection_bias is not None else None
+            w, e = route_ref(logits_TE, sb, fields["score_func"], fields.get("softmax_before_topk", True), K,
+                             fields["renormalize"], 1, 1, "top2_sum", scale)
+            mine = e.argsort(-1)
+            if torch.equal(e.gather(1, mine), want_e) and torch.allclose(w.gather(1, mine), want_w, atol=1e-5,
+                                                                         rtol=1e-4):
+                return dict(fields, routed_scaling_factor=scale,
+                            selection_bias=None if selection_bias is None else TensorSource.param(
+                                str(facts.selection_bias)),
+                            bias=None if bias is None else TensorSource.param(str(facts.bias)))
+    return None
+
+
+def module_router(cap: Capture, facts: RouterFacts) -> RouterSpec | None:
+    """The router region that calls the user's router module as it is, when it returns the selection; it
+    names the known rule the module's selection matches, if one does (`RouterSpec.known_kind`)."""
+    if facts.selection_outputs is None or facts.module is None:
+        return None
+    weights, experts = facts.selection_outputs
+    known = known_rule(cap, facts)
+    return RouterSpec(num_experts=facts.num_experts, top_k=facts.top_k, logits_from="selection",
+                      module_path=facts.module, module_output_index=weights, module_experts_index=experts,
+                      module_input=facts.module_input, module_args=facts.module_args,
+                      weight=TensorSource.param(facts.weight or f"{facts.module}.weight"),
+                      known_kind=known is not None, **(known or {}))
+
+
+def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | str:
+    """RouterSpecs to try for a block, best guess first: the user's router module when it selects itself,
+    else the known rules over the logits of its [E, D] weight."""
+    found = module_router(cap, facts)
+    if found is not None:
+        return [found]
+    if facts.weight is None:
+        return (f"no [E={facts.num_experts}, D] weight feeds the selection scores"
+                + (f" ({facts.why_not_module})" if facts.why_not_module else ""))
+    owner = facts.weight.rsplit(".", 1)[0] if "." in facts.weight else ""
     common = dict(
-        num_experts=num_experts,
-        top_k=top_k,
-        weight=TensorSource.param(f"{router_path}.weight"),
-        bias=TensorSource.param(f"{router_path}.bias") if isinstance(bias, nn.Parameter) else None,
-        module_path=router_path,
+        num_experts=facts.num_experts, top_k=facts.top_k,
+        weight=TensorSource.param(facts.weight),
+        bias=TensorSource.param(facts.bias) if facts.bias else None,
+        selection_bias=TensorSource.param(facts.selection_bias) if facts.selection_bias else None,
+        module_path=owner, dtype="float32" if facts.logits_fp32 else "input",
     )
-    renorm = read_flag(block, RENORM_ATTRS)
-    rules = list(_RULES)
-    if renorm is False:
-        rules.sort(key=lambda rule: rule[1].get("renormalize", False))
-    return [RouterSpec(**common, **fields) for _label, fields in rules]  # type: ignore[arg-type]
+    rules = list(RULES)
+    # the calls seen after the selection order the rules: a softmax over the top-k values, a sigmoid, a sum
+    rules.sort(key=lambda rule: (
+        (rule[1]["score_func"] == "sigmoid") != facts.sigmoid,
+        (not rule[1].get("softmax_before_topk", True)) != facts.softmax_after,
+        rule[1]["renormalize"] != facts.renormalized))
+    scales = [1.0] + [s for s in dict.fromkeys(facts.scales)]
+    if facts.scales:
+        scales = scales[1:] + [1.0]
+    return [RouterSpec(**common, **fields, routed_scaling_factor=scale)  # type: ignore[arg-type]
+            for scale in scales for _label, fields in rules]

@@ -1,0 +1,228 @@
+"""Capture: one probe forward of a module, recorded as an FX graph of the torch calls it makes.
+
+Detection reads what a block *computes* from this graph, not what its attributes are called: which
+call selects experts (a top-k or argmax over E scores), which parameters feed the scores (the router
+weight, its bias, a selection-only bias), which submodule the selection happens in (a router module
+to keep calling), what the expert function is (linear, activation, product, linear).
+
+Why a recording (a `TorchFunctionMode` plus module hooks) rather than symbolic_trace, torch.export
+or make_fx: hand-written MoE blocks are full of data-dependent Python control flow (`if
+idx.numel() == 0: continue`, `int(experts_TK[t, k])`), where symbolic_trace and torch.export stop.
+make_fx runs through it on real tensors, but records aten ops: parameters become anonymous
+constants and module boundaries disappear, while detection needs both (which parameter is the router
+weight, which submodule's hooks must keep firing). A torch-function mode sees every torch function
+and Tensor method at the level the user wrote it, with the real Parameter objects as arguments; the
+module hooks give the call tree. The graph is specialised to the probe (loops unrolled): detection
+reads structure from it and never runs it.
+
+Graph: the module's input is a placeholder, each of its parameters and buffers a `get_attr` node
+named by its path, each recorded call a `call_function` node whose target is the torch function and
+whose tensor arguments are the nodes that produced them (tuple results get `operator.getitem`
+nodes). `node.meta["val"]` holds the value, `node.meta["stack"]` the module paths being run (outermost
+first, "" the traced module itself).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# The expert-selection calls: (functions, what their integer result is)
+TOPK = (torch.topk, torch.Tensor.topk)
+ARGMAX = (torch.argmax, torch.Tensor.argmax)
+LINEAR = (torch.nn.functional.linear,)
+
+
+@dataclass
+class ModuleCall:
+    """One call of a submodule during the capture (its inputs and outputs as recorded values)."""
+
+    path: str
+    parent: str  # the module that made the call ("" the traced module, and for the traced module itself)
+    args: tuple
+    kwargs: dict
+    output: Any = None
+
+
+@dataclass
+class Capture:
+    """The graph of one recorded forward and the module calls made during it."""
+
+    graph: fx.Graph
+    output: Any
+    calls: list[ModuleCall] = field(default_factory=list)
+    input_node: fx.Node | None = None
+
+    def nodes(self, targets: Iterable[Any]) -> list[fx.Node]:
+        wanted = tuple(targets)
+        return [n for n in self.graph.nodes if n.op == "call_function" and n.target in wanted]
+
+    def calls_of(self, path: str) -> list[ModuleCall]:
+        return [c for c in self.calls if c.path == path]
+
+
+def upstream(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` depends on (itself included)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def downstream(node: fx.Node) -> set[fx.Node]:
+    """Every node that depends on `node` (itself included)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return seen
+
+
+def attrs(nodes: Iterable[fx.Node]) -> list[fx.Node]:
+    """The `get_attr` nodes (parameters and buffers) among `nodes`, in graph order."""
+    return sorted((n for n in nodes if n.op == "get_attr"), key=lambda n: n.meta["order"])
+
+
+def value(node: object) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+class _Recorder(TorchFunctionMode):
+    """Builds the graph call by call (see the module doc)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.graph = fx.Graph()
+        self.producer: dict[int, fx.Node] = {}
+        self.keep: list[Any] = []  # values stay alive: ids are never reused during the capture
+        self.stack: list[str] = []
+        self.calls: list[ModuleCall] = []
+        self.order = 0
+        for name, tensor in [*module.named_parameters(remove_duplicate=False),
+                             *module.named_buffers(remove_duplicate=False)]:
+            if id(tensor) not in self.producer:
+                self._register(tensor, self._node("get_attr", name, (), {}, tensor))
+
+    def _node(self, op: str, target: Any, args: tuple, kwargs: dict, val: Any) -> fx.Node:
+        node = self.graph.create_node(op, target, args, kwargs)
+        node.meta.update(val=val, stack=tuple(self.stack), order=self.order)
+        self.order += 1
+        return node
+
+    def _register(self, tensor: torch.Tensor, node: fx.Node) -> None:
+        self.producer[id(tensor)] = node
+        self.keep.append(tensor)
+
+    def placeholder(self, name: str, tensor: torch.Tensor) -> fx.Node:
+        node = self._node("placeholder", name, (), {}, tensor)
+        self._register(tensor, node)
+        return node
+
+    def _arg(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return self.producer.get(id(a), a)  # a tensor made outside the recording: a constant
+        return a
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not any(isinstance(v, torch.Tensor) for v in tree_flatten(out)[0]):
+            return out  # sizes, dtypes, Python numbers: constants of the graph
+        node = self._node("call_function", func, tree_map(self._arg, tuple(args)), tree_map(self._arg, kwargs), out)
+        if isinstance(out, torch.Tensor):
+            self._register(out, node)
+        elif isinstance(out, (tuple, list)):
+            self.keep.append(out)
+            for i, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    self._register(item, self._node("call_function", operator.getitem, (node, i), {}, item))
+        return out
+
+    def hooks(self, module: nn.Module) -> list[Any]:
+        handles = []
+        for path, sub in module.named_modules():
+            def pre(_m, args, kwargs, path=path):
+                self.calls.append(ModuleCall(path, self.stack[-1] if self.stack else "", args, kwargs))
+                self.stack.append(path)
+                return None
+
+            def post(_m, args, kwargs, output, path=path):
+                self.stack.pop()
+                call = next(c for c in reversed(self.calls) if c.path == path and c.output is None)
+                call.output = output
+                self.keep.append(output)
+                return None
+
+            handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(sub.register_forward_hook(post, with_kwargs=True))
+        return handles
+
+
+def capture(module: nn.Module, *inputs: torch.Tensor) -> Capture:
+    """Run `module(*inputs)` under no_grad, recording its graph. `module` should be a probe copy: hooks
+    are added for the call and removed after it, nothing else is changed."""
+    recorder = _Recorder(module)
+    placeholders = [recorder.placeholder(f"input_{i}", x) for i, x in enumerate(inputs)]
+    handles = recorder.hooks(module)
+    try:
+        with torch.no_grad(), recorder:
+            out = module(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    outs = tree_map(recorder._arg, out if isinstance(out, tuple) else (out,))
+    recorder.graph.output(outs)
+    return Capture(recorder.graph, out, recorder.calls, placeholders[0] if placeholders else None)
+
+
+@dataclass
+class Selection:
+    """The expert-selection call of a captured block: a top-k (or argmax, k = 1) over E scores."""
+
+    node: fx.Node  # the topk / argmax call
+    scores: fx.Node  # its input: [..., E] scores
+    k: int
+    indices: torch.Tensor  # [T, k] selected experts (as recorded)
+    values: fx.Node | None  # topk's values node (None for argmax)
+
+
+def selection(cap: Capture, num_experts: int) -> Selection | None:
+    """The last top-k / argmax over the last dim of E scores (the block's final selection), or None."""
+    found = None
+    for node in cap.nodes(TOPK + ARGMAX):
+        scores = node.args[0] if node.args else None
+        val = value(scores)
+        if not isinstance(scores, fx.Node) or not isinstance(val, torch.Tensor) or val.dim() < 1 \
+                or val.shape[-1] != num_experts or not val.is_floating_point():
+            continue
+        if node.target in TOPK:
+            k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+            largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
+            if not isinstance(k, int) or dim not in (-1, val.dim() - 1) or not largest:
+                continue
+            items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+            found = Selection(node, scores, k, value(node)[1].reshape(-1, k), items.get(0))
+        else:
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if dim not in (-1, val.dim() - 1):
+                continue
+            found = Selection(node, scores, 1, value(node).reshape(-1, 1), None)
+    return found
+
+
+def slice_attrs(node: fx.Node) -> list[fx.Node]:
+    """The parameters and buffers `node` depends on."""
+    return attrs(upstream(node))

@@ -210,7 +210,7 @@ def case_timeout(rank, world, seconds):
     try:
         comm.WAIT(comm.ALL_TO_ALL(torch.randn(world * 2, 4), counts, counts, group.group_name, "dispatch", -1))
     except Exception as err:
-        return {"raised": type(err).__name__, "seconds": time.monotonic() - start, "message": str(err)[:200]}
+        return {"raised": type(err).__name__, "seconds": time.monotonic() - start, "message": str(err)[:800]}
     return {"raised": None, "seconds": time.monotonic() - start}
 
 
@@ -323,6 +323,7 @@ def test_dead_peer_times_out():
     result = pool(2).run(case_timeout, 2.0, timeout=60)[0]  # a hang fails the run after 60 s
     assert result["raised"] is not None and "Timed out" in result["message"], result
     assert "waiting 2000ms" in result["message"], result  # the group's 2 s timeout fired, not gloo's default
+    assert result["message"].startswith("moepass: the 'dispatch' collective on process group "), result  # named
 
 
 # ----------------------------------------------------------------------------------------------

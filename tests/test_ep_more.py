@@ -563,7 +563,7 @@ def case_peer_lost_before_combine(rank, world, how, timeout_s, path=None):
     try:
         cm(x).sum().backward()
     except Exception as err:
-        result = {"raised": type(err).__name__, "message": str(err)[:300]}
+        result = {"raised": type(err).__name__, "message": str(err)[:800]}
     result["seconds"] = time.monotonic() - start
     result["case_seconds"] = time.monotonic() - case_start
     if path:

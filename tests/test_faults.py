@@ -100,7 +100,7 @@ def case_fault(rank: int, world: int, phase: str, how: str, timeout_s: float, pa
     try:
         _step(cm, rank, 0)
     except Exception as err:  # the error rank 0 gets is the point
-        result = {"raised": type(err).__name__, "message": str(err)[:400]}
+        result = {"raised": type(err).__name__, "message": str(err)[:600]}
     result["seconds"] = time.monotonic() - start
     if path:
         with open(path, "w") as f:
@@ -123,6 +123,9 @@ def test_stalled_rank_raises_on_the_other_within_the_timeout(phase):
     _assert_raised_in_time(results[0], timeout_s, phase, "stalled")
     assert results[0]["seconds"] >= timeout_s, results[0]  # it waited for the peer as long as the plan says
     assert f"{int(round(timeout_s * 1000))}ms" in results[0]["message"], results[0]  # the plan's timeout, not gloo's
+    kind = PHASES[phase][1]
+    assert results[0]["message"].startswith(f"moepass: the {kind!r} collective on process group "), results[0]
+    assert "a peer rank died or did not join within the group's timeout" in results[0]["message"], results[0]
 
 
 @pytest.mark.parametrize("phase", list(PHASES))
@@ -141,7 +144,11 @@ def test_killed_rank_raises_on_the_other_within_the_timeout(phase, tmp_path):
     assert not any(p.is_alive() for p in victim.procs)
     assert os.path.exists(path), "rank 0 did not return before the pool gave up: it hung"
     with open(path) as f:
-        _assert_raised_in_time(json.load(f), timeout_s, phase, "killed")
+        result = json.load(f)
+    _assert_raised_in_time(result, timeout_s, phase, "killed")
+    # the lost peer surfaces in whichever collective rank 0 reads next; moepass names it and what to do
+    assert result["message"].startswith("moepass: the '"), result
+    assert "a peer rank died or did not join" in result["message"], result
 
 
 def case_resume(rank: int, world: int, path: str, steps: int, fault_at: int | None) -> list[float]:

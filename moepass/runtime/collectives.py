@@ -148,6 +148,26 @@ class Transfer:
     reverse: Callable[[Tensor], Tensor] | None = None  # grad of the output -> pending grad of the input
     placeholder: Tensor | None = None  # what the wait's backward handed the issue's backward
     pending: Tensor | None = None  # the reverse transfer in flight
+    kind: str = "?"  # what it is (dispatch, combine, restore, ...), for errors
+    group_name: str = "?"
+
+
+def peer_lost(kind: str, group_name: str, err: Exception) -> Exception:
+    """The error a rank raises when a collective it waits for fails (a peer died, or stalled past the group's
+    timeout): the backend's message with what moepass was doing, on which ranks, and what to do. Same type as
+    the backend's error (gloo / NCCL raise `torch.distributed.DistBackendError`, a RuntimeError)."""
+    try:
+        ranks: list[int] | str = _peers(group_name)[1]
+    except Exception:  # a group that is gone: name it only
+        ranks = "?"
+    message = (f"moepass: the {kind!r} collective on process group {group_name} (ranks {ranks}) failed on rank "
+               f"{dist.get_rank() if dist.is_initialized() else '?'}: a peer rank died or did not join within the "
+               f"group's timeout (Plan(topology=Topology(..., timeout=seconds))). Look for the first error in the "
+               f"other ranks' logs; raise the timeout only if a peer is merely slow. Backend: {err}")
+    try:
+        return type(err)(message)
+    except Exception:
+        return RuntimeError(message)
 
 
 _transfers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # pending output tensor -> Transfer, until its wait
@@ -168,10 +188,13 @@ def _issue(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]
             assert all(type(s) is int for s in splits), f"moe_comm {kind}: {what} splits {splits} are not ints"
     row_bytes = inp.element_size() * math.prod(inp.shape[1:])  # not inp[0]: a rank may send 0 rows
     record_bytes(kind, group_name, in_splits, row_bytes)
-    transfer = Transfer()
-    work = scheduler.issue_collective(kind, group_name, sum(in_splits) * row_bytes, lambda: dist.all_to_all_single(
-        out, inp, out_splits, in_splits, group=_group(group_name), async_op=True),  # tells the priority scheduler
-        issued=transfer.issued)
+    transfer = Transfer(kind=kind, group_name=group_name)
+    try:
+        work = scheduler.issue_collective(kind, group_name, sum(in_splits) * row_bytes, lambda: dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=_group(group_name), async_op=True),  # tells the priority scheduler
+            issued=transfer.issued)
+    except RuntimeError as err:  # a peer already gone (a connection closed) fails the launch itself
+        raise peer_lost(kind, group_name, err) from err
     torch._C._distributed_c10d._register_work(out, work)
     key = out if key is None else key
     if _eager(key):
@@ -391,7 +414,11 @@ class _Wait(torch.autograd.Function):
         transfer = _transfers.pop(t, None) if _eager(t) else None
         if transfer is not None:
             scheduler.notify_waited(transfer.issued)
-        torch.ops._c10d_functional.wait_tensor(t)
+        try:
+            torch.ops._c10d_functional.wait_tensor(t)
+        except RuntimeError as err:
+            kind, group = (transfer.kind, transfer.group_name) if transfer is not None else ("moe_comm", "?")
+            raise peer_lost(kind, group, err) from err
         ctx.transfer = transfer if transfer is not None and transfer.reverse is not None else None
         return t.view_as(t)
 
@@ -441,7 +468,10 @@ def all_reduce_sum_(t: Tensor, group: dist.ProcessGroup, kind: str = "grad_allre
     work = scheduler.issue_collective(kind, group.group_name, payload, lambda: dist.all_reduce(
         t, group=group, async_op=True), category=scheduler.ALL_REDUCE, issued=issued)
     scheduler.notify_waited(issued)
-    work.wait()
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise peer_lost(kind, group.group_name, err) from err
     return t
 
 

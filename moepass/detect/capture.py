@@ -68,26 +68,24 @@ class Capture:
         return [c for c in self.calls if c.path == path]
 
 
-def upstream(node: fx.Node) -> set[fx.Node]:
-    """Every node `node` depends on (itself included)."""
+def _reachable(node: fx.Node, step) -> set[fx.Node]:
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
         if n not in seen:
             seen.add(n)
-            todo.extend(n.all_input_nodes)
+            todo.extend(step(n))
     return seen
+
+
+def upstream(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` depends on (itself included)."""
+    return _reachable(node, lambda n: n.all_input_nodes)
 
 
 def downstream(node: fx.Node) -> set[fx.Node]:
     """Every node that depends on `node` (itself included)."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.users)
-    return seen
+    return _reachable(node, lambda n: n.users)
 
 
 def attrs(nodes: Iterable[fx.Node]) -> list[fx.Node]:

@@ -89,6 +89,8 @@ class SimResult:
     predictions: list[Prediction]
     filled: dict[str, str]  # figure -> which preset (and its source) filled it
     assumptions: list[str]
+    # Lina's set-ups: case -> [(row, step seconds, plan)], each of Lina's ingredients added in turn (`ablation`)
+    ablations: dict[str, list[tuple[str, float, str]]] = field(default_factory=dict)
 
     def table(self) -> str:
         lines = [f"== {self.scenario}"]
@@ -125,6 +127,10 @@ class SimResult:
         for system in dict.fromkeys(p.system for p in skipped):
             form = next(p.form for p in skipped if p.system == system)
             lines.append(f"  {system} (form {form}): {NOT_MODELLED.get(form, 'not modelled yet')}")
+        for case, rows_ in self.ablations.items():
+            base = rows_[0][1]
+            lines.append(f"  ablation {case}: " + " | ".join(f"{name} {_ms(step)} ms ({base / step:.2f}x; {plan})"
+                                                           for name, step, plan in rows_))
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -133,6 +139,8 @@ class SimResult:
             "filled": self.filled,
             "assumptions": self.assumptions,
             "predictions": [asdict(p) for p in self.predictions],
+            "ablations": {case: [{"row": n, "step_s": t, "plan": plan} for n, t, plan in rows]
+                          for case, rows in self.ablations.items()},
         }
 
 
@@ -382,7 +390,32 @@ def simulate(scenario: str | Path | dict[str, Any]) -> SimResult:
     for system in systems:
         if system.get("form") not in MODELLED_FORMS:
             predictions.append(Prediction(system["id"], "-", system.get("form", "?"), modelled=False))
-    return SimResult(sc.get("name", "scenario"), predictions, read.filled, read.assumptions)
+    lina = next((system for system in systems if _is_lina(system)), None)
+    ablations = {case.label: ablation(case, hw, _counts(sc.get("routing") or {}, lina, case, read.assumptions),
+                                      micro_op, lina)
+                 for case in read.cases} if lina is not None else {}
+    return SimResult(sc.get("name", "scenario"), predictions, read.filled, read.assumptions, ablations)
+
+
+def _is_lina(system: dict[str, Any]) -> bool:
+    schedule = str(system.get("schedule", ""))
+    return system.get("form") == "ep" and ("priority" in schedule or "partitioned" in schedule)
+
+
+def ablation(case: Case, hw: Hardware, counts: np.ndarray, micro_op: float,
+             system: dict[str, Any]) -> list[tuple[str, float, str]]:
+    """Lina's ingredients added one at a time, each a whole step on the timeline (`predict`): plain (fair
+    share, DDP buckets, one chunk), + priority (the all-to-all first, whole DDP buckets), + partitioning
+    (micro-ops of `micro_op` bytes), + pipelining (the cost model's chunk count), + packing (its packing)."""
+    chunks, packing = _lina_choice(case, hw, counts, {**system, "packing": "auto"})
+    steps: list[tuple[str, dict[str, Any], str]] = [
+             ("plain", dict(), "fair, DDP buckets"),
+             ("+ priority", dict(policy="priority"), "priority, DDP buckets"),
+             ("+ partitioning", dict(policy="priority", bucket_bytes=micro_op), f"{micro_op / 2**20:.3g} MiB micro-ops"),
+             ("+ pipelining", dict(policy="priority", bucket_bytes=micro_op, chunks=chunks), f"{chunks} chunks"),
+             ("+ packing", dict(policy="priority", bucket_bytes=micro_op, chunks=chunks, packing=packing),
+              f"packing {packing}")]
+    return [(name, predict(case, hw, counts, **kw)[0], plan) for name, kw, plan in steps]
 
 
 def _predict_system(
@@ -412,8 +445,7 @@ def _predict_system(
     else:
         if system.get("note"):
             notes.append(f"{system['id']}: {system['note']} (modelled as plain EP)")
-        schedule = str(system.get("schedule", ""))
-        if "priority" in schedule or "partitioned" in schedule:
+        if _is_lina(system):
             chunks, packing = _lina_choice(case, hw, counts, system)
             step, breakdown, memory = predict(
                 case, hw, counts, chunks=chunks, policy="priority", bucket_bytes=micro_op, packing=packing

@@ -803,3 +803,22 @@ def test_laer_systems_are_three_distinct_formulas_and_fsep_beats_ep_under_skew()
     steps = sorted(p.step_s for p in (ep, fsdp, fsep))
     assert all(b_ > a * (1 + 1e-3) for a, b_ in zip(steps, steps[1:])), "three distinct step times"
     assert by["flexmoe"].step_s == ep.step_s  # FlexMoE is still priced as plain EP (noted)
+
+
+def test_simulate_prints_lina_ablation_each_ingredient_in_turn():
+    """Lina's set-up: per case, plain -> + priority -> + partitioning -> + pipelining -> + packing, each a whole
+    step on the timeline; no ingredient makes the step slower, and where the all-to-all matters (W >= 8) the
+    whole of Lina is >= 1.2x faster than plain EP + DDP in the model."""
+    from cost_model import simulate as S
+
+    result = S.simulate(S.SCENARIO_DIR / "lina_priority.json")
+    assert result.ablations and set(result.ablations) == {p.case for p in result.predictions if p.modelled}
+    for case, rows in result.ablations.items():
+        assert [name for name, _, _ in rows] == ["plain", "+ priority", "+ partitioning", "+ pipelining", "+ packing"]
+        steps = [step for _, step, _ in rows]
+        assert all(later <= earlier * (1 + 1e-9) for earlier, later in zip(steps, steps[1:])), (case, steps)
+        if int(case.split("W=")[1]) >= 8:
+            assert steps[0] / steps[-1] >= 1.2, (case, steps)
+    text = result.table()
+    assert "ablation transformer-xl[E=8] W=8: plain " in text and "+ packing" in text
+    assert result.to_json()["ablations"]

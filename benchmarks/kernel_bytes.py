@@ -14,11 +14,12 @@ outputs (writes). View ops move nothing; broadcast (stride-0) dims count once; a
 a single aten op (e.g. the passes of a radix sort) are NOT counted, so the reference figures are
 lower bounds. "intermediates" = tensors the reference materialises that are not its outputs.
 
-Run:  .venv/bin/python benchmarks/kernel_bytes.py   -> benchmarks/results/kernel_bytes.json + a table
+Run:  .venv/bin/python benchmarks/kernel_bytes.py [--out PATH]  -> benchmarks/results/kernel_bytes.json + a table
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -204,14 +205,17 @@ def rows(name: str) -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULT, help="JSON path (default benchmarks/results/kernel_bytes.json)")
+    out = parser.parse_args(argv).out.resolve()
     results = [row for name in CONFIGS for row in rows(name)]
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     note = ("Analytic bytes read+written. Kernels: per launch from the generated templates' loads/stores. "
             "Reference: every aten op of the unfused torch reference on meta tensors (a lower bound: "
             "multi-pass internals such as sort passes are not counted). Route backward is not listed: the "
             "lowered op reuses the torch reference (route_backward_ref), so both sides are equal.")
-    RESULT.write_text(json.dumps(dict(note=note, results=results), indent=2) + "\n")
+    out.write_text(json.dumps(dict(note=note, results=results), indent=2) + "\n")
     mb = lambda b: f"{b / 2**20:9.2f}"
     print(f"{'config':18s} {'op':28s} {'kernel MiB':>10s} {'launch':>6s} {'ref MiB':>10s} {'ops':>4s} "
           f"{'interm.':>7s} {'interm MiB':>10s} {'ref/kernel':>10s}")
@@ -220,7 +224,7 @@ def main() -> None:
         print(f"{r['config']:18s} {r['op']:28s} {mb(k['total']):>10s} {k['launches']:6d} {mb(ref['total']):>10s} "
               f"{ref['aten_ops']:4d} {ref['intermediates']:7d} {mb(ref['intermediate_bytes']):>10s} "
               f"{r['reference_over_kernel']:10.2f}")
-    print(f"written {RESULT.relative_to(Path.cwd()) if RESULT.is_relative_to(Path.cwd()) else RESULT}")
+    print(f"written {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
 
 
 if __name__ == "__main__":

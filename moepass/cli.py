@@ -1,4 +1,4 @@
-"""`python -m moepass {demo, explain, search, calibrate}`."""
+"""`python -m moepass {demo, explain, search, calibrate, bench}`."""
 
 from __future__ import annotations
 
@@ -68,7 +68,77 @@ def calibrate(args: argparse.Namespace) -> int:
     return calibrate_main(args.rest)
 
 
-def main(argv: list[str] | None = None) -> int:
+def bench_module():
+    """benchmarks.bench_all from the source checkout (benchmarks/ is not installed with the package)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "bench_all.py").exists():
+        raise SystemExit(f"moepass bench: no benchmarks/ next to {root / 'moepass'}: run it from a source checkout")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("benchmarks.bench_all")
+
+
+def bench_names(args: argparse.Namespace, known: list[str]) -> list[str]:
+    """The benchmarks `bench` runs, in the registry's order; SystemExit naming the unknown ones and the choices."""
+    if args.all and args.names:
+        raise SystemExit(f"moepass bench: give --all or benchmark names, not both (got --all and {args.names})")
+    if not args.all and not args.names:
+        raise SystemExit(f"moepass bench: give --all or one or more of {', '.join(known)}")
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        raise SystemExit(f"moepass bench: unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    return known if args.all else [n for n in known if n in args.names]
+
+
+def bench(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    runner = bench_module()
+    names = bench_names(args, list(runner.BENCHMARKS))
+    quick = not args.full
+    out = Path(args.out).resolve() if args.out else (runner.QUICK_OUT if quick else runner.RESULTS)
+    command = "python -m moepass " + shlex.join(["bench", *(["--all"] if args.all else names),
+                                                 *(["--full"] if args.full else []),
+                                                 *(["--out", args.out] if args.out else [])])
+    with _Progress(len(names)) as progress:
+        manifest = runner.run(names, out, quick, command, progress, progress.bar.refresh)
+    from benchmarks.report import build
+
+    written = build(out)
+    failed = [b["name"] for b in manifest["benchmarks"] if b["status"] != "ok"]
+    print(f"{len(names) - len(failed)}/{len(names)} benchmarks ok in {manifest['wall_s']:.0f} s"
+          + (f"; failed: {', '.join(failed)}" if failed else "") + f"; report: {written[0]} (+ {len(written) - 1} files)")
+    return 1 if failed else 0
+
+
+class _Progress:
+    """A tqdm bar over the benchmarks (the one running, done / total, elapsed) and a line per finished one."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="benchmark", bar_format="bench {desc:<16} {bar} {n_fmt}/{total_fmt} "
+                                                                  "[{elapsed}]", dynamic_ncols=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()
+
+    def __call__(self, name: str, done: int, total: int, last: dict | None) -> None:
+        if last is not None:
+            load = f"load {last['before']['load'][0]:.2f} -> {last['after']['load'][0]:.2f}"
+            self.bar.write(f"{last['name']}: {last['status']} in {last['wall_s']:.0f} s ({load})")
+        self.bar.set_description_str(name or "done", refresh=False)
+        self.bar.n = done
+        self.bar.refresh()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moepass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="detect, compile and check parity on the built-in sample model")
@@ -94,7 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("calibrate", help="measure this machine (gloo all-to-all, matmul) into a JSON profile")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for cost_model.calibrate")
     p.set_defaults(fn=calibrate)
-    args = parser.parse_args(argv)
+    p = sub.add_parser("bench", help="run the benchmarks (each its own process) and write one report")
+    p.add_argument("names", nargs="*", help="benchmarks to run (see benchmarks/bench_all.py); or --all")
+    p.add_argument("--all", action="store_true", help="every benchmark")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer rounds/steps/sizes, still interleaved (default)")
+    size.add_argument("--full", action="store_true", help="each benchmark's own default sizes")
+    p.add_argument("--out", default=None,
+                   help="folder for the JSONs, plots and report (default benchmarks/results/quick, "
+                        "--full: benchmarks/results)")
+    p.set_defaults(fn=bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.fn(args))
 
 

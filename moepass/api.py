@@ -156,7 +156,7 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
         lines.append(f"moepass plan: form={plan.form!r} lowering={plan.lowering!r}"
                      + (" (changes the model's math: named explicitly)" if plan.changes_math else ""))
         if plan.deterministic:
-            lines.append(determinism.describe(True))
+            lines.append(determinism.describe())
     except Exception as err:  # explain never raises
         return f"moepass: invalid plan: {err}"
     try:

@@ -54,9 +54,7 @@ def enable() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def describe(enabled: bool) -> str:
-    """One line for `explain`."""
-    if not enabled:
-        return "deterministic: off (Plan.deterministic=False)"
+def describe() -> str:
+    """`explain`'s line for Plan(deterministic=True)."""
     return ("deterministic: on: compile calls torch.use_deterministic_algorithms(True) (process-wide); "
             "Triton grouped GEMMs use fixed block configs, no atomics")

@@ -230,6 +230,20 @@ class HeadEPGroups(EPGroups):
         return [Replicate(), Shard(shard_dim), Replicate()]
 
 
+def _subgroups(lists: dict[str, list[list[int]]], topology: Topology, rank: int,
+               desc: str) -> dict[str, tuple[dist.ProcessGroup, list[int]]]:
+    """name -> (this rank's group, its ranks) for each enumeration of rank lists, registered in this world's
+    cache for the byte counters. Collective: every rank makes every group, in order."""
+    cache, timeout = _cache(), timedelta(seconds=topology.timeout)
+    made = {}
+    for what, enumeration in lists.items():
+        group, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=timeout, group_desc=desc.format(what))
+        ranks = next(members for members in enumeration if rank in members)
+        cache.info[group.group_name] = (topology, ranks)
+        made[what] = (group, ranks)
+    return made
+
+
 def head_ep_groups(topology: Topology | None, ep_size: int | None, head_ep_size: int,
                    device_type: str) -> HeadEPGroups:
     """The (cached) mesh and groups of HP with EP inside (see `HeadEPGroups`). Collective: every rank
@@ -252,13 +266,7 @@ def head_ep_groups(topology: Topology | None, ep_size: int | None, head_ep_size:
         "expert": [[d * ep_size + g * P + p for p in range(P)] for d in range(dp) for g in range(G)],
         "head_replica": [[d * ep_size + g * P + p for d in range(dp) for p in range(P)] for g in range(G)],
     }
-    timeout = timedelta(seconds=topology.timeout)
-    made: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
-    for what, enumeration in lists.items():
-        group, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=timeout, group_desc=f"moepass_hp_ep_{what}")
-        ranks = next(r for r in enumeration if rank in r)
-        cache.info[group.group_name] = (topology, ranks)
-        made[what] = (group, ranks)
+    made = _subgroups(lists, topology, rank, "moepass_hp_ep_{}")
     groups = HeadEPGroups(topology, ep_size, dp, rank, mesh, made["block"][0], made["dp"][0], made["block"][1],
                           made["dp"][1], G, P, made["hp"][0], made["expert"][0], made["head_replica"][0],
                           made["hp"][1], made["expert"][1], made["head_replica"][1])
@@ -319,13 +327,7 @@ def node_groups(groups: EPGroups) -> NodeGroups:
         "intra": [[d * P + a * r + i for i in range(r)] for d in range(groups.dp_size) for a in range(n)],
         "inter": [[d * P + a * r + i for a in range(n)] for d in range(groups.dp_size) for i in range(r)],
     }
-    timeout = timedelta(seconds=topology.timeout)
-    made: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
-    for what, enumeration in lists.items():
-        group, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=timeout, group_desc=f"moepass_a2a_{what}_node")
-        ranks = next(members for members in enumeration if rank in members)
-        cache.info[group.group_name] = (topology, ranks)
-        made[what] = (group, ranks)
+    made = _subgroups(lists, topology, rank, "moepass_a2a_{}_node")
     node = NodeGroups(n, r, made["intra"][0], made["inter"][0], made["intra"][1], made["inter"][1])
     cache.groups[key] = node  # type: ignore[assignment]
     return node

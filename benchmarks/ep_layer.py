@@ -208,6 +208,41 @@ class Floor:
         torch.mm(self.a3, self.b, out=self.c3)
 
 
+class GroupedFloor:
+    """The step's expert GEMMs alone, under an even load: the 6 grouped GEMMs of a gated expert FFN with gate and
+    up fused ([E, 2F, D], as HF stores them) — forward gate_up and down, backward the two input gradients and the
+    two weight gradients —, `torch._grouped_mm` on precomputed operands (no routing, no elementwise work, hot
+    caches). The FLOPs equal `Floor.fwd_bwd`'s; the time is what this machine's GEMMs take at the step's
+    per-expert shapes: no implementation built on them can beat it, so system/grouped_floor is the overhead
+    above the GEMMs and grouped_floor/floor the shape penalty of rows/E-row GEMMs against one large one."""
+
+    def __init__(self, shape: dict, world: int):
+        import torch
+
+        f = floor_flops(shape, world)
+        rows, d, ffn, experts = f["rows"], shape["hidden"], shape["intermediate"], shape["experts"]
+        gen = torch.Generator().manual_seed(4)
+        self.x = torch.randn(rows, d, generator=gen)
+        self.dy = torch.randn(rows, d, generator=gen)
+        self.act = torch.randn(rows, ffn, generator=gen)
+        self.d_gate_up = torch.randn(rows, 2 * ffn, generator=gen)
+        self.w_gate_up = torch.randn(experts, 2 * ffn, d, generator=gen)
+        self.w_down = torch.randn(experts, d, ffn, generator=gen)
+        per = rows // experts
+        self.offs = torch.tensor([per * (e + 1) for e in range(experts - 1)] + [rows], dtype=torch.int32)
+
+    def fwd_bwd(self) -> None:
+        import torch
+
+        mm, offs = torch._grouped_mm, self.offs
+        mm(self.x, self.w_gate_up.transpose(1, 2), offs=offs)  # gate/up [rows, 2F]
+        mm(self.act, self.w_down.transpose(1, 2), offs=offs)  # down [rows, D]
+        mm(self.dy, self.w_down, offs=offs)  # d act [rows, F]
+        mm(self.dy.t(), self.act, offs=offs)  # d w_down [E, D, F]
+        mm(self.d_gate_up, self.w_gate_up, offs=offs)  # d x [rows, D]
+        mm(self.d_gate_up.t(), self.x, offs=offs)  # d w_gate_up [E, 2F, D]
+
+
 def worker(args) -> int:
     import faulthandler
 
@@ -242,14 +277,14 @@ def worker(args) -> int:
         t_build = time.perf_counter()
         runner = LayerRunner(runner_system, workload, paths[workload], shape, rank, world)
         build_s = time.perf_counter() - t_build
-        floor = Floor(shape, world)
+        floor, grouped = Floor(shape, world), GroupedFloor(shape, world)
         par = runner.parity()
         if world > 1:  # every rank has the same parameter names
             summed = torch.tensor(list(par.values()), dtype=torch.float64)
             dist.all_reduce(summed)
             par = dict(zip(par, summed.tolist()))
         fns = {"fwd": runner.forward, "fwd_bwd": runner.fwd_bwd, "floor_fwd": floor.fwd,
-               "floor_fwd_bwd": floor.fwd_bwd}
+               "floor_fwd_bwd": floor.fwd_bwd, "grouped_floor_fwd_bwd": grouped.fwd_bwd}
         times: dict[str, list[float]] = {k: [] for k in fns}
         steps = args.steps or shape["steps"]
         for i in range(args.warmup + steps):
@@ -262,7 +297,7 @@ def worker(args) -> int:
             "step_s": times, "median_s": {k: statistics.median(v) for k, v in times.items()},
             "parity": par, "build_s": build_s,
             "floor_shapes": floor.shapes, "floor_flops": floor.flops, **runner.info}
-        del runner, floor
+        del runner, floor, grouped
     if rank == 0:
         Path(args.result).write_text(json.dumps(out))
     if world > 1:
@@ -361,6 +396,13 @@ def aggregate(launches: list[dict], workloads: list[str], keys: list[str]) -> di
                 entry["floor"][phase] = {**_ms(fl), "mm_shape": first["floor_shapes"][phase], "flops": flops,
                                          "gflops_per_s": flops / statistics.median(fl) / 1e9,
                                          "from_launches": len(fl)}
+            gl = [r["workloads"][workload]["median_s"]["grouped_floor_fwd_bwd"] for r in runs
+                  if "grouped_floor_fwd_bwd" in r["workloads"][workload]["median_s"]]
+            if gl:
+                entry["floor"]["grouped_fwd_bwd"] = {
+                    **_ms(gl), "what": "the step's 6 expert GEMMs alone (torch._grouped_mm, even load, hot)",
+                    "ratio_to_floor": statistics.median(gl) / entry["floor"]["fwd_bwd"]["median_ms"] * 1e3,
+                    "from_launches": len(gl)}
             for key in mine:
                 sys_runs = [r for r in launches if r["key"] == key]
                 if not sys_runs:
@@ -399,6 +441,11 @@ def aggregate(launches: list[dict], workloads: list[str], keys: list[str]) -> di
             tr = w1.get("original") if world == "W1" else w2.get("transformers_ep")
             for phase in PHASES:
                 r: dict = {f"{s}/floor": p[phase]["ratio_to_floor"] for s, p in mine.items()}
+                grouped_floor = results[workload][world]["floor"].get("grouped_fwd_bwd")
+                if phase == "fwd_bwd" and grouped_floor:
+                    r["grouped_gemms/floor"] = grouped_floor["ratio_to_floor"]
+                    r.update({f"{s}/grouped_gemms": p[phase]["median_ms"] / grouped_floor["median_ms"]
+                              for s, p in mine.items()})
                 mp = mine.get("moepass")
                 if mp and tr:
                     r["moepass/transformers_ep"] = mp[phase]["median_ms"] / tr[phase]["median_ms"]
@@ -500,12 +547,14 @@ def orchestrate(args) -> int:
                    "fwd_bwd": "grads to None + forward + backward incl. gradient sync (DDP / FSDP)"},
         "floor": ("per rank, one torch.mm(out=) of the expert GEMM FLOPs: rows = tokens*K/W; fwd [rows, D] x [D, 3F] "
                   "(2*rows*D*F*3 FLOPs), fwd_bwd [3*rows, D] x [D, 3F] (3x); timed in every launch, interleaved "
-                  "with the steps; the floor of a W pools all launches at that W"),
+                  "with the steps; the floor of a W pools all launches at that W; grouped_fwd_bwd: the step's 6 expert "
+                  "GEMMs alone (torch._grouped_mm at the per-expert shapes, even load, hot), what any implementation "
+                  "on this machine's GEMMs needs at least"),
         "threads_per_process": 1,
         "warmup_iterations": args.warmup,
         "rounds": args.rounds,
         "interleaved": "launch order " + ", ".join(keys) + " repeated per round; within a launch each iteration "
-                       "times fwd, fwd_bwd, floor fwd, floor fwd_bwd in turn",
+                       "times fwd, fwd_bwd, floor fwd, floor fwd_bwd, the grouped expert GEMMs in turn",
         "results": aggregate(launches, args.workloads, keys),
         "failures": failures,
         "exit_aborts": exit_aborts,
@@ -547,6 +596,10 @@ def table(doc: dict) -> None:
                       f"{s['ratio_to_floor']:7.2f} {s['ratio_to_floor_same_launch']:8.2f} "
                       + (f"{vs_tr:6.2f}" if vs_tr else f"{'':6s}") + " "
                       + (f"{vs_or:7.2f}" if vs_or else ""))
+            grouped = entry["floor"].get("grouped_fwd_bwd")
+            if grouped:
+                print(f"{workload:14s} {world[1:]:>2s} {'expert GEMMs':16s} {'':7s} {'':>15s} {grouped['median_ms']:10.1f} "
+                      f"{'':>15s} {fl['median_ms']:8.1f} {grouped['ratio_to_floor']:7.2f}")
     print("x floor: fwd+bwd median / floor median at that W; x floor*: median of per-launch ratios; "
           "vs tr: moepass / transformers' path (W=1: the original block); vs orig: over the W=1 original")
     worst, compared = 0.0, 0

@@ -101,10 +101,11 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               fallback=("--loopback",),
               note="no quick mode: --lina-w2 at its own sizes (its --tiny is a no-link smoke run)"),
     Benchmark("fsep", "fsep.py", "FSEP vs EP vs FSDP under skewed and balanced routing (issue 14)",
-              quick=("--tokens", "2048", "--scenarios", "zipf", "balanced", "--rounds", "5", "--warmup", "7",
+              quick=("--tokens", "8192", "--scenarios", "zipf", "balanced", "--rounds", "4", "--warmup", "7",
                      "--profile-steps", "0", "--comm-reps", "3"),
-              note="quick: the headline layer (T=2048, the full run's sizes), 2 of its 4 routing scenarios, "
-                   "5 rounds (its own --quick is a T=128 smoke run, where FSEP's restore outweighs the GEMMs)"),
+              quick_timeout_s=600.0,
+              note="quick: the headline layer (T=8192, the full run's sizes), 2 of its 4 routing scenarios, "
+                   "4 rounds (its own --quick is a T=128 smoke run, where FSEP's restore outweighs the GEMMs)"),
     Benchmark("hp", "hp.py", "head parallel vs expert parallel over a tc-limited link (issue 15)",
               quick=("--rounds", "3", "--steps", "3", "--warmup", "1"), netns=True, fallback=("--no-netns",),
               note="quick: the full run's model and link, 3 rounds of 3 steps (its --quick is a smoke run)"),

@@ -1,6 +1,6 @@
 """FSEP vs EP vs FSDP at W=2: load balance under skewed routing, training-step time, parameter memory (issue 14).
 
-    .venv/bin/python benchmarks/fsep.py                  # full run (~8 min here, plus --wait-load)
+    .venv/bin/python benchmarks/fsep.py                  # full run (~25 min here, plus --wait-load)
     .venv/bin/python benchmarks/fsep.py --quick          # smoke run (< 1 min): a small layer (T=128, D=128,
                                                          # F=256), 2 timed steps; JSON + plot to the temp dir
     .venv/bin/python benchmarks/fsep.py --wait-load 1.0  # first wait for the shared cores to quieten down
@@ -10,14 +10,16 @@ Writes benchmarks/results/fsep.json and fsep_load.png (unless --out; the plot go
 
 The layer. One Hugging Face `MixtralSparseMoeBlock` (fused gate/up experts, SwiGLU, softmax top-K
 router, dropless), fp32, D=256, F=512, E=8, K=2 (issue 12's layer), at W=2 gloo ranks x 1 thread (this
-machine's 2 cores), with T = 2048 tokens per rank (the headline) and T = 512 (issue 12's), one launch
-each (`--tokens`). Why 2048: FSEP's restore brings C*S*b bytes of weights to every device each layer
+machine's 2 cores), with T = 8192 tokens per rank (the headline) and T = 2048, one launch each
+(`--tokens`). Why so many: FSEP's restore brings C*S*b bytes of weights to every device each layer
 whatever T is, while a device's forward expert GEMMs do 6*T*K*D*F FLOPs on average, so the FLOPs per
-restored byte are 2*T*K/(C*b) (b = 4 bytes, fp32): 51 at T=512, 205 at T=2048, ~33000 in the paper's
-setup (32k tokens per GPU, K=2, C=2, bf16). This machine does ~55 GFLOP/s per core and a restore
-all_to_all runs at 0.6-0.85 GB/s on gloo loopback (both measured in the run: `floor`, `collectives`),
-~80 FLOPs per byte: at T=512 the restore alone costs more than the forward expert GEMMs; at T=2048
-they cost ~2.5x the restore. Seeded weights: experts N(0, 1/D) (gate/up) and N(0, 1/F) (down), router
+restored byte grow with T: 51 at T=512, 205 at T=2048, 820 at T=8192, ~33000 in the paper's setup (32k
+tokens per GPU, K=2, C=2, bf16). This machine does ~55 GFLOP/s per core and a restore all_to_all runs at
+0.6-0.85 GB/s on gloo loopback (both measured in the run: `floor`, `collectives`), ~80 FLOPs per byte,
+and gloo's transfers run on the same core as the rank's GEMMs (one core per rank), so nothing overlaps
+here: every restored byte is paid in full. At T=512 the restore alone costs more than the forward expert
+GEMMs; at T=2048 they cost ~2.5x the restore; T=8192 is the smallest regime of the four where the
+restore is a small part of the step, still 40x below the paper's. Seeded weights: experts N(0, 1/D) (gate/up) and N(0, 1/F) (down), router
 N(0, 1/D). The router is frozen (requires_grad False): the routing skew is the controlled variable and
 must not drift while the experts train.
 
@@ -121,7 +123,7 @@ LAYERS = {  # C slots per device; T (tokens per rank) from --tokens
     "full": dict(D=256, F=512, E=8, K=2, C=5),
     "quick": dict(D=128, F=256, E=8, K=2, C=5),
 }
-TOKENS = {"full": (2048, 512), "quick": (128,)}  # the first is the headline layer (see module doc)
+TOKENS = {"full": (8192, 2048), "quick": (128,)}  # the first is the headline layer (see module doc)
 REAL_ROUTER = {  # training of the model whose router skew is recorded
     "full": dict(steps=200, record=10, batch=8, seq=128, lr=3e-3),
     "quick": dict(steps=40, record=10, batch=8, seq=128, lr=3e-3),
@@ -853,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--comm-reps", type=int, default=None, help="repetitions per collective (default 10; --quick 3)")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--tokens", nargs="+", type=int, default=None,
-                   help="tokens per rank, one launch each; the first is the headline (default 2048 512; --quick 128)")
+                   help="tokens per rank, one launch each; the first is the headline (default 8192 2048; --quick 128)")
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)})")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the launch")
     p.add_argument("--wait-load", type=float, default=None,

@@ -26,6 +26,7 @@ per-expert fallback. Nothing else in this file syncs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -488,7 +489,64 @@ def rebuildable(weight: Tensor, rebuild: Callable[[], Tensor]) -> Tensor:
     return weight
 
 
-def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch._ops.OpOverload:
+WGRAD_SINK = "moepass_wgrad_sink"  # attribute of a weight operand whose gradient is computed later (Lancet)
+
+
+class DeferredWeightGrads:
+    """The weight gradients of one expert-FFN backward, computed on first demand (once)."""
+
+    def __init__(self, compute: Callable[[], list[Tensor | None]]):
+        self._compute: Callable[[], list[Tensor | None]] | None = compute
+        self._grads: list[Tensor | None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._grads is not None
+
+    def result(self) -> list[Tensor | None]:
+        if self._grads is None:
+            assert self._compute is not None
+            self._grads, self._compute = self._compute(), None
+        return self._grads
+
+
+class WeightGradSink:
+    """Lancet's split of an expert-FFN backward, seen from one weight operand.
+
+    A weight operand carrying a sink (`setattr(w, WGRAD_SINK, sink)`, done by `moe_sched.defer_wgrad`,
+    whose autograd node owns the sink) lets the expert FFN's backward return grad_x at once and leave
+    the weight GEMMs pending here, handing that operand a stride-0 zero placeholder; the sink's own
+    backward node then `take`s the real gradient (the weight GEMMs of the whole call run on the first
+    take). So the gradient still reaches the weight once, through the same autograd edges, only later:
+    when the autograd engine reaches the sink's node, which the schedule pass places (by forward
+    order) between the dispatch-backward's issue and its wait. Only the exact torch path defers
+    (`define_expert_ffn(split_backward=...)`); elsewhere the sink passes the gradient through."""
+
+    def __init__(self) -> None:
+        self.pending: DeferredWeightGrads | None = None
+        self.slot = -1  # in the (w_gate, w_up, w_down, b_gate, b_up, b_down) order
+
+    def defer(self, pending: DeferredWeightGrads, slot: int) -> None:
+        self.pending, self.slot = pending, slot
+
+    def take(self) -> Tensor | None:
+        """The real gradient of this operand (None: nothing was deferred)."""
+        if self.pending is None:
+            return None
+        grad = self.pending.result()[self.slot]
+        self.pending = None
+        return grad
+
+
+def sinks_of(inputs: tuple | list) -> dict[int, WeightGradSink]:
+    """{input index: sink} when every present weight/bias operand carries a sink, else {}."""
+    sinks = {i: getattr(t, WGRAD_SINK, None) for i, t in enumerate(inputs) if i >= 2 and t is not None}
+    return {i: sink for i, sink in sinks.items() if sink is not None} if all(sinks.values()) and sinks else {}
+
+
+def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
+                      split_backward: Callable[..., tuple[Tensor, Callable[[], list[Tensor | None]]]] | None = None,
+                      ) -> torch._ops.OpOverload:
     """Define an op with `moe.expert_ffn`'s schema whose autograd can keep intermediates.
 
     The op is what graphs show (one node, y_ND only). Underneath, autograd and AOT see two ops:
@@ -498,6 +556,11 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
     recomputes the pre-activations it was not given. `recompute=True` on the op saves only the inputs
     (`Plan.expert_recompute`). A `custom_op`'s autograd hands `setup_context` the op's output only,
     so the op is defined with `torch.library` and an Autograd kernel of its own instead.
+
+    `split_backward(same arguments as backward_op) -> (grad_x_ND, weight_grads)`, where
+    `weight_grads()` returns the (w_gate, w_up, w_down, b_gate, b_up, b_down) gradients (None for absent
+    ones), lets the backward defer the weight GEMMs to the operands' `WeightGradSink`s (Lancet); the
+    same functions as `backward_op` runs, so the gradients are the same bit for bit.
     """
     namespace, name = qualname.split("::")
     lib = torch.library.Library(namespace, "FRAGMENT")
@@ -517,6 +580,7 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
             ctx.save_for_backward(h_gate_NF, h_up_NF, *[t for i, t in enumerate(inputs)
                                                         if t is not None and i not in ctx.rebuild])
             ctx.options = options
+            ctx.sinks = sinks_of(inputs) if split_backward is not None else {}
             return y_ND
 
         @staticmethod
@@ -526,8 +590,17 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any) -> torch
             inputs = [ctx.rebuild[i]() if i in ctx.rebuild else next(it) if present else None
                       for i, present in enumerate(ctx.present)]
             x_ND = inputs[0]
-            grads = backward_op(grad_y_ND.to(x_ND.dtype), x_ND, h_gate_NF, h_up_NF, *inputs[1:], *ctx.options)
+            args = (grad_y_ND.to(x_ND.dtype), x_ND, h_gate_NF, h_up_NF, *inputs[1:], *ctx.options)
             result: list[Tensor | None] = [None] * 12
+            if ctx.sinks and not torch.is_grad_enabled():  # Lancet: grad_x now, weight GEMMs at the sinks
+                assert split_backward is not None
+                result[0], weight_grads = split_backward(*args)
+                pending = DeferredWeightGrads(weight_grads)
+                for i, sink in ctx.sinks.items():
+                    sink.defer(pending, i - 2)
+                    result[i] = inputs[i].new_zeros(()).expand(inputs[i].shape)  # placeholder: no memory
+                return tuple(result)
+            grads = backward_op(*args)
             for slot, i in enumerate(FFN_DIFFERENTIABLE):
                 if inputs[i] is not None:
                     result[i] = grads[slot]
@@ -636,8 +709,15 @@ def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
     return ffn_gradient_fakes(x_ND, *weights_and_options[:6], contiguous=False)
 
 
+def expert_ffn_split_backward(grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor, h_up_NF: Tensor, *rest: Any,
+                              ) -> tuple[Tensor, Callable[[], list[Tensor | None]]]:
+    """`expert_ffn_backward` in two steps (Lancet): grad_x_ND now, the weight gradients on demand."""
+    grad_x_ND, work = grouped_ffn.backward_input(grad_y_ND, x_ND, kept(h_gate_NF, x_ND), kept(h_up_NF, x_ND), *rest)
+    return grad_x_ND, functools.partial(grouped_ffn.backward_weights, work)
+
+
 expert_ffn = define_expert_ffn("moe::expert_ffn", torch.ops.moe.expert_ffn_forward,
-                               torch.ops.moe.expert_ffn_backward)
+                               torch.ops.moe.expert_ffn_backward, expert_ffn_split_backward)
 
 
 # ----------------------------------------------------------------------------------------------

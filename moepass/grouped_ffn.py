@@ -13,6 +13,10 @@ fast implementation of the same function:
               grad_w_gate/up = grad_gate/up[rows_e]^T @ x[rows_e]
               grad_x_ND   = grad_gate @ w_gate[e] + grad_up @ w_up[e]
 
+The backward is two steps, `backward_input` (grad_x: the 3 GEMMs the all-to-all backward waits
+for) then `backward_weights` (the weight-gradient GEMMs), so a caller can send grad_x on before the
+weight GEMMs run (Lancet; `moepass.dialect.define_expert_ffn`); `backward` runs both.
+
 Every weight gradient is one `[E, ...]` tensor written once by a grouped GEMM (or expert slice by
 expert slice into one `empty` buffer): no per-expert full-size gradient is ever allocated, zeroed or
 summed, which is what slicing `w[e]` under autograd costs (O(E^2) memory traffic).
@@ -33,6 +37,8 @@ Shape legend: N rows sorted by expert, D model width, F expert hidden width, E e
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -205,15 +211,29 @@ def forward(
     return y_ND, h_gate, h_up
 
 
-def backward(
+@dataclass
+class WeightGradInputs:
+    """What the weight gradients of one backward need once the input gradient is done (`backward_input`):
+    the row grouping, the output gradient, the activation and the pre-activation gradients."""
+
+    rows: Rows
+    x_ND: Tensor
+    grad_y_ND: Tensor
+    a_NF: Tensor
+    grad_gate: Tensor  # [N, F] (with fused gate/up: [N, 2F], gate columns first)
+    grad_up: Tensor | None
+    weights: tuple[Tensor, Tensor | None, Tensor]  # w_gate_EFD, w_up_EFD, w_down_EDF
+    biases: tuple[Tensor | None, Tensor | None, Tensor | None]  # b_gate_EF, b_up_EF, b_down_ED
+
+
+def backward_input(
     grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor | None, h_up_NF: Tensor | None, counts_E: Tensor,
     w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor, b_gate_EF: Tensor | None,
     b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str, clamp_limit: float, alpha: float,
-) -> list[Tensor | None]:
-    """Gradients for (x, w_gate, w_up, w_down, b_gate, b_up, b_down); None for absent inputs.
-
-    `h_gate_NF is None` means the forward kept only its inputs: the pre-activations are recomputed.
-    """
+) -> tuple[Tensor, WeightGradInputs]:
+    """The input gradient grad_x_ND first, and what `backward_weights` needs for the rest (Lancet: the
+    caller can send grad_x on before the weight GEMMs). `h_gate_NF is None`: the pre-activations are
+    recomputed."""
     rows = Rows(counts_E, x_ND.shape[0])
     x_ND, grad_y_ND = x_ND.contiguous(), grad_y_ND.contiguous()  # an expanded (stride-0) grad is legal
     fused = fused_gate_up(w_up_EFD, activation)
@@ -223,20 +243,42 @@ def backward(
     a_NF, grad_gate, grad_up = activate_and_backward(grad_a_NF, *halves(h_gate_NF, h_up_NF, fused), activation,
                                                      clamp_limit, alpha)
     del grad_a_NF
-    grad_w_down = weight_grad(rows, grad_y_ND, a_NF, w_down_EDF)
-    grad_b_down = rows.bias_grad(grad_y_ND, b_down_ED)
-    del a_NF
     if fused:  # one [N, 2F] gradient for the one [E, 2F, D] weight
         assert grad_up is not None
         grad_gate, grad_up = torch.cat([grad_gate, grad_up], 1), None
     grad_gate, grad_up = grad_gate.contiguous(), None if grad_up is None else grad_up.contiguous()
-    grad_w_gate = weight_grad(rows, grad_gate, x_ND, w_gate_EFD)
-    grad_b_gate = rows.bias_grad(grad_gate, b_gate_EF)
     grad_x_ND = rows.mm(grad_gate, w_gate_EFD)
-    grad_w_up = grad_b_up = None
     if grad_up is not None:
         assert w_up_EFD is not None
-        grad_w_up = weight_grad(rows, grad_up, x_ND, w_up_EFD)
-        grad_b_up = rows.bias_grad(grad_up, b_up_EF)
         grad_x_ND += rows.mm(grad_up, w_up_EFD)
-    return [grad_x_ND, grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]
+    return grad_x_ND, WeightGradInputs(rows, x_ND, grad_y_ND, a_NF, grad_gate, grad_up,
+                                       (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED))
+
+
+def backward_weights(work: WeightGradInputs) -> list[Tensor | None]:
+    """Gradients for (w_gate, w_up, w_down, b_gate, b_up, b_down) from `backward_input`'s leftovers."""
+    rows, (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED) = work.rows, work.weights, work.biases
+    grad_w_down = weight_grad(rows, work.grad_y_ND, work.a_NF, w_down_EDF)
+    grad_b_down = rows.bias_grad(work.grad_y_ND, b_down_ED)
+    grad_w_gate = weight_grad(rows, work.grad_gate, work.x_ND, w_gate_EFD)
+    grad_b_gate = rows.bias_grad(work.grad_gate, b_gate_EF)
+    grad_w_up = grad_b_up = None
+    if work.grad_up is not None:
+        assert w_up_EFD is not None
+        grad_w_up = weight_grad(rows, work.grad_up, work.x_ND, w_up_EFD)
+        grad_b_up = rows.bias_grad(work.grad_up, b_up_EF)
+    return [grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]
+
+
+def backward(
+    grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor | None, h_up_NF: Tensor | None, counts_E: Tensor,
+    w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor, b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str, clamp_limit: float, alpha: float,
+) -> list[Tensor | None]:
+    """Gradients for (x, w_gate, w_up, w_down, b_gate, b_up, b_down); None for absent inputs.
+
+    `h_gate_NF is None` means the forward kept only its inputs: the pre-activations are recomputed.
+    """
+    grad_x_ND, work = backward_input(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, w_gate_EFD, w_up_EFD,
+                                     w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit, alpha)
+    return [grad_x_ND, *backward_weights(work)]

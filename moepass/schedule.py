@@ -53,6 +53,14 @@ collective nor feed one (a shared expert and its gate) move between the last com
 first combine wait: they compute while the combine is in flight, and their backward (reverse order)
 while the combine-backward is. Any n, also unchunked; recorded as `overlapped_nodes` in the stats.
 
+Weight gradients (Lancet, `defer_weight_grads`): each expert FFN's weight operands go through a
+`moe_sched.defer_wgrad` node placed just before its dispatch wait. The FFN's backward then returns
+the input gradient only, the dispatch-backward all-to-all is issued, and the weight-gradient GEMMs
+run at those nodes (moepass.dialect.WeightGradSink), in the all-to-all's flight, before the dispatch
+issue's backward waits: same GEMMs on the same operands, so the gradients are the same bit for bit,
+and each weight still gets its gradient once through the same autograd edges (hooks, GradientSync).
+Every EP schedule, any n; `deferred_wgrad` in the stats counts the FFNs.
+
 Marks. The pass also places `moe_sched.mark` identity nodes: "expert_in"/"expert_out" around every
 expert FFN (compute regions for the event log) and "moe_combine" on the combine output, whose
 backward tells the priority scheduler that an all-to-all is imminent (moepass.runtime.scheduler).
@@ -85,7 +93,7 @@ from moepass.errors import PlanError
 from moepass.passes import PassResult
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
-from moepass.runtime.scheduler import COMBINE_REGION, MARK
+from moepass.runtime.scheduler import COMBINE_REGION, DEFER_WGRAD, MARK
 from moepass.spec import MoESpec
 
 PASS = "schedule"
@@ -413,6 +421,66 @@ def overlap_independent(gm: MoEGraphModule) -> int:
     return len(movable)
 
 
+def _dispatch_wait(ffn: fx.Node) -> fx.Node | None:
+    """The wait of the dispatch all-to-all whose rows the expert FFN computes (None: no such wait)."""
+    seen, todo = set(), [ffn.args[0]]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        if node.target is comm.WAIT:
+            issue = node.args[0]
+            if isinstance(issue, fx.Node) and issue.target is comm.ALL_TO_ALL and issue.args[4] == "dispatch":
+                return node
+        todo.extend(node.all_input_nodes)
+    return None
+
+
+def _hoist_before(anchor: fx.Node, node: fx.Node) -> bool:
+    """Move `node` and its ancestors that come after `anchor` to just before it, if none of them is
+    `anchor` or a collective (a weight view made after the dispatch wait); False where impossible."""
+    pos = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    later, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if pos[n] > pos[anchor] and n not in later:
+            later.add(n)
+            todo.extend(n.all_input_nodes)
+    if anchor in later or any(n.op == "placeholder" or getattr(n.target, "namespace", None) == comm.NAMESPACE
+                              for n in later) or any(anchor in n.all_input_nodes for n in later):
+        return False
+    for n in sorted(later, key=pos.__getitem__):
+        anchor.prepend(n)
+    return True
+
+
+def defer_weight_grads(gm: MoEGraphModule) -> int:
+    """Lancet: every expert FFN's weight operands pass through `moe_sched.defer_wgrad`, placed just
+    before the wait of the FFN's dispatch all-to-all. Autograd runs ready nodes latest-created first,
+    so in the backward: the FFN gives grad_x (its weight GEMMs left at the sinks), the dispatch wait's
+    backward issues the dispatch-backward all-to-all, then the sinks' nodes (created just before that
+    wait) run the weight GEMMs while it is in flight, before the dispatch issue's backward waits for
+    it. A weight view made after that wait (unchunked EP's `local_shard`) moves before it with its
+    inputs; an FFN whose weight operand depends on a collective (FSEP's restored shards) is left as it
+    is. Returns how many FFNs defer."""
+    graph, block = gm.graph, gm.spec.path
+    count = 0
+    for ffn in _calls(graph, dialect.EXPERT_FFN):
+        wait = _dispatch_wait(ffn)
+        weights = [(i, a) for i, a in enumerate(ffn.args) if 2 <= i < 8 and isinstance(a, fx.Node)]
+        if wait is None or not weights or not all(_hoist_before(wait, a) for _, a in weights):
+            continue
+        args = list(ffn.args)
+        for i, weight in weights:
+            with graph.inserting_before(wait):
+                args[i] = _stamp(graph.create_node("call_function", DEFER_WGRAD, (weight,),
+                                                   name=f"{weight.name}_wgrad_{ffn.name}"), block)
+        ffn.args = tuple(args)
+        count += 1
+    return count
+
+
 def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """Chunk and pipeline the block's all-to-all and expert compute; place the scheduler's marks."""
     layout = gm.layout
@@ -427,6 +495,7 @@ def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     if n > 1:
         stats.update(chunk_graph(gm, n))
     stats["overlapped_nodes"] = overlap_independent(gm)
+    stats["deferred_wgrad"] = defer_weight_grads(gm)
     counts = {name: len(_calls(gm.graph, t)) for name, t in
               (("exchange_counts", comm.EXCHANGE_COUNTS), ("all_to_all", comm.ALL_TO_ALL), ("wait", comm.WAIT))}
     stats.update(counts)

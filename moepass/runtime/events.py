@@ -6,14 +6,17 @@
     plot_timeline(all_events, "timeline.png")   # PNG or SVG by suffix (matplotlib)
 
 Collectives: start = when the collective was queued (the listener hears it before the launch), end
-= when its work's future completed (`work.get_future().then(...)`, i.e. the backend's own
-completion, not a scheduler decision), waited = when its consumer started waiting for it (the
+= when the collective finished (`scheduler.on_completion`: the work's future on gloo, `is_completed()`
+polled on NCCL, i.e. the backend's own completion, not a scheduler decision), waited = when its consumer started waiting for it (the
 `moe_comm` all-to-alls, forward and backward; 0.0 when not reported): the transfer was in flight,
 unneeded, from start to waited, so compute that ran in that window overlapped it (`in_flight_during`). Categories: "all_to_all" (every moe_comm all-to-all: counts,
-dispatch, combine and their backward) and "all_reduce" (gradient micro-ops, DDP buckets through
-`ddp_logging_hook`). Compute regions: expert compute per chunk from the `moe_sched.mark` nodes the
-schedule pass places around `moe.expert_ffn` ("expert_in" / "expert_out"), forward and backward;
-plus anything wrapped in `log.region(name)`.
+dispatch, combine and their backward) and "all_reduce", the low-priority class (gradient micro-ops,
+DDP buckets through `ddp_logging_hook`, FSDP2's "fsdp_all_gather" / "fsdp_reduce_scatter" micro-ops
+through `scheduler.schedule_fsdp`). Compute regions: expert compute per chunk from the `moe_sched.mark` nodes the
+schedule pass places around `moe.expert_ffn` ("expert_in" / "expert_out"), forward and backward
+("expert_bwd" is the input gradient only where the weight gradients are deferred), the deferred expert
+weight-gradient GEMMs ("expert_wgrad", from `moe_sched.defer_wgrad`'s backward, Lancet); plus
+anything wrapped in `log.region(name)`.
 
 Timestamps are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: comparable across processes of one
 machine, also across network namespaces).
@@ -86,17 +89,21 @@ class EventLog:
 
     def mark(self, name: str, phase: str) -> None:
         now = time.perf_counter()
-        # forward: expert_in opens, expert_out closes; backward runs the other way round
-        opening = {("expert_in", "forward"), ("expert_out", "backward")}
-        key = phase
-        if (name, phase) in opening:
-            with self._lock:
-                self._open[key] = now
+        if name in (sched.WGRAD_IN, sched.WGRAD_OUT):  # deferred weight GEMMs (backward only)
+            key, kind, opens = "wgrad", "expert_wgrad", name == sched.WGRAD_IN
         elif name in ("expert_in", "expert_out"):
-            with self._lock:
-                begin = self._open.pop(key, None)
-            if begin is not None:
-                self.add(Event(self.rank, "compute", f"expert_{'fwd' if phase == 'forward' else 'bwd'}", begin, now))
+            # forward: expert_in opens, expert_out closes; backward runs the other way round
+            key, kind = phase, f"expert_{'fwd' if phase == 'forward' else 'bwd'}"
+            opens = (name, phase) in {("expert_in", "forward"), ("expert_out", "backward")}
+        else:
+            return
+        with self._lock:
+            if opens:
+                self._open[key] = now
+                return
+            begin = self._open.pop(key, None)
+        if begin is not None:
+            self.add(Event(self.rank, "compute", kind, begin, now))
 
     def add(self, event: Event) -> None:
         with self._lock:
@@ -127,6 +134,15 @@ def priority_waits(events: Iterable[Event]) -> list[int]:
     reduces = [e for e in events if e.category == sched.ALL_REDUCE]
     return [sum(1 for r in reduces if r.start < a.end and r.end > a.start)
             for a in events if a.category == sched.A2A]
+
+
+def launched_during_a2a(events: Iterable[Event], kinds: Iterable[str]) -> int:
+    """Collectives of `kinds` in one rank's log queued while an all-to-all was queued or running
+    (strictly inside its [start, end]): what Lina's rule forbids for the gradient class."""
+    events = list(events)
+    a2a = [e for e in events if e.category == sched.A2A]
+    wanted = set(kinds)
+    return sum(1 for e in events if e.kind in wanted and any(a.start < e.start < a.end for a in a2a))
 
 
 def in_flight_during(events: Iterable[Event], window: Event, kinds: Iterable[str] | None = None) -> list[Event]:

@@ -6,7 +6,8 @@ Collective registry (the hook the EP collectives call; tiny on purpose):
 
 Every listener (`add_listener`) hears `queued(kind, category, group_name, nbytes) -> token` BEFORE the
 launch, so a scheduler knows an all-to-all is queued before any byte moves, `completed(token,
-end)` from the work's future (`work.get_future().then`), and, if it defines it, `waited(token, time)`
+end)` when the collective has finished (`on_completion`: the work's future on gloo; on NCCL, whose
+future completes at enqueue, the work polled with `is_completed()`), and, if it defines it, `waited(token, time)`
 when the consumer starts waiting for the result (`notify_waited(issued)`, `issued` the list
 `issue_collective` filled): a collective in flight between queued and waited overlapped whatever ran
 in between. `moepass.runtime.collectives._issue` launches every `moe_comm` all-to-all (counts,
@@ -28,11 +29,14 @@ Priority rule (one `PriorityScheduler` per rank, its own process group):
     DDP's bucket order for the comm hook): the scheduler delays collectives, it never reorders them
     within its group (otherwise ranks disagree and hang).
 
-Two ways in:
+Ways in:
     model = moepass.DataParallel(cm)                                    # wrapper; grads averaged after backward
     sync = GradientSync(cm, expert_replicas=True)                       # the same on cm's parameters, no wrapper;
                                                                         # + expert replicas summed as micro-ops
     ddp.register_comm_hook(PriorityScheduler(...), priority_hook)        # DDP communication hook (per-tensor cuts)
+    fully_shard(...); schedule_fsdp(cm)                                 # FSDP2: its all-gathers and reduce-scatters
+                                                                        # as micro-ops, launched from FSDP's thread
+                                                                        # under the rule (`launch_now`)
 
 Threads: a small daemon thread per scheduler launches micro-ops when the rule allows; completions
 come from `work.get_future()` callbacks. Waiting for the last micro-op is bounded by the group timeout.
@@ -40,6 +44,7 @@ come from `work.get_future()` callbacks. Waiting for the last micro-op is bounde
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -51,6 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from moepass.dialect import WGRAD_SINK, WeightGradSink
 
 A2A = "all_to_all"
 ALL_REDUCE = "all_reduce"
@@ -87,12 +94,101 @@ def issue_collective(kind: str, group_name: str, nbytes: int, launch: Callable[[
         issued.extend(zip(listeners, tokens))
     work = launch()
 
-    def completed(fut: Any) -> None:
+    def completed() -> None:
         end = time.perf_counter()
         for lst, token in zip(listeners, tokens):
             lst.completed(token, end)
 
-    work.get_future().then(completed)
+    return on_completion(work, completed)
+
+
+def on_completion(work: Any, callback: Callable[[], None]) -> Any:
+    """Call `callback()` once the collective of `work` has finished; returns the work (`with_future`).
+
+    gloo: the work's future completes when the transfer is done. NCCL: it completes when the kernel is
+    enqueued (torch's `Work.get_future` doc: "does not wait for the entire operation to complete on
+    GPU"), so a work whose future is already done but that is not `is_completed()` (a CUDA event query)
+    is polled by one watcher thread instead; the all-to-all is then pending until the GPU finished it."""
+    work = with_future(work)
+    future = work.get_future()
+    if future.done() and not work.is_completed():
+        _watcher.add(work, callback)
+    else:
+        future.then(lambda fut: callback())
+    return work
+
+
+class CompletionWatcher:
+    """One daemon thread that polls `is_completed()` of the works `on_completion` hands it (every
+    `poll_s` while any is pending, asleep otherwise) and calls their callbacks in the order they came."""
+
+    def __init__(self, poll_s: float = 1e-4):
+        self.poll_s = poll_s
+        self._cond = threading.Condition()
+        self._pending: list[tuple[Any, Callable[[], None]]] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, work: Any, callback: Callable[[], None]) -> None:
+        with self._cond:
+            self._pending.append((work, callback))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="moepass-completion", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    @staticmethod
+    def _finished(work: Any) -> bool:
+        try:
+            return bool(work.is_completed())
+        except RuntimeError:  # the collective failed: its consumer's wait raises; nothing is pending any more
+            return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending))
+                pending = list(self._pending)
+            done = [item for item in pending if self._finished(item[0])]
+            if not done:
+                time.sleep(self.poll_s)
+                continue
+            with self._cond:
+                for item in done:
+                    self._pending.remove(item)
+            for _, callback in done:
+                callback()
+
+
+_watcher = CompletionWatcher()
+
+
+class FutureOnWait:
+    """A backend work that has no future (gloo's reduce-scatter: `Work::getFuture not implemented`),
+    given one that completes when `wait()` returns (on such a backend `wait` blocks until it is done)."""
+
+    def __init__(self, work: Any):
+        self.work = work
+        self.future: torch.futures.Future[None] = torch.futures.Future()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.future.done():
+            self.future.set_result(None)
+        return done
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+
+def with_future(work: Any) -> Any:
+    """`work` if its backend gives it a future, else `FutureOnWait(work)`."""
+    try:
+        work.get_future()
+    except RuntimeError:
+        return FutureOnWait(work)
     return work
 
 
@@ -141,6 +237,49 @@ def _mark_impl(t: Tensor, name: str) -> Tensor:
 _lib.impl("mark", _mark_impl, "CompositeImplicitAutograd")
 MARK = torch.ops.moe_sched.mark.default
 COMBINE_REGION = "moe_combine"
+WGRAD_IN, WGRAD_OUT = "wgrad_in", "wgrad_out"  # backward marks around deferred expert weight GEMMs
+
+
+# ----------------------------------------------------------------------------------------------
+# moe_sched.defer_wgrad: an identity on an expert weight operand whose autograd node receives that
+# weight's gradient later (Lancet; the protocol is `moepass.dialect.WeightGradSink`).
+# ----------------------------------------------------------------------------------------------
+
+_lib.define("defer_wgrad(Tensor(a) w) -> Tensor(a)")
+
+
+class _DeferWgrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: Tensor) -> Tensor:
+        out = w.view_as(w)
+        ctx.sink = None
+        if not isinstance(w, torch._subclasses.FakeTensor):
+            ctx.sink = WeightGradSink()
+            setattr(out, WGRAD_SINK, ctx.sink)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        sink, ctx.sink = ctx.sink, None
+        if sink is None or sink.pending is None:  # the expert FFN did not defer: its gradient is `grad`
+            return grad
+        first = not sink.pending.done  # the whole call's weight GEMMs run now
+        if first and _listeners:
+            notify_mark(WGRAD_IN, "backward")
+        real = sink.take()
+        if first and _listeners:
+            notify_mark(WGRAD_OUT, "backward")
+        return real
+
+
+def _defer_wgrad_impl(w: Tensor) -> Tensor:
+    if torch.compiler.is_compiling():  # traced graphs keep the expert FFN's own weight gradient
+        return w.view_as(w)
+    return _DeferWgrad.apply(w)
+
+
+_lib.impl("defer_wgrad", _defer_wgrad_impl, "CompositeImplicitAutograd")
+DEFER_WGRAD = torch.ops.moe_sched.defer_wgrad.default
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,7 +394,7 @@ class PriorityScheduler:
                 work = issue_collective("grad_allreduce", group.group_name, nbytes,
                                         lambda: dist.all_reduce(flat, group=group, async_op=True),
                                         category=ALL_REDUCE)
-                work.get_future().then(lambda fut, op=op: self._op_done(op))
+                on_completion(work, functools.partial(self._op_done, op))
 
     def _op_done(self, op: MicroOp) -> None:
         if op.on_done is not None:
@@ -264,6 +403,30 @@ class PriorityScheduler:
             self._inflight -= 1
             op.done.set()
             self._cond.notify_all()
+
+    def launch_now(self, kind: str, group: dist.ProcessGroup, nbytes: int, launch: Callable[[], Any]) -> Any:
+        """Launch one collective from the calling thread as soon as the rule allows, and return its work:
+        for callers whose next statement reads the result on their own stream (FSDP2's all-gather and
+        reduce-scatter, `FSDPReduceScatter`), so the launch cannot be handed to the scheduler's thread.
+        Waits (bounded by the timeout) until no all-to-all is queued or running and no micro-op is in
+        flight; it does not wait for the combine-region mark: the all-to-all that mark announces is
+        issued by this same thread, so waiting for it would deadlock. Launches in the caller's order
+        (its own group: delayed, never reordered)."""
+        with self._cond:
+            allowed = self._cond.wait_for(lambda: not self.enabled or (self._a2a_pending == 0 and self._inflight == 0),
+                                          timeout=self.timeout)
+            if not allowed:
+                raise TimeoutError(f"moepass priority scheduler: {kind} waited {self.timeout:.0f} s for the all-to-alls "
+                                   f"and micro-ops in flight (a peer is dead or ranks issued different collectives)")
+            self._inflight += 1
+            self.launched += 1
+        op = MicroOp()
+        try:
+            work = issue_collective(kind, group.group_name, nbytes, launch, category=ALL_REDUCE)
+        except BaseException:
+            self._op_done(op)
+            raise
+        return on_completion(work, functools.partial(self._op_done, op))
 
     def wait(self, ops: list[MicroOp]) -> None:
         deadline = time.monotonic() + self.timeout
@@ -445,3 +608,107 @@ def priority_hook(state: PriorityScheduler, bucket: dist.GradBucket) -> torch.fu
 
 # DDP's register_comm_hook checks the annotations as objects (this module uses postponed annotations)
 priority_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]})
+
+
+# ----------------------------------------------------------------------------------------------
+# Way 3: FSDP2 (`fully_shard`): its all-gather and reduce-scatter as micro-ops under the rule.
+# ----------------------------------------------------------------------------------------------
+#
+# FSDP2 has no hook that delays its collectives: `foreach_reduce` / `foreach_all_gather` call their
+# `Comm` object synchronously and read the output on the same stream right after. Its documented
+# seam is that object: `FSDPModule.set_custom_reduce_scatter` / `set_custom_all_gather`. The two
+# comms below cut FSDP's flat buffer into micro-ops of at most `micro_op_bytes` and launch each from
+# FSDP's own thread and stream with `PriorityScheduler.launch_now` (so the launch waits for every
+# queued or running all-to-all and for the previous micro-op), then `work.wait()` (what FSDP's
+# default `async_op=False` does: on gloo the thread waits, on NCCL the stream does).
+#
+# Legend: W ranks of FSDP's group, N elements of one rank's shard (the all-gather input, the
+# reduce-scatter output); the full buffer is W blocks of N, rank r's block at [r*N, (r+1)*N).
+
+
+def micro_op_columns(world: int, shard_numel: int, element_size: int, micro_op_bytes: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of a shard such that the W blocks' columns [a, b) together are <= micro_op_bytes."""
+    per = max(1, micro_op_bytes // (world * element_size))
+    return [(a, min(a + per, shard_numel)) for a in range(0, shard_numel, per)]
+
+
+class _SchedulerComm:
+    """Allocation as FSDP's default (a plain empty tensor) and the scheduler the micro-ops go through.
+    Duck-typed to FSDP2's `Comm` / `AllGather` / `ReduceScatter` interfaces (torch does not export them)."""
+
+    def __init__(self, scheduler: PriorityScheduler):
+        self.scheduler = scheduler
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def columns(self, world: int, shard: Tensor) -> list[tuple[int, int]]:
+        return micro_op_columns(world, shard.numel(), shard.element_size(), self.scheduler.micro_op_bytes)
+
+
+class FSDPReduceScatter(_SchedulerComm):
+    """FSDP2's reduce-scatter as micro-ops: columns [a, b) of the W blocks reduced into out_N[a:b].
+    Each output element reduces the same W values as in one call: bit for bit at W=2 (a sum of two is
+    commutative; tested), at larger W as far as the backend sums a smaller buffer in the same order."""
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: Any,
+                 async_op: bool = False) -> None:
+        world, shard_N = group.size(), output_tensor.numel()
+        in_WN = input_tensor.view(world, shard_N)
+        cols = self.columns(world, output_tensor)
+        for a, b in cols:
+            piece_in = input_tensor if len(cols) == 1 else in_WN[:, a:b].reshape(-1)
+            piece_out = output_tensor[a:b]
+            nbytes = (world - 1) * (b - a) * output_tensor.element_size()
+            self.scheduler.launch_now(
+                "fsdp_reduce_scatter", group, nbytes,
+                functools.partial(dist.reduce_scatter_single, piece_out, piece_in, op=op, group=group, async_op=True),
+            ).wait()
+
+
+class FSDPAllGather(_SchedulerComm):
+    """FSDP2's all-gather as micro-ops: in_N[a:b] gathered into columns [a, b) of the W blocks.
+    Returns None also for `async_op=True` (each micro-op is waited on FSDP's stream; FSDP then orders
+    by its all-gather event)."""
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        world, shard_N = group.size(), input_tensor.numel()
+        out_WN = output_tensor.view(world, shard_N)
+        cols = self.columns(world, input_tensor)
+        for a, b in cols:
+            whole = len(cols) == 1
+            piece_out = output_tensor if whole else output_tensor.new_empty(world * (b - a))
+            nbytes = (world - 1) * (b - a) * input_tensor.element_size()
+            self.scheduler.launch_now(
+                "fsdp_all_gather", group, nbytes,
+                functools.partial(dist.all_gather_single, piece_out, input_tensor[a:b], group=group, async_op=True),
+            ).wait()
+            if not whole:
+                out_WN[:, a:b].copy_(piece_out.view(world, b - a))
+
+
+def schedule_fsdp(model: nn.Module, scheduler: PriorityScheduler | None = None) -> PriorityScheduler:
+    """Route the all-gathers and reduce-scatters of every `fully_shard` module in `model` through the
+    priority rule. `scheduler`: None takes the one `moepass.compile(..., Plan(grad_sync="scheduler"))`
+    installed (`model.moepass_grad_sync`), else makes one with the plan's `micro_op_bytes` (construct on
+    every rank in the same order: it creates a process group). Call after `fully_shard`, on every rank."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if scheduler is None:
+        sync = getattr(model, "moepass_grad_sync", None)
+        if sync is not None:
+            scheduler = sync.scheduler
+        else:
+            from moepass.plan import DEFAULT_MICRO_OP_BYTES
+
+            info = getattr(model, "moepass_info", None)
+            scheduler = PriorityScheduler(info.plan.micro_op_bytes if info is not None else DEFAULT_MICRO_OP_BYTES)
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise ValueError(f"schedule_fsdp: {type(model).__name__} has no fully_shard module: call "
+                         f"torch.distributed.fsdp.fully_shard on its dense parts first")
+    for module in sharded:
+        module.set_custom_reduce_scatter(FSDPReduceScatter(scheduler))  # type: ignore[arg-type]
+        module.set_custom_all_gather(FSDPAllGather(scheduler))  # type: ignore[arg-type]
+    return scheduler

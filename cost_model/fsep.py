@@ -17,7 +17,10 @@ takes two values, sum_i T_comm[i] = bytes_per_token * (Q_intra / B_intra + Q_int
 Q_intra / Q_inter the rows sent within / across nodes (summed over sources) and Q_max = max_k rows.
 
 Restore: every rank sends every device the r-th 1/W slice of each of the C experts it computes: C*S_e/W
-elements per pair, forward (weights) and backward (weights again, then the gradient slices back).
+elements per pair, forward (weights) and backward (weights again, then the gradient slices back). The
+gradient slices' exchange is deferred (`moepass.rewrite.fsep.DeferredReductions`): issued after a layer's
+backward expert compute, completed when the next (earlier) layer's is issued, so it runs under that layer's
+backward; only the first FSEP block's (the backward's last) is waited at once (`deferred_grad_time`).
 
 What the planner makes of a routing (`planned_routing`: its table and the routed rows under it) and one
 FSEP layer's step terms in `cost_model.ep.LayerTerms` (`fsep_layer`) are what the plan search
@@ -36,6 +39,7 @@ import numpy as np
 
 from cost_model import ep as ep_formulas
 from cost_model.ep import A2A_PER_LAYER, FWD_BWD, LayerTerms, expert_flops, expert_params
+from cost_model.symbols import smax
 
 # ---- per token ---------------------------------------------------------------------------------------
 
@@ -115,6 +119,12 @@ def restore_time(C, S_e, W, G, b, B_intra, B_inter, alpha):
     return alpha + intra / B_intra + inter / B_inter
 
 
+def deferred_grad_time(t_grad, bwd_compute):
+    """The exposed part of a deferred gradient-slice exchange of `t_grad` seconds: what the earlier layer's
+    backward expert compute (`bwd_compute`, the same layer shape) does not hide."""
+    return smax(0, t_grad - bwd_compute)
+
+
 # ---- memory ------------------------------------------------------------------------------------------------
 
 
@@ -124,11 +134,13 @@ def param_elements_per_rank(E, W, C, S_e, *, prefetch=0):
     return E * S_e / W + C * S_e + prefetch * C * S_e
 
 
-def memory_per_rank(E, W, C, S_e, s, b, b_g, *, layers=1, prefetch=0):
+def memory_per_rank(E, W, C, S_e, s, b, b_g, *, layers=1, prefetch=0, deferred_grads=False):
     """Expert bytes one rank holds: the shards of `layers` layers with their grads and optimizer state
     (s bytes per parameter), the restored experts of the current and `prefetch` next layers (b bytes per
-    element) and the restored gradient of the current layer (b_g)."""
-    return layers * E * S_e / W * s + (1 + prefetch) * C * S_e * b + C * S_e * b_g
+    element) and the restored gradient of the current layer (b_g); `deferred_grads` (the runtime's default):
+    plus the later layer's gradient slices in flight (their send and receive buffers, 2 C*S_e elements)."""
+    grads = 3 if deferred_grads else 1
+    return layers * E * S_e / W * s + (1 + prefetch) * C * S_e * b + grads * C * S_e * b_g
 
 
 # ---- the EP reference layout (for comparisons) -----------------------------------------------------------
@@ -220,7 +232,7 @@ def planned_routing(counts_WE: Any, hw: Any, *, C: int, ranks_per_node: int, D: 
 
 
 def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows: tuple[Any, Any],
-               keep_restored: bool = False) -> LayerTerms:
+               keep_restored: bool = False, deferred_grads: bool = False) -> LayerTerms:
     """Step terms of one dropless FSEP layer over W ranks with C slots per device, on the busiest rank, as
     `cost_model.ep.ep_layer` prices EP (`x`: the same symbol names, numbers or symbols).
 
@@ -231,10 +243,12 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     - compute: the busiest device's T*K*rho rows, forward + backward (`ep.compute_time`);
     - token all-to-all: dispatch and combine, forward and backward, pipelined in n chunks behind the
       expert compute (`schedule.pipeline_time`, as EP), plus the split-size exchange;
-    - other: the restore (C*S_e/W elements per pair, b bytes), in the backward the restore again (b; not
-      with `keep_restored`, `Plan.keep_restored`) and the gradient slices back (b_g bytes), `restore_time`
-      each, exposed: the rewrite issues the restore behind the dispatch on the same links and waits for it
-      before the experts;
+    - other: the restore (C*S_e/W elements per pair, b bytes) and in the backward the restore again (b; not
+      with `keep_restored`, `Plan.keep_restored`), `restore_time` each, exposed: the rewrite issues the
+      restore behind the dispatch on the same links and waits for it before the experts; the gradient slices
+      back (b_g bytes), `restore_time`, exposed, or with `deferred_grads` (the runtime's default for every
+      FSEP block but the first, whose exchange is waited at once) what the earlier layer's backward expert
+      compute does not hide (`deferred_grad_time`);
     - memory: the 1/W shards of all E experts with grads and optimizer state (s), the busiest device's
       activations (`ep.memory_per_rank`'s estimate) and, with `keep_restored`, the C restored experts
       autograd keeps from the forward to the backward (b). Without it the restored experts, and in any case
@@ -251,8 +265,10 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     a2a = (pipeline_time(n, transfer, fwd_compute, x["alpha"]) + pipeline_time(n, transfer, compute - fwd_compute,
                                                                                  x["alpha"]) - compute + x["alpha"])
     S_e = expert_elements(D, F, m)
-    exchanged = (x["b"], x["b_g"]) if keep_restored else (x["b"], x["b"], x["b_g"])
-    restores = sum(restore_time(C, S_e, W, x["G"], b, x["B_intra"], x["B_inter"], x["alpha"]) for b in exchanged)
+    weights = (x["b"],) if keep_restored else (x["b"], x["b"])
+    restores = sum(restore_time(C, S_e, W, x["G"], b, x["B_intra"], x["B_inter"], x["alpha"]) for b in weights)
+    grads = restore_time(C, S_e, W, x["G"], x["b_g"], x["B_intra"], x["B_inter"], x["alpha"])
+    restores += deferred_grad_time(grads, compute - fwd_compute) if deferred_grads else grads
     memory = ep_formulas.memory_per_rank(x["E"], W, D, F, m, x["s"], rows, x["b"])
     if keep_restored:
         memory += C * S_e * x["b"]

@@ -46,6 +46,9 @@ class Plan:
     # alive until its backward) instead of restoring them again in the backward (one restore fewer per step)
     keep_restored: bool = False
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH  # FSEP: later blocks whose restore a block issues behind its expert compute; 0: none
+    # FSEP: leave each layer's expert-gradient exchange in flight under the earlier layer's backward (its send and
+    # receive buffers, 2*C*S elements, alive one layer longer); False: wait for it in the layer's own backward
+    defer_expert_grads: bool = True
     heads: int | None = None  # HP: latent heads H of the converted Multi-Head LatentMoE; None: the world size
     head_dim: int | None = None  # HP: width h of a head; None: hidden // heads
     # HP with EP inside: the ep_size ranks of a block (its model-parallel group) form ep_size/head_ep_size head
@@ -133,7 +136,7 @@ class Plan:
             raise PlanError(f"Plan.head_ep_size={self.head_ep_size} is invalid with Plan.ep_size={self.ep_size}: the "
                             f"ep_size ranks of a block must split into head groups of head_ep_size ranks; use a "
                             f"head_ep_size dividing {self.ep_size}.")
-        for name in ("expert_recompute", "keep_restored"):
+        for name in ("expert_recompute", "keep_restored", "defer_expert_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")
         _locality(self)
@@ -252,6 +255,9 @@ def _form_only_fields(plan: Plan) -> None:
     if plan.keep_restored and plan.form not in ("fsep", "auto"):
         raise PlanError(f"Plan.keep_restored=True has no effect with form={plan.form!r}: it keeps FSEP's restored "
                         f"experts for the backward. Use form='fsep', or leave it False.")
+    if plan.defer_expert_grads is False and plan.form not in ("fsep", "auto"):
+        raise PlanError(f"Plan.defer_expert_grads=False has no effect with form={plan.form!r}: it makes FSEP wait for "
+                        f"its expert-gradient exchange in each layer's backward. Use form='fsep', or leave it True.")
     if plan.planner != "auto" and plan.form not in ("fsep", "auto"):
         raise PlanError(f"Plan.planner={plan.planner!r} has no effect with form={plan.form!r}: it places the expert "
                         f"slots of FSEP. Use form='fsep', or leave it 'auto'.")

@@ -31,9 +31,24 @@ restore is used only in the forward that issued it and with the table it gathere
 that run in another order, or skip) is dropped when the backward reaches its issuer, and prefetching stops.
 
 `moe_comm.equal_all_to_all` (kind "restore") is a balanced, fixed-shape all_to_all: every pair exchanges
-C·S/P elements, every step. Its backward returns each slice's gradient to its owner and `index_select`'s backward sums the
-replicas' contributions into [E, S/P] (the reduce-scatter of the technique). A new table changes only
-which rows the next restore gathers: no parameter or optimizer byte moves.
+C·S/P elements, every step. In the backward each slot's gradient slice goes back to its owner (kind
+"restore_bwd") and the replicas' contributions are summed into [E, S/P] (`slice_grads`: the reduce-scatter
+of the technique). A new table changes only which rows the next restore gathers: no parameter or
+optimizer byte moves.
+
+Deferred gradient reduction (`DeferredReductions`): the restore is one autograd node of the block that
+uses it (`_RestoreExchange`, made between its dispatch and its expert compute, also for a prefetched
+restore), so its backward runs right after the block's expert backward. It issues the gradient slices'
+exchange and leaves it in flight; the next FSEP block's restore backward completes it (wait, sum the
+replicas, hand each shard its gradient through `torch.autograd.backward`, so `AccumulateGrad`, tensor
+hooks and post-accumulate-grad hooks see it as any gradient) before issuing its own: one in flight at a
+time, each under the earlier layer's combine backward and expert backward. The chain's first block (its
+backward runs last) completes its own at once, so every gradient lands inside the model's backward, before
+end-of-backward callbacks queued at its start (`GradientSync`, DDP) run; the end of the backward
+(`queue_callback`) completes anything left (a first block without trainable experts); a training forward
+drops what a backward that raised left. Blocks that do not run in chain order defer nothing. Cost: the
+previous layer's gradient slices (2·C·S elements: its send and receive buffers) stay alive one layer longer;
+`Plan(defer_expert_grads=False)` waits for them in the layer's own backward instead (the restore as plain ops).
 
 Lite routing (`route_to_slots`): the assignments of rank i to expert e go to e's replicas on i's node
 if there are any, else to all of e's replicas, split evenly in order (the j-th of n to replica
@@ -125,9 +140,21 @@ def _(experts_TK, slot_expert_S, rank, ranks_per_node, slots, num_experts):
 ROUTE_TO_SLOTS = torch.ops.moe_fsep.route_to_slots.default
 
 
+def slice_grads(grad_GS: Tensor, slot_expert_S: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """Each shard's gradient from the gradient slices of the slots ([P*C, s], weights side by side): every
+    slot's slice summed into its expert's row (replicas add up), one `index_add_` per weight."""
+    grads, offset = [], 0
+    for shape in shapes:
+        width = int(torch.Size(shape[1:]).numel())
+        rows = grad_GS.new_zeros(shape[0], width).index_add_(0, slot_expert_S, grad_GS[:, offset:offset + width])
+        grads.append(rows.view(shape))
+        offset += width
+    return grads
+
+
 class _GatherSlices(torch.autograd.Function):
     """The restore's send buffer; its backward sums each slot's gradient slice into its expert's row
-    (replicas add up) with one `index_add_` per weight."""
+    (`slice_grads`)."""
 
     @staticmethod
     def forward(ctx, slot_expert_S, *shards):  # type: ignore[override]
@@ -138,13 +165,7 @@ class _GatherSlices(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_GS):  # type: ignore[override]
         (slot_expert_S,) = ctx.saved_tensors
-        grads, offset = [], 0
-        for shape in ctx.shapes:
-            width = int(torch.Size(shape[1:]).numel())
-            rows = grad_GS.new_zeros(shape[0], width).index_add_(0, slot_expert_S, grad_GS[:, offset:offset + width])
-            grads.append(rows.view(shape))
-            offset += width
-        return (None, *grads)
+        return (None, *slice_grads(grad_GS, slot_expert_S, ctx.shapes))
 
 
 def gather_slices(shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
@@ -222,6 +243,141 @@ class Restore:
 
 
 # ----------------------------------------------------------------------------------------------
+# The gradient slices' reduction, deferred behind the earlier layers' backward.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DeferredReduction:
+    """One block's gradient slices on their way back to their owners (issued by its restore's backward).
+    `complete` waits for them, sums the replicas into shard rows (`slice_grads`) and hands each shard its
+    gradient through autograd, so the parameters receive it as any gradient: `AccumulateGrad` adds it to
+    `p.grad`, tensor hooks (the DP replicas' sum) and post-accumulate-grad hooks (`GradientSync`) fire, once
+    per parameter."""
+
+    pending: Tensor  # [P*C, s]: the gradient slices in flight
+    slot_expert_S: Tensor  # the table the restore gathered with
+    shards: list[Tensor]  # the shards the restore read: their autograd reaches the parameters
+    block: str
+
+    def complete(self) -> None:
+        grad_GS = comm.WAIT(self.pending)
+        grads = slice_grads(grad_GS, self.slot_expert_S, [shard.shape for shard in self.shards])
+        pairs = [(shard, grad) for shard, grad in zip(self.shards, grads) if shard.requires_grad]
+        # retain_graph: a retain_graph backward of the model walks the shards' few nodes (to_local) again
+        torch.autograd.backward([shard for shard, _ in pairs], [grad for _, grad in pairs], retain_graph=True)
+
+    def drop(self) -> None:
+        comm.WAIT(self.pending)  # every rank issued it: complete the transfer, discard the gradient
+
+
+class DeferredReductions:
+    """This process's gradient reductions in flight, in issue order: at most one, as each restore's backward
+    completes the earlier ones before it issues its own, so a transfer runs under the backward compute between
+    two FSEP blocks. Whatever a backward leaves in flight is completed when it ends (`queue_callback`); what a
+    backward that raised left is dropped by the next training forward."""
+
+    def __init__(self) -> None:
+        self._pending: list[DeferredReduction] = []
+        self._lock = threading.Lock()
+        self._flushing: set[int] = set()  # graph tasks whose end completes what is in flight
+        self.deferred_total = 0  # reductions left in flight so far (a counter for tests and benchmarks)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def complete(self) -> None:
+        """Complete every reduction in flight, oldest first."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                head = self._pending.pop(0)
+            head.complete()
+
+    def defer(self, reduction: DeferredReduction) -> None:
+        """Leave `reduction` in flight until the next restore's backward, or the end of this backward."""
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            self._pending.append(reduction)
+            self.deferred_total += 1
+            first = task not in self._flushing
+            self._flushing.add(task)
+        if first:
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_of_backward, task))
+
+    def _end_of_backward(self, task: int) -> None:
+        with self._lock:
+            self._flushing.discard(task)
+        self.complete()
+
+    def drop_stale(self) -> None:
+        """A training forward found reductions in flight: the backward that issued them raised. Complete their
+        transfers and discard their gradients (that step's gradients are incomplete anyway)."""
+        with self._lock:
+            stale, self._pending = self._pending, []
+            self._flushing.clear()
+        for reduction in stale:
+            reduction.drop()
+        if stale:
+            log.warning("FSEP: dropped the gradient reductions of %s left in flight by a backward that did not "
+                        "finish", [reduction.block for reduction in stale])
+
+
+DEFERRED = DeferredReductions()
+
+
+class _RestoreExchange(torch.autograd.Function):
+    """One restore as one autograd node of the block that uses it: gather this rank's slices and issue the
+    equal all_to_all (pending; `moe_comm.wait` completes it), or take the one an earlier block prefetched
+    (issued without autograd). Its backward issues the gradient slices' exchange and, when the block
+    `defers_reduction`, leaves it in flight (`DEFERRED`) instead of waiting for it. The shards are not inputs
+    of the node (the model's backward never reaches the expert parameters through it); `anchor`, an empty
+    tensor, makes the output require grad.
+
+    Made in the using block's forward, between its dispatch and its expert compute, the node runs in the
+    backward right after that block's expert backward (autograd runs ready nodes latest-made first; a
+    prefetch's node, made in the earlier block's forward, would run only when the backward reaches it)."""
+
+    @staticmethod
+    def forward(ctx, anchor, shards, slot_expert_S, controller, ahead):  # type: ignore[override]
+        ctx.shards, ctx.slot_expert_S, ctx.controller = shards, slot_expert_S, controller
+        if ahead is not None:
+            return ahead.pending
+        return issue_plain_restore(controller, [shard.detach() for shard in shards], slot_expert_S)
+
+    @staticmethod
+    def backward(ctx, grad_GS):  # type: ignore[override]
+        controller = ctx.controller
+        DEFERRED.complete()  # the earlier blocks' reductions, before this one is issued
+        pending = comm.EQUAL_ALL_TO_ALL(grad_GS.contiguous(), controller.restore.group_name, "restore_bwd")
+        reduction = DeferredReduction(pending, ctx.slot_expert_S, ctx.shards, controller.block)
+        if controller.defers_reduction:
+            DEFERRED.defer(reduction)
+        else:
+            reduction.complete()
+        return None, None, None, None, None
+
+
+def issue_plain_restore(controller: FSEPPlacement, shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
+    """The restore as plain ops (pending): `gather_slices` and `moe_comm.equal_all_to_all`, whose backward (when
+    the shards require grad) waits for the gradient slices at once."""
+    assert controller.restore is not None
+    return comm.EQUAL_ALL_TO_ALL(gather_slices(shards, slot_expert_S), controller.restore.group_name, "restore")
+
+
+def exchange_restore(controller: FSEPPlacement, shards: list[Tensor], slot_expert_S: Tensor,
+                     ahead: Prefetched | None = None) -> Tensor:
+    """This block's restore (pending; `moe_comm.wait` completes it), issued now or `ahead` (prefetched):
+    `_RestoreExchange`, or, in a fake-tensor trace or with `defer_reduction` off, the plain ops."""
+    if not controller.defer_reduction or _fake():
+        return ahead.pending if ahead is not None else issue_plain_restore(controller, shards, slot_expert_S)
+    needs_grad = torch.is_grad_enabled() and any(shard.requires_grad for shard in shards)
+    anchor = torch.empty(0, device=shards[0].device, requires_grad=needs_grad)
+    return _RestoreExchange.apply(anchor, list(shards), slot_expert_S, controller, ahead)
+
+
+# ----------------------------------------------------------------------------------------------
 # Prefetch: a block issues the restore of the next blocks behind its own expert compute.
 # ----------------------------------------------------------------------------------------------
 
@@ -257,16 +413,21 @@ class PrefetchChain:
     run). `forward` counts training forwards: it advances when a block enters at or before the position of
     the last one that entered. A prefetched restore that was not used (the blocks ran in another order, or
     one was skipped) is completed and dropped, and the chain stops prefetching (logged once): it never
-    uses a restore issued for another forward or table."""
+    uses a restore issued for another forward or table. `ordered`: every forward so far ran the blocks in
+    registration order from the first (the last ones may be skipped); once not, no block defers its gradient
+    reduction (`FSEPPlacement.defers_reduction`)."""
 
     members: list[FSEPPlacement]
     forward: int = 0
     last: int = -1
     enabled: bool = True
+    ordered: bool = True
 
     def entered(self, controller: FSEPPlacement) -> None:
         if controller.position <= self.last:
             self.forward += 1
+            self.last = -1
+        self.ordered = self.ordered and controller.position == self.last + 1
         self.last = controller.position
 
     def missed(self, controller: FSEPPlacement) -> None:
@@ -281,7 +442,7 @@ class PrefetchChain:
 def restore_issue(controller: FSEPPlacement, shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
     """Graph node: this block's restore (pending; `moe_comm.wait` completes it), prefetched or issued now."""
     if _shape_only() or not controller.training:  # a trace, a checkpoint recompute, eval: no prefetch state
-        return comm.EQUAL_ALL_TO_ALL(gather_slices(shards, slot_expert_S), controller.restore.group_name, "restore")
+        return exchange_restore(controller, shards, slot_expert_S)
     return controller.issue_restore(shards, slot_expert_S)
 
 
@@ -346,7 +507,8 @@ class FSEPPlacement(nn.Module):
     """The placement table of one FSEP block and the planner that changes it (see module doc)."""
 
     def __init__(self, block: str, config: placement.PlannerConfig, rank: int, planner: str | Planner,
-                 table: placement.PlacementTable, restore: RestoreSource | None = None, prefetch_depth: int = 0):
+                 table: placement.PlacementTable, restore: RestoreSource | None = None, prefetch_depth: int = 0,
+                 defer_reduction: bool = True):
         super().__init__()
         self.block, self.config, self.rank, self.planner = block, config, rank, planner
         self.restore = restore  # how to issue this block's restore from outside its graph (a prefetch)
@@ -364,8 +526,21 @@ class FSEPPlacement(nn.Module):
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.defer_reduction = defer_reduction  # Plan.defer_expert_grads; False: the restore as plain ops, waited
         self.track_loads = False  # record per-device rows of every step (W x W*C work per step: for benchmarks)
         self.loads: list[dict[str, Any]] = []  # {"step", "fsep": [W] rows per device, "ep": [W] under EP}
+
+    @property
+    def defers_reduction(self) -> bool:
+        """Whether this block's gradient reduction stays in flight after its restore's backward, until the next
+        restore's backward: yes for every block of a chain after the first. The chain's first block (its
+        backward runs last) completes its own at once, so every gradient reaches its parameter inside the
+        model's backward, before callbacks queued at its start (`GradientSync`'s, DDP's) run; so does every block
+        when the order is not known to be the chain's (no chain, blocks run in another order, or prefetching
+        stopped)."""
+        chain = self.chain
+        return (self.defer_reduction and chain is not None and chain.enabled and chain.ordered
+                and self.position > 0)
 
     @property
     def observes(self) -> bool:
@@ -375,6 +550,7 @@ class FSEPPlacement(nn.Module):
     def forward(self) -> Tensor:
         """This step's table: install the layout planned after the previous step first."""
         if self.training and not _shape_only():
+            DEFERRED.drop_stale()
             if self.chain is not None:
                 self.chain.entered(self)
             self.advance()
@@ -405,13 +581,11 @@ class FSEPPlacement(nn.Module):
             if self.chain is not None and ahead.forward == self.chain.forward and torch.equal(ahead.table,
                                                                                                slot_expert_S):
                 self.prefetched_restores += 1
-                return ahead.pending
+                return exchange_restore(self, shards, slot_expert_S, ahead)
             comm.WAIT(ahead.pending)  # issued for a forward that did not run this block: complete and drop it
             if self.chain is not None:
                 self.chain.missed(self)
-        assert self.restore is not None
-        send = gather_slices(shards, slot_expert_S)
-        return comm.EQUAL_ALL_TO_ALL(send, self.restore.group_name, "restore")
+        return exchange_restore(self, shards, slot_expert_S)
 
     def prefetch(self, restored: Tensor) -> None:
         """Issue the restore of the next `prefetch_depth` blocks of the chain that have none pending (their
@@ -431,9 +605,10 @@ class FSEPPlacement(nn.Module):
             later.advance()
             table = later.slot_expert
             assert later.restore is not None
-            send = gather_slices(later.restore.shards(), table)
-            later._prefetched = Prefetched(self.chain.forward, table,
-                                           comm.EQUAL_ALL_TO_ALL(send, later.restore.group_name, "restore"))
+            # deferred: issued without autograd, which joins it in the later block's forward (`exchange_restore`)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not later.defer_reduction):
+                pending = issue_plain_restore(later, later.restore.shards(), table)
+            later._prefetched = Prefetched(self.chain.forward, table, pending)
             issued.append((later, later._prefetched))
         if issued:
             restored.register_hook(functools.partial(_drop_unused, issued))
@@ -485,12 +660,15 @@ class FSEPPlacement(nn.Module):
         self._lock = threading.Lock()
 
 
+def _fake() -> bool:
+    """A fake-tensor trace (the verifier's shape propagation, explain)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def _shape_only() -> bool:
-    """Not a training step: a fake-tensor trace (the verifier's shape propagation, explain), or a forward
-    recomputed inside the backward (activation checkpointing), which must route with the table its
-    forward used and record nothing."""
-    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-    return fake or torch._C._current_graph_task_id() != -1
+    """Not a training step: a fake-tensor trace, or a forward recomputed inside the backward (activation
+    checkpointing), which must route with the table its forward used and record nothing."""
+    return _fake() or torch._C._current_graph_task_id() != -1
 
 
 @torch.compiler.disable  # hands tensors to a thread: runs eagerly under torch.compile (a graph break)
@@ -537,6 +715,9 @@ class FSEPLayout(ExpertLayout):
         if chain is not None and not chain.enabled:
             ahead += " (off: the blocks did not run in module order)"
         lines.append(f"restore: {ahead}; {controller.prefetched_restores} of its own restores were prefetched")
+        grads = ("in flight until the next FSEP block's restore backward (deferred)" if controller.defers_reduction
+                 else "waited in its restore backward")
+        lines.append(f"gradient slices: {grads}")
         return lines
 
 
@@ -572,7 +753,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     table = placement.even_table(E, P, C, rpn)
     source = RestoreSource(tuple(params), groups.ep_group.group_name)
     controller = FSEPPlacement(spec.path or "<root>", config, groups.ep_rank, plan.planner, table, source,
-                               plan.prefetch_depth)
+                               plan.prefetch_depth, plan.defer_expert_grads)
     effects.modules[CONTROLLER] = controller
     group_name = groups.ep_group.group_name
 
@@ -626,6 +807,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     stats: dict[str, Any] = {"experts": E, "slots_per_device": C, "fsep_size": P, "dp_size": groups.dp_size,
              "replicas": P * C - E, "planner": plan.planner if isinstance(plan.planner, str) else "callable",
              "backward_restore": "kept from the forward" if plan.keep_restored else "restored again",
+             "expert_grads": "deferred" if plan.defer_expert_grads else "waited",
              "capacity": counts["capacity"]}
     gm.form = PASS
     gm.layout = layout

@@ -1,6 +1,6 @@
 """The expert activations: one table, their forward and their backward (torch).
 
-`act(gate) [* up]` for the gated ones. Every place that names an activation (MoESpec validation,
+`act(gate) [* up]` for the gated ones; "relu2" is the squared ReLU, `relu(gate) ** 2` (Primer, Nemotron-H). Every place that names an activation (MoESpec validation,
 the dialect, the torch expert FFN, the Triton grouped GEMM) reads `ACTIVATIONS` / `GATED_ACTIVATIONS`
 from here.
 """
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
-ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu")
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu")
 
 
 def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float) -> Tensor:
@@ -26,6 +26,8 @@ def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: 
         return F.gelu(h_gate, approximate="tanh")
     if activation == "relu":
         return F.relu(h_gate)
+    if activation == "relu2":
+        return F.relu(h_gate).square()
     if activation == "clamped_swiglu":  # GPT-OSS
         assert h_up is not None
         g = h_gate.clamp(max=clamp_limit)
@@ -39,6 +41,8 @@ def activate_backward(
 ) -> tuple[Tensor, Tensor | None]:
     """Gradients of `activate` w.r.t. the gate and up pre-activations."""
     aten = torch.ops.aten
+    if activation == "relu2":  # d/dg relu(g)^2 = 2 relu(g)
+        return grad_a * 2 * F.relu(h_gate), None
     if activation in ("gelu", "gelu_tanh", "relu"):
         if activation == "relu":
             return aten.threshold_backward(grad_a, h_gate, 0), None

@@ -19,7 +19,15 @@ With heads (Multi-Head LatentMoE, `spec.heads`), routing and experts work on lat
 
 z_TQ and the final linear are where head parallel cuts (its token exchange goes between them).
 
+With a per-expert output scale (`ExpertsSpec.output_scale`) the weights become weights_TK *
+scale_R[experts_TK] before the combine. With zero-compute experts (`identity_experts` / `zero_experts`):
+
+    experts_TK ─expert_slots─► slots_TK (FFN experts 0..E-1, identity E, zero E+1)
+    x_TD ─permute(E+2)─► x_ND, counts_J, order_N;  x_ND ─ffn_rows─► x_MD (the leading FFN rows)
+    x_MD ─expert_ffn(counts_J[:E])─► y_MD ─zero_compute_rows─► y_ND (identity rows: x, zero rows: 0) ─► unpermute
+
 Shape legend: B batch, S sequence, T = B*S tokens, D model width, E experts, K top-k, N = T*K.
+With zero-compute experts: R = E + identity + zero router ids, J = E + 2 permute slots, M FFN rows.
 With heads: H heads of width h, Q = H*h latent width, G = T*H sub-tokens (token-major, head-minor),
 E experts per head, X = H*E experts in all (head-major), N = G*K routed rows.
 """
@@ -27,6 +35,7 @@ E experts per head, X = H*E experts in all (head-major), N = G*K routed rows.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -213,8 +222,8 @@ class GraphBuilder:
         node.meta["moepass"] = {"pass": self.pass_name, "block": self.block_path}
         return node
 
-    def input(self, name: str) -> fx.Node:
-        return self._stamp(self.graph.placeholder(name))
+    def input(self, name: str, default: Any = inspect.Signature.empty) -> fx.Node:
+        return self._stamp(self.graph.placeholder(name, default_value=default))
 
     def attr(self, target: str, name: str | None = None) -> fx.Node:
         return self._stamp(self.graph.create_node("get_attr", target, name=name or target.replace(".", "_")))
@@ -300,20 +309,73 @@ def expert_weights(b: GraphBuilder, experts: ExpertsSpec, read: Any) -> list[fx.
     return [None if sources[role] is None else read(sources[role], role) for role in ROLES]
 
 
+def expert_slots(experts_TK: torch.Tensor, ffn_ids: tuple[int, ...], identity_ids: tuple[int, ...],
+                 num_routed: int) -> torch.Tensor:
+    """Each assignment's permute slot when some experts are zero-compute: the i-th FFN expert's router id
+    is slot i, identity experts slot E, zero experts slot E + 1 (so their rows sort after every FFN row)."""
+    E = len(ffn_ids)
+    table = [E + 1] * num_routed
+    for slot, r in enumerate(ffn_ids):
+        table[r] = slot
+    for r in identity_ids:
+        table[r] = E
+    return torch.tensor(table, dtype=experts_TK.dtype, device=experts_TK.device)[experts_TK]
+
+
+def ffn_rows(x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """The leading rows of the slot-sorted rows that FFN experts compute (a view). Reads their count on the
+    host (the single form's one sync for zero-compute experts; EP sends `x_ND` whole and skips this).
+    Under fake tensors the count is unknown: all rows stand in (shape propagation only)."""
+    if isinstance(counts_E, torch._subclasses.FakeTensor):
+        return x_ND
+    return x_ND[:int(counts_E.sum())]
+
+
+def zero_compute_rows(y_MD: torch.Tensor, x_ND: torch.Tensor, counts_J: torch.Tensor) -> torch.Tensor:
+    """Every slot-sorted row's expert output: the FFN experts' `y_MD` (its first rows; rows past them are
+    zero padding), the row's input for identity experts (slot E), zero for zero experts (slot E + 1).
+    Device-side only: the rows' slots follow from the counts."""
+    N, D = x_ND.shape
+    if y_MD.shape[0] < N:
+        y_MD = torch.cat([y_MD, y_MD.new_zeros(N - y_MD.shape[0], D)])
+    E = counts_J.shape[0] - 2
+    row_N = torch.arange(N, device=x_ND.device)
+    ffn_count = counts_J[:E].sum()
+    identity_N = (row_N >= ffn_count) & (row_N < ffn_count + counts_J[E])
+    return torch.where(identity_N.unsqueeze(1), x_ND, y_MD)
+
+
 def routed_experts(b: GraphBuilder, spec: MoESpec, x_rows: fx.Node, experts_ids: fx.Node, weights: fx.Node,
                    num_experts: int, names: dict[str, str]) -> fx.Node:
     """permute -> expert_ffn -> unpermute -> combine over `num_experts` experts: the weighted sum of each
-    row's K expert outputs. `names` gives the node names by role (x, counts, order, y, y_k, out)."""
+    row's K expert outputs. `names` gives the node names by role (x, counts, order, y, y_k, out).
+
+    With zero-compute experts (`ExpertsSpec.identity_experts` / `zero_experts`) the permute sorts by slot
+    (`expert_slots`: FFN experts, then identity, then zero rows), the expert FFN gets only the FFN rows,
+    and `zero_compute_rows` puts back the identity rows' inputs and the zero rows' zeros before the
+    unpermute: those rows never reach the expert FFN (nor, under EP, the all-to-all)."""
     x, K = spec.experts, spec.top_k
-    permuted = b.fn(dialect.PERMUTE, x_rows, experts_ids, num_experts, name="permute")
+    zero_compute = x.routed_experts != x.num_experts
+    slots = num_experts
+    if zero_compute:
+        experts_ids = b.fn(expert_slots, experts_ids, x.ffn_ids, x.identity_experts, x.routed_experts,
+                           name="slots_TK")
+        slots = num_experts + 2
+    permuted = b.fn(dialect.PERMUTE, x_rows, experts_ids, slots, name="permute")
     x_N = b.item(permuted, 0, names["x"])
-    counts = b.item(permuted, 1, names["counts"])
+    counts = b.item(permuted, 1, "counts_J" if zero_compute else names["counts"])
     order_N = b.item(permuted, 2, names["order"])
+    x_all, counts_J = x_N, counts
+    if zero_compute:
+        counts = b.fn(operator.getitem, counts_J, slice(0, num_experts), name=names["counts"])
+        x_N = b.fn(ffn_rows, x_all, counts, name="x_MD")
     y_N = b.fn(
         dialect.EXPERT_FFN, x_N, counts,
         *expert_weights(b, x, lambda source, role: b.tensor(source, WEIGHT_NAMES[role])),
-        x.activation, x.clamp_limit, x.swiglu_alpha, name=names["y"],
+        x.activation, x.clamp_limit, x.swiglu_alpha, name="y_MD" if zero_compute else names["y"],
     )
+    if zero_compute:
+        y_N = b.fn(zero_compute_rows, y_N, x_all, counts_J, name=names["y"])
     y_K = b.fn(dialect.UNPERMUTE, y_N, order_N, K, name=names["y_k"])
     return b.fn(dialect.COMBINE, y_K, weights, name=names["out"])
 
@@ -392,7 +454,7 @@ def build_graph(spec: MoESpec) -> fx.Graph:
     b = GraphBuilder(CANONICAL_PASS, spec.path)
     r, E, K, D = spec.router, spec.num_experts, spec.top_k, spec.experts.hidden_dim
 
-    inputs = [b.input(n) for n in spec.input_names]
+    inputs = block_inputs(b, spec)
     hidden = inputs[0]
     if r.jitter_eps > 0:
         training = b.attr("training")
@@ -403,14 +465,14 @@ def build_graph(spec: MoESpec) -> fx.Graph:
     router_logits = None  # what the router module returns as logits (its hooks record this value)
     if r.logits_from == "selection":  # the user's router module selects: its weights and experts as they are
         assert r.module_output_index is not None and r.module_experts_index is not None  # RouterSpec.validate
-        out = router_call(b, r, hidden, x_TD)
+        out = router_call(b, r, hidden, x_TD, dict(zip(spec.input_names, inputs)))
         weights_TK = b.method("reshape", b.item(out, r.module_output_index, "router_weights"), -1, K,
                               name="weights_TK")
         experts_TK = b.method("reshape", b.item(out, r.module_experts_index, "router_experts"), -1, K,
                               name="experts_TK")
         return build_experts_and_output(b, spec, inputs, hidden, x_TD, weights_TK, experts_TK, None, None, None)
     if r.logits_from == "module":  # called on the block's input as given, like HF blocks call it
-        out = router_call(b, r, hidden, x_TD)
+        out = router_call(b, r, hidden, x_TD, dict(zip(spec.input_names, inputs)))
         router_logits = out if r.module_output_index is None else b.item(out, r.module_output_index,
                                                                           "router_logits")
         logits_TE = b.method("reshape", router_logits, -1, E, name="logits_TE")
@@ -434,11 +496,33 @@ def build_graph(spec: MoESpec) -> fx.Graph:
                                     selection_bias)
 
 
-def router_call(b: GraphBuilder, r: RouterSpec, hidden: fx.Node, x_TD: fx.Node) -> fx.Node:
+def block_inputs(b: GraphBuilder, spec: MoESpec) -> list[fx.Node]:
+    """The graph's inputs: the hidden states, then the block's further inputs (token ids), each checked by
+    `further_input`."""
+    hidden = b.input(spec.input_names[0])
+    further = [b.fn(further_input, b.input(name, default=None), hidden, name, spec.path, name=f"{name}_checked")
+               for name in spec.input_names[1:]]
+    return [hidden, *further]
+
+
+def further_input(value: torch.Tensor | None, hidden: torch.Tensor, name: str, path: str) -> torch.Tensor:
+    """A block input after the hidden states (the token ids a hash router is keyed by). Shape propagation
+    (the verifier, the lowering) runs the graph on the hidden states alone: fake token ids stand in; a real
+    call without them is an error (ValueError naming the block and the input)."""
+    if value is not None:
+        return value
+    if isinstance(hidden, torch._subclasses.FakeTensor):
+        return hidden.new_zeros(hidden.shape[:-1], dtype=torch.int64)
+    raise ValueError(f"MoE block {path or '<root>'!r} takes {name} after the hidden states (its router is keyed by "
+                     f"them): call it as block(hidden_states, {name}).")
+
+
+def router_call(b: GraphBuilder, r: RouterSpec, hidden: fx.Node, x_TD: fx.Node,
+                block_inputs: dict[str, fx.Node]) -> fx.Node:
     """The router module called as the block calls it: on the input (as given, or as [T, D] tokens), then
-    the block's own tensors `module_args`."""
+    `module_args`: the block's own tensors, or its further inputs by name (token ids)."""
     first = hidden if r.module_input == "hidden" else x_TD
-    extra = [b.attr(path) for path in r.module_args]
+    extra = [block_inputs[name] if name in block_inputs else b.attr(name) for name in r.module_args]
     return b.module(r.module_path, first, *extra, name="router_out")
 
 
@@ -459,6 +543,11 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
             dropped_TK = b.fn(torch.logical_not, keep_TK, name="dropped_TK")
             dropped_TK = b.fn(operator.mul, weights_TK, dropped_TK, name="dropped_weights_TK")
         weights_TK = b.fn(operator.mul, weights_TK, keep_TK, name="kept_weights_TK")
+
+    if spec.experts.output_scale is not None:  # expert r's output times scale[r]: folded into its weight
+        scale_R = b.method("reshape", b.tensor(spec.experts.output_scale, "output_scale"), -1, name="output_scale_R")
+        scale_TK = b.fn(operator.getitem, scale_R, experts_TK, name="output_scale_TK")
+        weights_TK = b.fn(operator.mul, weights_TK, scale_TK, name="scaled_weights_TK")
 
     if selection_bias is not None and r.bias_update_rate > 0:  # aux-loss-free balancing, train mode only
         b.fn(dialect.UPDATE_SELECTION_BIAS, selection_bias, experts_TK, r.bias_update_rate, b.attr("training"),

@@ -20,7 +20,7 @@ from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 from moepass.errors import PlanError, nearest
 
 ScoreFunc = Literal["softmax", "sigmoid"]
-Activation = Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "clamped_swiglu"]
+Activation = Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
@@ -95,7 +95,9 @@ class RouterSpec:
     module_output_index: int | None = None  # the router module returns a tuple: logits (or weights) at this index
     module_experts_index: int | None = None  # logits_from="selection": the selected experts at this index
     module_input: str = "hidden"  # the router module's first argument: "hidden" (as given) or "tokens" ([T, D])
-    module_args: tuple[str, ...] = ()  # further arguments: tensors of the block (parameter / buffer paths)
+    # further arguments: tensors of the block (parameter / buffer paths) or further block inputs by name
+    # (`MoESpec.input_names`, e.g. the token ids a hash router is keyed by)
+    module_args: tuple[str, ...] = ()
     # logits_from="selection": whether the module's selection matched the known rule the fields above name
     # (on the detection probe: a description for reports and the cost model; the graph runs the module)
     known_kind: bool = True
@@ -141,6 +143,11 @@ class ExpertsSpec:
     """E routed experts, one FFN each: `down(act(gate(x)) [* up(x)])` with optional biases.
 
     Canonical layouts: gate/up `[E, F, D]`, down `[E, D, F]`, biases `[E, F]` / `[E, D]`.
+
+    Zero-compute experts (LongCat-Flash): the router may choose among R = E + len(identity_experts) +
+    len(zero_experts) experts; the router ids listed return their input (identity) or zero, the others
+    are the E FFN experts, in id order. `output_scale` ([R] or [R, 1], indexed by router id) multiplies
+    each expert's output (the graph folds it into the combine weights).
     """
 
     num_experts: int
@@ -156,16 +163,39 @@ class ExpertsSpec:
     b_up: TensorSource | None = None
     b_down: TensorSource | None = None
     container: str = "experts"  # module path of the experts (ModuleList or fused module)
+    output_scale: TensorSource | None = None  # [R] or [R, 1]: expert r's output times output_scale[r]
+    identity_experts: tuple[int, ...] = ()  # router ids of experts returning their input
+    zero_experts: tuple[int, ...] = ()  # router ids of experts returning zero
 
     @property
     def gated(self) -> bool:
         return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def routed_experts(self) -> int:
+        """R: the experts the router chooses among (FFN, identity and zero experts)."""
+        return self.num_experts + len(self.identity_experts) + len(self.zero_experts)
+
+    @property
+    def ffn_ids(self) -> tuple[int, ...]:
+        """The router ids of the FFN experts, in FFN-expert order."""
+        other = set(self.identity_experts) | set(self.zero_experts)
+        return tuple(r for r in range(self.routed_experts) if r not in other)
 
     def validate(self, where: str) -> None:
         _check_choice(f"{where}.activation", self.activation, ACTIVATIONS)
         for name in ("num_experts", "hidden_dim", "ffn_dim"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{where}.{name}={getattr(self, name)} is invalid: use a positive size.")
+        ids = [*self.identity_experts, *self.zero_experts]
+        R = self.routed_experts
+        bad = [r for r in ids if not 0 <= r < R]
+        if bad or len(set(ids)) != len(ids):
+            raise PlanError(
+                f"{where}.identity_experts={list(self.identity_experts)}, zero_experts={list(self.zero_experts)} "
+                f"are invalid: they must be distinct router ids in [0, {R}) (R = num_experts={self.num_experts} "
+                f"FFN experts + the identity and zero experts); list each zero-compute expert once."
+            )
         if self.gated != (self.w_up is not None):
             raise PlanError(
                 f"{where}.w_up={self.w_up!r} is invalid for activation={self.activation!r}: gated activations "
@@ -277,10 +307,18 @@ class MoESpec:
                 )
         if self.heads is not None:
             self._validate_heads(where, self.heads)
-        elif self.router.num_experts != self.experts.num_experts:
+        elif self.router.num_experts != self.experts.routed_experts:
+            zero_compute = len(self.experts.identity_experts) + len(self.experts.zero_experts)
             raise PlanError(
                 f"{where}.router.num_experts={self.router.num_experts} is invalid: the experts container "
-                f"holds {self.experts.num_experts}; they must agree."
+                f"holds {self.experts.num_experts}" + (f" FFN experts and {zero_compute} identity / zero experts"
+                                                       if zero_compute else "") + "; they must agree."
+            )
+        if self.capacity is not None and self.experts.routed_experts != self.experts.num_experts:
+            raise PlanError(
+                f"{where}.capacity is not supported together with identity / zero experts in this build: "
+                f"capacity counts FFN-expert assignments only; use capacity=None (dropless; under EP leave "
+                f"Plan.capacity_factor unset)."
             )
         for name in self.side_outputs:
             _check_choice(f"{where}.side_outputs", name, SIDE_OUTPUTS)
@@ -305,7 +343,10 @@ class MoESpec:
         unsupported = [name for name, present in (
             ("shared", self.shared is not None), ("capacity", self.capacity is not None),
             ("router.bias", self.router.bias is not None),
-            ("router.logits_from='module'", self.router.logits_from == "module")) if present]
+            ("router.logits_from='module'", self.router.logits_from == "module"),
+            ("experts.output_scale", self.experts.output_scale is not None),
+            ("experts.identity_experts / zero_experts", self.experts.routed_experts != self.experts.num_experts))
+            if present]
         if unsupported:
             raise PlanError(
                 f"{where}.heads is not supported together with {', '.join(unsupported)} in this build: the "
@@ -356,6 +397,12 @@ class MoESpec:
             parts.append(f"groups={r.n_group}/keep {r.topk_group}")
         if r.routed_scaling_factor != 1.0:
             parts.append(f"scale={r.routed_scaling_factor:g}")
+        zero_compute = [f"{kind} {list(ids)}" for kind, ids in (("identity", x.identity_experts),
+                                                                 ("zero", x.zero_experts)) if ids]
+        if zero_compute:
+            parts.append(f"zero-compute experts: {', '.join(zero_compute)} (of {x.routed_experts} routed)")
+        if x.output_scale is not None:
+            parts.append("expert-output-scale")
         if self.shared is not None:
             parts.append("shared" + ("(gated)" if self.shared.gate_path else ""))
         if self.capacity is not None:

@@ -5,7 +5,8 @@ shape, experts at any depth, layouts and activations of every kind), and a near-
 accepted spec with one thing changed (renormalisation dropped, a bias forgotten, the activation
 swapped, ...), which the semantic check must reject with its reason on the same probes. Every
 accepted block must be exact under `Plan(form="single")`: outputs and every gradient against the
-original block; the cases marked `ep` also under EP at W=2 on gloo (`test_ep_parity_w2`).
+original block; the cases marked `ep` also under EP at W=2 on gloo (`test_ep_parity_w2`). A block that
+takes token ids after the hidden states (the hash router's) gets them in every run (`_further_inputs`).
 
 Shape legend: T tokens, D model width, F expert width, E experts, K top-k.
 """
@@ -407,7 +408,7 @@ class RouterModuleLogits(nn.Module):
 
 
 class Relu2Experts(nn.Module):
-    """Non-gated experts with a squared ReLU (not a known activation yet)."""
+    """Non-gated experts with a squared ReLU, `relu(x) ** 2`."""
 
     def __init__(self):
         super().__init__()
@@ -435,6 +436,22 @@ class IdentityExperts(nn.Module):
         return loop_combine(x, w, idx, fns).view_as(h)
 
 
+class ZeroExpertsFirst(nn.Module):
+    """2 zero-compute experts that return zeros, router ids 0 and 1, before E - 2 fused GELU experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.w_in = nn.Parameter(torch.randn(E - 2, FF, D) / math.sqrt(D))
+        self.w_out = nn.Parameter(torch.randn(E - 2, D, FF) / math.sqrt(FF))
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        w, idx = softmax_topk(self.router(x))
+        ffns = [lambda t, e=e: F.linear(F.gelu(F.linear(t, self.w_in[e])), self.w_out[e]) for e in range(E - 2)]
+        return loop_combine(x, w, idx, [torch.zeros_like, torch.zeros_like, *ffns]).view_as(h)
+
+
 class ExpertScale(nn.Module):
     """A learned per-expert output scale [E] on fused experts."""
 
@@ -453,6 +470,63 @@ class ExpertScale(nn.Module):
         return loop_combine(x, w, idx, experts).view_as(h)
 
 
+class SortSelection(nn.Module):
+    """Experts picked by a descending sort of the softmax scores and slicing (no top-k call), renormalised."""
+
+    def __init__(self):
+        super().__init__()
+        self.ranker = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList(Mlp() for _ in range(E))
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        scores, order = torch.sort(self.ranker(x).softmax(-1), dim=-1, descending=True)
+        w, idx = scores[:, :K], order[:, :K]
+        return loop_combine(x, w / w.sum(-1, keepdim=True), idx, list(self.experts)).view_as(h)
+
+
+class ArgsortSelection(SortSelection):
+    """Sigmoid scores ranked by argsort, the first K kept, their scores gathered (no renormalisation)."""
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        scores = torch.sigmoid(self.ranker(x))
+        idx = scores.argsort(dim=-1, descending=True)[..., :K]
+        return loop_combine(x, scores.gather(1, idx), idx, list(self.experts)).view_as(h)
+
+
+VOCAB = 11
+
+
+class HashRouter(nn.Module):
+    """Hash routing: a token's K experts are a fixed lookup of its token id ([V, K] table); their weights the
+    softmax of the router's own logits at them, renormalised."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, E, bias=False)
+        self.register_buffer("table", torch.randint(0, E, (VOCAB, K), generator=torch.Generator().manual_seed(9)))
+
+    def forward(self, x_TD, input_ids):
+        idx = self.table[input_ids.reshape(-1)]
+        w = self.proj(x_TD).softmax(-1).gather(1, idx)
+        return w / w.sum(-1, keepdim=True), idx
+
+
+class HashRouted(nn.Module):
+    """The block takes the token ids as a second input and hands them to its hash router."""
+
+    def __init__(self):
+        super().__init__()
+        self.hasher = HashRouter()
+        self.experts = nn.ModuleList(Mlp() for _ in range(E))
+
+    def forward(self, h, input_ids):
+        x = h.reshape(-1, D)
+        w, idx = self.hasher(x, input_ids)
+        return loop_combine(x, w, idx, list(self.experts)).view_as(h)
+
+
 def _router(**changes):
     return lambda s: s.replace(router=replace(s.router, **changes))
 
@@ -469,6 +543,14 @@ def _swap_gate_up(s: MoESpec) -> MoESpec:
 def _shared_gate_forgotten(s: MoESpec) -> MoESpec:
     assert s.shared is not None
     return s.replace(shared=replace(s.shared, gate_path=None))
+
+
+def _identity_as_zero(s: MoESpec) -> MoESpec:  # the zero-compute experts read as returning zero
+    return s.replace(experts=replace(s.experts, identity_experts=(), zero_experts=s.experts.identity_experts))
+
+
+def _zero_as_identity(s: MoESpec) -> MoESpec:  # the zero experts read as returning their input
+    return s.replace(experts=replace(s.experts, zero_experts=(), identity_experts=s.experts.zero_experts))
 
 
 def _module_outputs_swapped(s: MoESpec) -> MoESpec:  # the router module's experts read as the weights
@@ -538,15 +620,32 @@ CASES: dict[str, Case] = {
     "router module returning logits (its hooks keep firing)": Case(
         RouterModuleLogits, _router(logits_from="linear"), "is called 0x by the graph",
         lambda s: s.router.logits_from == "module" and s.router.module_path == "scorer"),
-    "squared-ReLU experts": Case(Relu2Experts, _experts(activation="relu"), OUT),
-    "identity (zero-compute) experts beside FFN experts": Case(IdentityExperts, _router(top_k=1), OUT),
-    "per-expert output scale": Case(ExpertScale, _experts(activation="relu"), OUT),
+    "squared-ReLU experts": Case(Relu2Experts, _experts(activation="relu"), OUT,
+                                 lambda s: s.experts.activation == "relu2" and not s.experts.gated),
+    "identity (zero-compute) experts beside FFN experts": Case(
+        IdentityExperts, _identity_as_zero, OUT,
+        lambda s: s.experts.identity_experts == (E - 2, E - 1) and s.experts.num_experts == E - 2
+        and s.router.num_experts == E, ep=True),
+    "zero experts (returning zeros) before fused FFN experts": Case(
+        ZeroExpertsFirst, _zero_as_identity, OUT,
+        lambda s: s.experts.zero_experts == (0, 1) and s.experts.ffn_ids == tuple(range(2, E))),
+    "per-expert output scale": Case(
+        ExpertScale, _experts(output_scale=None), OUT,
+        lambda s: s.experts.output_scale is not None and s.experts.output_scale.paths == ("out_scale",), ep=True),
+    "selection by a descending sort and slicing": Case(
+        SortSelection, _router(renormalize=False), OUT,
+        lambda s: s.router.score_func == "softmax" and s.router.renormalize and s.top_k == K, ep=True),
+    "selection by argsort and slicing, gathered sigmoid scores": Case(
+        ArgsortSelection, _router(score_func="softmax"), OUT,
+        lambda s: s.router.score_func == "sigmoid" and not s.router.renormalize and s.top_k == K),
+    "hash router keyed by token ids (a second block input)": Case(
+        HashRouted, _module_outputs_swapped, "fails",
+        lambda s: s.input_names == ("hidden_states", "input_ids") and s.router.logits_from == "selection"
+        and s.router.module_args == ("input_ids",) and not s.router.known_kind
+        and s.router.weight.paths == ("hasher.proj.weight",), ep=True),
 }
-NOT_YET = {
-    "squared-ReLU experts": "relu2 is not in moepass.activations yet (shared file, not this issue's)",
-    "identity (zero-compute) experts beside FFN experts": "ExpertsSpec has no identity experts yet",
-    "per-expert output scale": "ExpertsSpec has no per-expert output scale yet",
-}
+NOT_YET: dict[str, str] = {}
+IDENTITY = "identity (zero-compute) experts beside FFN experts"
 
 
 def _params(name: str) -> list:
@@ -583,6 +682,15 @@ def _pools():
     shutdown()
 
 
+def _further_inputs(block: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Token ids for a block that takes them after the hidden states (the hash router's)."""
+    from moepass.detect.candidates import further_inputs
+    from moepass.detect.check import token_ids
+
+    gen = torch.Generator().manual_seed(8)
+    return [token_ids(block, x.shape[:-1], gen) for _ in further_inputs(block)]
+
+
 def _outputs(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -601,15 +709,20 @@ def test_detected_exact_and_twin_rejected(name, detected):
     assert good.accepted, good.reason
     assert not miss.accepted and case.twin_reason in miss.reason, miss.reason
     # exact under form="single": outputs and every gradient
-    compiled = moepass.compile(copy.deepcopy(block), moepass.Plan(form="single"), report=report)
+    assert_exact(block, moepass.compile(copy.deepcopy(block), moepass.Plan(form="single"), report=report))
+
+
+def assert_exact(block: nn.Module, compiled: nn.Module) -> None:
+    """The compiled block's outputs, input gradient and every parameter gradient equal the block's."""
     x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(3))
     weight = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(4))
+    further = _further_inputs(block, x)
     runs = []
     for module in (block, compiled):
         module.train()
         module.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
-        outs = _outputs(module(xi))
+        outs = _outputs(module(xi, *further))
         (outs[0] * weight).sum().backward()
         runs.append((outs, xi.grad, {n: p.grad for n, p in module.named_parameters()}))
     (ref_outs, ref_dx, ref_grads), (outs, dx, grads) = runs
@@ -622,6 +735,17 @@ def test_detected_exact_and_twin_rejected(name, detected):
             assert grads[n] is None or not grads[n].any(), n
         else:
             torch.testing.assert_close(grads[n], g, rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["squared-ReLU experts", "per-expert output scale", IDENTITY])
+def test_lowered_exact(name, detected):
+    """The Triton lowering (interpreted here) of the graphs these variations add: the relu2 kernel, the scale
+    folded into the weights, the slot-sorted permute and the zero-compute rows before the fused combine."""
+    block, report = detected(name)
+    compiled = moepass.compile(copy.deepcopy(block), moepass.Plan(form="single", lowering="triton"), report=report)
+    lowered = {n.target for n in compiled.graph.nodes if getattr(n.target, "namespace", None) == "moe_lowered"}
+    assert len(lowered) == 4, lowered  # route, permute, expert_ffn, unpermute + combine
+    assert_exact(block, compiled)
 
 
 def test_the_zoo_is_big_enough():
@@ -643,10 +767,11 @@ def case_ep(rank, world, name):
     x = torch.randn(2 * world, 5, D, generator=torch.Generator().manual_seed(5))
     weight = torch.randn(2 * world, 5, D, generator=torch.Generator().manual_seed(6))
     mine = slice(2 * rank, 2 * rank + 2)
-    ref_out = block(x)
+    further = _further_inputs(block, x)  # token ids, for a block that takes them
+    ref_out = block(x, *further)
     # EP's gradient convention: each rank's loss is its own; the reference is their mean
     (ref_out * weight).sum().div(world).backward()
-    out = cm(x[mine])
+    out = cm(x[mine], *[t[mine] for t in further])
     (out * weight[mine]).sum().backward()
     torch.testing.assert_close(out, ref_out[mine], rtol=RTOL, atol=ATOL)
     from moepass.runtime.grads import all_reduce_replicated_grads
@@ -667,6 +792,81 @@ def test_ep_parity_w2(name):
     results = pool(2).run(case_ep, name)
     # every parameter's gradient was compared on some rank (experts on their owner, the rest on both)
     assert set(results[0]) | set(results[1]) == {n for n, p in _build(name).named_parameters() if p.requires_grad}
+
+
+def case_identity_rows_stay_local(rank, world):
+    """The zero-compute block under EP: the dispatch sends this rank's FFN assignments and nothing else, and
+    the EP graph never reads the FFN row count on the host (the dispatch sends the leading rows)."""
+    import moepass
+    from moepass.canonical import ffn_rows
+
+    block = _build(IDENTITY)
+    cm = moepass.compile(copy.deepcopy(block), moepass.Plan(form="ep", topology=moepass.Topology(1, world)))
+    x = torch.randn(6, 5, D, generator=torch.Generator().manual_seed(7 + rank))
+    _, idx_TK = softmax_topk(block.router(x.reshape(-1, D)))
+    moepass.reset_comm_stats()
+    cm(x).sum().backward()
+    sent = moepass.comm_stats()["dispatch"]
+    ffn_assignments = int((idx_TK < E - 2).sum())
+    host_reads = sum(n.target is ffn_rows for n in cm.graph.nodes)
+    try:  # FSEP's buckets are expert slots: zero-compute experts have none
+        moepass.compile(copy.deepcopy(block), moepass.Plan(form="fsep", topology=moepass.Topology(1, world)))
+        fsep = "compiled"
+    except moepass.PlanError as err:
+        fsep = str(err)
+    return (ffn_assignments, idx_TK.numel() - ffn_assignments, sent["intra"] + sent["self"] + sent["inter"],
+            host_reads, fsep)
+
+
+@pytest.mark.dist
+def test_identity_rows_never_cross_the_all_to_all():
+    for ffn, identity, sent, host_reads, fsep in pool(2).run(case_identity_rows_stay_local):
+        assert identity > 0 and ffn > 0  # both kinds of rows on every rank's batch: the count can tell them apart
+        assert sent == ffn * D * 4 and host_reads == 0
+        assert fsep == ("block '<root>' has identity / zero experts, which this form does not support (its buckets "
+                        "are not the FFN experts, or it drops by capacity): use form='ep' without capacity, or leave "
+                        "the block alone.")
+
+
+def test_zero_compute_rows_in_the_single_graph():
+    """The single form: the expert FFN gets only the FFN rows (one host read of their count, `ffn_rows`); the
+    identity rows take their inputs, the zero rows zeros; the output scale is folded into the weights."""
+    from moepass.canonical import expert_slots, ffn_rows, zero_compute_rows
+
+    _, report = (lambda b: (b, moepass.detect(b)))(_build(IDENTITY))
+    gm = moepass.compile(_build(IDENTITY), moepass.Plan(form="single"), report=report)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(ffn_rows) == targets.count(zero_compute_rows) == targets.count(expert_slots) == 1
+    slots_TK = expert_slots(torch.tensor([[0, 5], [4, 1], [3, 2]]), (0, 1, 3), (4,), 6)  # 2, 5 zero; 4 identity
+    assert slots_TK.tolist() == [[0, 4], [3, 1], [2, 4]]
+    x_ND = torch.arange(12.0).view(6, 2)  # slot-sorted: 3 FFN rows, 1 identity row, 2 zero rows
+    counts_J = torch.tensor([1, 1, 1, 1, 2])
+    assert ffn_rows(x_ND, counts_J[:3]).shape == (3, 2)
+    y = zero_compute_rows(-torch.ones(3, 2), x_ND, counts_J)
+    assert y.tolist() == [[-1, -1]] * 3 + [[6, 7]] + [[0, 0]] * 2
+
+
+def test_zero_compute_and_scale_spec_errors():
+    from moepass.errors import PlanError
+    from moepass.spec import CapacitySpec, ExpertsSpec, HeadsSpec, TensorSource
+
+    (spec,) = moepass.detect(_build(IDENTITY)).blocks
+    with pytest.raises(PlanError) as err:
+        spec.replace(experts=replace(spec.experts, zero_experts=(4,), identity_experts=(4,)))
+    assert str(err.value) == (
+        "MoESpec[<root>].experts.identity_experts=[4], zero_experts=[4] are invalid: they must be distinct router "
+        "ids in [0, 6) (R = num_experts=4 FFN experts + the identity and zero experts); list each zero-compute "
+        "expert once.")
+    with pytest.raises(PlanError, match=r"router.num_experts=6 is invalid: the experts container holds 4 FFN "
+                                        r"experts and 1 identity / zero experts; they must agree"):
+        spec.replace(experts=replace(spec.experts, identity_experts=(4,)))
+    with pytest.raises(PlanError, match=r"capacity is not supported together with identity / zero experts"):
+        spec.replace(capacity=CapacitySpec())
+    heads = HeadsSpec(num_heads=2, head_dim=D, model_dim=2 * D)
+    experts = ExpertsSpec(num_experts=2 * E, hidden_dim=D, ffn_dim=FF, activation="gelu",
+                          output_scale=TensorSource.param("out_scale"))
+    with pytest.raises(PlanError, match=r"heads is not supported together with experts.output_scale"):
+        spec.replace(heads=heads, experts=experts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -739,9 +939,28 @@ def test_expert_function_comes_from_the_graph():
                                                                                        "inp.weight", "outp.weight")
     fn = read_expert(FusedGateUpMlp(), D)
     assert not isinstance(fn, str) and fn.gate.interleave == (0, 2) and fn.up and fn.up.interleave == (1, 2)
-    assert read_expert(Mlp(gated=False, act=lambda t: F.relu(t) ** 2), D) == (
-        "no known FFN activation ['swiglu', 'geglu', 'gelu', 'gelu_tanh', 'relu', 'clamped_swiglu'] reproduces "
-        "an expert (not gated, F=24)")
+    fn = read_expert(Mlp(gated=False, act=lambda t: F.relu(t) ** 2), D)
+    assert not isinstance(fn, str) and fn.activation == "relu2" and fn.up is None
+    assert read_expert(Mlp(gated=False, act=torch.tanh), D) == (
+        "no known FFN activation ['swiglu', 'geglu', 'gelu', 'gelu_tanh', 'relu', 'relu2', 'clamped_swiglu'] "
+        "reproduces an expert (not gated, F=24)")
+
+
+def test_a_wider_router_is_read_only_where_no_exact_one_exists():
+    """An [R, D] weight with E < R <= 2E makes a candidate (zero-compute experts beside E FFN experts) only
+    when no ancestor holds an [E, D] one; an embedding table or an [R > 2E, D] weight never does."""
+    from moepass.detect.candidates import find_candidates
+
+    class Wide(nn.Module):
+        def __init__(self, rows: int, embedding: bool = False):
+            super().__init__()
+            self.scores = nn.Embedding(rows, D) if embedding else nn.Linear(D, rows, bias=False)
+            self.experts = nn.ModuleList(Mlp() for _ in range(E))
+
+    assert [(c.num_experts, c.ffn_experts) for c in find_candidates(Wide(E + 3))] == [(E + 3, E)]
+    assert find_candidates(Wide(2 * E + 1)) == [] and find_candidates(Wide(E + 3, embedding=True)) == []
+    outer = nn.ModuleDict({"lm_head": nn.Linear(D, E + 1, bias=False), "moe": IdentityExperts()})
+    assert [(c.path, c.num_experts) for c in find_candidates(outer)] == [("moe", E)]
 
 
 def test_not_an_moe_selection_is_reported():

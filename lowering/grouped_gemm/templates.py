@@ -123,6 +123,19 @@ def activate_grad(da, g, u, limit, alpha):
     dg = tl.where(g > 0.0, da, 0.0)
     return dg, dg
 ''',
+    "relu2": '''
+@triton.jit
+def activate(g, u, limit, alpha):
+    """squared relu: relu(gate) ** 2"""
+    r = tl.maximum(g, 0.0)
+    return r * r
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    dg = da * 2.0 * tl.maximum(g, 0.0)
+    return dg, dg
+''',
     "clamped_swiglu": '''
 @triton.jit
 def activate(g, u, limit, alpha):

@@ -3,7 +3,9 @@
 An *expert group* is E same-shaped things at any depth: a ModuleList / ModuleDict of identical modules
 (each with linear layers), or >= 2 three-dimensional parameters of one module sharing a leading dim E.
 The candidate block of a group is its nearest ancestor that also holds (at any depth, outside the
-group) a two-dimensional [E, D] parameter: something that can score E experts. A module that says it
+group) a two-dimensional [E, D] parameter: something that can score E experts; failing that at every
+ancestor, an [R, D] one with E < R <= 2E (not an embedding): a router that also scores R - E
+zero-compute experts (identity / zero), which `loop_experts.expert_variants` places as hypotheses. A module that says it
 is an MoE block (a `moepass_spec(path)` method: `moepass.detect.self_described`) is a candidate too.
 Nothing here reads a name: the names of the block's attributes are whatever the user chose.
 
@@ -14,13 +16,14 @@ selection over E scores found in that graph is what makes it an MoE block, and t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from moepass.detect.capture import Capture, Selection, capture, selection
-from moepass.detect.check import probe_copy
+from moepass.detect.capture import Capture, Selection, attrs, capture, selection, upstream, value
+from moepass.detect.check import probe_copy, token_ids
 from moepass.detect.router import RouterFacts, read_router
 from moepass.spec import SharedExpertSpec
 
@@ -33,7 +36,7 @@ PROBE_TOKENS = (2, 6)  # [B, S] of the probe the candidate's graph is captured o
 class Candidate:
     path: str
     module: nn.Module
-    num_experts: int  # 0 for a self-described block (its spec says)
+    num_experts: int  # R, the experts the router scores; 0 for a self-described block (its spec says)
     router_path: str  # module holding the [E, D] weight (relative to the block; any depth)
     experts_path: str  # "" when the experts' 3-D weights live on the block itself
     experts_kind: str  # "modulelist", "moduledict", "fused" or SELF_DESCRIBED
@@ -44,6 +47,12 @@ class Candidate:
     selection: Selection | None = None
     router: RouterFacts | None = None
     outputs: int = 1  # how many values the block returns
+    ffn_experts: int = 0  # E, the expert group's size: R - E router ids are zero-compute experts (0: E = R)
+    input_names: tuple[str, ...] = ("hidden_states",)  # the hidden states, then further inputs (token ids)
+
+    @property
+    def num_ffn_experts(self) -> int:
+        return self.ffn_experts or self.num_experts
 
     @property
     def experts(self) -> nn.Module:
@@ -110,17 +119,21 @@ def _grouped(modules: dict[str, nn.Module], groups: list[_Group]) -> set[str]:
 
 
 def _router_weight(block_path: str, block: nn.Module, group: _Group, grouped: set[str],
-                   widths: set[int]) -> tuple[str, int] | None:
-    """(path relative to the block of the module holding an [E, D] weight outside every expert group, D):
-    D one of the experts' input widths; a weight beside fused expert weights (e.g. an [E, F] bias) last."""
+                   widths: set[int], wider: bool = False) -> tuple[str, int, int] | None:
+    """(path relative to the block of the module holding an [R, D] weight outside every expert group, D, R):
+    D one of the experts' input widths, R the group's E experts, or with `wider` E < R <= 2E (zero-compute
+    experts beside the FFN experts; never an embedding table); a weight beside fused expert weights (e.g. an
+    [E, F] bias) last."""
+    E = group.num_experts
     found = []
     for name, p in block.named_parameters():
         full = f"{block_path}.{name}" if block_path else name
-        if p.dim() == 2 and p.shape[0] == group.num_experts and p.shape[1] in widths \
-                and full not in grouped:
-            owner = name.rsplit(".", 1)[0] if "." in name else ""
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        rows_fit = E < p.shape[0] <= 2 * E and not isinstance(block.get_submodule(owner), nn.Embedding) \
+            if wider else p.shape[0] == E
+        if p.dim() == 2 and rows_fit and p.shape[1] in widths and full not in grouped:
             beside = group.kind == "fused" and (f"{block_path}.{owner}" if block_path else owner).strip(".") == group.path
-            found.append((beside, owner, int(p.shape[1])))
+            found.append((beside, owner, int(p.shape[1]), int(p.shape[0])))
     return min(found, key=lambda f: f[0])[1:] if found else None
 
 
@@ -135,30 +148,46 @@ def find_candidates(model: nn.Module) -> list[Candidate]:
             found[path] = Candidate(path, module, 0, router_path="", experts_path="", experts_kind=SELF_DESCRIBED)
     for group in groups:
         parts = group.path.split(".") if group.path else []
-        # ancestors nearest first (the owner of fused weights may itself be the block)
+        # ancestors nearest first (the owner of fused weights may itself be the block); an [E, D] weight at any
+        # of them before a wider one
         ancestors = [".".join(parts[:i]) for i in range(len(parts) - (group.kind != "fused"), -1, -1)]
-        for block_path in ancestors:
+        for block_path, wider in [(a, wider) for wider in (False, True) for a in ancestors]:
             block = modules[block_path]
-            router = _router_weight(block_path, block, group, grouped, _widths(group, modules))
+            router = _router_weight(block_path, block, group, grouped, _widths(group, modules), wider)
             if router is None:
                 continue
             if block_path not in found:
                 found[block_path] = Candidate(
-                    block_path, block, group.num_experts, router_path=router[0],
+                    block_path, block, router[2], router_path=router[0],
                     experts_path=_relative(group.path, block_path), experts_kind=group.kind,
-                    fused_params=dict(group.fused), expert_names=group.names, hidden_dim=router[1])
+                    fused_params=dict(group.fused), expert_names=group.names, hidden_dim=router[1],
+                    ffn_experts=group.num_experts)
             break
     ordered = [found[p] for p in modules if p in found]
     return [c for c in ordered if not any(_inside(c.path, o.path) and o.path != c.path for o in ordered)]
+
+
+def further_inputs(block: nn.Module) -> tuple[str, ...]:
+    """The names of the block's required positional inputs after the hidden states (e.g. the token ids a
+    hash router is keyed by): probed with token ids (`check.token_ids`)."""
+    try:
+        params = list(inspect.signature(block.forward).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(p.name for p in positional[1:] if p.default is p.empty)
 
 
 def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     """Record the candidate's forward on a probe copy and read its selection and router; the reason it is
     not an MoE block (no selection over its E experts) or None."""
     probe = probe_copy(c.module, seed)
-    x = torch.randn(*PROBE_TOKENS, c.hidden_dim, generator=torch.Generator().manual_seed(seed + 1))
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*PROBE_TOKENS, c.hidden_dim, generator=gen)
+    c.input_names = ("hidden_states", *further_inputs(c.module))
+    ids = [token_ids(probe, PROBE_TOKENS, gen) for _ in c.input_names[1:]]
     try:
-        c.graph = capture(probe, x)
+        c.graph = capture(probe, x, *ids, names=c.input_names)
     except Exception as err:  # the user's block fails on probe inputs: reject, never raise
         return f"probing the block failed: {type(err).__name__}: {err}"
     c.selection = selection(c.graph, c.num_experts)
@@ -170,6 +199,24 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     out = c.graph.output
     c.outputs = len(out) if isinstance(out, tuple) else 1
     return None
+
+
+def output_scales(c: Candidate) -> list[str]:
+    """Block tensors that may scale each expert's output: [R] or [R, 1] floating parameters / buffers the
+    graph reads outside the selection scores' slice that are not the router's (R the router's experts)."""
+    if c.graph is None or c.selection is None:
+        return []
+    R = c.num_experts
+    scores = upstream(c.selection.scores or c.selection.node)
+    router = {c.router.weight, c.router.bias, c.router.selection_bias} if c.router else set()
+    found = []
+    for node in attrs(c.graph.graph.nodes):
+        val = value(node)
+        if node in scores or str(node.target) in router or not node.users or not isinstance(val, torch.Tensor) \
+                or not val.is_floating_point() or tuple(val.shape) not in ((R,), (R, 1)):
+            continue
+        found.append(str(node.target))
+    return list(dict.fromkeys(found))
 
 
 def find_dense_mlps(model: nn.Module, moe_paths: list[str]) -> list[str]:

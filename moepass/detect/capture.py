@@ -1,7 +1,8 @@
 """Capture: one probe forward of a module, recorded as an FX graph of the torch calls it makes.
 
 Detection reads what a block *computes* from this graph, not what its attributes are called: which
-call selects experts (a top-k or argmax over E scores), which parameters feed the scores (the router
+call selects experts (a top-k or argmax over E scores, a descending sort whose first k indices are
+kept, or a lookup of an integer table by token ids: hash routing), which parameters feed the scores (the router
 weight, its bias, a selection-only bias), which submodule the selection happens in (a router module
 to keep calling), what the expert function is (linear, activation, product, linear).
 
@@ -37,6 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 # The expert-selection calls: (functions, what their integer result is)
 TOPK = (torch.topk, torch.Tensor.topk)
 ARGMAX = (torch.argmax, torch.Tensor.argmax)
+SORT = (torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort)  # descending, then the first k
 LINEAR = (torch.nn.functional.linear,)
 
 
@@ -168,11 +170,13 @@ class _Recorder(TorchFunctionMode):
         return handles
 
 
-def capture(module: nn.Module, *inputs: torch.Tensor) -> Capture:
+def capture(module: nn.Module, *inputs: torch.Tensor, names: tuple[str, ...] = ()) -> Capture:
     """Run `module(*inputs)` under no_grad, recording its graph. `module` should be a probe copy: hooks
-    are added for the call and removed after it, nothing else is changed."""
+    are added for the call and removed after it, nothing else is changed. `names`: the inputs' placeholder
+    names (default `input_<i>`)."""
     recorder = _Recorder(module)
-    placeholders = [recorder.placeholder(f"input_{i}", x) for i, x in enumerate(inputs)]
+    placeholders = [recorder.placeholder(names[i] if i < len(names) else f"input_{i}", x)
+                    for i, x in enumerate(inputs)]
     handles = recorder.hooks(module)
     try:
         with torch.no_grad(), recorder:
@@ -187,25 +191,78 @@ def capture(module: nn.Module, *inputs: torch.Tensor) -> Capture:
 
 @dataclass
 class Selection:
-    """The expert-selection call of a captured block: a top-k (or argmax, k = 1) over E scores."""
+    """The expert-selection call of a captured block: a top-k (or argmax, k = 1, or a descending sort
+    whose first k indices are kept) over E scores."""
 
-    node: fx.Node  # the topk / argmax call
-    scores: fx.Node  # its input: [..., E] scores
+    node: fx.Node  # the topk / argmax / sort call, or the lookup
+    scores: fx.Node | None  # its input: [..., E] scores (None for a lookup by token ids)
     k: int
     indices: torch.Tensor  # [T, k] selected experts (as recorded)
     values: fx.Node | None  # topk's values node (None for argmax)
 
 
-def selection(cap: Capture, num_experts: int) -> Selection | None:
-    """The last top-k / argmax over the last dim of E scores (the block's final selection), or None."""
+def _leading(node: fx.Node, full: torch.Tensor) -> fx.Node | None:
+    """The user of `node` (whose value is `full`, [..., E]) that keeps its first k < E entries on the last dim."""
+    for user in node.users:
+        val = value(user)
+        if user.target is torch.Tensor.__getitem__ and isinstance(val, torch.Tensor) and val.dim() == full.dim() \
+                and val.shape[:-1] == full.shape[:-1] and 0 < val.shape[-1] < full.shape[-1] \
+                and torch.equal(val, full[..., :val.shape[-1]]):
+            return user
+    return None
+
+
+def _sort_selection(node: fx.Node, scores: fx.Node, val: torch.Tensor) -> Selection | None:
+    """A descending sort / argsort over the last dim whose first k indices are kept (`sorted[..., :k]`)."""
+    args = list(node.args) + [None] * 3
+    dim = node.kwargs.get("dim", args[1] if args[1] is not None else -1)
+    if not node.kwargs.get("descending", args[2] or False) or dim not in (-1, val.dim() - 1):
+        return None
+    items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    indices, values = (items.get(1), items.get(0)) if node.target in SORT[:2] else (node, None)
+    kept = None if indices is None else _leading(indices, value(indices))
+    if kept is None:
+        return None
+    k = value(kept).shape[-1]
+    kept_values = None if values is None else _leading(values, value(values))
+    return Selection(node, scores, k, value(kept).reshape(-1, k), kept_values)
+
+
+def lookup_selection(cap: Capture, num_experts: int) -> Selection | None:
+    """The last lookup of experts by token ids (hash routing): a call reading an integer table of the block
+    with indices computed from a block input other than the hidden states, whose result ([T, k] or [T])
+    holds expert ids in [0, E)."""
     found = None
-    for node in cap.nodes(TOPK + ARGMAX):
+    ids = [n for n in cap.graph.nodes if n.op == "placeholder" and n is not cap.input_node]
+    for node in cap.graph.nodes:
+        val = value(node)
+        if node.op != "call_function" or not isinstance(val, torch.Tensor) or val.is_floating_point() \
+                or val.dtype == torch.bool or val.dim() not in (1, 2) or not val.numel():
+            continue
+        table = node.args[0] if node.args else None
+        tval = value(table)
+        if not isinstance(table, fx.Node) or table.op != "get_attr" or not isinstance(tval, torch.Tensor) \
+                or tval.is_floating_point() or not any(i in upstream(node) for i in ids):
+            continue
+        if int(val.min()) >= 0 and int(val.max()) < num_experts:
+            k = val.shape[-1] if val.dim() == 2 else 1
+            found = Selection(node, None, k, val.reshape(-1, k), None)
+    return found
+
+
+def selection(cap: Capture, num_experts: int) -> Selection | None:
+    """The last top-k / argmax / sort-then-slice over the last dim of E scores (the block's final selection),
+    or else a lookup by token ids (`lookup_selection`), or None."""
+    found = None
+    for node in cap.nodes(TOPK + ARGMAX + SORT):
         scores = node.args[0] if node.args else None
         val = value(scores)
         if not isinstance(scores, fx.Node) or not isinstance(val, torch.Tensor) or val.dim() < 1 \
                 or val.shape[-1] != num_experts or not val.is_floating_point():
             continue
-        if node.target in TOPK:
+        if node.target in SORT:
+            found = _sort_selection(node, scores, val) or found
+        elif node.target in TOPK:
             k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
             dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
             largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
@@ -218,7 +275,7 @@ def selection(cap: Capture, num_experts: int) -> Selection | None:
             if dim not in (-1, val.dim() - 1):
                 continue
             found = Selection(node, scores, 1, value(node).reshape(-1, 1), None)
-    return found
+    return found or lookup_selection(cap, num_experts)
 
 
 def slice_attrs(node: fx.Node) -> list[fx.Node]:

@@ -13,7 +13,9 @@ through the spec's canonical graph. The probe is built so that near-miss specs s
   are not compared, and probes are added until MIN_CLEAR_FRACTION of the tokens are clear.
 
 Then the selected experts must agree exactly on the clear tokens (the original's selection is
-observed by intercepting its last top-k / argmax over E scores), the outputs (every element of a
+observed by intercepting its last top-k / argmax over E scores, or the first K indices of a descending
+sort / argsort over them; a selection by lookup of token ids runs in the user's router module, which
+the graph calls as it is: its recorded output is compared instead), the outputs (every element of a
 tuple output) within tolerance, and the contract beyond the output: the router module's recorded
 output (specs that call it: `logits_from="module"`), the train-mode output under the same RNG
 seed (jitter reproduced in the same order; a dropout that the graph lacks fails here) and the buffers
@@ -36,6 +38,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from moepass import canonical
+from moepass.detect.capture import SORT
 from moepass.dialect import route_ref
 from moepass.spec import MoESpec
 
@@ -46,6 +49,20 @@ MAX_EXTRA_PROBES = 8
 PROBE_SCALING = 2.5  # routed_scaling_factor set on the probe when the model's is 1
 SCALING_ATTRS = ("routed_scaling_factor",)
 TRAIN_SEED = 1234
+SORTED = 0  # `_TopkSpy.calls` k of a descending sort: every index, in order
+Inputs = tuple[torch.Tensor, ...]  # one probe: the hidden states, then the block's further inputs (token ids)
+
+
+def clones(x: Inputs) -> Inputs:
+    return tuple(t.clone() for t in x)
+
+
+def token_ids(block: nn.Module, shape: torch.Size | tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Probe token ids for a block input beyond the hidden states (a router keyed by token ids): int64 in
+    [0, V), V the smallest leading size of the block's integer buffers (the lookup tables it may index with
+    them), or 2 without one."""
+    sizes = [t.shape[0] for t in block.buffers() if not t.is_floating_point() and t.dim() and t.shape[0] > 0]
+    return torch.randint(0, min(sizes, default=2), tuple(shape), generator=gen)
 
 
 @dataclass
@@ -114,20 +131,28 @@ class _TopkSpy(TorchFunctionMode):
             if dim in last:
                 X = scores.shape[-1]
                 self.calls.append((scores.detach().reshape(-1, X), 1, out.detach().reshape(-1, 1)))
+        elif func in SORT:  # a descending sort: its leading k indices are a top-k (`seen` takes K of them)
+            full = list(args) + [None] * 3
+            dim = kwargs.get("dim", full[1] if full[1] is not None else -1)
+            if kwargs.get("descending", full[2] or False) and dim in last:
+                indices = out if func in SORT[2:] else out[1]
+                X = scores.shape[-1]
+                self.calls.append((scores.detach().reshape(-1, X), SORTED, indices.detach().reshape(-1, X)))
         return out
 
     @property
     def seen(self) -> _Selection:
         E, K = self.num_experts, self.top_k
-        final = [c for c in self.calls if c[0].shape[-1] == E and c[1] == K]
+        final = [(s, K, i[:, :K]) if k == SORTED else (s, k, i) for s, k, i in self.calls
+                 if s.shape[-1] == E and k in (K, SORTED)]
         if not final:
-            other = [c[1] for c in self.calls if c[0].shape[-1] == E]
+            other = [c[1] for c in self.calls if c[0].shape[-1] == E and c[1] != SORTED]
             return _Selection(calls=self.calls, other_k=other[-1] if other else None)
         scores, _, indices = final[-1]
         clear = _margin_clear(scores, K)
         for g_scores, g_k, _ in self.calls:  # group top-k (group-limited: best topk_group of G groups)
             G = g_scores.shape[-1]
-            if G < E and E % G == 0 and g_scores.shape[0] == scores.shape[0] and g_k < G:
+            if G < E and E % G == 0 and g_scores.shape[0] == scores.shape[0] and 0 < g_k < G:
                 clear &= _margin_clear(g_scores, g_k)
         return _Selection(scores, indices, clear, self.calls)
 
@@ -171,7 +196,7 @@ def _group_sensitive(spec: MoESpec, logits_TE: torch.Tensor, bias_E: torch.Tenso
     return int((grouped.sort(-1).values != plain.sort(-1).values).any(-1).sum())
 
 
-def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals: list, selections: list[_Selection],
+def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list, selections: list[_Selection],
           atol: float = 1e-5, rtol: float = 1e-4) -> CheckResult:
     """Compare `spec`'s canonical graph with the recorded behaviour of the original on `inputs`."""
     try:
@@ -185,7 +210,7 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
         cap = _Capture(gm, (experts_name, logits_name, bias_name))
         try:
             with torch.no_grad():
-                ours = cap.run(x)
+                ours = cap.run(*x)
         except Exception as err:
             return CheckResult(spec, False, float("inf"), reason=f"canonical graph fails on a probe input: {err}")
         if spec.router.n_group > 1 and logits_name in cap.values:
@@ -230,7 +255,7 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor], originals
     return result
 
 
-def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float = 1e-5,
+def contract_check(spec: MoESpec, probe: nn.Module, x: Inputs, atol: float = 1e-5,
                    rtol: float = 1e-4) -> str | None:
     """Beyond the eval output: the router module's recorded output and the train-mode output under the
     same seed. Returns the reason of a mismatch, or None."""
@@ -260,7 +285,7 @@ def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float
             handle = router.register_forward_hook(record(i))
             try:
                 with torch.no_grad():
-                    run(x.clone())
+                    run(*clones(x))
             finally:
                 handle.remove()
         if len(records[0]) != len(records[1]):
@@ -285,7 +310,7 @@ def contract_check(spec: MoESpec, probe: nn.Module, x: torch.Tensor, atol: float
             _restore(buffers, start)  # both runs start from the same state
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(TRAIN_SEED)
-                outs.append(_outputs(run(x.clone())))
+                outs.append(_outputs(run(*clones(x))))
             updated.append({name: t.clone() for name, t in buffers.items()})
     except Exception as err:
         return f"train mode fails: {type(err).__name__}: {err}"
@@ -324,14 +349,14 @@ def _scaling_overrides(probe: nn.Module) -> bool:
     return changed
 
 
-def _observe(probe: nn.Module, x: torch.Tensor, num_experts: int, top_k: int) -> tuple[tuple, _Selection]:
+def _observe(probe: nn.Module, x: Inputs, num_experts: int, top_k: int) -> tuple[tuple, _Selection]:
     spy = _TopkSpy(num_experts, top_k)
     with torch.no_grad(), spy:
-        out = _outputs(probe(x.clone()))
+        out = _outputs(probe(*clones(x)))
     return out, spy.seen
 
 
-def _group_coverage(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor]) -> int:
+def _group_coverage(spec: MoESpec, probe: nn.Module, inputs: list[Inputs]) -> int:
     """Group-sensitive tokens of the group-limited hypothesis `spec` on `inputs` (0 if it fails)."""
     try:
         gm = canonical.build(spec, probe)
@@ -340,7 +365,7 @@ def _group_coverage(spec: MoESpec, probe: nn.Module, inputs: list[torch.Tensor])
             logits_name, _, bias_name = canonical.routing_names(spec)
             cap = _Capture(gm, (logits_name, bias_name))
             with torch.no_grad():
-                cap.run(x)
+                cap.run(*x)
             total += _group_sensitive(spec, cap.values[logits_name].float(), cap.values.get(bias_name))
         return total
     except Exception:
@@ -360,8 +385,9 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
     E, K, D = hypotheses[0].router.num_experts, hypotheses[0].top_k, hypotheses[0].model_dim
     gen = torch.Generator().manual_seed(seed + 1)
 
-    def draw(scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(2, tokens // 2, D, generator=gen) * scale
+    def draw(scale: float = 1.0) -> Inputs:  # the hidden states, then the block's further inputs (token ids)
+        x = torch.randn(2, tokens // 2, D, generator=gen) * scale
+        return (x, *[token_ids(probe, x.shape[:-1], gen) for _ in hypotheses[0].input_names[1:]])
 
     def probed(spec: MoESpec) -> MoESpec:  # the spec as it must behave on the probe (scale 1 -> PROBE_SCALING)
         if scaled:

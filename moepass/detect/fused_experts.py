@@ -16,16 +16,18 @@ from itertools import permutations
 import torch
 import torch.nn.functional as F
 
+from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 from moepass.detect.candidates import Candidate
 from moepass.detect.loop_experts import block_specs
 from moepass.detect.router import router_hypotheses
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, TensorSource
 
 NAME = "fused-3d"
-GATED_ACTS = ("swiglu", "geglu", "clamped_swiglu")
-PLAIN_ACTS = ("gelu", "relu", "gelu_tanh")
+GATED_ACTS = GATED_ACTIVATIONS
+PLAIN_ACTS = tuple(a for a in ACTIVATIONS if a not in GATED_ACTIVATIONS)
 # activation calls seen in a block's graph -> the activations they make likely, first
-SEEN_ACTS = {F.silu: ("swiglu",), F.gelu: ("geglu", "gelu", "gelu_tanh"), F.relu: ("relu",),
+SEEN_ACTS = {F.silu: ("swiglu",), F.gelu: ("geglu", "gelu", "gelu_tanh"), F.relu: ("relu", "relu2"),
+             torch.relu: ("relu", "relu2"),
              torch.clamp: ("clamped_swiglu",), torch.Tensor.clamp: ("clamped_swiglu",)}
 
 
@@ -86,7 +88,7 @@ def _biases(c: Candidate, width: int) -> list[TensorSource | None]:
     prefix = f"{c.experts_path}." if c.experts_path else ""
     router = {c.router.weight, c.router.bias, c.router.selection_bias} if c.router else set()
     found = [n for n, p in c.experts.named_parameters(recurse=False)
-             if tuple(p.shape) == (c.num_experts, width) and prefix + n not in router]
+             if tuple(p.shape) == (c.num_ffn_experts, width) and prefix + n not in router]
     return [TensorSource.param(prefix + n) for n in found] or [None]
 
 
@@ -105,6 +107,17 @@ def activations(c: Candidate, gated: bool) -> list[str]:
     return sorted(known, key=lambda a: a not in seen)
 
 
+def down_read_last(c: Candidate, layout: dict) -> bool:
+    """Whether the block's graph first uses `layout`'s down weight after every in-projection weight (an FFN
+    reads its in-projections first, whatever the code looks like): such layouts are tried first."""
+    if c.graph is None:
+        return False
+    first_use = {str(n.target): min((u.meta["order"] for u in n.users), default=-1)
+                 for n in c.graph.graph.nodes if n.op == "get_attr"}
+    down = first_use.get(layout["w_down"].paths[0], -1)
+    return all(first_use.get(layout[role].paths[0], -1) < down for role in ("w_gate", "w_up") if layout[role])
+
+
 def recognise(c: Candidate, capacity: CapacitySpec | None = None, name: str = NAME) -> list[MoESpec] | str:
     if c.experts_kind != "fused" or c.router is None or c.graph is None:
         return "experts are not fused 3-D weights"
@@ -116,7 +129,7 @@ def recognise(c: Candidate, capacity: CapacitySpec | None = None, name: str = NA
     if isinstance(routers, str):
         return routers
     specs: list[MoESpec] = []
-    for layout in layouts:
+    for layout in sorted(layouts, key=lambda lay: not down_read_last(c, lay)):
         F_dim = layout["F"]
         one_tensor = layout["gated"] and layout["w_gate"].paths == layout["w_up"].paths
         # separate gate and up tensors: a lone [E, F] bias cannot say which it belongs to (none is read)
@@ -130,7 +143,7 @@ def recognise(c: Candidate, capacity: CapacitySpec | None = None, name: str = NA
                                 for w in (layout["w_gate"], layout["w_up"]))
             for act in activations(c, layout["gated"]):
                 experts = ExpertsSpec(
-                    num_experts=c.num_experts, hidden_dim=D, ffn_dim=F_dim, activation=act,  # type: ignore[arg-type]
+                    num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=F_dim, activation=act,  # type: ignore[arg-type]
                     w_gate=layout["w_gate"], w_up=layout["w_up"], w_down=layout["w_down"],
                     b_gate=b_gate, b_up=b_up, b_down=b_down, container=c.experts_path,
                 )

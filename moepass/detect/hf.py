@@ -168,7 +168,7 @@ def fused_experts_specs(c: Candidate, D: int) -> list[ExpertsSpec] | str:
     if not layouts:
         return f"3-D parameters {c.fused_params} do not read as the declared layout (is_transposed={transposed}, D={D})"
     lay = layouts[0]
-    return [ExpertsSpec(num_experts=c.num_experts, hidden_dim=D, ffn_dim=lay["F"], activation=act,  # type: ignore[arg-type]
+    return [ExpertsSpec(num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=lay["F"], activation=act,  # type: ignore[arg-type]
                         w_gate=lay["w_gate"], w_up=lay["w_up"], w_down=lay["w_down"], container=c.experts_path)
             for act in activations(c, gated)]
 

@@ -6,7 +6,9 @@ block's (`moepass.detect.router`); the experts' weights are stacked per role in 
 
 from __future__ import annotations
 
-from moepass.detect.candidates import Candidate, shared_expert
+from dataclasses import replace
+
+from moepass.detect.candidates import Candidate, output_scales, shared_expert
 from moepass.detect.experts import Role, read_expert
 from moepass.detect.router import router_hypotheses
 from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
@@ -32,7 +34,7 @@ def stacked_experts_spec(c: Candidate, keys: list[str]) -> ExpertsSpec | str:
     w_gate, w_down = stacked(fn.gate), stacked(fn.down)
     assert w_gate is not None and w_down is not None
     return ExpertsSpec(
-        num_experts=c.num_experts, hidden_dim=fn.hidden_dim, ffn_dim=fn.ffn_dim,
+        num_experts=c.num_ffn_experts, hidden_dim=fn.hidden_dim, ffn_dim=fn.ffn_dim,
         activation=fn.activation,  # type: ignore[arg-type]
         w_gate=w_gate, w_up=stacked(fn.up), w_down=w_down,
         b_gate=stacked(fn.gate, bias=True), b_up=stacked(fn.up, bias=True), b_down=stacked(fn.down, bias=True),
@@ -40,17 +42,32 @@ def stacked_experts_spec(c: Candidate, keys: list[str]) -> ExpertsSpec | str:
     )
 
 
+def expert_variants(c: Candidate, experts: ExpertsSpec) -> list[ExpertsSpec]:
+    """`experts` with what the block adds around the FFN experts, as hypotheses (the check decides):
+    zero-compute experts when the router scores R > E experts (the R - E router ids after the FFN
+    experts, or before them, all identity or all zero), and a per-expert output scale (`output_scales`)."""
+    R, E = c.num_experts, experts.num_experts
+    kinds: list[dict[str, tuple[int, ...]]] = [{}]
+    if R > E:
+        kinds = [{kind: ids} for ids in (tuple(range(E, R)), tuple(range(R - E)))
+                 for kind in ("identity_experts", "zero_experts")]
+    scales: list[TensorSource | None] = [TensorSource.param(p) for p in output_scales(c)] + [None]
+    return [replace(experts, output_scale=scale, **kind) for scale in scales for kind in kinds]  # type: ignore[arg-type]
+
+
 def block_specs(c: Candidate, name: str, experts: ExpertsSpec, routers: list[RouterSpec], **fields: object
                 ) -> list[MoESpec] | str:
-    """The MoESpecs of `routers` x `experts`, with the side outputs the block returns (router logits)."""
+    """The MoESpecs of `routers` x `experts` (and its `expert_variants`), with the side outputs the block
+    returns (router logits)."""
     side: tuple[str, ...] = ("router_logits",) if c.outputs == 2 else ()
     if c.outputs > 2:
         return f"the block returns {c.outputs} values: only (hidden states[, router logits]) are known"
     if side and routers and routers[0].logits_from == "selection":
         return "the block returns a second value, but its router module returns a selection, not logits"
     fields.setdefault("shared", shared_expert(c))
-    return [MoESpec(path=c.path, recogniser=name, router=r, experts=experts, side_outputs=side, **fields)  # type: ignore[arg-type]
-            for r in routers]
+    fields.setdefault("input_names", c.input_names)
+    return [MoESpec(path=c.path, recogniser=name, router=r, experts=x, side_outputs=side, **fields)  # type: ignore[arg-type]
+            for x in expert_variants(c, experts) for r in routers]
 
 
 def recognise(c: Candidate) -> list[MoESpec] | str:

@@ -89,14 +89,15 @@ def _linear_of(weight: fx.Node, scores_slice: set[fx.Node]) -> fx.Node | None:
 
 def _tensor_arg(cap: Capture, arg: Any, block_input: torch.Tensor) -> str | None:
     """How the block passes `arg` to a submodule: "hidden" (its input), "tokens" (its input as [T, D]),
-    a parameter / buffer path, or None (something else)."""
+    a parameter / buffer path, a further block input as given (its name: token ids), or None (something
+    else)."""
     if not isinstance(arg, torch.Tensor):
         return None
     if arg is block_input:
         return "hidden"
     for node in cap.graph.nodes:
         if value(node) is arg:
-            if node.op == "get_attr":
+            if node.op in ("get_attr", "placeholder"):
                 return str(node.target)
             if arg.dim() == 2 and arg.shape == (block_input.numel() // block_input.shape[-1], block_input.shape[-1]) \
                     and torch.equal(arg, block_input.reshape(arg.shape)):
@@ -149,7 +150,7 @@ def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
     """The router facts of a captured block whose selection is `sel` (see the module doc)."""
     E = num_experts
     facts = RouterFacts(num_experts=E, top_k=sel.k)
-    scores_slice = upstream(sel.scores)
+    scores_slice = set() if sel.scores is None else upstream(sel.scores)
     for node in attrs(scores_slice):
         val = value(node)
         if facts.weight is None and isinstance(val, nn.Parameter | torch.Tensor) and val.dim() == 2 \
@@ -191,7 +192,22 @@ def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
             facts.scales += [float(a) for a in node.args if isinstance(a, float | int) and not isinstance(a, bool)
                              and a != 1]
     _module_selection(cap, facts, sel)
+    if facts.weight is None and facts.module is not None and facts.selection_outputs is not None:
+        facts.weight = _weights_weight(cap, facts)
     return facts
+
+
+def _weights_weight(cap: Capture, facts: RouterFacts) -> str | None:
+    """The [E, D] parameter the router module's returned weights depend on (a selection without scores:
+    a lookup by token ids, weighted by the module's own logits), if any."""
+    call = next((c for c in reversed(cap.calls) if c.path == facts.module), None)
+    weights = None if call is None or facts.selection_outputs is None else call.output[facts.selection_outputs[0]]
+    node = next((n for n in cap.graph.nodes if value(n) is weights), None)
+    if node is None:
+        return None
+    found = [a for a in attrs(upstream(node)) if isinstance(value(a), torch.Tensor) and value(a).dim() == 2
+             and value(a).shape[0] == facts.num_experts and value(a).is_floating_point()]
+    return str(found[0].target) if found else None
 
 
 def _attr_value(cap: Capture, path: str | None) -> torch.Tensor | None:

@@ -37,6 +37,7 @@ from torch import Tensor, fx
 
 from moepass import dialect
 from moepass.canonical import GraphBuilder, MoEGraphModule
+from moepass.errors import PlanError
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
 from moepass.runtime.topology import EPGroups, NodeGroups, node_groups
@@ -106,14 +107,22 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
     keeps = [keep] if keep is not None else [
         n for n in graph.nodes if n.op == "call_function" and n.target is dialect.CAPACITY_KEEP]
     x_ND, counts = ffn.args[0], ffn.args[1]
+    x_TD, experts_TK, slots = permute.args
+    assert isinstance(experts_TK, fx.Node) and isinstance(x_ND, fx.Node) and isinstance(slots, int), permute.args
+    zero_compute = slots - E  # slots past the FFN experts (identity / zero experts): sorted last, never sent
+    if zero_compute and (route is not None or keeps):
+        raise PlanError(f"block {gm.spec.path or '<root>'!r} has identity / zero experts, which this form does not "
+                        f"support (its buckets are not the FFN experts, or it drops by capacity): use form='ep' "
+                        f"without capacity, or leave the block alone.")
+    if zero_compute:  # the dispatch sends the FFN rows, the leading ones: no host read of their count here
+        x_ND = x_ND.args[0]
+        assert isinstance(x_ND, fx.Node)
 
-    x_TD, experts_TK, _ = permute.args
-    assert isinstance(experts_TK, fx.Node), experts_TK
     with graph.inserting_before(permute):
         if keeps:  # dropped assignments go to bucket E (then B), sorted last and never sent
             experts_TK = b.fn(torch.where, keeps[0], experts_TK, E, name="experts_kept_TK")
         buckets_TK = experts_TK if route is None else route(experts_TK)
-    permute.args = (x_TD, buckets_TK, buckets + 1 if keeps else buckets)
+    permute.args = (x_TD, buckets_TK, buckets + 1 if keeps else buckets + zero_compute)
 
     with graph.inserting_before(ffn):
         counts_B = b.fn(operator.getitem, counts, slice(0, buckets), name=f"send_counts_{axis}") if keeps else counts

@@ -17,13 +17,14 @@ Shape legend: S source ranks, R destination ranks, E experts (matrices are numpy
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import sympy
 
-from cost_model.symbols import smax, smin
+from cost_model.symbols import smax, smin, spositive
 
 FWD_BWD = 3  # backward costs twice the forward: d(input) and d(weight) GEMMs
 A2A_PER_LAYER = 4  # dispatch + combine, forward and backward
@@ -158,15 +159,147 @@ class LayerTerms:
         return (self.compute, self.a2a_exposed, self.other_comm, self.memory, self.a2a_bytes, self.host)
 
 
-def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cross_node_dp: bool) -> LayerTerms:
-    """Step terms of one EP layer (ep = 1: every rank keeps all experts; no all-to-all).
+def dense_flops(T, D, q=0):
+    """Forward FLOPs of a layer's dense part: the four D x D attention projections and the scores (q keys
+    per token, q = 0 when the sequence length is unknown)."""
+    return 2 * T * (4 * D**2 + q * D)
 
-    `x` maps symbol names of `cost_model.symbols` to numbers or symbols (T, K, D, F, m, E, G, b,
-    b_g, s, B_intra, B_inter, alpha, R, eta, rho, c_f; optionally the calibrated host figures
-    c_layer, c_expert, c_row, c_act and the kernel's recompute flag r_c, see `host_time` and `compute_time`,
-    0 when absent). The discrete plan choices (ep, n, dp, dropless) are Python values, so the result
-    is a closed formula for that plan.
+
+def bucketed_allreduce(nbytes, dp, B, alpha, unit=None):
+    """(seconds, seconds of one piece) of an all-reduce of `nbytes` sent as equal pieces of at most `unit`
+    bytes (DDP buckets, Lina's micro-ops; None: one call), each one call of `allreduce_time`."""
+    if unit is None:
+        whole = allreduce_time(nbytes, dp, B, alpha)
+        return whole, whole
+    count = sympy.ceiling(nbytes / unit) if isinstance(nbytes + unit, sympy.Basic) else max(1, math.ceil(nbytes / unit))
+    piece = allreduce_time(nbytes / count, dp, B, alpha)
+    return count * piece, piece
+
+
+@dataclass(frozen=True)
+class BackwardLink:
+    """What one EP layer's backward puts on the link it shares with the gradient all-reduce, in seconds.
+
+    window: the layer's backward on the compute stream (pipelined expert backward + dense backward), before
+    any wait; link: its all-to-all's link time (2n latencies + dispatch and combine transfer), t_a and t_c
+    per chunk (all-to-all, expert backward); expert_ar, dense_ar: the all-reduces of its expert-replica
+    gradients (over dp, released after its expert backward) and of its dense gradients (over W, released
+    after its dense backward), in pieces of expert_unit and dense_unit; dense_bwd: its dense backward."""
+
+    window: Any
+    link: Any
+    t_a: Any
+    t_c: Any
+    expert_ar: Any
+    dense_ar: Any
+    expert_unit: Any
+    dense_unit: Any
+    dense_bwd: Any
+
+    @property
+    def unit(self) -> Any:
+        return smax(self.expert_unit, self.dense_unit)
+
+    @property
+    def allreduce(self) -> Any:
+        return self.expert_ar + self.dense_ar
+
+    @property
+    def tail(self) -> Any:
+        """The all-reduce left when this is the last layer: the dense one, and what the dense backward
+        does not hide of the expert one."""
+        return self.dense_ar + smax(0, self.expert_ar - self.dense_bwd)
+
+    def wait(self, before: BackwardLink, n: int, policy: str, backlog: Any = 0) -> Any:
+        """Seconds this layer's backward all-to-all loses to the all-reduce `before` (the layer whose
+        backward ran just before) released: fair share, min(link, all-reduce) (`a2a_with_allreduce`);
+        priority, `pipelined_priority_wait`, its first dispatch behind the piece started in `before`'s
+        dense backward, if `before`'s expert all-reduce or a `backlog` (seconds of all-reduce still
+        queued when `before`'s backward ended) was queued then."""
+        from cost_model.schedule import a2a_with_allreduce, pipelined_priority_wait, wait_in_gap
+
+        if policy == "fair":
+            return a2a_with_allreduce(self.link, before.allreduce, "fair") - self.link
+        in_flight, used = wait_in_gap(before.dense_bwd, smax(before.expert_unit, spositive(backlog) * before.unit),
+                                      before.expert_ar + backlog)
+        return pipelined_priority_wait(n, self.t_a, self.t_c, before.unit, before.allreduce + backlog, in_flight, used)
+
+    def backlog(self, before: BackwardLink, wait: Any) -> Any:
+        """Seconds of `before`'s all-reduce still queued when this layer's backward (delayed by `wait`) ends."""
+        return smax(0, self.link + before.allreduce - self.window - wait)
+
+
+def dense_allreduce_tail(x: dict[str, Any], W: int, *, cross_node: bool) -> Any:
+    """Seconds of the dense all-reduce of one layer (P_d elements over the W ranks, in pieces of u bytes)
+    that no compute hides when it is the last to run its backward: every form pays it."""
+    B = x["B_inter"] if cross_node else x["B_intra"]
+    dense_bytes = x.get("P_d", 0) * x["b_g"]
+    if not isinstance(dense_bytes, sympy.Basic) and dense_bytes == 0:
+        return 0
+    return bucketed_allreduce(dense_bytes, W, B, x["alpha"], x.get("u"))[0]
+
+
+def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cross_node_dp: bool,
+             policy: str = "fair") -> LayerTerms:
+    """Step terms of a model of one EP layer (ep = 1: every rank keeps all experts; no all-to-all): `ep_step`
+    of [x]."""
+    return ep_step([x], ep=ep, n=n, dp=dp, dropless=dropless, cross_node_dp=cross_node_dp, policy=policy)
+
+
+def ep_step(xs: list[dict[str, Any]], *, ep: int, n: int, dp: int, dropless: bool | list[bool], cross_node_dp: bool,
+            policy: str = "fair") -> LayerTerms:
+    """Step terms of a model of EP layers `xs` (forward order), summed, with the gradient all-reduce's
+    contention with the all-to-all on the link they share.
+
+    Each `x` maps symbol names of `cost_model.symbols` to numbers or symbols (T, K, D, F, m, E, G, b,
+    b_g, s, B_intra, B_inter, alpha, R, eta, rho, c_f; optionally the calibrated host figures c_layer,
+    c_expert, c_row, c_act and the kernel's recompute flag r_c, see `host_time` and `compute_time`, 0
+    when absent; P_d the dense parameters per layer, all-reduced over W = ep * dp, 0 when absent; q the
+    sequence length, 0 when absent; u the all-reduce unit in bytes, one call per all-reduce when absent).
+    The discrete plan choices (ep, n, dp, dropless: one for all or one per layer, policy) are Python
+    values, so the result is a closed formula for that plan.
+
+    Both passes are pipelined over n chunks (`cost_model.schedule.pipeline_time`). The gradient
+    all-reduces run during the backward on the link the all-to-all uses (one link, as in
+    `cost_model.simulate`), a layer's released during the next layer's backward:
+
+    - every backward layer but the first loses `BackwardLink.wait` to the all-reduce released before it:
+      fair share, its all-to-all slowed by min(link, all-reduce); priority, each wait behind at most one
+      piece of u bytes (`cost_model.schedule.pipelined_priority_wait`), at most the all-reduce in all;
+    - the link has window + wait - link seconds free per layer; the all-reduce not carried in the free
+      time from the first release on is exposed, and at least the last layer's `BackwardLink.tail` is:
+
+          other = max(tail_0, sum_l allreduce_l - dense_bwd_last - sum_{l < L-1} (window_l + wait_l - link_l))
+
+      (the two regimes of the queue: it empties in every layer, or it never does).
     """
+    if policy not in ("fair", "priority"):
+        raise ValueError(f"ep_step(policy={policy!r}) is invalid: use 'fair' or 'priority'")
+    flags = dropless if isinstance(dropless, list) else [dropless] * len(xs)
+    alone = [ep_alone(x, ep=ep, n=n, dp=dp, dropless=d, cross_node_dp=cross_node_dp) for x, d in zip(xs, flags)]
+    terms = [t for t, _ in alone]
+    links = [link for _, link in alone]
+    waits: list[Any] = [0] * len(xs)
+    backlog: Any = 0  # of the all-reduce released before the layer that ran before
+    for layer in reversed(range(len(xs) - 1)):  # the backward runs last to first; the first finds no all-reduce
+        if ep > 1:
+            waits[layer] = links[layer].wait(links[layer + 1], n, policy, backlog)
+        # what this layer leaves queued, from its wait without a backlog (a closed form per layer, not a chain)
+        unqueued = links[layer].wait(links[layer + 1], n, policy) if ep > 1 and backlog != 0 else waits[layer]
+        backlog = links[layer].backlog(links[layer + 1], unqueued)
+    free = sum(link.window + wait - link.link for link, wait in zip(links[:-1], waits[:-1]))
+    queued = sum(link.allreduce for link in links) - links[-1].dense_bwd - free
+    other = smax(links[0].tail, queued)
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return LayerTerms(compute=total.compute, a2a_exposed=total.a2a_exposed + sum(waits), other_comm=other,
+                      memory=total.memory, a2a_bytes=total.a2a_bytes, host=total.host)
+
+
+def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
+             cross_node_dp: bool) -> tuple[LayerTerms, BackwardLink]:
+    """One EP layer alone on its links (no all-reduce: other_comm 0) and what its backward puts on the link."""
     from cost_model.schedule import pipeline_time
 
     factor = x["rho"] if dropless else x["c_f"]
@@ -177,24 +310,30 @@ def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
     if ep > 1:
         intra, inter = a2a_bytes(x["T"], x["K"], x["D"], ep, x["G"], x["b"], factor=factor)
         transfer = intra / x["B_intra"] + inter / x["B_inter"]
-        a2a = (
-            pipeline_time(n, transfer, fwd_compute, x["alpha"])
-            + pipeline_time(n, transfer, bwd_compute, x["alpha"])
-            - compute
-        )
+        bwd = pipeline_time(n, transfer, bwd_compute, x["alpha"])
+        a2a = pipeline_time(n, transfer, fwd_compute, x["alpha"]) + bwd - compute
         if dropless:
             a2a += x["alpha"]  # the split-size exchange before the dispatch (a small all-to-all)
         sent = intra + inter
+        link = 2 * (n * x["alpha"] + transfer)
+        t_a = x["alpha"] + transfer / n
     else:
-        a2a, sent = 0, 0
+        a2a, sent, bwd, link, t_a = 0, 0, bwd_compute, 0, 0
+    B = x["B_inter"] if cross_node_dp else x["B_intra"]
     grad_bytes = expert_params(x["E"], x["D"], x["F"], x["m"]) / ep * x["b_g"]
-    ar = allreduce_time(grad_bytes, dp, x["B_inter"] if cross_node_dp else x["B_intra"], x["alpha"])
-    other = smax(0, ar - 2 * fwd_compute)  # overlaps the backward GEMMs of the next layer down
+    expert_ar, expert_unit = bucketed_allreduce(grad_bytes, dp, B, x["alpha"], x.get("u"))
+    dense_bytes = x.get("P_d", 0) * x["b_g"]
+    dense_ar, dense_unit = bucketed_allreduce(dense_bytes, ep * dp, B, x["alpha"], x.get("u"))
+    if not isinstance(dense_bytes, sympy.Basic) and dense_bytes == 0:
+        dense_ar, dense_unit = 0, 0  # no dense parameters given: no all-reduce call
+    dense_bwd = 2 * dense_flops(x["T"], x["D"], x.get("q", 0)) / (x["R"] * x["eta"])
     memory = memory_per_rank(x["E"], ep, x["D"], x["F"], x["m"], x["s"], rows, x["b"])
     host = host_time(rows, x["D"], x["F"], x["E"], ep, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
                      c_row=x.get("c_row", 0), c_act=x.get("c_act", 0))
-    return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=other, memory=memory, a2a_bytes=sent,
-                      host=host)
+    terms = LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=0, memory=memory, a2a_bytes=sent, host=host)
+    return terms, BackwardLink(window=bwd + dense_bwd, link=link, t_a=t_a, t_c=bwd_compute / n, expert_ar=expert_ar,
+                               dense_ar=dense_ar, expert_unit=expert_unit, dense_unit=dense_unit,
+                               dense_bwd=dense_bwd)
 
 
 # ---- exact counts from a routed-row matrix ----------------------------------------------------------

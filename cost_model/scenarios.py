@@ -44,6 +44,13 @@ class Case:
     tokens: int  # per device
     seq: int | None
     ep: int
+    embedding_params: int = 0  # vocab x D over every vocabulary the set-up lists (0: none given)
+
+    @property
+    def dense_params(self) -> float:
+        """Dense parameters per layer, all-reduced over every rank: the attention projections (4 D^2; norms
+        ignored) and an even share of the embeddings (DDP all-reduces them in the same stream of buckets)."""
+        return 4 * self.D**2 + self.embedding_params / self.layers
 
 
 def load(scenario: str | Path | dict[str, Any]) -> dict[str, Any]:
@@ -126,6 +133,21 @@ def _ep_degree(model: dict[str, Any], E: int, W: int) -> int:
     return max(d for d in range(1, W + 1) if W % d == 0 and (E % d == 0))
 
 
+def _embedding_params(model: dict[str, Any], name: str, assumptions: list[str]) -> int:
+    """vocab x hidden summed over the model's vocabularies (a list: encoder and decoder), 0 if none given;
+    `name`: the set-up's model id, for the stated assumption."""
+    vocab = model.get("vocab")
+    if vocab is None:
+        return 0
+    sizes = vocab if isinstance(vocab, list) else [vocab]
+    text = (f"{name}: dense gradients per layer = 4 x hidden^2 (attention) + 1/layers of the "
+            f"embeddings (vocab {' + '.join(map(str, sizes))} x hidden, an untied output layer not counted again), "
+            f"all-reduced over every rank after each layer's backward")
+    if text not in assumptions:
+        assumptions.append(text)
+    return sum(int(v) for v in sizes) * int(model["hidden"])
+
+
 def _is_gated(model: dict[str, Any]) -> bool:
     if "activation" in model:
         return model["activation"] in ("swiglu", "geglu", "clamped_swiglu")
@@ -171,5 +193,6 @@ def cases(scenario: str | Path | dict[str, Any]) -> ScenarioCases:
                     tokens=tokens,
                     seq=seq,
                     ep=_ep_degree(variant, int(variant["experts"]), W),
+                    embedding_params=_embedding_params(variant, str(model.get("id", "model")), assumptions),
                 ))
     return ScenarioCases(sc, hw, found, filled, assumptions)

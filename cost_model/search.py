@@ -9,12 +9,22 @@ all-reduce over the data-parallel replicas; FSEP: the restore and the gradient s
 head and w_in/w_out gradient all-reduces), with the memory per rank. Locality routing is listed as
 not modelled yet.
 
-Routing skew: `imbalance` = max/mean routed rows per rank under EP. EP pays it on the busiest rank
-(every EP candidate at the same rho). FSEP is priced on the model the runtime uses: [W, E] counts whose
-plain-EP max/mean is `imbalance` (Zipf popularity, `cost_model.ep.zipf_for_imbalance`, fitted at the
-planner's reference EP degree: the largest divisor of W that divides E), handed to the runtime's
-planner (`cost_model.fsep.planned_routing`); its table's max/mean sets FSEP's compute and the rows lite
-routing sends set its all-to-all (`cost_model.fsep.fsep_layer`). FSEP is priced for dropless blocks only.
+Gradient all-reduce and all-to-all share a link (`cost_model.ep.ep_step`): EP's price has both passes
+pipelined over its chunks, the expert-replica and dense gradients (the model's dense parameters,
+embeddings included: `dense_params`) all-reduced during the backward, the all-to-all's waits behind
+them under the `schedule` ("fair": DDP's fair share; "priority": Lina's micro-ops), and the all-reduce
+the backward cannot carry. FSEP and HP pay the last layer's dense all-reduce, which nothing hides; their
+own contention is not modelled. tests/test_cost_model_lina.py checks EP's chunks and packing against
+`cost_model.simulate`'s timeline.
+
+Routing skew: `imbalance` = max/mean routed rows per rank under EP at the reference degree (the largest
+divisor of W that divides E). EP pays it on the busiest rank; at another degree (ep_size < W, packing)
+the same Zipf popularity placed on its ranks sets the rho (`ep_imbalance`). FSEP is priced on the model
+the runtime uses: [W, E] counts whose plain-EP max/mean is `imbalance` (Zipf popularity,
+`cost_model.ep.zipf_for_imbalance`, fitted at the planner's reference EP degree: the largest divisor of W
+that divides E), handed to the runtime's planner (`cost_model.fsep.planned_routing`); its table's
+max/mean sets FSEP's compute and the rows lite routing sends set its all-to-all
+(`cost_model.fsep.fsep_layer`). FSEP is priced for dropless blocks only.
 
 Packing P hosts P times the experts of plain EP on each device: the experts span ep/P ranks and are
 replicated P times, which in this model is the same as ep_size = ep/P. Equivalent candidates are
@@ -35,6 +45,7 @@ ranked and shown (HP's best also below the table), but `best` skips them unless
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,10 +57,22 @@ import sympy
 from cost_model import fsep as fsep_formulas
 from cost_model import hp as hp_formulas
 from cost_model import symbols as S
-from cost_model.ep import LayerTerms, ep_layer, matmuls, zipf_counts, zipf_for_imbalance
+from cost_model.ep import (
+    LayerTerms,
+    dense_allreduce_tail,
+    ep_alone,
+    ep_layer,
+    ep_step,
+    expert_params,
+    matmuls,
+    rank_rows,
+    zipf_counts,
+    zipf_for_imbalance,
+)
+from cost_model.ep import imbalance as ep_rows_imbalance
 from cost_model.presets import Hardware, resolve_hardware
 from cost_model.scenarios import cases
-from cost_model.schedule import DEFAULT_CHUNKS
+from cost_model.schedule import DDP_BUCKET_BYTES, DEFAULT_CHUNKS, MICRO_OP_BYTES, POLICIES
 
 CAPACITY_FACTORS: tuple[float | None, ...] = (None, 1.0, 1.25, 2.0)
 PACKINGS = (1, 2, 4)
@@ -70,6 +93,13 @@ class BlockShape:
     F: int
     m: int
     cf: float | None  # the model's own capacity factor; None: dropless
+    # dense parameters of the block's layer, all-reduced over all ranks (attention, norms, its share of the
+    # embeddings); None: 4 D^2, the attention projections (`search`'s `dense_params` overrides it)
+    dense: float | None = None
+
+    @property
+    def dense_params(self) -> float:
+        return 4 * self.D**2 if self.dense is None else self.dense
 
     @classmethod
     def of(cls, spec: Any, tokens: int) -> BlockShape:
@@ -167,6 +197,8 @@ class SearchResult:
     shapes: list[BlockShape] = field(default_factory=list)
     imbalance: float = 1.0
     not_modelled: dict[str, str] = field(default_factory=lambda: dict(NOT_MODELLED))
+    schedule: str = "fair"  # how EP's all-to-all and gradient all-reduce share a link (`search`)
+    links: list[dict[str, Any]] = field(default_factory=list)  # per block: P_d, q, u (`_link_figures`)
 
     @functools.cached_property
     def expression(self) -> sympy.Expr | None:
@@ -179,14 +211,18 @@ class SearchResult:
         return self._expressions()[1] if self.eligible() else None
 
     def _expressions(self) -> tuple[sympy.Expr, sympy.Expr]:
-        if self.best.form == "fsep":
-            return _fsep_expressions(self.best, self.shapes, self.hardware, self.ranks_per_node)
-        if self.best.form == "hp":
-            return _hp_expressions(self.best, self.shapes, self.hardware, self.world_size, self.nodes,
-                                   self.ranks_per_node)
-        return _winner_expressions(
-            self.best, self.shapes, self.hardware, self.world_size, self.nodes, self.ranks_per_node, self.imbalance
-        )
+        if self.best.form in ("fsep", "hp"):
+            if self.best.form == "fsep":
+                generic, substituted = _fsep_expressions(self.best, self.shapes, self.hardware, self.ranks_per_node)
+            else:
+                generic, substituted = _hp_expressions(self.best, self.shapes, self.hardware, self.world_size,
+                                                       self.nodes, self.ranks_per_node)
+            cross = self.nodes > 1  # plus the dense all-reduce every form pays (`_with_dense_tail`)
+            tail = dense_allreduce_tail({**self.hardware.values(), **self.links[0]}, self.world_size, cross_node=cross)
+            return (generic + dense_allreduce_tail(_symbols(), S.W, cross_node=cross),
+                    (substituted + sympy.sympify(tail)).evalf(4))
+        return _winner_expressions(self.best, self.shapes, self.hardware, self.world_size, self.nodes,
+                                   self.ranks_per_node, self.imbalance, self.schedule, self.links, self.tokens)
 
     def eligible(self) -> list[Candidate]:
         """The ranked candidates `best` may pick: feasible, and not math-changing unless allowed."""
@@ -292,10 +328,13 @@ def hardware_of(profile: Any) -> Hardware:
 
 
 def _figures(shape: BlockShape, hw: Hardware, T: float, G: int, rho: float, cf: float | None,
-             recompute: bool | None = None) -> dict[str, Any]:
+             recompute: bool | None = None, link: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The symbol values of one block; `link`: its dense gradients and all-reduce unit (`_link_figures`),
+    which only EP prices."""
     return {
         **hw.values(),
         **({} if recompute is None else {"r_c": float(recompute)}),
+        **(link or {}),
         "T": T,
         "K": shape.K,
         "D": shape.D,
@@ -310,6 +349,22 @@ def _figures(shape: BlockShape, hw: Hardware, T: float, G: int, rho: float, cf: 
 
 def _symbols() -> dict[str, Any]:
     return {name: info.symbol for name, info in S.TABLE.items()}
+
+
+def _link_figures(shape: BlockShape, seq: int, schedule: str, micro_op_bytes: int) -> dict[str, Any]:
+    """P_d, q and u of a block: its dense parameters, the sequence length, the all-reduce unit of `schedule`."""
+    unit = micro_op_bytes if schedule == "priority" else DDP_BUCKET_BYTES
+    return {"P_d": shape.dense_params, "q": seq, "u": unit}
+
+
+def dense_params_of(model: Any, shapes: Sequence[BlockShape]) -> int | None:
+    """The dense parameters of a torch model: all its parameters but the experts' (E m D F per block), or
+    None for anything that is not an nn.Module."""
+    parameters = getattr(model, "parameters", None)
+    if not callable(parameters):
+        return None
+    total = sum(p.numel() for p in parameters())
+    return max(0, total - sum(int(expert_params(s.E, s.D, s.F, s.m)) for s in shapes))
 
 
 def search(
@@ -330,6 +385,9 @@ def search(
     hp_sizes: Iterable[int] | None = None,
     heads: int | None = None,
     head_dim: int | None = None,
+    dense_params: float | None = None,
+    schedule: str = "fair",
+    micro_op_bytes: int = MICRO_OP_BYTES,
 ) -> SearchResult:
     """Ranked plans for `specs_or_model` on `topology` with `batch` = (batch, seq) tokens per rank.
 
@@ -342,6 +400,14 @@ def search(
     `hp_sizes`: HP degrees P to price (divisors of W > 1); None: every one, or none when `ep_sizes`
     restricts the search; (): no HP. `heads`, `head_dim`: the Multi-Head LatentMoE's (`Plan.heads`,
     `Plan.head_dim`); None: `moepass.rewrite.latent`'s defaults for each P.
+
+    EP's gradient all-reduce shares the all-to-all's link (`cost_model.ep.ep_step`): `dense_params` is
+    the model's dense parameter count (attention, norms, embeddings: all-reduced over W), spread evenly
+    over the blocks; None: counted from the model when one is given (`dense_params_of`), else each block's
+    `BlockShape.dense` (4 D^2, the attention projections, when unknown: embeddings then not counted).
+    `schedule`: how the two share the link, "fair" (DDP: fair share, 25 MiB buckets; `Plan.grad_sync=
+    "none"`) or "priority" (Lina's scheduler, `Plan.grad_sync="scheduler"`: the all-to-all waits behind at
+    most one micro-op of `micro_op_bytes`, `Plan.micro_op_bytes`).
     """
     nodes, per_node = topology_of(topology)
     W = world_size or nodes * per_node
@@ -351,20 +417,26 @@ def search(
     shapes = [s if isinstance(s, BlockShape) else BlockShape.of(s, T) for s in blocks]
     if not shapes:
         raise ValueError("search got no MoE blocks: nothing to plan")
+    if schedule not in POLICIES:
+        raise ValueError(f"search got schedule={schedule!r}: use one of {list(POLICIES)}")
+    if dense_params is None:
+        dense_params = dense_params_of(specs_or_model, shapes)
+    if dense_params is not None:
+        if dense_params < 0:
+            raise ValueError(f"search got dense_params={dense_params!r}: a parameter count, >= 0")
+        shapes = [dataclasses.replace(s, dense=dense_params / len(shapes)) for s in shapes]
+    links = [_link_figures(s, int(batch[1]), schedule, micro_op_bytes) for s in shapes]
     restricted = ep_sizes is not None
     eps = sorted(set(ep_sizes)) if ep_sizes is not None else [d for d in divisors(W) if d > 1]
     if imbalance < 1:
         raise ValueError(f"search got imbalance={imbalance!r}: it is max/mean routed rows per rank, >= 1")
 
     def price(ep_eff: int, cf: float | None, n: int, dropless_blocks: bool) -> LayerTerms:
-        total: LayerTerms | None = None
-        for shape in shapes:
-            block_cf = cf if cf is not None else shape.cf
-            x = _figures(shape, hw, T, per_node, imbalance, block_cf, recompute)
-            terms = ep_layer(x, ep=ep_eff, n=n, dp=W // ep_eff, dropless=block_cf is None, cross_node_dp=nodes > 1)
-            total = terms if total is None else total + terms
-        assert total is not None
-        return total
+        block_cfs = [cf if cf is not None else shape.cf for shape in shapes]
+        xs = [_figures(shape, hw, T, per_node, ep_imbalance(shape, T, W, ep_eff, imbalance), block_cf, recompute, link)
+              for shape, block_cf, link in zip(shapes, block_cfs, links)]
+        return ep_step(xs, ep=ep_eff, n=n, dp=W // ep_eff, dropless=[c is None for c in block_cfs],
+                       cross_node_dp=nodes > 1, policy=schedule)
 
     def candidate(form: str, ep_size: int, packing: int, cf: float | None, n: int) -> Candidate:
         ep_eff = ep_size // packing
@@ -380,6 +452,8 @@ def search(
             notes.append(f"experts on {ep_eff} ranks x{packing} replicas")
         return Candidate(form, ep_size, cf, n, packing, terms, feasible, changing, tuple(notes))
 
+    x_last = _figures(shapes[0], hw, T, per_node, imbalance, shapes[0].cf, recompute, links[0])
+    dense_tail = dense_allreduce_tail(x_last, W, cross_node=nodes > 1)
     cands = [candidate("single", 1, 1, None, 1)]
     seen: set[tuple[int, float | None, int]] = set()
     for ep_size in eps:
@@ -408,7 +482,8 @@ def search(
                 continue  # every expert needs a slot
             routing = tuple(_routed(shape, hw, T, W, per_node, C, imbalance, recompute) for shape in shapes)
             for n in chunks:
-                cands.append(_fsep_candidate(shapes, routing, hw, T, W, per_node, C, n, recompute))
+                cands.append(_with_dense_tail(_fsep_candidate(shapes, routing, hw, T, W, per_node, C, n, recompute),
+                                              dense_tail))
     wanted_hp = [d for d in divisors(W) if d > 1] if hp_sizes is None and not restricted else (hp_sizes or ())
     skipped = []
     for P in sorted(set(wanted_hp)):
@@ -416,11 +491,18 @@ def search(
         if isinstance(hp, str):
             skipped.append(hp)
         else:
-            cands.append(hp)
+            cands.append(_with_dense_tail(hp, dense_tail))
     if skipped:
         not_modelled["hp"] = "not priced: " + "; ".join(skipped)
     ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow_math_changes, c.step))
-    return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance, not_modelled)
+    return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance, not_modelled,
+                        schedule=schedule, links=links)
+
+
+def _with_dense_tail(c: Candidate, tail: float) -> Candidate:
+    """A form whose gradient traffic is priced without the dense parameters (FSEP, HP), plus what every form
+    pays for them: the last block's dense all-reduce, which no compute hides (EP prices it in `ep_step`)."""
+    return dataclasses.replace(c, terms=c.terms + LayerTerms(0, 0, tail, 0, 0))
 
 
 def skewed_counts(T: int, K: int, E: int, W: int, imbalance: float) -> np.ndarray:
@@ -431,6 +513,18 @@ def skewed_counts(T: int, K: int, E: int, W: int, imbalance: float) -> np.ndarra
     ep = E if ep == 1 else ep
     s = zipf_for_imbalance(imbalance, T, K, E, ep) if imbalance > 1 else 0.0
     return zipf_counts(T, K, E, W, s)
+
+
+@functools.lru_cache(maxsize=1024)
+def ep_imbalance(shape: BlockShape, T: int, W: int, ep: int, imbalance: float) -> float:
+    """max/mean rows per rank of EP over `ep` ranks when it is `imbalance` at the reference degree (the largest
+    divisor of W that divides E): the same Zipf popularity (`skewed_counts`) placed on ep ranks, the first
+    ep of the source ranks forming the group (as `cost_model.simulate` groups packed ranks)."""
+    reference = max(d for d in divisors(W) if shape.E % d == 0)
+    if imbalance <= 1 or ep == reference or ep == 1 or shape.E % ep:
+        return imbalance
+    counts = skewed_counts(T, shape.K, shape.E, W, imbalance)
+    return ep_rows_imbalance(rank_rows(counts[:ep], ep))
 
 
 @functools.lru_cache(maxsize=256)
@@ -522,25 +616,27 @@ def _hp_candidate(blocks: list[Any], shapes: list[BlockShape], hw: Hardware, T: 
     return Candidate("hp", P, None, 1, 1, total, feasible, True, tuple(notes), latent=latent)
 
 
-def _winner_expressions(
-    best: Candidate, shapes: list[BlockShape], hw: Hardware, W: int, nodes: int, G: int, rho: float
-) -> tuple[sympy.Expr, sympy.Expr]:
-    """The winner's time per layer in symbols, and its step time with every figure substituted but T."""
+def _winner_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, W: int, nodes: int, G: int,
+                        rho: float, schedule: str, links: list[dict[str, Any]],
+                        T: int) -> tuple[sympy.Expr, sympy.Expr]:
+    """The winner's time per layer in symbols (a model of one such layer), and its step time with every
+    figure substituted but T: the layers alone on their links as formulas of T, plus the all-reduce's
+    contention (waits, exposed all-reduce) as its number at the search's T (a formula chained over the
+    layers is too large to print)."""
     ep_eff = best.ep_size // best.packing
+    plan: dict[str, Any] = dict(ep=ep_eff, n=best.a2a_chunks, dp=W // ep_eff, cross_node_dp=nodes > 1)
+    cfs = [best.capacity_factor if best.capacity_factor is not None else shape.cf for shape in shapes]
+    generic = sympy.sympify(ep_layer(_symbols(), dropless=cfs[0] is None, policy=schedule, **plan).step)
+    xs = [_figures(shape, hw, T, G, ep_imbalance(shape, T, W, ep_eff, rho), cf, link=link)
+          for shape, cf, link in zip(shapes, cfs, links)]
 
-    def formula(x: dict[str, Any], cf: float | None) -> sympy.Expr:
-        return sympy.sympify(
-            ep_layer(x, ep=ep_eff, n=best.a2a_chunks, dp=W // ep_eff, dropless=cf is None, cross_node_dp=nodes > 1).step
-        )
+    def alone(x: dict[str, Any], cf: float | None) -> Any:
+        return ep_alone(x, dropless=cf is None, **plan)[0].step
 
-    cf0 = best.capacity_factor if best.capacity_factor is not None else shapes[0].cf
-    generic = formula(_symbols(), cf0)
-    substituted = sympy.Integer(0)
-    for shape in shapes:
-        cf = best.capacity_factor if best.capacity_factor is not None else shape.cf
-        x = {**_figures(shape, hw, 0, G, rho, cf), "T": S.T}
-        substituted += formula(x, cf)
-    return generic, sympy.simplify(substituted).evalf(4)
+    contention = float(ep_step(xs, dropless=[cf is None for cf in cfs], policy=schedule, **plan).step) - sum(
+        float(alone(x, cf)) for x, cf in zip(xs, cfs))
+    substituted = sum((sympy.sympify(alone({**x, "T": S.T}, cf)) for x, cf in zip(xs, cfs)), sympy.Integer(0))
+    return generic, (sympy.simplify(substituted) + contention).evalf(4)
 
 
 def _fsep_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, G: int) -> tuple[sympy.Expr,
@@ -581,12 +677,14 @@ def search_scenario(scenario: Any, **options: Any) -> list[tuple[str, SearchResu
     """`search` for every case of a published set-up (`../shared/scenarios/*.json`): (case label, result).
 
     The scenario's figures fill the hardware (nulls from the named preset, as `simulate` reports);
-    every layer of a case is one block of its shape.
+    every layer of a case is one block of its shape, with its dense parameters (`Case.dense_params`:
+    attention and a share of the embeddings).
     """
     read = cases(scenario)
     results = []
     for case in read.cases:
-        shape = BlockShape(E=case.E, K=case.K, D=case.D, F=case.F, m=matmuls(case.gated), cf=None)
+        shape = BlockShape(E=case.E, K=case.K, D=case.D, F=case.F, m=matmuls(case.gated), cf=None,
+                           dense=case.dense_params)
         seq = case.seq or 1
         batch = (max(1, case.tokens // seq), seq)
         results.append((case.label, search([shape] * case.layers, (case.nodes, case.per_node), batch,

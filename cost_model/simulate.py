@@ -4,6 +4,11 @@ For every compared system whose form the cost model prices (EP, with or without 
 FSDP+EP; FSEP), one step is laid out on a timeline of the busiest rank (`cost_model.timeline`): per
 layer, the dense part (attention projections), the dispatch all-to-all, expert compute and the
 combine all-to-all, forward then backward, with the gradient all-reduce on the "other" stream.
+The two communication streams share one link (`cost_model.timeline`: fair share, or Lina's priority),
+whether the all-to-all group is inside a node or not. The dense gradients of a layer are its attention
+(4 D^2) and an even share of the embeddings when the set-up gives a vocabulary (`Case.dense_params`).
+Lina's chunks and packing come from the plan search (`_lina_choice`: priority, the set-up's micro-op
+bytes and dense parameters), which agrees with this timeline (tests/test_cost_model_lina.py).
 
 Three layouts, three formulas:
 - EP (form "ep"): experts contiguous over ep ranks; the busiest device's expert compute under the
@@ -59,11 +64,11 @@ from cost_model import hp as hp_formulas
 from cost_model import locality
 from cost_model.presets import Hardware
 from cost_model.scenarios import Case, cases
+from cost_model.schedule import DDP_BUCKET_BYTES
 from cost_model.search import NOT_MODELLED, search
 from cost_model.timeline import Timeline
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "scenarios"
-DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
 MODELLED_FORMS = ("ep", "fsep", "hp", "locality")
 
 
@@ -193,7 +198,7 @@ def _allreduce(tl: Timeline, name: str, nbytes: float, dp: int, B: float, alpha:
 
 def _dense_flops(case: Case) -> float:
     """Forward FLOPs of a layer's dense part: the attention projections (4 D x D) and scores (seq x D)."""
-    return 2 * 4 * case.D**2 * case.tokens + (2 * case.seq * case.D * case.tokens if case.seq else 0)
+    return float(ep_formulas.dense_flops(case.tokens, case.D, case.seq or 0))
 
 
 def _layer_timeline(
@@ -236,7 +241,7 @@ def _layer_timeline(
     if expert_grads is None:
         expert_grads = ExpertGrads(ep_formulas.expert_params(case.E, case.D, case.F, m) / ep * v["b_g"], dp_expert,
                                    ar_bw)
-    dense_grad = 4 * case.D**2 * v["b_g"]
+    dense_grad = case.dense_params * v["b_g"]  # attention + the layer's share of the embeddings
 
     def allreduce(name: str, nbytes: float, dp: int, deps: list[int]) -> None:
         _allreduce(tl, name, nbytes, dp, ar_bw, v["alpha"], bucket_bytes, deps)
@@ -407,7 +412,7 @@ def ablation(case: Case, hw: Hardware, counts: np.ndarray, micro_op: float,
     """Lina's ingredients added one at a time, each a whole step on the timeline (`predict`): plain (fair
     share, DDP buckets, one chunk), + priority (the all-to-all first, whole DDP buckets), + partitioning
     (micro-ops of `micro_op` bytes), + pipelining (the cost model's chunk count), + packing (its packing)."""
-    chunks, packing = _lina_choice(case, hw, counts, {**system, "packing": "auto"})
+    chunks, packing = _lina_choice(case, hw, counts, {**system, "packing": "auto"}, micro_op)
     steps: list[tuple[str, dict[str, Any], str]] = [
              ("plain", dict(), "fair, DDP buckets"),
              ("+ priority", dict(policy="priority"), "priority, DDP buckets"),
@@ -446,7 +451,7 @@ def _predict_system(
         if system.get("note"):
             notes.append(f"{system['id']}: {system['note']} (modelled as plain EP)")
         if _is_lina(system):
-            chunks, packing = _lina_choice(case, hw, counts, system)
+            chunks, packing = _lina_choice(case, hw, counts, system, micro_op)
             step, breakdown, memory = predict(
                 case, hw, counts, chunks=chunks, policy="priority", bucket_bytes=micro_op, packing=packing
             )
@@ -499,7 +504,7 @@ def _predict_fsdp_ep(case: Case, hw: Hardware, counts_SE: np.ndarray) -> tuple[f
     dp = W // case.ep
     bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
     local = float(ep_formulas.expert_params(case.E, case.D, case.F, m)) / case.ep  # elements of its experts
-    dense = 4.0 * case.D**2
+    dense = case.dense_params
 
     def both(b: float) -> float:
         return _ring_half(local * b, dp, bw, v["alpha"]) + _ring_half(dense * b, W, bw, v["alpha"])
@@ -643,7 +648,7 @@ def _predict_hp(case: Case, hw: Hardware, sc: dict[str, Any],
     exchange = float(ep_formulas.a2a_time(intra, inter, v["B_intra"], v["B_inter"], v["alpha"])) if P > 1 else 0.0
     ar_bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
     head_grads = float(hp_formulas.head_params_per_rank(H, h, E, F, m, P)) * v["b_g"]
-    replicated_grads = (float(hp_formulas.projection_params(case.D, H, h)) + 4 * case.D**2) * v["b_g"]
+    replicated_grads = (float(hp_formulas.projection_params(case.D, H, h)) + case.dense_params) * v["b_g"]
 
     tl = Timeline()
     last = tl.add("compute", "start", 0.0)
@@ -714,21 +719,28 @@ def _case_spec(case: Case) -> Any:
     )
 
 
-def _lina_choice(case: Case, hw: Hardware, counts: np.ndarray, system: dict[str, Any]) -> tuple[int, int]:
-    """Chunks and packing the cost model picks for Lina: the plan search restricted to ep = W, dropless."""
+def _lina_choice(case: Case, hw: Hardware, counts: np.ndarray, system: dict[str, Any],
+                 micro_op: float) -> tuple[int, int]:
+    """Chunks and packing the cost model picks for Lina: the plan search restricted to ep = W, dropless,
+    under the priority schedule with `micro_op`-byte micro-ops and the case's dense parameters."""
     spec = _case_spec(case)
     packings = (1, 2, 4) if system.get("packing") == "auto" else (int(system.get("packing", 1)),)
+    seq = case.seq or case.tokens
     result = search(
         [spec] * case.layers,
         (case.nodes, case.per_node),
-        (1, case.tokens),
+        (case.tokens // seq, seq),
         profile=hw,
         ep_sizes=(case.ep,),
         capacity_factors=(None,),
         packings=packings,
         imbalance=ep_formulas.imbalance(ep_formulas.rank_rows(counts, case.ep)),
+        dense_params=case.dense_params * case.layers,
+        schedule="priority",
+        micro_op_bytes=int(micro_op),
     )
-    best = result.best if result.eligible() else min(result.ranked, key=lambda c: c.step)
+    ep = [c for c in result.ranked if c.form == "ep"]  # Lina is EP: not "single", even where it is cheaper
+    best = next((c for c in ep if c in result.eligible()), ep[0])
     return best.a2a_chunks, best.packing
 
 

@@ -10,6 +10,7 @@ so sympy can decide signs (e.g. `diff(time, B_inter).is_negative`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy
@@ -53,6 +54,9 @@ P = _sym("P", "expert packing: experts per device relative to plain EP", "factor
 C = _sym("C", "expert slots per device (FSEP): full experts each device restores and computes", "experts", **_count)
 S_e = _sym("S_e", "elements of one expert's parameters (m*D*F for an FFN expert)", "elements", **_count)
 n = _sym("n", "micro-ops (chunks) per all-to-all", "chunks", **_count)
+P_d = _sym("P_d", "dense parameters per MoE layer (attention, norms, its share of the embeddings), "
+           "all-reduced over all W ranks", "elements", **_count)
+q = _sym("q", "sequence length (the attention scores of the dense part)", "tokens", **_count)
 # routing
 cf = _sym("c_f", "capacity factor (slots per expert / fair share)", "factor", **_real)
 rho = _sym("rho", "load imbalance: max / mean routed rows per rank", "factor", **_real)
@@ -65,6 +69,8 @@ b_grad = _sym("b_g", "bytes per gradient element in the all-reduce", "bytes", **
 s_state = _sym("s", "bytes per parameter for weights + grads + optimizer state", "bytes", **_count)
 B_intra = _sym("B_intra", "effective intra-node bandwidth per rank", "bytes/s", **_real)
 B_inter = _sym("B_inter", "effective inter-node bandwidth per rank", "bytes/s", **_real)
+u = _sym("u", "bytes of one gradient all-reduce unit: Plan.micro_op_bytes (priority) or a DDP bucket (fair)",
+         "bytes", **_count)
 alpha = _sym("alpha", "latency per collective call (per chunk)", "s", **_real)
 R = _sym("R", "device peak FLOP/s", "FLOP/s", **_real)
 eta = _sym("eta", "fraction of peak reached by expert GEMMs", "fraction", **_real)
@@ -88,3 +94,13 @@ def smax(*args):
 def smin(*args):
     """`min` that stays symbolic: `sympy.Min` when any argument is a sympy expression."""
     return sympy.Min(*args) if any(isinstance(a, sympy.Basic) for a in args) else min(args)
+
+
+def spositive(x):
+    """1 where x > 0, else 0, that stays symbolic: `sympy.Heaviside(x, 0)` for a sympy expression."""
+    return sympy.Heaviside(x, 0) if isinstance(x, sympy.Basic) else (1 if x > 0 else 0)
+
+
+def sceil(x):
+    """`ceil` that stays symbolic: `sympy.ceiling` for a sympy expression."""
+    return sympy.ceiling(x) if isinstance(x, sympy.Basic) else math.ceil(x)

@@ -2,10 +2,11 @@
 
 The ranking is checked against costs this file computes itself: each candidate's figures are filled
 by hand from the scenario file and the a100 preset, priced with the cost model's layer formula
-(`cost_model.ep.ep_layer`, whose own terms tests/test_cost_model.py checks against known answers),
+(`cost_model.ep.ep_step`, whose own terms tests/test_cost_model.py checks against known answers),
 and the bytes, memory and the candidate set against closed formulas. FSEP candidates (uniform routing:
 the set-up gives none) are priced by hand from the runtime planner's table (`fsep_by_hand`, shared with
-tests/test_cost_model.py), HP candidates from the converted block's sizes (`hp_by_hand`, likewise).
+tests/test_cost_model.py), HP candidates from the converted block's sizes (`hp_by_hand`, likewise), both
+plus the last layer's dense all-reduce, which every form pays (`cost_model.ep.dense_allreduce_tail`).
 Wall time: benchmarks/tool_time.py.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from test_cost_model import fsep_by_hand, hp_by_hand
 
-from cost_model.ep import ep_layer
+from cost_model.ep import dense_allreduce_tail, ep_step
 from cost_model.presets import preset
 from cost_model.search import search_scenario
 
@@ -69,10 +70,16 @@ def test_search_scenario_ranks_every_case_by_its_cost(results):
 
         expected_step = {}
         counts = np.full((E, E), TOKENS * K // E)  # uniform routing, T*K rows per rank
+        # dense parameters per layer: attention 4 D^2 and 1/L of the embeddings (vocab x D, every vocabulary);
+        # all-reduced over all E ranks in DDP's 25 MiB buckets (search's default schedule, "fair")
+        vocab = model["vocab"] if isinstance(model["vocab"], list) else [model["vocab"]]
+        link = {"P_d": 4 * D**2 + sum(vocab) * D / L, "q": 1024, "u": 25 * 2**20}
+        tail = float(dense_allreduce_tail({**figures, **link}, E, cross_node=nodes > 1))
         for c in result.ranked:
             if c.form == "fsep":
                 step, memory = fsep_by_hand(counts, result.hardware, C=c.slots, G=per_node, D=D, F=F, m=2, layers=L,
                                             n=c.a2a_chunks)
+                step += tail
                 expected_step[c] = step
                 assert c.step == pytest.approx(step, rel=1e-9), (label, c.label)
                 assert float(c.terms.memory) == pytest.approx(memory, rel=1e-9), (label, c.label)
@@ -81,8 +88,8 @@ def test_search_scenario_ranks_every_case_by_its_cost(results):
             if c.form == "hp":  # the block converted to a Multi-Head LatentMoE: H = max(P, 4) heads of D/H
                 hp = hp_by_hand(result.hardware, T=TOKENS, D=D, E=E, K=K, F=F, n=2, W=E, G=per_node, P=c.ep_size,
                                 layers=L)
-                expected_step[c] = hp["step"]
-                assert c.step == pytest.approx(hp["step"], rel=1e-9), (label, c.label)
+                expected_step[c] = hp["step"] + tail
+                assert c.step == pytest.approx(hp["step"] + tail, rel=1e-9), (label, c.label)
                 assert 4 * float(c.terms.a2a_bytes) == pytest.approx(hp["bytes"], rel=1e-12), (label, c.label)
                 assert float(c.terms.memory) == pytest.approx(hp["memory"], rel=1e-9), (label, c.label)
                 assert c.latent[0].heads == max(c.ep_size, 4) and c.latent[0].ffn_dim == hp["ffn"], (label, c.label)
@@ -90,11 +97,11 @@ def test_search_scenario_ranks_every_case_by_its_cost(results):
                 continue
             ep = c.ep_size
             factor = 1.0 if c.capacity_factor is None else c.capacity_factor
-            x = {**figures, "T": TOKENS, "K": K, "D": D, "F": F, "m": m, "E": E, "G": per_node, "rho": 1.0,
+            x = {**figures, **link, "T": TOKENS, "K": K, "D": D, "F": F, "m": m, "E": E, "G": per_node, "rho": 1.0,
                  "c_f": factor}
-            terms = ep_layer(x, ep=ep, n=c.a2a_chunks, dp=E // ep, dropless=c.capacity_factor is None,
-                             cross_node_dp=nodes > 1)
-            step = L * float(terms.step)  # every layer is one MoE block of the same shape
+            terms = ep_step([x] * L, ep=ep, n=c.a2a_chunks, dp=E // ep, dropless=c.capacity_factor is None,
+                            cross_node_dp=nodes > 1)  # every layer is one MoE block of the same shape
+            step = float(terms.step)
             expected_step[c] = step
             assert c.step == pytest.approx(step, rel=1e-12), (label, c.label)
             # bytes each rank sends per all-to-all direction: its rows bound for the other ep-1 ranks

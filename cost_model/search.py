@@ -546,14 +546,15 @@ def _fsep_figures(shape: BlockShape, hw: Hardware, T: Any, G: int, recompute: bo
 def _fsep_candidate(shapes: list[BlockShape], routing: tuple[Routed, ...], hw: Hardware, T: int, W: int, G: int,
                     C: int, n: int, recompute: bool | None) -> Candidate:
     total: LayerTerms | None = None
-    for shape, r in zip(shapes, routing):
+    for i, (shape, r) in enumerate(zip(shapes, routing)):  # the first block's gradient exchange is waited at
         terms = fsep_formulas.fsep_layer(_fsep_figures(shape, hw, T, G, recompute), W=W, C=C, n=n, rho=r.rho,
-                                         a2a_rows=r.a2a_rows)
+                                         a2a_rows=r.a2a_rows, deferred_grads=i > 0)  # once, the others deferred
         total = terms if total is None else total + terms
     assert total is not None
     v = hw.values()
-    # one layer's restored experts and their gradients at a time (Plan.keep_restored=False, the default)
-    grads = max(C * float(fsep_formulas.expert_elements(s.D, s.F, s.m)) * (v["b"] + v["b_g"]) for s in shapes)
+    # one layer's restored experts and their gradients at a time (Plan.keep_restored=False, the default), plus
+    # the deferred exchange's send and receive buffers (Plan.defer_expert_grads=True, the default)
+    grads = max(C * float(fsep_formulas.expert_elements(s.D, s.F, s.m)) * (v["b"] + 3 * v["b_g"]) for s in shapes)
     total = total + LayerTerms(0, 0, 0, grads, 0)
     notes = []
     feasible = float(total.memory) <= float(hw.memory)
@@ -646,14 +647,14 @@ def _fsep_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, G
     C = best.slots
     assert C is not None
 
-    def formula(x: dict[str, Any], r: Routed, rho: Any) -> sympy.Expr:
+    def formula(x: dict[str, Any], r: Routed, rho: Any, deferred: bool) -> sympy.Expr:
         return sympy.sympify(fsep_formulas.fsep_layer(x, W=best.ep_size, C=C, n=best.a2a_chunks, rho=rho,
-                                                      a2a_rows=r.a2a_rows).step)
+                                                      a2a_rows=r.a2a_rows, deferred_grads=deferred).step)
 
-    generic = formula(_symbols(), best.routing[0], S.rho)
+    generic = formula(_symbols(), best.routing[0], S.rho, True)  # a layer whose gradient exchange is deferred
     substituted = sympy.Integer(0)
-    for shape, r in zip(shapes, best.routing):
-        substituted += formula({**_fsep_figures(shape, hw, 0, G, None), "T": S.T}, r, r.rho)
+    for i, (shape, r) in enumerate(zip(shapes, best.routing)):
+        substituted += formula({**_fsep_figures(shape, hw, 0, G, None), "T": S.T}, r, r.rho, i > 0)
     return generic, sympy.simplify(substituted).evalf(4)
 
 

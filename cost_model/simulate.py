@@ -541,7 +541,8 @@ def _predict_fsep(system: dict[str, Any], case: Case, hw: Hardware, sc: dict[str
     step, breakdown, _ = predict(case, hw, counts_SE, policy="priority", rows_SR=rows_SR, params=params)
     rows_max = float(rows_SR.sum(axis=0).max())
     memory = case.layers * (_activation_bytes(case, rows_max, v["b"]) + 4 * case.D**2 * v["s"]) + float(
-        fsep_formulas.memory_per_rank(case.E, W, C, S_e, v["s"], v["b"], v["b_g"], layers=case.layers, prefetch=depth))
+        fsep_formulas.memory_per_rank(case.E, W, C, S_e, v["s"], v["b"], v["b_g"], layers=case.layers, prefetch=depth,
+                                      deferred_grads=True))
     return step, breakdown, memory, {"slots": C, "table": decision.candidate, "max_mean": round(decision.max_over_mean, 3),
                                      "ep_max_mean": round(decision.ep_max_over_mean, 3), "prefetch": depth,
                                      "sched": "priority"}

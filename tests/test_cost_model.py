@@ -289,12 +289,17 @@ def fsep_by_hand(counts_WE: np.ndarray, hw, *, C: int, G: int, D: int, F: int, m
     a2a = pipeline(fwd) + pipeline(2 * fwd) - 3 * fwd + v["alpha"]  # + the split-size exchange
     S_e = m * D * F
     per_pair = C * S_e / W
-    # the restore, the restore again in the backward (Plan.keep_restored=False), the gradient slices back
-    restores = sum(v["alpha"] + per_pair * b * ((G - 1) / v["B_intra"] + (W - G) / v["B_inter"])
-                   for b in (v["b"], v["b"], v["b_g"]))
-    step = layers * (3 * fwd + a2a + restores)
+    def exchange(b: float) -> float:
+        return v["alpha"] + per_pair * b * ((G - 1) / v["B_intra"] + (W - G) / v["B_inter"])
+
+    # the restore and the restore again in the backward (Plan.keep_restored=False); the gradient slices back:
+    # waited at once in the first block, deferred behind the earlier layer's backward expert compute (2 fwd)
+    # in the others (Plan.defer_expert_grads=True)
+    restores = 2 * exchange(v["b"])
+    t_g = exchange(v["b_g"])
+    step = layers * (3 * fwd + a2a + restores) + t_g + (layers - 1) * max(0.0, t_g - 2 * fwd)
     memory = layers * (E * S_e / W * v["s"] + busiest * (2 * D + m * F) * v["b"]) + (
-        C * S_e * (v["b"] + v["b_g"]))  # one layer's restored experts and gradients at a time
+        C * S_e * (v["b"] + 3 * v["b_g"]))  # one layer's restored experts and gradients (+ the deferred buffers)
     return step, memory
 
 
@@ -323,9 +328,11 @@ def test_fsep_is_priced_next_to_ep_and_loses_by_its_restore_under_balanced_routi
                                     n=c.a2a_chunks)
         assert c.step == pytest.approx(step, rel=1e-9), c.label
         assert float(c.terms.memory) == pytest.approx(memory, rel=1e-9), c.label
-        if c.slots == 1:  # one expert per device: EP over the 8 ranks, plus the restore and the slices back
-            restore = sum(v["alpha"] + S_e / W * b * (W - 1) / v["B_intra"] for b in (v["b"], v["b"], v["b_g"]))
-            assert c.step == pytest.approx(_ep(result, W, c.a2a_chunks).step + L * restore, rel=1e-9)
+        if c.slots == 1:  # one expert per device: EP over the 8 ranks, plus the restores and the slices back
+            restore, t_g = (v["alpha"] + S_e / W * b * (W - 1) / v["B_intra"] for b in (v["b"], v["b_g"]))
+            bwd = 2 * T * K / W * 2 * m * D * F / (v["R"] * v["eta"])  # the earlier layer's expert backward
+            slices = t_g + (L - 1) * max(0.0, t_g - bwd)  # the first block waits, the others are deferred
+            assert c.step == pytest.approx(_ep(result, W, c.a2a_chunks).step + 2 * L * restore + slices, rel=1e-9)
     best_fsep = min(fsep, key=lambda c: c.step)
     assert best_fsep.slots == 1 and best_fsep.step > result.best.step
 
@@ -777,7 +784,7 @@ def test_laer_systems_are_three_distinct_formulas_and_fsep_beats_ep_under_skew()
     mem_ep = L * (E / 8 * S_e * s + acts(rows_ep) + dense_w * s)
     mem_fsdp = L * (E / 8 * S_e / 4 * s + dense_w * s / W + acts(rows_ep)) + 2 * (S_e + dense_w) * b + (
         S_e + dense_w) * b_g
-    mem_fsep = L * (E * S_e / W * s + acts(rows_fsep) + dense_w * s) + 3 * C * S_e * b + C * S_e * b_g
+    mem_fsep = L * (E * S_e / W * s + acts(rows_fsep) + dense_w * s) + 3 * C * S_e * b + 3 * C * S_e * b_g
     assert ep.memory_gb == pytest.approx(mem_ep / 1e9, rel=1e-3)
     assert fsdp.memory_gb == pytest.approx(mem_fsdp / 1e9, rel=1e-3)
     assert fsep.memory_gb == pytest.approx(mem_fsep / 1e9, rel=2e-3)

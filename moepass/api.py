@@ -6,6 +6,7 @@ import contextlib
 import copy
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -14,7 +15,7 @@ from moepass import determinism
 from moepass.canonical import CANONICAL_PASS, MoEGraphModule
 from moepass.detect import DetectionReport, detect
 from moepass.errors import PlanError
-from moepass.pipeline import compile_block, finalize
+from moepass.pipeline import compile_block, copy_expert_weights, finalize
 from moepass.plan import DISTRIBUTED_FORMS, Plan
 
 
@@ -50,7 +51,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     _needs_process_group(plan, report)  # before anything is copied or changed
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
-    target = model if inplace else copy.deepcopy(model)
+    target = model if inplace else copy_model(model, plan, report)
     info = CompileInfo(plan=plan, report=report)
     for spec in report.blocks:
         block_plan = plan.for_block(spec.path)
@@ -72,6 +73,18 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged
     object.__setattr__(target, "moepass_info", info)
     return target
+
+
+def copy_model(model: nn.Module, plan: Plan, report: DetectionReport) -> nn.Module:
+    """The deep copy `compile` rewrites (the user's model is never changed). Expert weights that a block's
+    form lays into one buffer per role are copied once, into that buffer (`copy_expert_weights`), and
+    handed to `copy.deepcopy` through its memo; everything else is copied as `copy.deepcopy` copies it."""
+    memo: dict[int, Any] = {}
+    for spec in report.blocks:
+        block_plan = plan.for_block(spec.path)
+        if block_plan is not None:
+            copy_expert_weights(spec, model.get_submodule(spec.path), block_plan, memo)
+    return copy.deepcopy(model, memo)
 
 
 def _needs_process_group(plan: Plan, report: DetectionReport) -> None:

@@ -158,24 +158,60 @@ def stack_experts(tensors: list[torch.Tensor]) -> torch.Tensor:
     return _StackExperts.apply(*tensors)
 
 
-def relayout_stacked(gm: nn.Module, spec: MoESpec) -> int:
-    """Move the per-expert parameters of every stacked TensorSource into one contiguous buffer each,
-    keeping the Parameter objects (and their names and values): `p.data` becomes a slice of the buffer.
-    Returns how many parameters moved."""
-    moved = 0
+def stacked_parameters(block: nn.Module, spec: MoESpec) -> list[list[nn.Parameter]]:
+    """The per-expert parameters of each stacked TensorSource of `spec` in `block`, in expert order: the
+    groups `relayout_stacked` lays into one buffer each. A role whose tensors differ in shape, dtype or
+    device is left out (its tensors stay apart; `stack_experts` stacks them each step)."""
+    groups = []
     for role in ROLES:
         source: TensorSource | None = getattr(spec.experts, role)
         if source is None or not source.stacked:
             continue
-        params = [gm.get_parameter(p) for p in source.paths]
-        if adjacent_view(params) is not None or len({(p.shape, p.dtype, p.device) for p in params}) != 1:
+        params = [block.get_parameter(p) for p in source.paths]
+        if len({(p.shape, p.dtype, p.device) for p in params}) == 1:
+            groups.append(params)
+    return groups
+
+
+def stacked_buffer(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One new contiguous `[E, ...]` buffer holding the values of `params` (no autograd history)."""
+    with torch.no_grad():
+        return torch.stack([p.detach() for p in params])
+
+
+def relayout_stacked(gm: nn.Module, spec: MoESpec) -> int:
+    """Move the per-expert parameters of every stacked TensorSource into one contiguous buffer each,
+    keeping the Parameter objects (and their names and values): `p.data` becomes a slice of the buffer.
+    Parameters that already lie so (`adjacent_view`, e.g. made by `stacked_copies`) stay where they are.
+    Returns how many parameters moved."""
+    moved = 0
+    for params in stacked_parameters(gm, spec):
+        if adjacent_view(params) is not None:
             continue
-        with torch.no_grad():
-            buffer = torch.stack([p.detach() for p in params])
+        buffer = stacked_buffer(params)
         for e, p in enumerate(params):
             p.data = buffer[e]
-            moved += 1
+        moved += len(params)
     return moved
+
+
+def stacked_copies(block: nn.Module, spec: MoESpec, memo: dict[int, Any]) -> int:
+    """For a deep copy of the model holding `block`: each stacked role's parameters copied once, straight
+    into one contiguous buffer, and registered in the deepcopy `memo` (id of the original -> a Parameter of
+    the same type and `requires_grad` viewing its slice, as `Parameter.__deepcopy__` would make it), so
+    that `copy.deepcopy(model, memo)` adopts them instead of cloning each one, and `relayout_stacked` finds
+    them laid out already (one copy of the expert weights, not two). The originals are not touched.
+    Returns how many parameters were copied."""
+    copied = 0
+    for params in stacked_parameters(block, spec):
+        ids = {id(p) for p in params}
+        if len(ids) != len(params) or not ids.isdisjoint(memo) or any(type(p) is not nn.Parameter for p in params):
+            continue  # tied or already copied tensors, Parameter subclasses: copied the way deepcopy copies them
+        buffer = stacked_buffer(params)
+        for e, p in enumerate(params):
+            memo[id(p)] = nn.Parameter(buffer[e], requires_grad=p.requires_grad)
+        copied += len(params)
+    return copied
 
 
 def jitter(x: torch.Tensor, eps: float, training: bool) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from torch import nn
 
@@ -43,6 +44,16 @@ def _rewrite_single(gm: MoEGraphModule, plan: Plan) -> PassResult:
     weights are re-laid once into one buffer per role, so the graph reads them without a copy."""
     moved = canonical.relayout_stacked(gm, gm.spec)
     return PassResult(gm, changed=False, stats={"relaid_expert_params": moved})
+
+
+def copy_expert_weights(spec: MoESpec, block: nn.Module, plan: Plan, memo: dict[int, Any]) -> int:
+    """Before `compile` deep-copies the model: the expert weights `block`'s form re-lays into one buffer
+    per role (form="single", `_rewrite_single`) are copied straight into that buffer and put in the
+    deepcopy `memo` (`canonical.stacked_copies`), so they are copied once, not cloned and then re-laid.
+    Other forms build their own expert tensors from the copy. Returns how many parameters were copied."""
+    if plan.form != "single":
+        return 0
+    return canonical.stacked_copies(block, spec, memo)
 
 
 def expert_recompute(gm: MoEGraphModule, plan: Plan) -> PassResult:

@@ -47,7 +47,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     if not isinstance(plan, Plan):
         raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
     report = detect(model) if report is None else report
-    plan, _ = resolve_auto(plan, report)
+    plan, _ = resolve_auto(plan, report, model)
     _needs_process_group(plan, report)  # before anything is copied or changed
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
@@ -101,9 +101,12 @@ def _needs_process_group(plan: Plan, report: DetectionReport) -> None:
                             f"torch.multiprocessing.spawn, or use form='single' on one process.")
 
 
-def resolve_auto(plan: Plan, report: DetectionReport):
+def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = None):
     """`form="auto"`: ask the cost model, priced with `Plan.hardware`; returns (the concrete plan, the
-    search result or None). A `Plan.slots_per_device` given with form="auto" is the only C the search
+    search result or None). The gradient all-reduce shares the all-to-all's link as the plan runs it
+    (`Plan(grad_sync="scheduler")`: priority, micro-ops of `Plan.micro_op_bytes`; otherwise DDP's fair
+    sharing), with `model`'s dense parameters (all but the detected experts, embeddings included; without
+    a model, the attention projections). A `Plan.slots_per_device` given with form="auto" is the only C the search
     prices for FSEP; the FSEP-only fields are reset when another form wins (they would be rejected).
     auto never picks a math-changing form (HP, capacity on a dropless block: DESIGN.md, only by name):
     HP is priced with `Plan.heads` / `Plan.head_dim` and shown, and those HP-only fields are reset."""
@@ -112,12 +115,16 @@ def resolve_auto(plan: Plan, report: DetectionReport):
     if plan.batch is None:
         raise PlanError("Plan.form='auto' needs Plan.batch=(batch, seq) tokens per rank for the cost model; "
                         "pass it, or name a form explicitly.")
-    from cost_model.search import search
+    from cost_model.search import BlockShape, dense_params_of, search
 
     topology = plan.topology if plan.topology is not None else _default_topology()
     slots = None if plan.slots_per_device is None else (plan.slots_per_device,)
+    tokens = plan.batch[0] * plan.batch[1]
+    dense = dense_params_of(model, [BlockShape.of(spec, tokens) for spec in report.blocks]) if model is not None else None
     result = (search(report.blocks, topology, plan.batch, profile=plan.hardware, recompute=plan.expert_recompute,
-                     slots=slots, heads=plan.heads, head_dim=plan.head_dim, allow_math_changes=False)
+                     slots=slots, heads=plan.heads, head_dim=plan.head_dim, allow_math_changes=False,
+                     dense_params=dense, schedule="priority" if plan.grad_sync == "scheduler" else "fair",
+                     micro_op_bytes=plan.micro_op_bytes)
               if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
     if chosen["form"] != "fsep":
@@ -179,7 +186,7 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     lines.append(report.summary())
     if plan.form == "auto":
         try:
-            plan, result = resolve_auto(plan, report)
+            plan, result = resolve_auto(plan, report, model)
             if result is not None:
                 best, runner = result.best, result.runner_up
                 lines.append(f"cost model chose: {best.label} ({float(best.step) * 1e3:.3g} ms/step)"

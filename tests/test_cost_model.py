@@ -418,6 +418,39 @@ def test_form_auto_picks_fsep_when_only_its_shards_fit():
     assert plan3.form == "ep" and plan3.slots_per_device is None
 
 
+def test_form_auto_prices_the_gradient_sync_the_plan_runs_and_the_models_dense_parameters():
+    """form="auto" with Plan(grad_sync="scheduler") ranks the plans under Lina's priority rule with the plan's
+    micro-op size, and with the model's own dense parameters (embeddings included) when given the model."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from cost_model.search import BlockShape, dense_params_of
+    from moepass.api import resolve_auto
+    from moepass.runtime.topology import Topology
+
+    blocks = [spec(8, 2, 1024, 4096)] * 4
+    report = SimpleNamespace(blocks=blocks)
+    model = nn.Embedding(50000, 1024)  # stands for the dense part: 51.2 M parameters, no experts
+    auto = Plan(form="auto", batch=(4, 1024), topology=Topology(1, 8), hardware="h100")
+    shapes = [BlockShape.of(b, 4 * 1024) for b in blocks]
+    assert dense_params_of(model, shapes) == 0  # fewer parameters than the blocks' experts: clamped at 0
+    model = nn.Embedding(500000, 1024)
+    dense = dense_params_of(model, shapes)
+    assert dense == 500000 * 1024 - 4 * 8 * 3 * 1024 * 4096
+    for grad_sync, schedule_name in (("none", "fair"), ("scheduler", "priority")):
+        plan = auto.replace(grad_sync=grad_sync, micro_op_bytes=1 << 20)
+        _, result = resolve_auto(plan, report, model)
+        expected = search(blocks, Topology(1, 8), (4, 1024), profile="h100", dense_params=dense,
+                          schedule=schedule_name, micro_op_bytes=1 << 20, allow_math_changes=False)
+        assert [(c.label, float(c.step)) for c in result.ranked] == [(c.label, float(c.step)) for c in expected.ranked]
+    fair = resolve_auto(auto, report, model)[1]
+    priority = resolve_auto(auto.replace(grad_sync="scheduler"), report, model)[1]
+    bare = resolve_auto(auto, report)[1]  # no model: attention-only dense gradients
+    fair_ep, priority_ep, bare_ep = (min(float(c.step) for c in r.ranked if c.form == "ep") for r in (fair, priority, bare))
+    assert priority_ep < fair_ep and bare_ep < fair_ep
+
+
 # ---- HP next to EP in the plan search ---------------------------------------------------------------
 #
 # Expected HP figures are priced by hand from TECHNIQUES.md §3 and the rewrite (moepass/rewrite/hp.py):

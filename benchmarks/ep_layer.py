@@ -212,7 +212,7 @@ class GroupedFloor:
     """The step's expert GEMMs alone, under an even load: the 6 grouped GEMMs of a gated expert FFN with gate and
     up fused ([E, 2F, D], as HF stores them) — forward gate_up and down, backward the two input gradients and the
     two weight gradients —, `torch._grouped_mm` on precomputed operands (no routing, no elementwise work, hot
-    caches). The FLOPs equal `Floor.fwd_bwd`'s; the time is what this machine's GEMMs take at the step's
+    caches), over a rank's E/W local experts with rows/(E/W) rows each, as EP lays them out. The FLOPs equal `Floor.fwd_bwd`'s; the time is what this machine's GEMMs take at the step's
     per-expert shapes: no implementation built on them can beat it, so system/grouped_floor is the overhead
     above the GEMMs and grouped_floor/floor the shape penalty of rows/E-row GEMMs against one large one."""
 
@@ -220,7 +220,8 @@ class GroupedFloor:
         import torch
 
         f = floor_flops(shape, world)
-        rows, d, ffn, experts = f["rows"], shape["hidden"], shape["intermediate"], shape["experts"]
+        rows, d, ffn = f["rows"], shape["hidden"], shape["intermediate"]
+        experts = shape["experts"] // world  # a rank's local experts under EP (all of them at W=1)
         gen = torch.Generator().manual_seed(4)
         self.x = torch.randn(rows, d, generator=gen)
         self.dy = torch.randn(rows, d, generator=gen)

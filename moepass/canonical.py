@@ -26,6 +26,10 @@ scale_R[experts_TK] before the combine. With zero-compute experts (`identity_exp
     x_TD ─permute(E+2)─► x_ND, counts_J, order_N;  x_ND ─ffn_rows─► x_MD (the leading FFN rows)
     x_MD ─expert_ffn(counts_J[:E])─► y_MD ─zero_compute_rows─► y_ND (identity rows: x, zero rows: 0) ─► unpermute
 
+Generic experts (`ExpertsSpec.kind="generic"`, not a known FFN) put `generic_experts.run_experts(x_ND,
+counts_E, expert_template, names, *stacked_E)` where `moe.expert_ffn` is: the user's expert module run
+on each expert's rows with that expert's tensors (`expert_template` is a stateless copy of one expert).
+
 Shape legend: B batch, S sequence, T = B*S tokens, D model width, E experts, K top-k, N = T*K.
 With zero-compute experts: R = E + identity + zero router ids, J = E + 2 permute slots, M FFN rows.
 With heads: H heads of width h, Q = H*h latent width, G = T*H sub-tokens (token-major, head-minor),
@@ -44,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from moepass import dialect
+from moepass import dialect, generic_experts
+from moepass.errors import PlanError
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
 if TYPE_CHECKING:
@@ -163,11 +168,11 @@ def stacked_parameters(block: nn.Module, spec: MoESpec) -> list[list[nn.Paramete
     groups `relayout_stacked` lays into one buffer each. A role whose tensors differ in shape, dtype or
     device is left out (its tensors stay apart; `stack_experts` stacks them each step)."""
     groups = []
-    for role in ROLES:
-        source: TensorSource | None = getattr(spec.experts, role)
-        if source is None or not source.stacked:
-            continue
-        params = [block.get_parameter(p) for p in source.paths]
+    params_by_name = dict(block.named_parameters())
+    for source in spec.experts.sources().values():
+        if not source.stacked or any(p not in params_by_name for p in source.paths):
+            continue  # fused tensors; a generic expert's buffers (stacked each step)
+        params = [params_by_name[p] for p in source.paths]
         if len({(p.shape, p.dtype, p.device) for p in params}) == 1:
             groups.append(params)
     return groups
@@ -337,7 +342,10 @@ def fused_gate_up_source(experts: ExpertsSpec) -> TensorSource | None:
 
 def expert_weights(b: GraphBuilder, experts: ExpertsSpec, read: Any) -> list[fx.Node | None]:
     """The six weight operands of `moe.expert_ffn` (gate, up, down, and their biases); `read(source, role)`
-    makes the node of one. Fused gate/up (one tensor's halves) passes the whole tensor as gate, no up."""
+    makes the node of one. Fused gate/up (one tensor's halves) passes the whole tensor as gate, no up.
+    Generic experts: their stacked tensors, in `ExpertsSpec.tensors` order (`generic_experts.run_experts`)."""
+    if experts.kind == "generic":
+        return [read(source, role) for role, source in experts.sources().items()]
     fused = fused_gate_up_source(experts)
     sources = {role: getattr(experts, role) for role in ROLES}
     if fused is not None:
@@ -405,15 +413,23 @@ def routed_experts(b: GraphBuilder, spec: MoESpec, x_rows: fx.Node, experts_ids:
     if zero_compute:
         counts = b.fn(operator.getitem, counts_J, slice(0, num_experts), name=names["counts"])
         x_N = b.fn(ffn_rows, x_all, counts, name="x_MD")
-    y_N = b.fn(
-        dialect.EXPERT_FFN, x_N, counts,
-        *expert_weights(b, x, lambda source, role: b.tensor(source, WEIGHT_NAMES[role])),
-        x.activation, x.clamp_limit, x.swiglu_alpha, name="y_MD" if zero_compute else names["y"],
-    )
+    y_N = expert_compute(b, x, x_N, counts, "y_MD" if zero_compute else names["y"])
     if zero_compute:
         y_N = b.fn(zero_compute_rows, y_N, x_all, counts_J, name=names["y"])
     y_K = b.fn(dialect.UNPERMUTE, y_N, order_N, K, name=names["y_k"])
     return b.fn(dialect.COMBINE, y_K, weights, name=names["out"])
+
+
+def expert_compute(b: GraphBuilder, x: ExpertsSpec, x_N: fx.Node, counts: fx.Node, name: str) -> fx.Node:
+    """The node computing every expert on its rows: `moe.expert_ffn`, or for generic experts
+    `generic_experts.run_experts` on the block's stateless template and each stacked expert tensor."""
+    if x.kind == "generic":
+        stacked = expert_weights(b, x, lambda source, role: b.tensor(source, f"{role}_E"))
+        return b.fn(generic_experts.run_experts, x_N, counts, b.attr(generic_experts.TEMPLATE),
+                    tuple(n for n, _ in x.tensors), *stacked, name=name)
+    return b.fn(dialect.EXPERT_FFN, x_N, counts,
+                *expert_weights(b, x, lambda source, role: b.tensor(source, WEIGHT_NAMES[role])),
+                x.activation, x.clamp_limit, x.swiglu_alpha, name=name)
 
 
 PLAIN_NAMES = dict(x="x_ND", counts="counts_E", order="order_N", y="y_ND", y_k="y_TKD", out="out_TD")
@@ -613,5 +629,13 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
 def build(spec: MoESpec, block: nn.Module) -> MoEGraphModule:
     """The canonical MoEGraphModule for `block` (whose structure `spec` describes)."""
     gm = MoEGraphModule(block, build_graph(spec), spec)
+    if spec.experts.kind == "generic":  # the function the generic expert op runs (it holds no tensor)
+        assert spec.experts.template is not None  # ExpertsSpec.validate
+        if hasattr(block, generic_experts.TEMPLATE):
+            raise PlanError(f"block {spec.path or '<root>'!r} has an attribute {generic_experts.TEMPLATE!r}, the name "
+                            f"its rewritten form gives the generic experts' template; rename it, or leave this block "
+                            f"alone with Plan(blocks={{{spec.path!r}: None}}).")
+        gm.add_module(generic_experts.TEMPLATE, generic_experts.stateless_template(
+            block.get_submodule(spec.experts.template)))
     gm.history.append({"pass": CANONICAL_PASS, "seconds": 0.0, "stats": {"nodes": len(gm.graph.nodes)}})
     return gm

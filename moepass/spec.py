@@ -31,6 +31,8 @@ ROUTER_DTYPES = ("float32", "input")
 LOGITS_SOURCES = ("linear", "module", "selection")
 MODULE_INPUTS = ("hidden", "tokens")
 SIDE_OUTPUTS = ("router_logits",)
+EXPERT_KINDS = ("ffn", "generic")
+FFN_ROLES = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # `moe.expert_ffn`'s operand order
 
 
 def _check_choice(path: str, value: object, choices: tuple[str, ...]) -> None:
@@ -142,7 +144,8 @@ class RouterSpec:
 class ExpertsSpec:
     """E routed experts, one FFN each: `down(act(gate(x)) [* up(x)])` with optional biases.
 
-    Canonical layouts: gate/up `[E, F, D]`, down `[E, D, F]`, biases `[E, F]` / `[E, D]`.
+    Canonical layouts: gate/up `[E, F, D]`, down `[E, D, F]`, biases `[E, F]` / `[E, D]`. Experts that are
+    not such an FFN run as they are (`kind="generic"`, below).
 
     Zero-compute experts (LongCat-Flash): the router may choose among R = E + len(identity_experts) +
     len(zero_experts) experts; the router ids listed return their input (identity) or zero, the others
@@ -166,6 +169,15 @@ class ExpertsSpec:
     output_scale: TensorSource | None = None  # [R] or [R, 1]: expert r's output times output_scale[r]
     identity_experts: tuple[int, ...] = ()  # router ids of experts returning their input
     zero_experts: tuple[int, ...] = ()  # router ids of experts returning zero
+    # "ffn": the FFN above (`moe.expert_ffn`); "generic": the per-expert function is not a known FFN, so the
+    # graph runs one expert module as it is (`template`, whose class `template_class` names for reports) on
+    # each expert's rows with that expert's tensors (`moepass.generic_experts`). `tensors` are its stacked
+    # parameters and buffers: (name inside the expert, [E, ...] source); w_* / b_* and `activation` are
+    # unused, and `ffn_dim` is the FFN width of the same parameter count (for the cost model).
+    kind: str = "ffn"
+    template: str | None = None
+    template_class: str = ""
+    tensors: tuple[tuple[str, TensorSource], ...] = ()
 
     @property
     def gated(self) -> bool:
@@ -182,7 +194,23 @@ class ExpertsSpec:
         other = set(self.identity_experts) | set(self.zero_experts)
         return tuple(r for r in range(self.routed_experts) if r not in other)
 
+    def sources(self) -> dict[str, TensorSource]:
+        """The expert tensors the graph reads, by role: the FFN's weights (`FFN_ROLES` order) or a
+        generic expert's tensors (keyed by their name inside the expert, dots made underscores)."""
+        if self.kind == "generic":
+            return {name.replace(".", "_"): source for name, source in self.tensors}
+        return {role: getattr(self, role) for role in FFN_ROLES if getattr(self, role) is not None}
+
     def validate(self, where: str) -> None:
+        _check_choice(f"{where}.kind", self.kind, EXPERT_KINDS)
+        if self.kind == "generic":
+            names = [name for name, _ in self.tensors]
+            if self.template is None or not self.tensors or len(self.sources()) != len(names) or any(
+                    not s.stacked or len(s.paths) != self.num_experts for _, s in self.tensors):
+                raise PlanError(
+                    f"{where}.kind='generic' is invalid with template={self.template!r}, tensors={names}: name one "
+                    f"expert module as the template and each of its tensors once (distinct after dots become "
+                    f"underscores), stacked over the num_experts={self.num_experts} experts.")
         _check_choice(f"{where}.activation", self.activation, ACTIVATIONS)
         for name in ("num_experts", "hidden_dim", "ffn_dim"):
             if getattr(self, name) < 1:
@@ -196,7 +224,7 @@ class ExpertsSpec:
                 f"are invalid: they must be distinct router ids in [0, {R}) (R = num_experts={self.num_experts} "
                 f"FFN experts + the identity and zero experts); list each zero-compute expert once."
             )
-        if self.gated != (self.w_up is not None):
+        if self.kind == "ffn" and self.gated != (self.w_up is not None):
             raise PlanError(
                 f"{where}.w_up={self.w_up!r} is invalid for activation={self.activation!r}: gated activations "
                 f"{list(GATED_ACTIVATIONS)} need an up projection, the others must not have one."
@@ -345,7 +373,8 @@ class MoESpec:
             ("router.bias", self.router.bias is not None),
             ("router.logits_from='module'", self.router.logits_from == "module"),
             ("experts.output_scale", self.experts.output_scale is not None),
-            ("experts.identity_experts / zero_experts", self.experts.routed_experts != self.experts.num_experts))
+            ("experts.identity_experts / zero_experts", self.experts.routed_experts != self.experts.num_experts),
+            ("experts.kind='generic'", self.experts.kind == "generic"))
             if present]
         if unsupported:
             raise PlanError(
@@ -372,7 +401,10 @@ class MoESpec:
 
     def summary(self) -> str:
         r, x = self.router, self.experts
-        if self.heads is None:
+        if self.heads is None and x.kind == "generic":
+            sizes = (f"E={x.num_experts} K={r.top_k} D={x.hidden_dim} generic experts (module {x.template_class} "
+                     f"run as traced, {len(x.tensors)} tensors each)")
+        elif self.heads is None:
             sizes = f"E={x.num_experts} K={r.top_k} D={x.hidden_dim} F={x.ffn_dim} {x.activation}"
         else:
             hd = self.heads

@@ -527,6 +527,61 @@ class HashRouted(nn.Module):
         return loop_combine(x, w, idx, list(self.experts)).view_as(h)
 
 
+class NormExpert(nn.Module):
+    """Not a known FFN: Linear -> LayerNorm -> GELU -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, FF)
+        self.norm = nn.LayerNorm(FF)
+        self.down = nn.Linear(FF, D)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.norm(self.up(x))))
+
+
+class NormExperts(nn.Module):
+    """Experts with a norm inside: they run as traced (generic experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList(NormExpert() for _ in range(E))
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        w, idx = softmax_topk(self.router(x))
+        return loop_combine(x, w, idx, list(self.experts)).view_as(h)
+
+
+class ResidualGlu(nn.Module):
+    """Not a known FFN: a GLU with an extra elementwise factor, and a residual inside the expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, FF, bias=False)
+        self.up = nn.Linear(D, FF, bias=False)
+        self.down = nn.Linear(FF, D, bias=False)
+
+    def forward(self, x):
+        u = self.up(x)
+        return x + self.down(F.silu(self.gate(x)) * u * torch.sigmoid(u))
+
+
+class ResidualGluDict(nn.Module):
+    """ModuleDict experts with a residual inside, a sigmoid router without renormalisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(D, E, bias=False)
+        self.bank = nn.ModuleDict({f"expert_{e}": ResidualGlu() for e in range(E)})
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        w, idx = torch.sigmoid(self.score(x)).topk(K, dim=-1)
+        return loop_combine(x, w, idx, list(self.bank.values())).view_as(h)
+
+
 def _router(**changes):
     return lambda s: s.replace(router=replace(s.router, **changes))
 
@@ -557,6 +612,12 @@ def _module_outputs_swapped(s: MoESpec) -> MoESpec:  # the router module's exper
     r = s.router
     return s.replace(router=replace(r, module_output_index=r.module_experts_index,
                                     module_experts_index=r.module_output_index))
+
+
+def _generic_experts_shifted(s: MoESpec) -> MoESpec:  # expert e runs with expert e+1's first tensor
+    (name, source), *rest = s.experts.tensors
+    shifted = replace(source, paths=source.paths[1:] + source.paths[:1])
+    return s.replace(experts=replace(s.experts, tensors=((name, shifted), *rest)))
 
 
 @dataclass
@@ -643,6 +704,15 @@ CASES: dict[str, Case] = {
         lambda s: s.input_names == ("hidden_states", "input_ids") and s.router.logits_from == "selection"
         and s.router.module_args == ("input_ids",) and not s.router.known_kind
         and s.router.weight.paths == ("hasher.proj.weight",), ep=True),
+    "experts with a norm inside (not a known FFN: run as traced)": Case(
+        NormExperts, _generic_experts_shifted, OUT,
+        lambda s: s.experts.kind == "generic" and s.experts.template == "experts.0"
+        and s.experts.template_class == "NormExpert" and len(s.experts.tensors) == 6, ep=True),
+    "ModuleDict experts with a residual and an extra factor inside (run as traced)": Case(
+        ResidualGluDict, _generic_experts_shifted, OUT,
+        lambda s: s.experts.kind == "generic" and s.experts.template == "bank.expert_0"
+        and s.experts.tensors[0][1].paths == tuple(f"bank.expert_{e}.gate.weight" for e in range(E))
+        and not s.router.renormalize and s.router.score_func == "sigmoid", ep=True),
 }
 NOT_YET: dict[str, str] = {}
 IDENTITY = "identity (zero-compute) experts beside FFN experts"

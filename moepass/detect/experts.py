@@ -7,7 +7,8 @@ gate and up (halves in either order, or interleaved rows). Which activation join
 of two input linears is the gate, is decided numerically: each reading is run on the probe input
 with the expert's own weights and must reproduce the expert's output (`moepass.activations`). An
 expert that does something else (a norm, a scale, a matmul with a bare tensor) is declined with the
-reason: the semantic check then never sees a spec for it.
+reason, and `read_generic_expert` says whether the experts can run as they are instead (the generic
+expert op, `moepass.generic_experts`): identical structure, [T, D] -> [T, D].
 
 Shape legend: D model width, F expert hidden width.
 """
@@ -127,6 +128,41 @@ def read_expert(expert: nn.Module, dim: int, seed: int = 0) -> ExpertFunction | 
                 return ExpertFunction(activation, gate, up, down_role, dim, F_dim)
     return (f"no known FFN activation {list(ACTIVATIONS)} reproduces an expert "
             f"({'gated' if readings[0][1] is not None else 'not gated'}, F={F_dim})")
+
+
+@dataclass(frozen=True)
+class GenericExpert:
+    """Experts run as they are: their tensors' names (parameters, then buffers) and the class for reports."""
+
+    tensors: tuple[str, ...]
+    class_name: str
+    ffn_dim: int  # the FFN width with the same parameter count, 2*D*F (for the cost model)
+
+
+def _structure(module: nn.Module) -> tuple[object, ...]:
+    """What experts must share to be stacked: every submodule's class, every tensor's name, shape and dtype."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return (tuple(type(m) for m in module.modules()), tuple((n, t.shape, t.dtype) for n, t in tensors))
+
+
+def read_generic_expert(experts: list[nn.Module], dim: int, seed: int = 0) -> GenericExpert | str:
+    """The generic reading of experts that are not a known FFN (see the module doc), or why there is none."""
+    first = experts[0]
+    if any(_structure(m) != _structure(first) for m in experts[1:]):
+        return "the experts differ in their classes or their tensors' names, shapes or dtypes, so they do not stack"
+    params = [n for n, _ in first.named_parameters()]
+    if not params:
+        return "an expert holds no parameters"
+    x = torch.randn(5, dim, generator=torch.Generator().manual_seed(seed))
+    try:
+        out = probe_copy(first, seed)(x)
+    except Exception as err:
+        return f"an expert fails on a [5, D={dim}] probe: {type(err).__name__}: {err}"
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        return f"an expert returns {type(out).__name__} of shape {getattr(out, 'shape', None)}, not [T, D={dim}]"
+    numel = sum(p.numel() for p in first.parameters())
+    names = (*params, *(n for n, _ in first.named_buffers()))
+    return GenericExpert(names, type(first).__name__, max(1, numel // (2 * dim)))
 
 
 def _reproduces(params: Mapping[str, torch.Tensor], x: torch.Tensor, out: torch.Tensor, gate: Role, up: Role | None,

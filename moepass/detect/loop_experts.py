@@ -1,7 +1,8 @@
 """Recogniser: experts held as one module each (a ModuleList or ModuleDict), whatever calls them.
 
 The expert function comes from one expert's graph (`moepass.detect.experts`), the router from the
-block's (`moepass.detect.router`); the experts' weights are stacked per role in expert order.
+block's (`moepass.detect.router`); the experts' weights are stacked per role in expert order. Experts
+that are not a known FFN run as they are (`ExpertsSpec.kind="generic"`), their tensors stacked per name.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moepass.detect.candidates import Candidate, output_scales, shared_expert
-from moepass.detect.experts import Role, read_expert
+from moepass.detect.experts import Role, read_expert, read_generic_expert
 from moepass.detect.router import router_hypotheses
 from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
@@ -20,7 +21,7 @@ def stacked_experts_spec(c: Candidate, keys: list[str]) -> ExpertsSpec | str:
     """Experts held as one module each (container entries `keys`), their weights stacked per expert."""
     fn = read_expert(c.experts.get_submodule(keys[0]), c.hidden_dim)
     if isinstance(fn, str):
-        return fn
+        return generic_experts_spec(c, keys, fn)
     prefix = f"{c.experts_path}." if c.experts_path else ""
 
     def stacked(role: Role | None, bias: bool = False) -> TensorSource | None:
@@ -40,6 +41,21 @@ def stacked_experts_spec(c: Candidate, keys: list[str]) -> ExpertsSpec | str:
         b_gate=stacked(fn.gate, bias=True), b_up=stacked(fn.up, bias=True), b_down=stacked(fn.down, bias=True),
         container=c.experts_path,
     )
+
+
+def generic_experts_spec(c: Candidate, keys: list[str], not_ffn: str) -> ExpertsSpec | str:
+    """Experts that are not a known FFN (`not_ffn` says why) run as they are: the first one as the template,
+    each tensor stacked over the experts (`moepass.generic_experts`); or why they cannot."""
+    generic = read_generic_expert([c.experts.get_submodule(k) for k in keys], c.hidden_dim)
+    if isinstance(generic, str):
+        return f"{not_ffn}; nor can they run as generic experts: {generic}"
+    if len({name.replace(".", "_") for name in generic.tensors}) != len(generic.tensors):
+        return f"{not_ffn}; nor can they run as generic experts: their tensor names {list(generic.tensors)} collide"
+    prefix = f"{c.experts_path}." if c.experts_path else ""
+    tensors = tuple((name, TensorSource.stack([f"{prefix}{key}.{name}" for key in keys])) for name in generic.tensors)
+    return ExpertsSpec(num_experts=c.num_ffn_experts, hidden_dim=c.hidden_dim, ffn_dim=generic.ffn_dim,
+                       activation="gelu", container=c.experts_path, kind="generic", template=f"{prefix}{keys[0]}",
+                       template_class=generic.class_name, tensors=tensors)
 
 
 def expert_variants(c: Candidate, experts: ExpertsSpec) -> list[ExpertsSpec]:

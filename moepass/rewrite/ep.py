@@ -33,6 +33,8 @@ as a DTensor on the ("dp", "ep") mesh with placements (Replicate(), Shard(0)) â€
 layout sharded on the expert dim, so names and logical shapes are the original ones for fused 3-D
 weights. ModuleList experts (one tensor per expert) are stacked into fused parameters `ep_<role>` owned
 by the rewritten block (the per-expert modules are removed); `moepass.logical_state_dict` maps them back.
+Generic experts (not a known FFN: `moepass.generic_experts`) are stacked the same way, one parameter
+`ep_<name>` per tensor of the expert (dots made underscores), and run on the local rows as they are.
 
 Gradient convention (the same as DDP's): after backward, an expert parameter's gradient is the
 gradient of the mean over all W ranks of their local losses (see `moepass.rewrite.exchange`), and a

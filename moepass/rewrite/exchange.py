@@ -13,6 +13,9 @@ A form that computes experts on other ranks replaces the canonical `moe.expert_f
     y_ND          = wait(moe_comm.all_to_all(y_RD, recv_counts_B, counts_B, "combine", out_rows=N,
                                          splits_2P.flip(0)))
 
+Generic experts (`ExpertsSpec.kind="generic"`) put `generic_experts.run_experts` where `moe.expert_ffn` is:
+the same rows, the local experts' counts and tensors; everything around it is the same.
+
 The split table is read on the host once per block and step and reused by the combine and by both
 backward exchanges (moepass/runtime/collectives.py); the schedule pass keeps one count exchange and
 one table for all its chunks.
@@ -35,7 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, fx
 
-from moepass import dialect
+from moepass import dialect, generic_experts
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
 from moepass.plan import Plan
@@ -83,6 +86,13 @@ def only(graph: fx.Graph, target: object, what: str) -> fx.Node:
     return found[0]
 
 
+def expert_compute_node(graph: fx.Graph) -> fx.Node:
+    """The canonical graph's one expert compute node: `moe.expert_ffn`, or `generic_experts.run_experts`
+    for experts that are not a known FFN (same rows and counts in, same rows out)."""
+    generic = [n for n in graph.nodes if n.op == "call_function" and n.target is generic_experts.run_experts]
+    return generic[0] if len(generic) == 1 else only(graph, dialect.EXPERT_FFN, "moe.expert_ffn")
+
+
 Weights = Callable[[], list[fx.Node | None]]
 
 
@@ -103,7 +113,7 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
     graph, E = gm.graph, gm.spec.num_experts
     b.graph = graph
     permute = only(graph, dialect.PERMUTE, "moe.permute")
-    ffn = only(graph, dialect.EXPERT_FFN, "moe.expert_ffn")
+    ffn = expert_compute_node(graph)
     keeps = [keep] if keep is not None else [
         n for n in graph.nodes if n.op == "call_function" and n.target is dialect.CAPACITY_KEEP]
     x_ND, counts = ffn.args[0], ffn.args[1]
@@ -142,7 +152,10 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
         local_weights = weights()
         if world > 1:  # expert-weight gradients / W, the input gradient unchanged (see grad_scale)
             x_MD = b.fn(grad_scale, x_MD, float(world), name="x_MD_grad_times_W")
-        y_MD = b.fn(dialect.EXPERT_FFN, x_MD, counts_L, *local_weights, *ffn.args[8:], name="y_MD")
+        if ffn.target is dialect.EXPERT_FFN:
+            y_MD = b.fn(dialect.EXPERT_FFN, x_MD, counts_L, *local_weights, *ffn.args[8:], name="y_MD")
+        else:  # generic experts: the same template and tensor names, the local experts' tensors
+            y_MD = b.fn(ffn.target, x_MD, counts_L, *ffn.args[2:4], *local_weights, name="y_MD")
         if world > 1:
             y_MD = b.fn(grad_scale, y_MD, 1.0 / world, name="y_MD_grad_over_W")
         y_R1D = b.fn(dialect.UNPERMUTE, y_MD, order_R, 1, name="y_R1D")

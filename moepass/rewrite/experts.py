@@ -23,13 +23,12 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from moepass import canonical
 from moepass.canonical import MoEGraphModule
 from moepass.errors import PlanError
 from moepass.passes import Effects
 from moepass.runtime import collectives as comm
 from moepass.runtime.topology import EPGroups
-from moepass.spec import MoESpec, TensorSource
+from moepass.spec import MoESpec
 
 
 @dataclass
@@ -82,12 +81,10 @@ def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form:
     """
     E, groups, d = spec.num_experts, layout.groups, layout.shard_dim
     P, p = groups.ep_size, groups.ep_rank
+    check_generic(gm, spec, form)
     names: dict[str, str] = {}
     by_paths: dict[tuple[str, ...], str] = {}
-    for role in canonical.ROLES:
-        source: TensorSource | None = getattr(spec.experts, role)
-        if source is None:
-            continue
+    for role, source in spec.experts.sources().items():
         if source.paths in by_paths:
             names[role] = by_paths[source.paths]
             continue
@@ -125,6 +122,20 @@ def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form:
     if groups.dp_size > 1 and replica_hooks:  # replicas of the same shards sum their gradients
         effects.grad_hooks += [(n, expert_grad_hook(groups)) for n in layout.expert_param_names()]
     return names
+
+
+def check_generic(gm: nn.Module, spec: MoESpec, form: str) -> None:
+    """Generic experts (`ExpertsSpec.kind="generic"`) are sharded like stacked FFN weights (EP: whole experts;
+    FSEP: dim 1 of every tensor, restored before the compute) and must hold parameters only; a PlanError
+    naming the block and the buffers otherwise."""
+    x = spec.experts
+    buffers = dict(gm.named_buffers())
+    held = [path for _, source in x.tensors for path in source.paths[:1] if path in buffers]
+    if x.kind == "generic" and held:
+        raise PlanError(f"Plan.form={form!r} cannot rewrite block {spec.path or '<root>'}: its generic experts (module "
+                        f"{x.template_class} run as traced) hold buffers {held}, which distributed forms do not shard "
+                        f"in this build; use form='single', or leave this block alone with "
+                        f"Plan(blocks={{{spec.path!r}: None}}).")
 
 
 def expert_grad_hook(groups: EPGroups) -> Callable[[Tensor], Tensor]:

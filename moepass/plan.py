@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from cost_model.presets import PRESET_NAMES, Hardware, is_profile_path
+from cost_model.schedule import MICRO_OP_BYTES
 from moepass.errors import PlanError, nearest
 
 FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")
@@ -21,7 +22,7 @@ DISTRIBUTED_FORMS = ("ep", "fsep", "hp", "locality")  # need torch.distributed i
 LOWERINGS = ("auto", "triton", "torch")
 GRAD_SYNCS = ("none", "scheduler")
 PLAN_WIDE = ("deterministic", "grad_sync")  # process- or model-wide: not overridable per block
-DEFAULT_MICRO_OP_BYTES = 30 * 2**20
+DEFAULT_MICRO_OP_BYTES = MICRO_OP_BYTES  # one figure for the runtime and the cost model's priority pricing
 DEFAULT_PREFETCH_DEPTH = 2
 GATES = ("grap", "learned")  # form="locality": the top-1 router's gate
 DEFAULT_ALPHA = 0.01  # form="locality": the balance-loss weight (LocMoE, Switch)

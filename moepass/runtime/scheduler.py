@@ -483,6 +483,14 @@ class Reduced:
     average: bool
 
 
+def plan_micro_op_bytes(model: nn.Module) -> int:
+    """`Plan.micro_op_bytes` of the plan `moepass.compile` rewrote `model` with, else the default."""
+    from moepass.plan import DEFAULT_MICRO_OP_BYTES
+
+    info = getattr(model, "moepass_info", None)
+    return info.plan.micro_op_bytes if info is not None else DEFAULT_MICRO_OP_BYTES
+
+
 class GradientSync:
     """The priority scheduler's gradient synchronisation, installed on a model's parameters (no wrapper).
 
@@ -498,11 +506,7 @@ class GradientSync:
 
     def __init__(self, model: nn.Module, micro_op_bytes: int | None = None, group: dist.ProcessGroup | None = None,
                  priority: bool = True, timeout: float = 600.0, expert_replicas: bool = False):
-        if micro_op_bytes is None:
-            info = getattr(model, "moepass_info", None)
-            from moepass.plan import DEFAULT_MICRO_OP_BYTES
-
-            micro_op_bytes = info.plan.micro_op_bytes if info is not None else DEFAULT_MICRO_OP_BYTES
+        micro_op_bytes = plan_micro_op_bytes(model) if micro_op_bytes is None else micro_op_bytes
         self.scheduler = PriorityScheduler(micro_op_bytes, group, timeout, enabled=priority)
         replicated = {n for n, _ in replicated_parameters(model)}
         experts = expert_replica_parameters(model) if expert_replicas else {}
@@ -697,13 +701,7 @@ def schedule_fsdp(model: nn.Module, scheduler: PriorityScheduler | None = None) 
 
     if scheduler is None:
         sync = getattr(model, "moepass_grad_sync", None)
-        if sync is not None:
-            scheduler = sync.scheduler
-        else:
-            from moepass.plan import DEFAULT_MICRO_OP_BYTES
-
-            info = getattr(model, "moepass_info", None)
-            scheduler = PriorityScheduler(info.plan.micro_op_bytes if info is not None else DEFAULT_MICRO_OP_BYTES)
+        scheduler = sync.scheduler if sync is not None else PriorityScheduler(plan_micro_op_bytes(model))
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not sharded:
         raise ValueError(f"schedule_fsdp: {type(model).__name__} has no fully_shard module: call "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ from moepass import determinism
 from moepass.canonical import CANONICAL_PASS, MoEGraphModule
 from moepass.detect import DetectionReport, detect
 from moepass.errors import PlanError
+from moepass.module_copy import deepcopy_module, storage_counts, unshare
 from moepass.pipeline import compile_block, copy_expert_weights, finalize
 from moepass.plan import DISTRIBUTED_FORMS, Plan
 
@@ -66,6 +66,8 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         else:
             target = gm
     finalize(target)  # model-level set-up of the rewritten forms
+    if target is not model:
+        unshare(target, model)  # expert weights a rewrite left as they were (copy_model aliased them)
     if plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1:
         from moepass.runtime.scheduler import GradientSync  # every rank compiles in the same order: a collective
 
@@ -76,15 +78,19 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
 
 
 def copy_model(model: nn.Module, plan: Plan, report: DetectionReport) -> nn.Module:
-    """The deep copy `compile` rewrites (the user's model is never changed). Expert weights that a block's
-    form lays into one buffer per role are copied once, into that buffer (`copy_expert_weights`), and
-    handed to `copy.deepcopy` through its memo; everything else is copied as `copy.deepcopy` copies it."""
+    """The deep copy `compile` rewrites (the user's model is never changed). Each block's expert weights are
+    copied once (`copy_expert_weights`: straight into the buffer form="single" lays them in; or not at all
+    when the form builds its own expert tensors from them), handed to the copy through its memo; everything
+    else is copied as `copy.deepcopy` copies it (`module_copy.deepcopy_module`: the same result, without
+    deepcopy's per-object overhead). After the rewrite, `unshare` gives the result its own copy of any
+    tensor it still shares with `model`."""
     memo: dict[int, Any] = {}
+    counts = storage_counts(model)
     for spec in report.blocks:
         block_plan = plan.for_block(spec.path)
         if block_plan is not None:
-            copy_expert_weights(spec, model.get_submodule(spec.path), block_plan, memo)
-    return copy.deepcopy(model, memo)
+            copy_expert_weights(spec, model.get_submodule(spec.path), block_plan, memo, counts)
+    return deepcopy_module(model, memo)
 
 
 def _needs_process_group(plan: Plan, report: DetectionReport) -> None:
@@ -210,7 +216,10 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
             lines.append("plan: left alone (Plan.blocks)")
             continue
         try:
-            block = copy.deepcopy(model.get_submodule(detail.spec.path) if detail.spec.path else model)
+            original = model.get_submodule(detail.spec.path) if detail.spec.path else model
+            memo: dict[int, Any] = {}  # the block copied as compile copies it: each expert weight once at most
+            copy_expert_weights(detail.spec, original, block_plan, memo, storage_counts(original))
+            block = deepcopy_module(original, memo)
             with _world_for(block_plan) as note:
                 if note:
                     lines.append(note)

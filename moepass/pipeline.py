@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from torch import nn
 
-from moepass import canonical, dialect, lower, schedule
+from moepass import canonical, dialect, lower, module_copy, schedule
 from moepass.canonical import MoEGraphModule
 from moepass.envflags import flag
 from moepass.errors import PlanError
@@ -46,14 +47,19 @@ def _rewrite_single(gm: MoEGraphModule, plan: Plan) -> PassResult:
     return PassResult(gm, changed=False, stats={"relaid_expert_params": moved})
 
 
-def copy_expert_weights(spec: MoESpec, block: nn.Module, plan: Plan, memo: dict[int, Any]) -> int:
-    """Before `compile` deep-copies the model: the expert weights `block`'s form re-lays into one buffer
-    per role (form="single", `_rewrite_single`) are copied straight into that buffer and put in the
-    deepcopy `memo` (`canonical.stacked_copies`), so they are copied once, not cloned and then re-laid.
-    Other forms build their own expert tensors from the copy. Returns how many parameters were copied."""
-    if plan.form != "single":
-        return 0
-    return canonical.stacked_copies(block, spec, memo)
+def copy_expert_weights(spec: MoESpec, block: nn.Module, plan: Plan, memo: dict[int, Any],
+                        counts: Counter[int]) -> int:
+    """Before `compile` deep-copies the model, so that each expert weight is copied once: form="single"
+    re-lays them into one buffer per role (`_rewrite_single`), so they are copied straight into that
+    buffer (`canonical.stacked_copies`); the other forms build their own expert tensors (EP, FSEP: this
+    rank's shard; HP: a new block), so the copy adopts aliases of the originals instead
+    (`module_copy.alias_in_memo`, `counts` from `module_copy.storage_counts` of the model), and `compile`
+    unshares whatever alias survives the rewrite. Returns how many parameters were copied or aliased."""
+    if plan.form == "single":
+        return canonical.stacked_copies(block, spec, memo)
+    params = dict(block.named_parameters())
+    experts = [params[path] for source in spec.experts.sources().values() for path in source.paths if path in params]
+    return module_copy.alias_in_memo(experts, memo, counts)
 
 
 def expert_recompute(gm: MoEGraphModule, plan: Plan) -> PassResult:

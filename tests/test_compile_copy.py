@@ -160,3 +160,60 @@ def test_blocks_left_alone_are_deep_copied():
     copied = compiled.layers[1].mlp.experts
     assert copied[1].w2.weight is copied[0].w2.weight and copied[0].w2.weight is not experts[0].w2.weight
     assert storages(compiled).isdisjoint(storages(model))
+
+
+def test_ep_copies_only_the_local_shard():
+    """Under EP the copy adopts aliases of the expert weights (the rewrite keeps only this rank's shard, which
+    it copies): compile writes the non-expert tensors once and the local experts once, not all E experts and
+    then the shard again; the result shares no memory with the original (fake process group, W=2, rank 1)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moepass.runtime.topology import reset_groups
+
+    model = make_model()
+    report = moepass.detect(model)
+    expert_params = [p for group in expert_groups(model, report) for p in group]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        with CopiedBytes() as counter:
+            compiled = moepass.compile(model, moepass.Plan(form="ep"), report=report)
+        others = nbytes(model.parameters()) + nbytes(model.buffers()) - nbytes(expert_params)
+        assert counter.bytes == others + nbytes(expert_params) // 2
+        assert counter.ops.count(str(torch.ops.aten.stack.default)) == len(expert_groups(model, report))
+        local = [p.to_local() for p in compiled.parameters() if isinstance(p, DTensor)]
+        assert nbytes(local) == nbytes(expert_params) // 2
+        plain = {p.untyped_storage().data_ptr() for p in compiled.parameters() if not isinstance(p, DTensor)}
+        assert plain.isdisjoint(storages(model)) and {t.untyped_storage().data_ptr() for t in local}.isdisjoint(
+            storages(model))
+        w1 = compiled.layers[0].mlp.ep_w_gate  # experts 2 and 3 of the first block's w1 (rank 1 of 2)
+        experts = model.layers[0].mlp.experts
+        assert torch.equal(w1.to_local(), torch.stack([experts[2].w1.weight, experts[3].w1.weight]))
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    finally:
+        dist.destroy_process_group()
+        reset_groups()
+
+
+def test_aliases_the_rewrite_keeps_are_unshared():
+    """`alias_in_memo` aliases only a plain Parameter alone in its whole storage; `unshare` gives the copy its
+    own storage for every alias it still holds, keeping the Parameter object and the values."""
+    from moepass.module_copy import alias_in_memo, deepcopy_module, storage_counts, unshare
+
+    model = make_model()
+    experts = model.layers[0].mlp.experts
+    experts[1].w2.weight = experts[0].w2.weight  # tied: two entries, one storage
+    view_base = torch.randn(2, *experts[2].w3.weight.shape)
+    experts[2].w3.weight = torch.nn.Parameter(view_base[0])  # half of its storage
+    candidates = [experts[0].w1.weight, experts[1].w1.weight, experts[0].w2.weight, experts[2].w3.weight]
+    memo: dict = {}
+    assert alias_in_memo(candidates, memo, storage_counts(model)) == 2  # the two w1, not tied w2 nor w3 view
+    copied = deepcopy_module(model, memo)
+    aliased = copied.layers[0].mlp.experts[0].w1.weight
+    assert aliased.data_ptr() == experts[0].w1.weight.data_ptr() and aliased is not experts[0].w1.weight
+    assert unshare(copied, model) == 2
+    assert storages(copied).isdisjoint(storages(model))
+    assert copied.layers[0].mlp.experts[0].w1.weight is aliased and torch.equal(aliased, experts[0].w1.weight)
+    assert unshare(copied, model) == 0

@@ -112,7 +112,7 @@ def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form:
             else:
                 local = torch.stack([q.detach().chunk(P, d - 1)[p] for q in params])
             name = f"{form}_{role}"
-            effects.parameters[name] = as_dtensor(local.clone(), groups, d, params[0].requires_grad)
+            effects.parameters[name] = as_dtensor(local, groups, d, params[0].requires_grad)  # stack: a new tensor
             effects.removed += source.paths
             layout.stacked[name] = source.paths
         by_paths[source.paths] = name

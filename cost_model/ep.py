@@ -9,6 +9,11 @@ matrix, with the same conventions the runtime's counters use:
 - combine: the same counts travel back (dst -> src). The backward pass repeats both.
 - under uniform routing that is K*T*D*(ep-1)/ep elements per rank per direction.
 
+Zero-compute experts (LongCat-Flash: identity or zero experts beside the E FFN experts, R router
+choices in all): only the phi share of the T*K assignments that picks an FFN expert is sent and computed
+(`cost_model.symbols.phi`, E/R under uniform routing; 1 without them), so every routed-row figure below
+is T*K*phi: the formulas take it as the optional figure "phi" or in `factor`.
+
 EP groups are `ep` consecutive ranks (the innermost mesh dimension), nodes are `G` consecutive
 ranks, and experts are placed contiguously: expert e lives on rank e // (E/ep) of its group.
 
@@ -38,13 +43,14 @@ def matmuls(gated: bool) -> int:
     return 3 if gated else 2
 
 
-def routed_rows(T, K, *, rho=1, cf=None):
+def routed_rows(T, K, *, rho=1, cf=None, phi=1):
     """Rows the busiest rank computes per layer.
 
-    Dropless (cf None): its share of the T*K routed rows times the imbalance rho = max/mean.
-    Capacity: static buffers of cf*T*K/E slots per expert, computed whether full or not (padding).
+    Dropless (cf None): its share of the T*K*phi routed FFN rows times the imbalance rho = max/mean.
+    Capacity: static buffers of cf*T*K*phi/E slots per expert, computed whether full or not (padding).
+    `phi`: the share of the assignments that reach FFN experts (module doc).
     """
-    return T * K * (rho if cf is None else cf)
+    return T * K * phi * (rho if cf is None else cf)
 
 
 def expert_flops(rows, D, F, m):
@@ -87,7 +93,8 @@ def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0):
 def a2a_elements(T, K, D, ep, *, factor=1):
     """Elements one rank sends per all-to-all direction: the rows bound for the other ep-1 ranks.
 
-    `factor` scales the routed rows: rho for the busiest rank, cf for padded capacity buffers.
+    `factor` scales the routed rows: rho for the busiest rank, cf for padded capacity buffers, times phi
+    with zero-compute experts (module doc).
     """
     return factor * K * T * D * (ep - 1) / ep
 
@@ -255,7 +262,9 @@ def ep_step(xs: list[dict[str, Any]], *, ep: int, n: int, dp: int, dropless: boo
     b_g, s, B_intra, B_inter, alpha, R, eta, rho, c_f; optionally the calibrated host figures c_layer,
     c_expert, c_row, c_act and the kernel's recompute flag r_c, see `host_time` and `compute_time`, 0
     when absent; P_d the dense parameters per layer, all-reduced over W = ep * dp, 0 when absent; q the
-    sequence length, 0 when absent; u the all-reduce unit in bytes, one call per all-reduce when absent).
+    sequence length, 0 when absent; u the all-reduce unit in bytes, one call per all-reduce when absent;
+    phi the share of the T*K assignments that reach FFN experts, 1 when absent: the routed rows, their
+    bytes, compute and activations are T*K*phi times rho or c_f).
     The discrete plan choices (ep, n, dp, dropless: one for all or one per layer, policy) are Python
     values, so the result is a closed formula for that plan.
 
@@ -302,7 +311,7 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
     """One EP layer alone on its links (no all-reduce: other_comm 0) and what its backward puts on the link."""
     from cost_model.schedule import pipeline_time
 
-    factor = x["rho"] if dropless else x["c_f"]
+    factor = (x["rho"] if dropless else x["c_f"]) * x.get("phi", 1)  # rows over T*K: FFN share, skew or padding
     rows = x["T"] * x["K"] * factor
     compute = compute_time(rows, x["D"], x["F"], x["m"], x["R"], x["eta"], recompute=x.get("r_c", 0))
     fwd_compute = compute_time(rows, x["D"], x["F"], x["m"], x["R"], x["eta"]) / FWD_BWD

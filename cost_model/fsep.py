@@ -191,7 +191,7 @@ class PlannedRouting:
 
     @property
     def mean_rows(self) -> float:
-        """Routed rows per rank (T*K): the mean a device computes."""
+        """Routed rows per rank (T*K*phi: the FFN rows): the mean a device computes."""
         return float(self.rows_SR.sum()) / self.rows_SR.shape[0]
 
     @property
@@ -236,11 +236,12 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     """Step terms of one dropless FSEP layer over W ranks with C slots per device, on the busiest rank, as
     `cost_model.ep.ep_layer` prices EP (`x`: the same symbol names, numbers or symbols).
 
-    `rho`: the busiest device's routed rows over the mean T*K under the planner's table; `a2a_rows`:
-    (intra, inter) rows the token all-to-all's slowest rank sends or receives per direction, over T*K
-    (`PlannedRouting.max_over_mean`, `.busiest_a2a_rows`).
+    `rho`: the busiest device's routed rows over the mean T*K*phi under the planner's table; `a2a_rows`:
+    (intra, inter) rows the token all-to-all's slowest rank sends or receives per direction, over T*K*phi
+    (`PlannedRouting.max_over_mean`, `.busiest_a2a_rows`; phi, optional in `x`: the share of the
+    assignments that reach FFN experts, `cost_model.ep`'s module doc, 1 when absent).
 
-    - compute: the busiest device's T*K*rho rows, forward + backward (`ep.compute_time`);
+    - compute: the busiest device's T*K*phi*rho rows, forward + backward (`ep.compute_time`);
     - token all-to-all: dispatch and combine, forward and backward, pipelined in n chunks behind the
       expert compute (`schedule.pipeline_time`, as EP), plus the split-size exchange;
     - other: the restore (C*S_e/W elements per pair, b bytes) and in the backward the restore again (b; not
@@ -257,10 +258,11 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     from cost_model.schedule import pipeline_time
 
     T, K, D, F, m = x["T"], x["K"], x["D"], x["F"], x["m"]
-    rows = T * K * rho
+    mean = T * K * x.get("phi", 1)  # the FFN rows a device computes on average
+    rows = mean * rho
     compute = ep_formulas.compute_time(rows, D, F, m, x["R"], x["eta"], recompute=x.get("r_c", 0))
     fwd_compute = ep_formulas.compute_time(rows, D, F, m, x["R"], x["eta"]) / FWD_BWD
-    intra, inter = (T * K * share * D * x["b"] for share in a2a_rows)
+    intra, inter = (mean * share * D * x["b"] for share in a2a_rows)
     transfer = intra / x["B_intra"] + inter / x["B_inter"]
     a2a = (pipeline_time(n, transfer, fwd_compute, x["alpha"]) + pipeline_time(n, transfer, compute - fwd_compute,
                                                                                  x["alpha"]) - compute + x["alpha"])

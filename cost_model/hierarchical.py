@@ -30,7 +30,8 @@ def stage_bytes(T, K, D, nodes, ranks_per_node, b, *, factor=1):
     """(stage-1 intra-node, stage-2 inter-node) bytes one rank sends per direction under uniform routing.
 
     Stage 1 keeps the 1/r of its rows bound for its own local index; stage 2 keeps the 1/n bound for its
-    own node. The flat exchange sends (r-1)/P intra and (n-1)/n inter (`cost_model.ep.a2a_bytes`)."""
+    own node. The flat exchange sends (r-1)/P intra and (n-1)/n inter (`cost_model.ep.a2a_bytes`). `factor`
+    scales the T*K routed rows as there (rho, cf, and phi with zero-compute experts)."""
     rows = factor * K * T * D * b
     return rows * (ranks_per_node - 1) / ranks_per_node, rows * (nodes - 1) / nodes
 

@@ -38,6 +38,13 @@ rank's expert rows are T*H*K whatever the routing (`imbalance` does not slow it)
 fits (heads not a multiple of P, projections larger than the active parameters, shared experts,
 capacity) is skipped and said in the table.
 
+Zero-compute experts (LongCat-Flash: identity or zero experts beside the E FFN experts): only the
+assignments that pick an FFN expert are sent and computed, `BlockShape.ffn_fraction` of them (E/R under
+uniform routing over the R router choices; `cost_model.symbols.phi`), so EP's and FSEP's routed rows, their
+all-to-all bytes, expert compute and activations are T*K*phi (times rho or the capacity factor), and FSEP's
+planner sees counts of T*K*phi rows per rank. Capacity and FSEP are priced but not run on such blocks: their
+rewrites refuse them (`ZERO_COMPUTE_REFUSED`: infeasible, with the reason in the notes).
+
 Capacity factors are math-changing for a dropless model (tokens can be dropped), HP always: they are
 ranked and shown (HP's best also below the table), but `best` skips them unless
 `allow_math_changes=True`; `Plan(form="auto")` never sets it.
@@ -81,13 +88,18 @@ NOT_MODELLED = {
     "locality": "locality routing (LocMoE): not modelled yet",
 }
 HP_CHANGE = "changes the model: Multi-Head LatentMoE"
+# forms priced but not run on blocks with zero-compute experts: their rewrites raise a PlanError (the note shown)
+ZERO_COMPUTE_REFUSED = {
+    "capacity": "capacity with identity / zero experts: the rewrite refuses it",
+    "fsep": "FSEP with identity / zero experts: the rewrite refuses it (its buckets are expert slots)",
+}
 
 
 @dataclass(frozen=True)
 class BlockShape:
     """What the cost model reads from an MoESpec."""
 
-    E: int
+    E: int  # FFN experts (zero-compute experts have no weights and are not counted)
     K: int
     D: int
     F: int
@@ -96,19 +108,34 @@ class BlockShape:
     # dense parameters of the block's layer, all-reduced over all ranks (attention, norms, its share of the
     # embeddings); None: 4 D^2, the attention projections (`search`'s `dense_params` overrides it)
     dense: float | None = None
+    # the share of the T*K routed assignments that reach FFN experts (`cost_model.symbols.phi`): the rest pick
+    # zero-compute experts (identity or zero), which EP neither sends nor computes; E/R under uniform routing
+    ffn_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ffn_fraction <= 1:
+            raise ValueError(f"BlockShape.ffn_fraction={self.ffn_fraction!r} is invalid: it is the share of the "
+                             f"routed assignments that reach FFN experts, in (0, 1] (1 without zero-compute experts)")
 
     @property
     def dense_params(self) -> float:
         return 4 * self.D**2 if self.dense is None else self.dense
 
+    @property
+    def zero_compute(self) -> bool:
+        """Whether some assignments pick zero-compute experts (forms whose rewrite refuses them are not run)."""
+        return self.ffn_fraction < 1
+
     @classmethod
     def of(cls, spec: Any, tokens: int) -> BlockShape:
+        """The block's shape; with zero-compute experts the FFN share under uniform routing, E/R."""
         cap = spec.capacity
         cf = None
         if cap is not None:
             cf = cap.capacity_factor if cap.fixed is None else cap.fixed * spec.num_experts / (tokens * spec.top_k)
         x = spec.experts
-        return cls(E=x.num_experts, K=spec.top_k, D=x.hidden_dim, F=x.ffn_dim, m=matmuls(x.gated), cf=cf)
+        return cls(E=x.num_experts, K=spec.top_k, D=x.hidden_dim, F=x.ffn_dim, m=matmuls(x.gated), cf=cf,
+                   ffn_fraction=x.num_experts / x.routed_experts)
 
 
 @dataclass(frozen=True)
@@ -116,7 +143,7 @@ class Routed:
     """What FSEP's planner makes of the search's routing for one block (`cost_model.fsep.planned_routing`)."""
 
     rho: float  # the busiest device's rows over the mean under the planner's table
-    a2a_rows: tuple[float, float]  # (intra, inter) rows of the token all-to-all's slowest rank, over T*K
+    a2a_rows: tuple[float, float]  # (intra, inter) rows of the token all-to-all's slowest rank, over T*K*phi
     ep_rho: float  # plain EP's max/mean on the same counts (at the planner's reference EP degree)
     table: str  # the planner's candidate: "even" or "proportional"
 
@@ -129,7 +156,7 @@ class Candidate:
     a2a_chunks: int
     packing: int
     terms: LayerTerms  # summed over blocks, seconds per step (memory in bytes)
-    feasible: bool
+    feasible: bool  # fits device memory, and its rewrite runs these blocks (`ZERO_COMPUTE_REFUSED`)
     math_changing: bool
     notes: tuple[str, ...] = ()
     slots: int | None = None  # FSEP: expert slots per device (C)
@@ -232,7 +259,8 @@ class SearchResult:
     def best(self) -> Candidate:
         eligible = self.eligible()
         if not eligible:
-            raise ValueError("no feasible plan: every candidate exceeds device memory; add ranks or shrink the batch")
+            raise ValueError("no feasible plan: every candidate exceeds device memory or cannot run these blocks "
+                             "(the table's notes say which); add ranks or shrink the batch")
         return eligible[0]
 
     @property
@@ -272,7 +300,8 @@ class SearchResult:
                 f"best: {self.best.label}" + (f"; runner-up: {self.runner_up.label}" if self.runner_up else "")
             )
         else:
-            lines.append("no eligible plan: every candidate exceeds device memory or changes the math")
+            lines.append("no eligible plan: every candidate exceeds device memory, cannot run these blocks or "
+                         "changes the math")
         if self.expression_substituted is not None:
             lines.append(f"best step time [s] = {self.expression_substituted}")
         hp = next((i for i, c in enumerate(self.ranked, 1) if c.form == "hp"), None)
@@ -344,11 +373,14 @@ def _figures(shape: BlockShape, hw: Hardware, T: float, G: int, rho: float, cf: 
         "G": G,
         "rho": rho,
         "c_f": cf if cf is not None else 1.0,
+        "phi": shape.ffn_fraction,
     }
 
 
-def _symbols() -> dict[str, Any]:
-    return {name: info.symbol for name, info in S.TABLE.items()}
+def _symbols(shapes: Sequence[BlockShape] = ()) -> dict[str, Any]:
+    """Every symbol of the table, and phi where a block has zero-compute experts (1 otherwise: not shown)."""
+    optional = {"phi": S.phi} if any(s.zero_compute for s in shapes) else {}
+    return {**{name: info.symbol for name, info in S.TABLE.items()}, **optional}
 
 
 def _link_figures(shape: BlockShape, seq: int, schedule: str, micro_op_bytes: int) -> dict[str, Any]:
@@ -448,6 +480,9 @@ def search(
         changing = cf is not None and any(cf != s.cf for s in shapes)
         if changing:
             notes.append("capacity drops tokens (math-changing)")
+        if any(s.zero_compute and (cf if cf is not None else s.cf) is not None for s in shapes):
+            feasible = False
+            notes.append(ZERO_COMPUTE_REFUSED["capacity"])
         if packing > 1:
             notes.append(f"experts on {ep_eff} ranks x{packing} replicas")
         return Candidate(form, ep_size, cf, n, packing, terms, feasible, changing, tuple(notes))
@@ -505,14 +540,15 @@ def _with_dense_tail(c: Candidate, tail: float) -> Candidate:
     return dataclasses.replace(c, terms=c.terms + LayerTerms(0, 0, tail, 0, 0))
 
 
-def skewed_counts(T: int, K: int, E: int, W: int, imbalance: float) -> np.ndarray:
-    """[W, E] routed rows, T*K per source rank, whose plain-EP max/mean is `imbalance`: every rank routes
-    with the same Zipf popularity (`cost_model.ep.zipf_counts`), fitted at the planner's reference EP degree
-    (the largest divisor of W that divides E; E when that is 1)."""
+def skewed_counts(T: int, K: int, E: int, W: int, imbalance: float, ffn_fraction: float = 1.0) -> np.ndarray:
+    """[W, E] routed rows to the E FFN experts, T*K*ffn_fraction per source rank (the assignments that pick
+    zero-compute experts are neither sent nor computed), whose plain-EP max/mean is `imbalance`: every rank
+    routes with the same Zipf popularity (`cost_model.ep.zipf_counts`), fitted at the planner's reference EP
+    degree (the largest divisor of W that divides E; E when that is 1)."""
     ep = max(d for d in divisors(W) if E % d == 0)
     ep = E if ep == 1 else ep
     s = zipf_for_imbalance(imbalance, T, K, E, ep) if imbalance > 1 else 0.0
-    return zipf_counts(T, K, E, W, s)
+    return zipf_counts(T, K, E, W, s) * ffn_fraction
 
 
 @functools.lru_cache(maxsize=1024)
@@ -531,7 +567,7 @@ def ep_imbalance(shape: BlockShape, T: int, W: int, ep: int, imbalance: float) -
 def _routed(shape: BlockShape, hw: Hardware, T: int, W: int, G: int, C: int, imbalance: float,
             recompute: bool | None) -> Routed:
     """The planner's table for this block's skewed counts and what it leaves: FSEP's max/mean and token bytes."""
-    counts = skewed_counts(T, shape.K, shape.E, W, imbalance)
+    counts = skewed_counts(T, shape.K, shape.E, W, imbalance, shape.ffn_fraction)
     routed = fsep_formulas.planned_routing(counts, hw, C=C, ranks_per_node=G, D=shape.D, F=shape.F,
                                            gated=shape.m == 3, recompute=recompute)
     v = hw.values()
@@ -560,6 +596,9 @@ def _fsep_candidate(shapes: list[BlockShape], routing: tuple[Routed, ...], hw: H
     feasible = float(total.memory) <= float(hw.memory)
     if not feasible:
         notes.append(f"needs {float(total.memory) / 1e9:.3g} GB > {float(hw.memory) / 1e9:.3g} GB")
+    if any(s.zero_compute for s in shapes):
+        feasible = False
+        notes.append(ZERO_COMPUTE_REFUSED["fsep"])
     worst = max(routing, key=lambda r: r.rho)
     notes.append(f"planner max/mean {worst.rho:.3g} vs EP {worst.ep_rho:.3g} ({worst.table} table)")
     return Candidate("fsep", W, None, n, 1, total, feasible, False, tuple(notes), slots=C, routing=routing)
@@ -627,7 +666,7 @@ def _winner_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware,
     ep_eff = best.ep_size // best.packing
     plan: dict[str, Any] = dict(ep=ep_eff, n=best.a2a_chunks, dp=W // ep_eff, cross_node_dp=nodes > 1)
     cfs = [best.capacity_factor if best.capacity_factor is not None else shape.cf for shape in shapes]
-    generic = sympy.sympify(ep_layer(_symbols(), dropless=cfs[0] is None, policy=schedule, **plan).step)
+    generic = sympy.sympify(ep_layer(_symbols(shapes), dropless=cfs[0] is None, policy=schedule, **plan).step)
     xs = [_figures(shape, hw, T, G, ep_imbalance(shape, T, W, ep_eff, rho), cf, link=link)
           for shape, cf, link in zip(shapes, cfs, links)]
 
@@ -643,7 +682,7 @@ def _winner_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware,
 def _fsep_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, G: int) -> tuple[sympy.Expr,
                                                                                                sympy.Expr]:
     """An FSEP winner's time per layer in symbols (rho: the planner's max/mean; the all-to-all's rows as
-    fractions of T*K from its routing), and its step time with every figure substituted but T."""
+    fractions of T*K*phi from its routing), and its step time with every figure substituted but T."""
     C = best.slots
     assert C is not None
 
@@ -651,7 +690,7 @@ def _fsep_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, G
         return sympy.sympify(fsep_formulas.fsep_layer(x, W=best.ep_size, C=C, n=best.a2a_chunks, rho=rho,
                                                       a2a_rows=r.a2a_rows, deferred_grads=deferred).step)
 
-    generic = formula(_symbols(), best.routing[0], S.rho, True)  # a layer whose gradient exchange is deferred
+    generic = formula(_symbols(shapes), best.routing[0], S.rho, True)  # a layer whose gradient exchange is deferred
     substituted = sympy.Integer(0)
     for i, (shape, r) in enumerate(zip(shapes, best.routing)):
         substituted += formula({**_fsep_figures(shape, hw, 0, G, None), "T": S.T}, r, r.rho, i > 0)

@@ -21,14 +21,24 @@ class SymbolInfo:
     symbol: sympy.Symbol
     meaning: str
     unit: str
+    default: float | None = None  # OPTIONAL symbols: the value a formula takes when a figure dict lacks it
 
 
 TABLE: dict[str, SymbolInfo] = {}
+# Symbols a formula reads with a default (`x.get(name, default)`): a figure dict without them prices a layer
+# that has no such feature, so they are kept out of TABLE, whose every symbol a general layer carries.
+OPTIONAL: dict[str, SymbolInfo] = {}
 
 
 def _sym(name: str, meaning: str, unit: str, **assumptions: bool) -> sympy.Symbol:
     s = sympy.Symbol(name, **assumptions)
     TABLE[name] = SymbolInfo(s, meaning, unit)
+    return s
+
+
+def _optional(name: str, meaning: str, unit: str, default: float, **assumptions: bool) -> sympy.Symbol:
+    s = sympy.Symbol(name, **assumptions)
+    OPTIONAL[name] = SymbolInfo(s, meaning, unit, default)
     return s
 
 
@@ -63,6 +73,9 @@ rho = _sym("rho", "load imbalance: max / mean routed rows per rank", "factor", *
 Q_intra = _sym("Q_intra", "routed rows sent to another device of the same node, summed over sources", "rows", **_count)
 Q_inter = _sym("Q_inter", "routed rows sent to another node, summed over sources", "rows", **_count)
 Q_max = _sym("Q_max", "routed rows the busiest device computes", "rows", **_count)
+phi = _optional("phi", "fraction of the routed assignments that reach FFN experts (the rest pick zero-compute "
+               "experts, identity or zero, which are neither sent nor computed): E/R under uniform routing over "
+               "R = E + zero-compute experts", "fraction", 1, **_real)
 # hardware
 b = _sym("b", "bytes per activation element sent in an all-to-all", "bytes", **_count)
 b_grad = _sym("b_g", "bytes per gradient element in the all-reduce", "bytes", **_count)
@@ -78,11 +91,12 @@ eta = _sym("eta", "fraction of peak reached by expert GEMMs", "fraction", **_rea
 
 def table() -> str:
     """The symbol table as aligned text (for docs and `python -m cost_model symbols`)."""
-    width = max(len(k) for k in TABLE)
+    width = max(len(k) for k in (*TABLE, *OPTIONAL))
     lines = []
-    for name, info in TABLE.items():
+    for name, info in (*TABLE.items(), *OPTIONAL.items()):
         kinds = "integer" if info.symbol.is_integer else "real"
-        lines.append(f"{name:<{width}}  {kinds:<7} > 0  [{info.unit}]  {info.meaning}")
+        default = "" if info.default is None else f" (optional, default {info.default:g})"
+        lines.append(f"{name:<{width}}  {kinds:<7} > 0  [{info.unit}]  {info.meaning}{default}")
     return "\n".join(lines)
 
 

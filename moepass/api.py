@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     _needs_process_group(plan, report)  # before anything is copied or changed
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
-    target = model if inplace else copy_model(model, plan, report)
+    target, aliased = (model, 0) if inplace else copy_model(model, plan, report)
     info = CompileInfo(plan=plan, report=report)
     for spec in report.blocks:
         block_plan = plan.for_block(spec.path)
@@ -66,7 +67,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         else:
             target = gm
     finalize(target)  # model-level set-up of the rewritten forms
-    if target is not model:
+    if aliased:
         unshare(target, model)  # expert weights a rewrite left as they were (copy_model aliased them)
     if plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1:
         from moepass.runtime.scheduler import GradientSync  # every rank compiles in the same order: a collective
@@ -77,20 +78,22 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     return target
 
 
-def copy_model(model: nn.Module, plan: Plan, report: DetectionReport) -> nn.Module:
-    """The deep copy `compile` rewrites (the user's model is never changed). Each block's expert weights are
-    copied once (`copy_expert_weights`: straight into the buffer form="single" lays them in; or not at all
-    when the form builds its own expert tensors from them), handed to the copy through its memo; everything
-    else is copied as `copy.deepcopy` copies it (`module_copy.deepcopy_module`: the same result, without
-    deepcopy's per-object overhead). After the rewrite, `unshare` gives the result its own copy of any
-    tensor it still shares with `model`."""
+def copy_model(model: nn.Module, plan: Plan, report: DetectionReport) -> tuple[nn.Module, int]:
+    """The deep copy `compile` rewrites (the user's model is never changed), and how many expert weights it
+    aliases. Each block's expert weights are copied once (`copy_expert_weights`: straight into the buffer
+    form="single" lays them in; or not at all when the form builds its own expert tensors from them, the copy
+    then holding aliases), handed to the copy through its memo; everything else is copied as `copy.deepcopy`
+    copies it (`module_copy.deepcopy_module`: the same result, without deepcopy's per-object overhead).
+    After the rewrite, `unshare` gives the result its own copy of any alias it still holds."""
     memo: dict[int, Any] = {}
-    counts = storage_counts(model)
-    for spec in report.blocks:
-        block_plan = plan.for_block(spec.path)
+    plans = [(spec, plan.for_block(spec.path)) for spec in report.blocks]
+    counts = storage_counts(model) if any(p is not None and p.form != "single" for _, p in plans) else Counter()
+    aliased = 0
+    for spec, block_plan in plans:
         if block_plan is not None:
-            copy_expert_weights(spec, model.get_submodule(spec.path), block_plan, memo, counts)
-    return deepcopy_module(model, memo)
+            done = copy_expert_weights(spec, model.get_submodule(spec.path), block_plan, memo, counts)
+            aliased += done if block_plan.form != "single" else 0
+    return deepcopy_module(model, memo), aliased
 
 
 def _needs_process_group(plan: Plan, report: DetectionReport) -> None:

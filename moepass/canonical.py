@@ -166,16 +166,27 @@ def stack_experts(tensors: list[torch.Tensor]) -> torch.Tensor:
 def stacked_parameters(block: nn.Module, spec: MoESpec) -> list[list[nn.Parameter]]:
     """The per-expert parameters of each stacked TensorSource of `spec` in `block`, in expert order: the
     groups `relayout_stacked` lays into one buffer each. A role whose tensors differ in shape, dtype or
-    device is left out (its tensors stay apart; `stack_experts` stacks them each step)."""
+    device, or that holds one tensor twice (tied), is left out (its tensors stay apart; `stack_experts` stacks
+    them each step)."""
     groups = []
-    params_by_name = dict(block.named_parameters())
     for source in spec.experts.sources().values():
-        if not source.stacked or any(p not in params_by_name for p in source.paths):
-            continue  # fused tensors; a generic expert's buffers (stacked each step)
-        params = [params_by_name[p] for p in source.paths]
+        found = [parameter_at(block, path) for path in source.paths] if source.stacked else []
+        params = [p for p in found if p is not None]
+        if not params or len(params) < len(found) or len({id(p) for p in params}) < len(params):
+            continue  # fused tensors; a generic expert's buffers (stacked each step); tied experts
         if len({(p.shape, p.dtype, p.device) for p in params}) == 1:
             groups.append(params)
     return groups
+
+
+def parameter_at(module: nn.Module, path: str) -> nn.Parameter | None:
+    """The parameter at dotted `path` below `module`; None when there is none (a buffer, a missing name)."""
+    prefix, _, name = path.rpartition(".")
+    try:
+        owner = module.get_submodule(prefix) if prefix else module
+    except AttributeError:
+        return None
+    return owner._parameters.get(name)
 
 
 def stacked_buffer(params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -67,12 +67,20 @@ def _copy(module: nn.Module, memo: dict[int, Any]) -> Any:
             state[name] = value
         elif name == "_modules":
             state[name] = _copy_children(value, memo)
+        elif kind is dict and id(value) not in memo:  # _parameters, _buffers: tensors, mostly memoised already
+            state[name] = memo[id(value)] = {key if type(key) is str else copy.deepcopy(key, memo): _copy_value(v, memo)
+                                             for key, v in value.items()}
         elif kind in _EMPTY_CONTAINERS and not value and id(value) not in memo:
             state[name] = memo[id(value)] = kind()
         else:
             state[name] = copy.deepcopy(value, memo)
     new.__setstate__(state)
     return new
+
+
+def _copy_value(value: Any, memo: dict[int, Any]) -> Any:
+    done = memo.get(id(value), memo)
+    return copy.deepcopy(value, memo) if done is memo else done
 
 
 def _copy_children(children: dict[str, nn.Module | None], memo: dict[int, Any]) -> dict[str, nn.Module | None]:

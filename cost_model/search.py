@@ -135,7 +135,7 @@ class BlockShape:
             cf = cap.capacity_factor if cap.fixed is None else cap.fixed * spec.num_experts / (tokens * spec.top_k)
         x = spec.experts
         return cls(E=x.num_experts, K=spec.top_k, D=x.hidden_dim, F=x.ffn_dim, m=matmuls(x.gated), cf=cf,
-                   ffn_fraction=x.num_experts / x.routed_experts)
+                   ffn_fraction=x.ffn_fraction)
 
 
 @dataclass(frozen=True)

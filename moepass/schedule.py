@@ -131,11 +131,11 @@ def layer_times(spec: MoESpec, tokens: int, ep: int, ranks_per_node: int, hardwa
 
     hw = resolve_hardware(hardware)
     x = hw.values()
-    E, K, D, F = spec.num_experts, spec.top_k, spec.experts.hidden_dim, spec.experts.ffn_dim
-    intra, inter = a2a_bytes(tokens, K, D, ep, ranks_per_node, x["b"]) if ep > 1 else (0.0, 0.0)
+    K, D, F = spec.top_k, spec.experts.hidden_dim, spec.experts.ffn_dim
+    phi = spec.experts.ffn_fraction  # zero-compute experts' rows are neither sent nor computed
+    intra, inter = a2a_bytes(tokens, K, D, ep, ranks_per_node, x["b"], factor=phi) if ep > 1 else (0.0, 0.0)
     transfer = intra / x["B_intra"] + inter / x["B_inter"]
-    compute = expert_flops(tokens * K, D, F, matmuls(spec.experts.gated)) / (x["R"] * x["eta"])
-    del E
+    compute = expert_flops(tokens * K * phi, D, F, matmuls(spec.experts.gated)) / (x["R"] * x["eta"])
     return LayerTimes(float(transfer), float(compute), float(x["alpha"]), hw.name)
 
 
@@ -144,9 +144,9 @@ def _tokens(plan: Plan) -> int | None:
 
 
 def micro_op_chunks(spec: MoESpec, tokens: int, micro_op_bytes: int, element_bytes: float) -> int:
-    """Fewest chunks whose dispatch tensor (tokens * K rows of D elements per rank, cut along tokens)
-    is at most `micro_op_bytes` each; at most one chunk per token."""
-    total = tokens * spec.top_k * spec.experts.hidden_dim * element_bytes
+    """Fewest chunks whose dispatch tensor (the tokens * K * `ExpertsSpec.ffn_fraction` rows of D elements per rank
+    that reach FFN experts, cut along tokens) is at most `micro_op_bytes` each; at most one chunk per token."""
+    total = tokens * spec.top_k * spec.experts.ffn_fraction * spec.experts.hidden_dim * element_bytes
     return max(1, min(tokens, math.ceil(total / micro_op_bytes)))
 
 

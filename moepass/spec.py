@@ -189,6 +189,12 @@ class ExpertsSpec:
         return self.num_experts + len(self.identity_experts) + len(self.zero_experts)
 
     @property
+    def ffn_fraction(self) -> float:
+        """E/R: the share of the routed assignments that reach FFN experts under uniform routing (the rest
+        pick identity or zero experts, which are neither sent nor computed); 1 without zero-compute experts."""
+        return self.num_experts / self.routed_experts
+
+    @property
     def ffn_ids(self) -> tuple[int, ...]:
         """The router ids of the FFN experts, in FFN-expert order."""
         other = set(self.identity_experts) | set(self.zero_experts)

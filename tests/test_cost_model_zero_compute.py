@@ -229,6 +229,22 @@ def test_the_fraction_of_zoo_blocks_and_form_auto():
     assert not any(c.feasible for c in result.ranked if c.form in ("ep", "single"))
 
 
+def test_the_compile_time_schedule_sizes_the_ffn_rows():
+    """`moepass.schedule` (a2a_chunks / packing "auto", the micro-op floor) sizes the dispatch as the rows that
+    reach FFN experts: transfer and compute at E/R of the same block without its zero-compute experts."""
+    from moepass.schedule import layer_times, micro_op_chunks
+
+    identity = _detected(IdentityExperts)
+    plain = identity.replace(experts=dataclasses.replace(identity.experts, identity_experts=(), zero_experts=()),
+                             router=dataclasses.replace(identity.router, num_experts=identity.experts.num_experts))
+    zc, full = (layer_times(s, 4096, 2, 2, hardware="h100") for s in (identity, plain))
+    assert zc.transfer == pytest.approx(full.transfer * 4 / 6, rel=1e-12) and zc.transfer > 0
+    assert zc.compute == pytest.approx(full.compute * 4 / 6, rel=1e-12)
+    row = identity.top_k * identity.experts.hidden_dim * 4  # fp32 bytes per assignment
+    assert micro_op_chunks(identity, 6000, 1000 * row, 4) == 4  # 6000 * 4/6 = 4000 rows: 4 chunks, not 6
+    assert micro_op_chunks(plain, 6000, 1000 * row, 4) == 6
+
+
 # ---- search and simulate agree --------------------------------------------------------------------------------
 
 

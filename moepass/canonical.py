@@ -117,7 +117,7 @@ def adopt_state(gm: nn.Module, block: nn.Module) -> None:
     gm._buffers.clear()
     gm._buffers.update(block._buffers)
     gm._non_persistent_buffers_set = set(block._non_persistent_buffers_set)
-    gm.train(block.training)
+    gm.training = block.training  # the children keep their own flags (`train()` would reset them all)
 
 
 def adjacent_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from moepass import determinism
 from moepass.canonical import CANONICAL_PASS, MoEGraphModule
 from moepass.detect import DetectionReport, detect
 from moepass.errors import PlanError
-from moepass.module_copy import deepcopy_module, storage_counts, unshare
+from moepass.module_copy import deepcopy_module, gc_paused, storage_counts, unshare
 from moepass.pipeline import compile_block, copy_expert_weights, finalize
 from moepass.plan import DISTRIBUTED_FORMS, Plan
 
@@ -52,8 +52,23 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     _needs_process_group(plan, report)  # before anything is copied or changed
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
-    target, aliased = (model, 0) if inplace else copy_model(model, plan, report)
     info = CompileInfo(plan=plan, report=report)
+    with gc_paused():  # thousands of modules and graph nodes are made: no collection walks them meanwhile
+        target = rewrite_blocks(model, plan, report, info, inplace)
+    if plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1:
+        from moepass.runtime.scheduler import GradientSync  # every rank compiles in the same order: a collective
+
+        sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
+        object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged
+    object.__setattr__(target, "moepass_info", info)
+    return target
+
+
+def rewrite_blocks(model: nn.Module, plan: Plan, report: DetectionReport, info: CompileInfo,
+                   inplace: bool) -> nn.Module:
+    """`compile`'s work: the copy (unless `inplace`), each planned block compiled and put in its place
+    (recorded in `info`), the model-level set-up; returns the model to train."""
+    target, aliased = (model, 0) if inplace else copy_model(model, plan, report)
     for spec in report.blocks:
         block_plan = plan.for_block(spec.path)
         if block_plan is None:
@@ -69,12 +84,6 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     finalize(target)  # model-level set-up of the rewritten forms
     if aliased:
         unshare(target, model)  # expert weights a rewrite left as they were (copy_model aliased them)
-    if plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1:
-        from moepass.runtime.scheduler import GradientSync  # every rank compiles in the same order: a collective
-
-        sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
-        object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged
-    object.__setattr__(target, "moepass_info", info)
     return target
 
 

@@ -134,3 +134,23 @@ def test_sample_models(style):
     assert shape_of(got) == shape_of(copy.deepcopy(model))
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 8))
     torch.testing.assert_close(got(tokens), model(tokens), rtol=0, atol=0)
+
+
+def test_gc_paused_restores_the_collector_as_it_was():
+    import gc
+
+    from moepass.module_copy import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a collector the caller had paused stays paused
+    finally:
+        gc.enable()

@@ -15,7 +15,10 @@ The floor: compile copies every expert weight once (the user's model is never ch
 that the kernel must fault in page by page. `floor` measures one copy of the same number of bytes into
 fresh memory, and into memory already touched (the memcpy alone), with the minor page faults each takes;
 `page_faults` per run counts the faults of compile itself, `page_fault_cpu_seconds` estimates their cost
-at the floor's rate.
+at the floor's rate. The floor is also measured in every repeat, just before its compile (interleaved: on
+this VM the cost of fresh memory varies several-fold from minute to minute), giving `compile - floor` per
+repeat; user and system CPU are reported apart (user: moepass's own work and the memcpy; system: the
+kernel faulting the fresh memory in).
 """
 
 from __future__ import annotations
@@ -44,25 +47,29 @@ OUT = Path(__file__).parent / "results" / "compile_time.json"
 @dataclass
 class Timing:
     """One call: wall seconds, CPU seconds of this process (user + system: on a loaded machine, what a
-    quiet one would take as wall time, single-threaded) and minor page faults."""
+    quiet one would take as wall time, single-threaded), split into user (moepass's own work and the
+    memcpy) and system (the kernel, here faulting in fresh memory), and minor page faults."""
 
     seconds: float
     cpu_seconds: float
     page_faults: int
+    user_seconds: float = 0.0
+    system_seconds: float = 0.0
 
 
-def usage() -> tuple[float, int]:
+def usage() -> tuple[float, float, int]:
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime, r.ru_minflt
+    return r.ru_utime, r.ru_stime, r.ru_minflt
 
 
 def timed(fn, *args, **kwargs):
     """(result, Timing) of one call `fn(*args, **kwargs)`."""
-    (cpu, faults), start = usage(), time.perf_counter()
+    (user, system, faults), start = usage(), time.perf_counter()
     result = fn(*args, **kwargs)
     seconds = time.perf_counter() - start
-    cpu_after, faults_after = usage()
-    return result, Timing(seconds, cpu_after - cpu, faults_after - faults)
+    user_after, system_after, faults_after = usage()
+    user, system = user_after - user, system_after - system
+    return result, Timing(seconds, user + system, faults_after - faults, user, system)
 
 
 def expert_bytes(model: torch.nn.Module, report: moepass.DetectionReport) -> int:
@@ -71,10 +78,14 @@ def expert_bytes(model: torch.nn.Module, report: moepass.DetectionReport) -> int
                for group in canonical.stacked_parameters(model.get_submodule(spec.path), spec) for p in group)
 
 
+def fresh_copy(source: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(source).copy_(source)
+
+
 def copy_floor(nbytes: int) -> dict:
     """One copy of `nbytes` into fresh memory (page faults included) and into touched memory (memcpy)."""
     source = torch.ones(nbytes // 4)
-    target, fresh = timed(torch.empty_like(source).copy_, source)
+    target, fresh = timed(fresh_copy, source)
     _, touched = timed(target.copy_, source)
     return {"bytes": nbytes, "fresh_copy_seconds": fresh.seconds, "fresh_copy_cpu_seconds": fresh.cpu_seconds,
             "fresh_copy_page_faults": fresh.page_faults, "touched_copy_seconds": touched.seconds,
@@ -87,15 +98,21 @@ def measure(layers: int, experts: int, dim: int, style: str, repeats: int) -> di
     cfg = SampleConfig(dim=dim, ffn_dim=2 * dim, num_experts=experts, top_k=2, layers=layers, style=style, heads=4)
     model = TinyMoELM(cfg)
     plan = moepass.Plan(form="single")
-    detect_t, compile_t, inplace_t = [], [], []
+    detect_t, compile_t, inplace_t, floor_t = [], [], [], []
     tokens = torch.randint(0, cfg.vocab_size, (2, 64))
     with torch.no_grad():
         expected = model(tokens)
+    source = None
     for _ in range(repeats):
         report, timing = timed(moepass.detect, model)
         detect_t.append(timing)
+        if source is None:
+            source = torch.ones(expert_bytes(model, report) // 4)
+        floor_copy, timing = timed(fresh_copy, source)  # the floor, just before compile
+        floor_t.append(timing)
         compiled, timing = timed(moepass.compile, model, plan, report=report)
         compile_t.append(timing)
+        del floor_copy  # after compile: its pages are not handed back to compile
         with torch.no_grad():
             torch.testing.assert_close(compiled(tokens), expected, rtol=1e-4, atol=1e-5)
         del compiled
@@ -104,9 +121,11 @@ def measure(layers: int, experts: int, dim: int, style: str, repeats: int) -> di
         inplace_t.append(timing)
         del fresh
     assert len(report.blocks) == layers, report.summary()
+    del source
     detect, compile_, inplace = (statistics.median(t.seconds for t in ts) for ts in (detect_t, compile_t, inplace_t))
     detect_cpu, compile_cpu, inplace_cpu = (statistics.median(t.cpu_seconds for t in ts)
                                             for ts in (detect_t, compile_t, inplace_t))
+    over_floor = [c.seconds - f.seconds for c, f in zip(compile_t, floor_t)]
     return {
         "config": {"layers": layers, "experts": experts, "dim": dim, "ffn_dim": 2 * dim, "top_k": 2, "style": style},
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -123,10 +142,21 @@ def measure(layers: int, experts: int, dim: int, style: str, repeats: int) -> di
         "compile_cpu_seconds": compile_cpu,
         "compile_inplace_cpu_seconds": inplace_cpu,
         "total_cpu_seconds": detect_cpu + compile_cpu,
+        "detect_user_seconds": statistics.median(t.user_seconds for t in detect_t),
+        "compile_user_seconds": statistics.median(t.user_seconds for t in compile_t),
+        "compile_system_seconds": statistics.median(t.system_seconds for t in compile_t),
+        "total_user_seconds": statistics.median(d.user_seconds + c.user_seconds for d, c in zip(detect_t, compile_t)),
+        "total_seconds_min": min(d.seconds + c.seconds for d, c in zip(detect_t, compile_t)),
+        "total_seconds_max": max(d.seconds + c.seconds for d, c in zip(detect_t, compile_t)),
+        "floor_seconds": statistics.median(t.seconds for t in floor_t),
+        "floor_system_seconds": statistics.median(t.system_seconds for t in floor_t),
+        "compile_over_floor_seconds": statistics.median(over_floor),
+        "compile_over_floor_range": [min(over_floor), max(over_floor)],
         "page_faults": statistics.median(t.page_faults for t in compile_t),
         "repeats": repeats,
         "samples": {name: [dataclasses.asdict(t) for t in ts]
-                    for name, ts in (("detect", detect_t), ("compile", compile_t), ("compile_inplace", inplace_t))},
+                    for name, ts in (("detect", detect_t), ("compile", compile_t), ("compile_inplace", inplace_t),
+                                     ("floor", floor_t))},
     }
 
 
@@ -167,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({run['compile_inplace_seconds_given_report']:.2f} s inplace; {run['page_faults']:.0f} page faults "
               f"~ {run['page_fault_cpu_seconds']:.2f} s CPU): total {run['total_seconds']:.2f} s "
               f"({run['total_inplace_seconds']:.2f} s inplace; {run['total_cpu_seconds']:.2f} s CPU), "
-              f"median of {run['repeats']}")
+              f"median of {run['repeats']}, range [{run['total_seconds_min']:.2f}, {run['total_seconds_max']:.2f}]")
+        print(f"{'':>9}user CPU: detect {run['detect_user_seconds']:.2f} s + compile {run['compile_user_seconds']:.2f} s "
+              f"= {run['total_user_seconds']:.2f} s; compile's system CPU {run['compile_system_seconds']:.2f} s; "
+              f"floor (fresh copy of the expert bytes, just before each compile) {run['floor_seconds']:.2f} s "
+              f"({run['floor_system_seconds']:.2f} s system); compile - floor {run['compile_over_floor_seconds']:.2f} s "
+              f"[{run['compile_over_floor_range'][0]:.2f}, {run['compile_over_floor_range'][1]:.2f}]")
     for style, fit in fits.items():
         for key in ("total_seconds", "total_cpu_seconds"):
             if fit[key]["seconds_per_layer"] is not None:

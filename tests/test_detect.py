@@ -91,3 +91,13 @@ def test_gshard_capacity_drops_are_reproduced():
     block = GShardMoE(16, 24, 4, 2, capacity_factor=0.5)  # tight: many drops
     (detail,) = moepass.detect(block).details
     assert detail.accepted and detail.spec.capacity.capacity_factor == 0.5
+
+
+def test_a_0d_parameter_beside_the_router_is_no_router_candidate():
+    """A scalar parameter in the block (e.g. a learnable temperature kept for later) is not a router weight
+    candidate: detection reads each parameter's shape only once it is 2-D (it used to raise IndexError)."""
+    torch.manual_seed(0)
+    block = LoopMoE(16, 32, 4, 2)
+    block.temperature = torch.nn.Parameter(torch.tensor(1.0))
+    (spec,) = moepass.detect(block).blocks
+    assert spec.router.weight.paths == ("gate.weight",) and spec.num_experts == 4

@@ -17,6 +17,7 @@ selection over E scores found in that graph is what makes it an MoE block, and t
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,26 +69,106 @@ class _Group:
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
-def _listed(path: str, module: nn.Module) -> _Group | None:
-    """A ModuleList / ModuleDict of identical modules with >= 2 linears each (and no expert group inside)."""
+def _listed(path: str, module: nn.Module, holds_group: Callable[[str, nn.Module], bool]) -> _Group | None:
+    """A ModuleList / ModuleDict of identical modules with >= 2 linears each (and no expert group inside:
+    `holds_group(entry path, entry)`)."""
     if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 1:
         return None
     entries = list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
     if len({type(m) for m in entries}) != 1 or sum(isinstance(m, nn.Linear) for m in entries[0].modules()) < 2:
         return None
-    if any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) or _fused("", m) is not None
-           for e in entries for m in e.modules()):
+    if any(holds_group(f"{path}.{key}" if path else key, e) for key, e in zip(module._modules, entries)):
         return None  # e.g. a list of decoder layers, each holding an MoE block
     if isinstance(module, nn.ModuleDict):
         return _Group(path, "moduledict", len(entries), tuple(module.keys()))
     return _Group(path, "modulelist", len(entries), tuple(str(i) for i in range(len(entries))))
 
 
-def _fused(path: str, module: nn.Module) -> _Group | None:
-    params3 = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+def _reaches(module: nn.Module, ids: set[int]) -> bool:
+    """Whether `module` or a module below it (what `module.modules()` yields) is one of `ids`."""
+    seen: set[int] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if id(m) in ids:
+            return True
+        seen.add(id(m))
+        todo.extend(c for c in m._modules.values() if c is not None and id(c) not in seen)
+    return False
+
+
+def _fused(path: str, own: list[tuple[str, nn.Parameter]]) -> _Group | None:
+    """>= 2 three-dimensional parameters of one module (`own`: its `named_parameters(recurse=False)`)
+    sharing a leading dim E."""
+    params3 = {n: tuple(p.shape) for n, p in own if p.dim() == 3}
     if len(params3) >= 2 and len({s[0] for s in params3.values()}) == 1:
         return _Group(path, "fused", next(iter(params3.values()))[0], fused=tuple(params3.items()))
     return None
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """`module.named_parameters(recurse=False)`, read from its parameter table (no generator per module)."""
+    own = [(name, p) for name, p in module._parameters.items() if p is not None]
+    if len(own) < 2 or len({id(p) for _, p in own}) == len(own):
+        return own
+    first: dict[int, tuple[str, nn.Parameter]] = {}  # one parameter under two names: the first name
+    for name, p in own:
+        first.setdefault(id(p), (name, p))
+    return list(first.values())
+
+
+def _describes_itself(module: nn.Module) -> bool:
+    """`callable(getattr(module, SPEC_METHOD, None))`, without the failing attribute lookup (nn.Module's
+    `__getattr__` raising) for a module whose class and instance dict do not hold the name."""
+    cls: type[nn.Module] = type(module)
+    if SPEC_METHOD not in vars(module) and SPEC_METHOD not in module._modules and not hasattr(cls, SPEC_METHOD) \
+            and cls.__getattr__ is nn.Module.__getattr__ and cls.__getattribute__ is object.__getattribute__:
+        return False  # parameters and buffers (the rest `__getattr__` finds) are tensors: never callable
+    return callable(getattr(module, SPEC_METHOD, None))
+
+
+class ModuleTree:
+    """A model's modules (`named_modules()`: path -> module, in its order) and each one's own parameters,
+    read in one walk that detection shares (a deep model has 10k modules: every further walk costs).
+
+    When no module and no parameter is reachable twice (`plain`: N modules, N - 1 child links, each
+    parameter held once), a module's `named_parameters` is its slice of this table, and the modules below
+    it are the paths below its own; otherwise both are read from the module itself (`named_parameters`,
+    its children), as torch walks them."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = dict(model.named_modules())
+        self.paths = list(self.modules)
+        self.index = {path: i for i, path in enumerate(self.paths)}
+        self.own: dict[str, list[tuple[str, nn.Parameter]]] = {}  # named_parameters(recurse=False)
+        self.held: dict[str, list[tuple[str, nn.Parameter]]] = {}  # the same by model path (prefix=path)
+        links = 0
+        for path, m in self.modules.items():
+            own = self.own[path] = _own_parameters(m)
+            self.held[path] = [(f"{path}.{name}" if path else name, p) for name, p in own]
+            links += len(m._modules) - list(m._modules.values()).count(None)
+        ids = {id(p) for own in self.own.values() for _, p in own}
+        self.plain = links == len(self.modules) - 1 and len(ids) == sum(map(len, self.own.values()))
+
+    def named_parameters(self, path: str) -> list[tuple[str, nn.Parameter]]:
+        """`modules[path].named_parameters(prefix=path)`: the parameters below `path`, by their model paths."""
+        if not self.plain:
+            return list(self.modules[path].named_parameters(prefix=path))
+        found = []
+        for sub in self.paths[self.index[path]:]:  # the subtree: the paths that follow it while inside it
+            if not _inside(sub, path):
+                break
+            found.extend(self.held[sub])
+        return found
+
+    def holds(self, paths: list[str]) -> Callable[[str, nn.Module], bool]:
+        """`holds(path, module)`: whether `module` (at `path`) or a module below it is one of the modules at
+        `paths` (plain: one of them lies at or below `path`)."""
+        if self.plain:
+            above = {".".join(parts[:i]) for parts in (p.split(".") for p in paths) for i in range(len(parts) + 1)}
+            return lambda path, _module: path in above
+        ids = {id(self.modules[p]) for p in paths}
+        return lambda _path, module: _reaches(module, ids)
 
 
 def _inside(path: str, prefix: str) -> bool:
@@ -107,44 +188,54 @@ def _widths(group: _Group, modules: dict[str, nn.Module]) -> set[int]:
     return {m.in_features for m in first.modules() if isinstance(m, nn.Linear)}
 
 
-def _grouped(modules: dict[str, nn.Module], groups: list[_Group]) -> set[str]:
+def _grouped(tree: ModuleTree, groups: list[_Group]) -> set[str]:
     """The paths of every parameter that belongs to an expert group."""
     found: set[str] = set()
     for g in groups:
         if g.kind == "fused":
             found.update(f"{g.path}.{name}" if g.path else name for name, _ in g.fused)
         else:
-            found.update(name for name, _ in modules[g.path].named_parameters(prefix=g.path))
+            found.update(name for name, _ in tree.named_parameters(g.path))
     return found
 
 
-def _router_weight(block_path: str, block: nn.Module, group: _Group, grouped: set[str],
+def _router_weight(block_path: str, tree: ModuleTree, group: _Group, grouped: set[str],
                    widths: set[int], wider: bool = False) -> tuple[str, int, int] | None:
     """(path relative to the block of the module holding an [R, D] weight outside every expert group, D, R):
     D one of the experts' input widths, R the group's E experts, or with `wider` E < R <= 2E (zero-compute
     experts beside the FFN experts; never an embedding table); a weight beside fused expert weights (e.g. an
     [E, F] bias) last."""
     E = group.num_experts
+    block = tree.modules[block_path]
     found = []
-    for name, p in block.named_parameters():
-        full = f"{block_path}.{name}" if block_path else name
+    for full, p in tree.named_parameters(block_path):
+        if p.dim() != 2:  # e.g. a learnable temperature (0-d), a bias
+            continue
+        name = _relative(full, block_path)
         owner = name.rsplit(".", 1)[0] if "." in name else ""
         rows_fit = E < p.shape[0] <= 2 * E and not isinstance(block.get_submodule(owner), nn.Embedding) \
             if wider else p.shape[0] == E
-        if p.dim() == 2 and rows_fit and p.shape[1] in widths and full not in grouped:
+        if rows_fit and p.shape[1] in widths and full not in grouped:
             beside = group.kind == "fused" and (f"{block_path}.{owner}" if block_path else owner).strip(".") == group.path
             found.append((beside, owner, int(p.shape[1]), int(p.shape[0])))
     return min(found, key=lambda f: f[0])[1:] if found else None
 
 
-def find_candidates(model: nn.Module) -> list[Candidate]:
-    """Every module that structurally looks like an MoE block (outermost first, not nested)."""
-    modules = dict(model.named_modules())
-    groups = [g for path, m in modules.items() for g in (_listed(path, m), _fused(path, m)) if g is not None]
-    grouped = _grouped(modules, groups)
+def find_candidates(model: nn.Module, tree: ModuleTree | None = None) -> list[Candidate]:
+    """Every module that structurally looks like an MoE block (outermost first, not nested). `tree`: the
+    model's, when the caller has read it already."""
+    if tree is None:
+        tree = ModuleTree(model)
+    modules = tree.modules
+    fused = {path: _fused(path, tree.own[path]) for path in modules}
+    containers = {path for path, m in modules.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+    holds_group = tree.holds([path for path in modules if path in containers or fused[path] is not None])
+    groups = [g for path, m in modules.items()
+              for g in (_listed(path, m, holds_group) if path in containers else None, fused[path]) if g is not None]
+    grouped = _grouped(tree, groups)
     found: dict[str, Candidate] = {}
     for path, module in modules.items():
-        if callable(getattr(module, SPEC_METHOD, None)):  # it says what it is (checked like any other)
+        if _describes_itself(module):  # it says what it is (checked like any other)
             found[path] = Candidate(path, module, 0, router_path="", experts_path="", experts_kind=SELF_DESCRIBED)
     for group in groups:
         parts = group.path.split(".") if group.path else []
@@ -152,13 +243,12 @@ def find_candidates(model: nn.Module) -> list[Candidate]:
         # of them before a wider one
         ancestors = [".".join(parts[:i]) for i in range(len(parts) - (group.kind != "fused"), -1, -1)]
         for block_path, wider in [(a, wider) for wider in (False, True) for a in ancestors]:
-            block = modules[block_path]
-            router = _router_weight(block_path, block, group, grouped, _widths(group, modules), wider)
+            router = _router_weight(block_path, tree, group, grouped, _widths(group, modules), wider)
             if router is None:
                 continue
             if block_path not in found:
                 found[block_path] = Candidate(
-                    block_path, block, router[2], router_path=router[0],
+                    block_path, modules[block_path], router[2], router_path=router[0],
                     experts_path=_relative(group.path, block_path), experts_kind=group.kind,
                     fused_params=dict(group.fused), expert_names=group.names, hidden_dim=router[1],
                     ffn_experts=group.num_experts)
@@ -219,14 +309,15 @@ def output_scales(c: Candidate) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def find_dense_mlps(model: nn.Module, moe_paths: list[str]) -> list[str]:
+def find_dense_mlps(model: nn.Module, moe_paths: list[str], tree: ModuleTree | None = None) -> list[str]:
     """Modules shaped like a dense FFN outside any MoE block: 2 or 3 linear children D -> F (-> F) and
-    F -> D (F != D; gate and up may be one D -> 2F linear), beside parameter-free ones (activation, dropout)."""
+    F -> D (F != D; gate and up may be one D -> 2F linear), beside parameter-free ones (activation, dropout).
+    `tree`: the model's, when the caller has read it already."""
     dense: list[str] = []
     if "" in moe_paths:
         return dense
     blocks, inside = set(moe_paths), tuple(p + "." for p in moe_paths)
-    for path, module in model.named_modules():
+    for path, module in (ModuleTree(model) if tree is None else tree).modules.items():
         if path in blocks or path.startswith(inside) or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             continue
         children = list(module.children())

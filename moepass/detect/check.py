@@ -29,7 +29,6 @@ The user's block is never touched: everything runs on the copy.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from moepass import canonical
 from moepass.detect.capture import SORT
 from moepass.dialect import route_ref
+from moepass.module_copy import deepcopy_module
 from moepass.spec import MoESpec
 
 TIE_EPS = 1e-5  # score margins below this are near-ties: re-probed, not compared
@@ -172,15 +172,33 @@ class _Capture(fx.Interpreter):
         return value
 
 
-def probe_copy(block: nn.Module, seed: int = 0) -> nn.Module:
-    """An fp32, eval-mode copy whose all-zero floating parameters and buffers are randomised."""
-    probe = copy.deepcopy(block).float().eval()
+def probe_copy(block: nn.Module, seed: int = 0, spec: MoESpec | None = None) -> nn.Module:
+    """An fp32, eval-mode copy whose all-zero floating parameters and buffers are randomised.
+
+    With `spec`, the per-expert weights its canonical graph stacks are copied straight into one buffer
+    per role (`canonical.stacked_copies`; laid out again if `.float()` re-allocated them), so
+    `canonical.stack_experts` reads them as one view on every run of the graph instead of stacking
+    them afresh; their values are the ones a plain copy has."""
+    memo: dict[int, Any] = {}
+    if spec is not None:
+        canonical.stacked_copies(block, spec, memo)
+    probe = deepcopy_module(block, memo).float().eval()
+    if spec is not None:
+        canonical.relayout_stacked(probe, spec)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for tensor in list(probe.parameters()) + list(probe.buffers()):
-            if tensor.is_floating_point() and tensor.numel() and not tensor.any():
+            if tensor.is_floating_point() and tensor.numel() and _all_zero(tensor):
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
     return probe
+
+
+def _all_zero(tensor: torch.Tensor) -> bool:
+    """`not tensor.any()`, without reading the whole tensor when its first element is not zero (a plain
+    tensor's: a subclass, e.g. a DTensor, is asked as a whole)."""
+    if type(tensor) in (torch.Tensor, nn.Parameter) and bool(tensor[(0,) * tensor.dim()]):
+        return False
+    return not bool(tensor.any())
 
 
 def _outputs(value):
@@ -196,13 +214,22 @@ def _group_sensitive(spec: MoESpec, logits_TE: torch.Tensor, bias_E: torch.Tenso
     return int((grouped.sort(-1).values != plain.sort(-1).values).any(-1).sum())
 
 
-def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list, selections: list[_Selection],
-          atol: float = 1e-5, rtol: float = 1e-4) -> CheckResult:
-    """Compare `spec`'s canonical graph with the recorded behaviour of the original on `inputs`."""
+def build_graph(spec: MoESpec, probe: nn.Module) -> fx.GraphModule | str:
+    """`spec`'s canonical graph on the probe (it shares the probe's modules: train()/eval() reaches both), or
+    why it does not build: a hypothesis that does not even build is just a wrong hypothesis."""
     try:
-        gm = canonical.build(spec, probe)
-    except Exception as err:  # a hypothesis that does not even build is just a wrong hypothesis
-        return CheckResult(spec, False, float("inf"), reason=f"canonical graph does not build: {err}")
+        return canonical.build(spec, probe)
+    except Exception as err:
+        return f"canonical graph does not build: {err}"
+
+
+def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list, selections: list[_Selection],
+          atol: float = 1e-5, rtol: float = 1e-4, graph: fx.GraphModule | str | None = None) -> CheckResult:
+    """Compare `spec`'s canonical graph (`graph`: `build_graph`'s result, when built already) with the
+    recorded behaviour of the original on `inputs`."""
+    gm = build_graph(spec, probe) if graph is None else graph
+    if isinstance(gm, str):
+        return CheckResult(spec, False, float("inf"), reason=gm)
     result = CheckResult(spec, True, max_error=0.0)
     other_k = None  # the block's top-k over E used another k
     for x, original, seen in zip(inputs, originals, selections):
@@ -256,13 +283,12 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list
 
 
 def contract_check(spec: MoESpec, probe: nn.Module, x: Inputs, atol: float = 1e-5,
-                   rtol: float = 1e-4) -> str | None:
+                   rtol: float = 1e-4, graph: fx.GraphModule | str | None = None) -> str | None:
     """Beyond the eval output: the router module's recorded output and the train-mode output under the
-    same seed. Returns the reason of a mismatch, or None."""
-    try:
-        gm = canonical.build(spec, probe)  # shares the probe's modules: train()/eval() reaches both
-    except Exception as err:
-        return f"canonical graph does not build: {err}"
+    same seed (`graph`: `build_graph`'s result, when built already). Returns the reason of a mismatch, or None."""
+    gm = build_graph(spec, probe) if graph is None else graph
+    if isinstance(gm, str):
+        return gm
     r = spec.router
     try:  # "": the weight is the block's own parameter, no router module
         router: nn.Module | None = probe.get_submodule(r.module_path) if r.module_path else None
@@ -379,7 +405,7 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
     With `first_only=False` every hypothesis is checked (on the same probe inputs)."""
     if not hypotheses:
         return None, []
-    probe = probe_copy(block, seed)
+    probe = probe_copy(block, seed, spec=hypotheses[0])
     scaled = _scaling_overrides(probe)
     # E: the experts one selection chooses among (per head with heads); D: the block's input width
     E, K, D = hypotheses[0].router.num_experts, hypotheses[0].top_k, hypotheses[0].model_dim
@@ -421,9 +447,11 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
     for spec in hypotheses:
         if spec.top_k not in selections:  # the spy watched for another k: observe again
             selections[spec.top_k] = [_observe(probe, x, spec.router.num_experts, spec.top_k)[1] for x in inputs]
-        result = check(probed(spec), probe, inputs, originals, selections[spec.top_k])
+        canonical.relayout_stacked(probe, spec)  # a no-op when its experts are laid out so already
+        graph = build_graph(probed(spec), probe)  # one graph for both checks (eval runs leave it as built)
+        result = check(probed(spec), probe, inputs, originals, selections[spec.top_k], graph=graph)
         if result.accepted:
-            reason = contract_check(probed(spec), probe, inputs[0])
+            reason = contract_check(probed(spec), probe, inputs[0], graph=graph)
             result.contract_checked = reason is None
             if reason is not None:
                 result.accepted, result.reason = False, reason

@@ -20,8 +20,12 @@ import torch
 from torch import nn
 
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
+_PLAIN_TYPES = frozenset(_PLAIN)  # the common case, an exact type: one set lookup instead of isinstance
+# what every module holds (`training`, its tables and hooks): never a plain attribute of the key
+_MODULE_STATE = frozenset(k for k in vars(nn.Module()) if k.startswith("_")) | {"training"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
           "_state_dict_hooks", "_load_state_dict_pre_hooks")
+_HOOK_SET = frozenset(_HOOKS)  # all in the instance dict (as nn.Module.__init__ makes them): read from there
 
 
 class _NoKey(Exception):
@@ -29,7 +33,7 @@ class _NoKey(Exception):
 
 
 def _value(value: object) -> Hashable:
-    if isinstance(value, _PLAIN):
+    if type(value) in _PLAIN_TYPES or isinstance(value, _PLAIN):
         return (type(value).__name__, repr(value))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_value(v) for v in value))
@@ -46,16 +50,18 @@ def _value(value: object) -> Hashable:
 
 
 def _key(module: nn.Module) -> Hashable:
-    if any(getattr(module, name, None) for name in _HOOKS):
+    state = vars(module)
+    hooks = map(state.get, _HOOKS) if state.keys() >= _HOOK_SET else (getattr(module, n, None) for n in _HOOKS)
+    if any(hooks):
         raise _NoKey("hooks")
-    attrs = tuple(sorted((k, _value(v)) for k, v in vars(module).items() if not k.startswith("_")
-                         and k != "training"))
-    params = tuple((n, tuple(p.shape), str(p.dtype), p.device.type, p.requires_grad)
-                   for n, p in module._parameters.items() if p is not None)
-    buffers = tuple((n, tuple(b.shape), str(b.dtype), b.device.type, n not in module._non_persistent_buffers_set)
-                    for n, b in module._buffers.items() if b is not None)
-    children = tuple((n, _key(c)) for n, c in module._modules.items() if c is not None)
-    return (id(type(module)), type(module).__qualname__, attrs, params, buffers, children)
+    names = state.keys() - _MODULE_STATE
+    attrs = tuple([(k, _value(state[k])) for k in sorted(names) if not k.startswith("_")]) if names else ()
+    params = tuple([(n, p.shape, p.dtype, p.device.type, p.requires_grad)
+                    for n, p in module._parameters.items() if p is not None]) if module._parameters else ()
+    buffers = tuple([(n, b.shape, b.dtype, b.device.type, n not in module._non_persistent_buffers_set)
+                     for n, b in module._buffers.items() if b is not None]) if module._buffers else ()
+    children = tuple([(n, _key(c)) for n, c in module._modules.items() if c is not None]) if module._modules else ()
+    return (type(module), attrs, params, buffers, children)
 
 
 def structural_key(module: nn.Module) -> Hashable | None:

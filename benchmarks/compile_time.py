@@ -19,6 +19,12 @@ at the floor's rate. The floor is also measured in every repeat, just before its
 this VM the cost of fresh memory varies several-fold from minute to minute), giving `compile - floor` per
 repeat; user and system CPU are reported apart (user: moepass's own work and the memcpy; system: the
 kernel faulting the fresh memory in).
+
+The issue's figure is what a user sees: `first_compile`, the model built in a fresh process and then one
+detect and one compile, each sample its own process (`fresh_processes`, the layer counts interleaved round
+by round; the floor measured in the same process after compile). The in-process repeats above run with
+several copies of the model alive and freed in turn, which on this VM makes fresh memory several times
+slower than in a new process: they time moepass's work (user CPU) well, the wall time less so.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +168,45 @@ def measure(layers: int, experts: int, dim: int, style: str, repeats: int) -> di
     }
 
 
+def first_compile(layers: int, experts: int, dim: int, style: str) -> dict:
+    """What a user sees: in this (fresh) process, the model built, then one `detect` and one `compile` (each
+    timed), then the floor: one fresh copy of the expert bytes, after compile."""
+    torch.manual_seed(0)
+    cfg = SampleConfig(dim=dim, ffn_dim=2 * dim, num_experts=experts, top_k=2, layers=layers, style=style, heads=4)
+    model = TinyMoELM(cfg)
+    report, detect = timed(moepass.detect, model)
+    compiled, compile_ = timed(moepass.compile, model, moepass.Plan(form="single"), report=report)
+    assert len(compiled.moepass_info.rewritten) == layers
+    _, floor = timed(fresh_copy, torch.ones(expert_bytes(model, report) // 4))
+    return {"detect": dataclasses.asdict(detect), "compile": dataclasses.asdict(compile_),
+            "floor": dataclasses.asdict(floor)}
+
+
+def fresh_processes(layer_counts: list[int], experts: int, dim: int, style: str, repeats: int,
+                    threads: int) -> list[dict]:
+    """`first_compile` in a new process per sample, the layer counts interleaved round by round; per layer
+    count the medians and ranges of detect + compile, its user and system CPU, and the floor."""
+    samples: dict[int, list[dict]] = {n: [] for n in layer_counts}
+    for _ in range(repeats):
+        for n in layer_counts:
+            out = subprocess.run([sys.executable, __file__, "--first-compile", "--layers", str(n), "--experts",
+                                  str(experts), "--dim", str(dim), "--style", style, "--threads", str(threads)],
+                                 capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent)
+            samples[n].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    runs = []
+    for n, got in samples.items():
+        total = [s["detect"]["seconds"] + s["compile"]["seconds"] for s in got]
+        user = [s["detect"]["user_seconds"] + s["compile"]["user_seconds"] for s in got]
+        system = [s["detect"]["system_seconds"] + s["compile"]["system_seconds"] for s in got]
+        floor = [s["floor"]["seconds"] for s in got]
+        runs.append({"layers": n, "total_seconds": statistics.median(total), "total_range": [min(total), max(total)],
+                     "detect_seconds": statistics.median(s["detect"]["seconds"] for s in got),
+                     "user_seconds": statistics.median(user), "system_seconds": statistics.median(system),
+                     "floor_seconds": statistics.median(floor), "floor_range": [min(floor), max(floor)],
+                     "samples": got})
+    return runs
+
+
 def linear_fit(runs: list[dict], key: str) -> dict:
     """Least-squares seconds = intercept + slope * layers over the sizes measured."""
     if len(runs) < 2:
@@ -176,17 +223,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--style", default="loop", choices=["loop", "fused", "gshard", "mixed"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the figures do not depend on idle cores)")
+    p.add_argument("--first-compile", action="store_true", help=argparse.SUPPRESS)  # one child of fresh_processes
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.first_compile:
+        print(json.dumps(first_compile(args.layers, args.experts, args.dim, args.style)))
+        return 0
     styles = [args.style] if args.style != "mixed" else ["loop", "fused", "gshard"]
     layer_counts = sorted({max(1, args.layers // 4), max(1, args.layers // 2), args.layers})
     machine = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                "processor": platform.machine(), "threads": args.threads, "load_average": os.getloadavg()}
+    # first: the in-process repeats allocate and free many GiB, after which fresh memory on this VM stays
+    # several times slower for minutes
+    first = {style: fresh_processes(layer_counts, args.experts, args.dim, style, args.repeats, args.threads)
+             for style in styles}
     runs = [measure(layers, args.experts, args.dim, style, args.repeats) for style in styles for layers in layer_counts]
     fits = {style: {key: linear_fit([r for r in runs if r["config"]["style"] == style], key)
                     for key in ("total_seconds", "total_cpu_seconds", "compile_seconds_given_report", "detect_seconds")}
             for style in styles}
     floor = copy_floor(max(r["expert_bytes"] for r in runs))
+    for style, got in first.items():
+        fits[style]["first_compile_total_seconds"] = linear_fit(
+            [{"config": {"layers": r["layers"]}, "total_seconds": r["total_seconds"]} for r in got], "total_seconds")
     machine["load_average_after"] = os.getloadavg()
     for run in runs:
         run["page_fault_cpu_seconds"] = run["page_faults"] * floor["cpu_seconds_per_page_fault"]
@@ -211,10 +269,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"floor: one copy of {floor['bytes'] / 2**30:.2f} GiB into fresh memory {floor['fresh_copy_seconds']:.2f} s "
           f"({floor['fresh_copy_cpu_seconds']:.2f} s CPU, {floor['fresh_copy_page_faults']} page faults), into touched "
           f"memory {floor['touched_copy_seconds']:.2f} s ({floor['touched_copy_cpu_seconds']:.2f} s CPU)")
+    for style, got in first.items():
+        for r in got:
+            print(f"{style:>7}: first compile in a fresh process (what a user sees), {r['layers']} layers: detect + compile "
+                  f"{r['total_seconds']:.2f} s [{r['total_range'][0]:.2f}, {r['total_range'][1]:.2f}] (detect "
+                  f"{r['detect_seconds']:.2f} s; user CPU {r['user_seconds']:.2f} s, system {r['system_seconds']:.2f} s); "
+                  f"floor after it {r['floor_seconds']:.2f} s [{r['floor_range'][0]:.2f}, {r['floor_range'][1]:.2f}], "
+                  f"median of {len(r['samples'])} processes")
+        fit = fits[style]["first_compile_total_seconds"]
+        if fit["seconds_per_layer"] is not None:
+            print(f"{style:>7}: first compile total = {fit['intercept_seconds']:.3f} s + "
+                  f"{fit['seconds_per_layer']:.3f} s x layers")
     print(f"load average {machine['load_average']} before, {machine['load_average_after']} after; "
           f"{args.threads} torch thread(s)")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"machine": machine, "runs": runs, "fits": fits, "floor": floor}, indent=2) + "\n")
+    OUT.write_text(json.dumps({"machine": machine, "runs": runs, "first_compile": first, "fits": fits, "floor": floor},
+                              indent=2) + "\n")
     print(f"wrote {OUT}")
     return 0
 

@@ -3,6 +3,7 @@
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import moepass
@@ -101,3 +102,73 @@ def test_a_0d_parameter_beside_the_router_is_no_router_candidate():
     block.temperature = torch.nn.Parameter(torch.tensor(1.0))
     (spec,) = moepass.detect(block).blocks
     assert spec.router.weight.paths == ("gate.weight",) and spec.num_experts == 4
+
+
+class LearnedTemperatureRouter(nn.Module):
+    """Routes on softmax(x W^T / t), t a learnable temperature, renormalised over the K chosen."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x_TD):
+        probs_TE = (self.gate(x_TD) / self.temperature).softmax(-1)
+        weights_TK, experts_TK = probs_TE.topk(self.top_k, dim=-1)
+        return weights_TK / weights_TK.sum(-1, keepdim=True), experts_TK
+
+
+class LearnedTemperatureMoE(nn.Module):
+    """A loop MoE whose routing divides the logits by a learnable temperature: inline in the block's forward
+    (`inline=True`), or in a router submodule returning (weights, experts)."""
+
+    def __init__(self, inline: bool, dim: int = 16, ffn_dim: int = 32, num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.inline = inline
+        self.router = LearnedTemperatureRouter(dim, num_experts, top_k)
+        self.experts = nn.ModuleList(ExpertMLP(dim, ffn_dim) for _ in range(num_experts))
+
+    def forward(self, hidden_states):
+        x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self.inline:
+            r = self.router
+            probs_TE = (F.linear(x_TD, r.gate.weight) / r.temperature).softmax(-1)
+            weights_TK, experts_TK = probs_TE.topk(r.top_k, dim=-1)
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        else:
+            weights_TK, experts_TK = self.router(x_TD)
+        out_TD = torch.zeros_like(x_TD)
+        for e, expert in enumerate(self.experts):
+            token_idx, choice_idx = torch.where(experts_TK == e)
+            out_TD.index_add_(0, token_idx, expert(x_TD[token_idx]) * weights_TK[token_idx, choice_idx, None])
+        return out_TD.reshape(hidden_states.shape)
+
+
+def test_an_inline_router_reading_other_tensors_is_rejected_with_the_way_out():
+    """An inline router whose scores read a tensor no known rule reads (a temperature) is not reproduced:
+    the reason names the tensor and the way out, a router submodule returning (weights, experts), which is
+    then accepted and exact (outputs and every gradient)."""
+    torch.manual_seed(0)
+    inline = LearnedTemperatureMoE(inline=True)
+    report = moepass.detect(inline)
+    assert not report.blocks
+    ((path, reason),) = report.rejected
+    assert path == "" and "Its selection scores also read ['router.temperature']" in reason
+    assert "move the routing into a submodule that returns (weights, experts)" in reason
+
+    torch.manual_seed(0)
+    moved = LearnedTemperatureMoE(inline=False)
+    (spec,) = moepass.detect(moved).blocks
+    assert spec.router.logits_from == "selection" and spec.router.module_path == "router"
+    compiled = moepass.compile(moved, moepass.Plan(form="single"))
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, ref = compiled(x), moved(x_ref)
+    torch.testing.assert_close(out, ref)
+    (out * ref.detach().cos()).sum().backward()
+    (ref * ref.detach().cos()).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    grads = dict(compiled.named_parameters())
+    for name, p in moved.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, msg=lambda m, name=name: f"{name}: {m}")

@@ -126,6 +126,12 @@ def detect_block(candidate: Candidate) -> BlockReport:
         reasons.append(f"{name}: no hypothesis reproduces the block"
                        + (f" (closest: {best.spec.router.score_func} router, {best.reason})" if best else ""))
     report.reason = "; ".join(reasons) or "no recogniser applies"
+    facts = candidate.router
+    if facts is not None and facts.unknown_tensors and facts.selection_outputs is None:
+        report.reason += (f". Its selection scores also read {list(facts.unknown_tensors)}, which no known router "
+                          f"rule reads: an inline router is reproduced only as a known rule over x @ weight.T; "
+                          f"move the routing into a submodule that returns (weights, experts) and the rewritten "
+                          f"block calls it as it is")
     return report
 
 

@@ -66,6 +66,9 @@ class RouterFacts:
     softmax_after: bool = False  # a softmax over the top-k values
     renormalized: bool = False  # a sum over the K weights
     logits_fp32: bool = False  # the router linear's input is cast to fp32 first (`RouterSpec.dtype`)
+    # tensors of the block the selection scores also read, beyond the weight, bias and selection bias (e.g. a
+    # learnable temperature): no known rule reads them, so an inline router using them is not reproduced
+    unknown_tensors: tuple[str, ...] = ()
 
 
 def _is_vector(node: fx.Node, E: int) -> bool:
@@ -194,6 +197,8 @@ def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
     _module_selection(cap, facts, sel)
     if facts.weight is None and facts.module is not None and facts.selection_outputs is not None:
         facts.weight = _weights_weight(cap, facts)
+    known = {facts.weight, facts.bias, facts.selection_bias}
+    facts.unknown_tensors = tuple(sorted({str(n.target) for n in attrs(scores_slice)} - known))
     return facts
 
 

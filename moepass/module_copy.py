@@ -2,8 +2,8 @@
 
 `copy.deepcopy` copies a module through the generic pickle protocol: `__reduce_ex__`, a copy of its
 `__dict__`, and `copyreg`'s reconstruction of each of the dozen hook dictionaries every module owns
-(almost always empty). On a model of 8k modules (32 layers x 64 experts x 3 linears) that is 470k Python
-calls and 2-3 s before a single tensor is copied. For a module whose class copies the standard way (it
+(almost always empty). On the 10.5k modules of 32 layers x 64 experts that is 470k Python calls and
+0.8-1.2 s before a single tensor is copied (0.12-0.14 s here, with the collector paused). For a module whose class copies the standard way (it
 does not customise `__deepcopy__`, `__reduce_ex__`, `__reduce__`, `__getstate__` or `__setstate__`),
 `deepcopy_module` does what that protocol does, directly: a new instance, its state copied value by
 value into the same `memo` (children recursively, empty hook containers made new), `__setstate__`.

@@ -38,6 +38,7 @@ E experts per head, X = H*E experts in all (head-major), N = G*K routed rows.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import operator
@@ -50,7 +51,7 @@ from torch import fx, nn
 
 from moepass import dialect, generic_experts
 from moepass.errors import PlanError
-from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, TensorSource
+from moepass.spec import TRACED_ROUTER, CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
 if TYPE_CHECKING:
     from moepass.rewrite.experts import ExpertLayout
@@ -534,7 +535,7 @@ def build_graph(spec: MoESpec) -> fx.Graph:
         experts_TK = b.method("reshape", b.item(out, r.module_experts_index, "router_experts"), -1, K,
                               name="experts_TK")
         return build_experts_and_output(b, spec, inputs, hidden, x_TD, weights_TK, experts_TK, None, None, None)
-    if r.logits_from == "module":  # called on the block's input as given, like HF blocks call it
+    if r.logits_from in ("module", "traced"):  # called on the block's input as given, like HF blocks call it
         out = router_call(b, r, hidden, x_TD, dict(zip(spec.input_names, inputs)))
         router_logits = out if r.module_output_index is None else b.item(out, r.module_output_index,
                                                                           "router_logits")
@@ -586,7 +587,8 @@ def router_call(b: GraphBuilder, r: RouterSpec, hidden: fx.Node, x_TD: fx.Node,
     `module_args`: the block's own tensors, or its further inputs by name (token ids)."""
     first = hidden if r.module_input == "hidden" else x_TD
     extra = [block_inputs[name] if name in block_inputs else b.attr(name) for name in r.module_args]
-    return b.module(r.module_path, first, *extra, name="router_out")
+    target = TRACED_ROUTER if r.logits_from == "traced" else r.module_path
+    return b.module(target, first, *extra, name="router_out")
 
 
 def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Node], hidden: fx.Node, x_TD: fx.Node,
@@ -648,5 +650,11 @@ def build(spec: MoESpec, block: nn.Module) -> MoEGraphModule:
                             f"alone with Plan(blocks={{{spec.path!r}: None}}).")
         gm.add_module(generic_experts.TEMPLATE, generic_experts.stateless_template(
             block.get_submodule(spec.experts.template)))
+    if spec.router.logits_from == "traced":  # the block's own router code up to the logits (holds no tensor)
+        if hasattr(block, TRACED_ROUTER):
+            raise PlanError(f"block {spec.path or '<root>'!r} has an attribute {TRACED_ROUTER!r}, the name its "
+                            f"rewritten form gives its traced router; rename it, or leave this block alone with "
+                            f"Plan(blocks={{{spec.path!r}: None}}).")
+        gm.add_module(TRACED_ROUTER, copy.deepcopy(spec.router.traced))
     gm.history.append({"pass": CANONICAL_PASS, "seconds": 0.0, "stats": {"nodes": len(gm.graph.nodes)}})
     return gm

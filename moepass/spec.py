@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 from moepass.errors import PlanError, nearest
@@ -28,7 +28,8 @@ CAPACITY_SCOPES = ("batch", "sequence")
 CAPACITY_PRIORITIES = ("k_major", "token_major")
 DROP_POLICIES = ("zero", "identity")
 ROUTER_DTYPES = ("float32", "input")
-LOGITS_SOURCES = ("linear", "module", "selection")
+LOGITS_SOURCES = ("linear", "module", "selection", "traced")
+TRACED_ROUTER = "moepass_router_logits"  # where the rewritten block holds a traced router's logits function
 MODULE_INPUTS = ("hidden", "tokens")
 SIDE_OUTPUTS = ("router_logits",)
 EXPERT_KINDS = ("ffn", "generic")
@@ -103,6 +104,10 @@ class RouterSpec:
     # logits_from="selection": whether the module's selection matched the known rule the fields above name
     # (on the detection probe: a description for reports and the cost model; the graph runs the module)
     known_kind: bool = True
+    # logits_from="traced": the block's own router code up to its logits, traced from its forward (an
+    # fx.GraphModule holding no tensor: called on the hidden states, then the block tensors `module_args`
+    # names); the fields above say what follows the logits (score function, selection, renormalisation)
+    traced: Any = field(default=None, compare=False, repr=False)
 
     def validate(self, where: str) -> None:
         if self.num_experts < 1:
@@ -117,6 +122,9 @@ class RouterSpec:
         _check_choice(f"{where}.dtype", self.dtype, ROUTER_DTYPES)
         _check_choice(f"{where}.logits_from", self.logits_from, LOGITS_SOURCES)
         _check_choice(f"{where}.module_input", self.module_input, MODULE_INPUTS)
+        if self.logits_from == "traced" and self.traced is None:
+            raise PlanError(f"{where}.logits_from='traced' is invalid without `traced`, the router's logits function "
+                            f"(detection makes it from the block's forward); use logits_from='linear' otherwise.")
         if self.logits_from == "selection" and (self.module_output_index is None or self.module_experts_index is None):
             raise PlanError(f"{where}.logits_from='selection' is invalid without module_output_index and "
                             f"module_experts_index: name where the router module returns its weights and experts.")
@@ -378,6 +386,7 @@ class MoESpec:
             ("shared", self.shared is not None), ("capacity", self.capacity is not None),
             ("router.bias", self.router.bias is not None),
             ("router.logits_from='module'", self.router.logits_from == "module"),
+            ("router.logits_from='traced'", self.router.logits_from == "traced"),
             ("experts.output_scale", self.experts.output_scale is not None),
             ("experts.identity_experts / zero_experts", self.experts.routed_experts != self.experts.num_experts),
             ("experts.kind='generic'", self.experts.kind == "generic"))
@@ -425,6 +434,8 @@ class MoESpec:
         if r.logits_from == "selection":  # the user's router module selects, as it is
             parts[1] = (f"router=module {r.module_path} (its own selection, "
                         + ("no known kind)" if unknown else f"matches {parts[1].removeprefix('router=')})"))
+        if r.logits_from == "traced":  # the block's own logits code, then a known rule
+            parts[1] = f"router=traced logits (reads {', '.join(r.module_args)}), then {parts[1].removeprefix('router=')}"
         if r.renormalize and not unknown:
             parts.append("renormalised")
         if r.selection_bias is not None:

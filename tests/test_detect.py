@@ -40,13 +40,14 @@ def test_detection_never_mutates_the_model():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-class TemperatureMoE(LoopMoE):
-    """A router rule no hypothesis covers: softmax at temperature 0.5."""
+class SquaredWeightsMoE(LoopMoE):
+    """A combination no hypothesis covers: each chosen expert weighted by its probability squared."""
 
     def forward(self, hidden_states):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        probs = (self.gate(x) / 0.5).softmax(-1)
+        probs = self.gate(x).softmax(-1)
         w, idx = probs.topk(self.top_k, dim=-1)
+        w = w * w
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
             for k in range(self.top_k):
@@ -55,13 +56,13 @@ class TemperatureMoE(LoopMoE):
 
 
 def test_unreproducible_block_is_rejected_with_reason_and_left_untouched():
-    model = nn.Sequential(TemperatureMoE(16, 32, 4, 2))
+    model = nn.Sequential(SquaredWeightsMoE(16, 32, 4, 2))
     report = moepass.detect(model)
     assert report.blocks == []
     ((path, reason),) = report.rejected
     assert path == "0" and "no hypothesis reproduces the block" in reason and "outputs differ by up to" in reason
     compiled = moepass.compile(model)
-    assert isinstance(compiled[0], TemperatureMoE)
+    assert isinstance(compiled[0], SquaredWeightsMoE)
 
 
 def test_near_miss_hypothesis_is_rejected_by_the_check():
@@ -121,23 +122,26 @@ class LearnedTemperatureRouter(nn.Module):
 
 class LearnedTemperatureMoE(nn.Module):
     """A loop MoE whose routing divides the logits by a learnable temperature: inline in the block's forward
-    (`inline=True`), or in a router submodule returning (weights, experts)."""
+    (`style="inline"`; `"baked"`: the same, its logits viewed with the batch's token count written as a
+    number), or in a router submodule returning (weights, experts) (`"module"`)."""
 
-    def __init__(self, inline: bool, dim: int = 16, ffn_dim: int = 32, num_experts: int = 4, top_k: int = 2):
+    def __init__(self, style: str, dim: int = 16, ffn_dim: int = 32, num_experts: int = 4, top_k: int = 2):
         super().__init__()
-        self.inline = inline
+        self.style = style
         self.router = LearnedTemperatureRouter(dim, num_experts, top_k)
         self.experts = nn.ModuleList(ExpertMLP(dim, ffn_dim) for _ in range(num_experts))
 
     def forward(self, hidden_states):
         x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.inline:
-            r = self.router
-            probs_TE = (F.linear(x_TD, r.gate.weight) / r.temperature).softmax(-1)
-            weights_TK, experts_TK = probs_TE.topk(r.top_k, dim=-1)
-            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-        else:
+        if self.style == "module":
             weights_TK, experts_TK = self.router(x_TD)
+        else:
+            r = self.router
+            logits_TE = F.linear(x_TD, r.gate.weight) / r.temperature
+            if self.style == "baked":  # the token count as a Python number: right for this batch shape only
+                logits_TE = logits_TE.view(hidden_states.shape[0] * hidden_states.shape[1], -1)
+            weights_TK, experts_TK = logits_TE.softmax(-1).topk(r.top_k, dim=-1)
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
         out_TD = torch.zeros_like(x_TD)
         for e, expert in enumerate(self.experts):
             token_idx, choice_idx = torch.where(experts_TK == e)
@@ -145,30 +149,51 @@ class LearnedTemperatureMoE(nn.Module):
         return out_TD.reshape(hidden_states.shape)
 
 
-def test_an_inline_router_reading_other_tensors_is_rejected_with_the_way_out():
-    """An inline router whose scores read a tensor no known rule reads (a temperature) is not reproduced:
-    the reason names the tensor and the way out, a router submodule returning (weights, experts), which is
-    then accepted and exact (outputs and every gradient)."""
-    torch.manual_seed(0)
-    inline = LearnedTemperatureMoE(inline=True)
-    report = moepass.detect(inline)
-    assert not report.blocks
-    ((path, reason),) = report.rejected
-    assert path == "" and "Its selection scores also read ['router.temperature']" in reason
-    assert "move the routing into a submodule that returns (weights, experts)" in reason
-
-    torch.manual_seed(0)
-    moved = LearnedTemperatureMoE(inline=False)
-    (spec,) = moepass.detect(moved).blocks
-    assert spec.router.logits_from == "selection" and spec.router.module_path == "router"
-    compiled = moepass.compile(moved, moepass.Plan(form="single"))
+def assert_exact_single(block: nn.Module) -> moepass.MoEGraphModule:
+    """form="single" on `block`: outputs and every gradient (input and parameters) as the block's own."""
+    compiled = moepass.compile(block, moepass.Plan(form="single"))
     x = torch.randn(3, 5, 16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    out, ref = compiled(x), moved(x_ref)
+    out, ref = compiled(x), block(x_ref)
     torch.testing.assert_close(out, ref)
     (out * ref.detach().cos()).sum().backward()
     (ref * ref.detach().cos()).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
     grads = dict(compiled.named_parameters())
-    for name, p in moved.named_parameters():
+    for name, p in block.named_parameters():
+        assert p.grad is not None, name
         torch.testing.assert_close(grads[name].grad, p.grad, msg=lambda m, name=name: f"{name}: {m}")
+    return compiled
+
+
+def test_an_inline_router_runs_as_traced():
+    """A router written inline in the block's forward whose logits pass through code no rule describes (a
+    learnable temperature) runs as the block's own code up to the logits (`logits_from="traced"`), then the
+    known rule; exact, the temperature's gradient included; the router submodule form is exact too."""
+    torch.manual_seed(0)
+    inline = LearnedTemperatureMoE("inline")
+    (spec,) = moepass.detect(inline).blocks
+    r = spec.router
+    assert r.logits_from == "traced" and set(r.module_args) == {"router.temperature", "router.gate.weight"}
+    assert (r.score_func, r.softmax_before_topk, r.renormalize) == ("softmax", True, True)
+    assert "router=traced logits (reads " in spec.summary()
+    compiled = assert_exact_single(inline)
+    assert compiled.moepass_router_logits.graph is not r.traced.graph  # the block's own copy, no tensor in it
+    assert not list(compiled.moepass_router_logits.parameters())
+
+    torch.manual_seed(0)
+    moved = LearnedTemperatureMoE("module")
+    (spec,) = moepass.detect(moved).blocks
+    assert spec.router.logits_from == "selection" and spec.router.module_path == "router"
+    assert_exact_single(moved)
+
+
+def test_a_router_written_for_one_batch_shape_is_rejected_with_the_way_out():
+    """Router code with the probe's token count in it as a number is not traced (it would be wrong for any
+    other batch); no known rule reproduces it either, and the reason names the tensor and the way out."""
+    torch.manual_seed(0)
+    report = moepass.detect(LearnedTemperatureMoE("baked"))
+    assert not report.blocks
+    ((path, reason),) = report.rejected
+    assert path == "" and "Its selection scores also read ['router.temperature']" in reason
+    assert "move the routing into a submodule that returns (weights, experts)" in reason

@@ -106,6 +106,23 @@ class LinearRouterAnyName(nn.Module):
         return loop_combine(x, w, idx, list(self.ffns)).view_as(h)
 
 
+class InlineSoftcapRouter(nn.Module):
+    """The router written inline in the block's forward, its logits soft-capped by a learnable scale
+    (`cap * tanh(logits / cap)`), a rule no known kind describes: run as the block's own traced code."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+        self.softcap = nn.Parameter(torch.tensor(2.0))
+        self.ffns = nn.ModuleList(Mlp() for _ in range(E))
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        logits = self.softcap * torch.tanh(self.gate(x) / self.softcap)
+        w, idx = softmax_topk(logits)
+        return loop_combine(x, w, idx, list(self.ffns)).view_as(h)
+
+
 class TopKRouter(nn.Module):
     """A router module that returns the top-k weights and indices itself."""
 
@@ -636,6 +653,10 @@ CASES: dict[str, Case] = {
         LinearRouterAnyName, _router(bias=None), OUT,
         lambda s: s.router.bias is not None and s.router.weight.paths == ("scorer.weight",)
         and s.router.dtype == "input", ep=True),  # the block computes its logits in the input's dtype
+    "inline router with soft-capped logits (the block's own code, traced)": Case(
+        InlineSoftcapRouter, _router(renormalize=False), OUT,
+        lambda s: s.router.logits_from == "traced" and s.router.module_args == ("softcap", "gate.weight")
+        and s.router.renormalize, ep=True),
     "router module returns (weights, indices) itself": Case(
         RouterReturnsSelection, _module_outputs_swapped, "fails",
         lambda s: s.router.logits_from == "selection" and s.router.known_kind and s.router.renormalize

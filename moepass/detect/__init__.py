@@ -127,11 +127,12 @@ def detect_block(candidate: Candidate) -> BlockReport:
                        + (f" (closest: {best.spec.router.score_func} router, {best.reason})" if best else ""))
     report.reason = "; ".join(reasons) or "no recogniser applies"
     facts = candidate.router
-    if facts is not None and facts.unknown_tensors and facts.selection_outputs is None:
-        report.reason += (f". Its selection scores also read {list(facts.unknown_tensors)}, which no known router "
-                          f"rule reads: an inline router is reproduced only as a known rule over x @ weight.T; "
-                          f"move the routing into a submodule that returns (weights, experts) and the rewritten "
-                          f"block calls it as it is")
+    if facts is not None and facts.why_not_traced and facts.selection_outputs is None:
+        reads = f"Its selection scores also read {list(facts.unknown_tensors)}, which no known rule reads; " \
+            if facts.unknown_tensors else ""
+        report.reason += (f". {reads}its router code cannot run as traced ({facts.why_not_traced}): move the "
+                          f"routing into a submodule that returns (weights, experts) and the rewritten block calls "
+                          f"it as it is")
     return report
 
 

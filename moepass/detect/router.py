@@ -18,6 +18,7 @@ combination; the semantic check keeps the first that reproduces the block.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.utils._pytree import tree_flatten
 
 from moepass.detect.capture import Capture, Selection, attrs, downstream, upstream, value
 from moepass.dialect import route_ref
@@ -69,6 +71,8 @@ class RouterFacts:
     # tensors of the block the selection scores also read, beyond the weight, bias and selection bias (e.g. a
     # learnable temperature): no known rule reads them, so an inline router using them is not reproduced
     unknown_tensors: tuple[str, ...] = ()
+    selection: Selection | None = field(default=None, repr=False)  # the selection call these facts are of
+    why_not_traced: str = ""  # why the block's router code up to the logits cannot run as traced (`traced_logits`)
 
 
 def _is_vector(node: fx.Node, E: int) -> bool:
@@ -152,7 +156,7 @@ def module_call(cap: Capture, path: str) -> tuple[str, tuple[str, ...]] | str:
 def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
     """The router facts of a captured block whose selection is `sel` (see the module doc)."""
     E = num_experts
-    facts = RouterFacts(num_experts=E, top_k=sel.k)
+    facts = RouterFacts(num_experts=E, top_k=sel.k, selection=sel)
     scores_slice = set() if sel.scores is None else upstream(sel.scores)
     for node in attrs(scores_slice):
         val = value(node)
@@ -263,6 +267,50 @@ def module_router(cap: Capture, facts: RouterFacts) -> RouterSpec | None:
                       known_kind=known is not None, **(known or {}))
 
 
+DATA_DEPENDENT = (torch.nonzero, torch.Tensor.nonzero, torch.Tensor.item, torch.Tensor.tolist, torch.unique,
+                  torch.Tensor.unique, torch.bincount, torch.Tensor.bincount, torch.multinomial,
+                  torch.Tensor.multinomial)
+
+
+def traced_logits(cap: Capture, sel: Selection) -> tuple[fx.GraphModule, tuple[str, ...]] | str:
+    """The block's own code from its hidden states to the logits a known rule scores (the input of the first
+    softmax / sigmoid on the way to the selection, else the selection's input), copied out of the capture as
+    a GraphModule holding no tensor: called on the hidden states, then the block tensors it reads (their
+    paths, returned beside it). Or why not: it reads other block inputs, calls something data-dependent,
+    or bakes in one of the probe's sizes (a `view(B * S, D)` written with the probe's numbers would be wrong
+    for any other batch)."""
+    if sel.scores is None or cap.input_node is None:
+        return "no selection scores"
+    order = lambda n: n.meta["order"]  # noqa: E731
+    scorers = sorted((n for n in upstream(sel.scores) if n.op == "call_function" and n.target in SOFTMAX + SIGMOID),
+                     key=order)
+    logits = scorers[0].args[0] if scorers else sel.scores
+    if not isinstance(logits, fx.Node):
+        return "the scores are not computed from the block's input"
+    nodes = sorted(upstream(logits), key=order)
+    if cap.input_node not in nodes or any(n.op == "placeholder" and n is not cap.input_node for n in nodes):
+        return "the logits read more than the hidden states"
+    hidden = value(cap.input_node)
+    sizes = {*hidden.shape[:-1], hidden[..., 0].numel()} - {hidden.shape[-1], 0, 1}
+    graph = fx.Graph()
+    env = {cap.input_node: graph.placeholder("hidden_states")}
+    paths: list[str] = []
+    for node in nodes:
+        if node.op == "get_attr":
+            paths.append(str(node.target))
+            env[node] = graph.placeholder(f"tensor_{len(paths)}")
+        elif node.op == "call_function":
+            if node.target in DATA_DEPENDENT:
+                return f"the router code calls {getattr(node.target, '__name__', node.target)} (data-dependent)"
+            baked = [a for a in tree_flatten((node.args, node.kwargs))[0] if type(a) is int and a in sizes]
+            if baked:
+                return f"the router code has the probe's size {baked[0]} in a call (written for one batch shape)"
+            env[node] = graph.node_copy(node, lambda a: env[a])
+            env[node].meta = {}
+    graph.output(env[logits])
+    return fx.GraphModule(nn.Module(), graph, class_name="TracedRouterLogits"), tuple(paths)
+
+
 def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | str:
     """RouterSpecs to try for a block, best guess first: the user's router module when it selects itself,
     else the known rules over the logits of its [E, D] weight."""
@@ -289,5 +337,13 @@ def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | st
     scales = [1.0] + [s for s in dict.fromkeys(facts.scales)]
     if facts.scales:
         scales = scales[1:] + [1.0]
-    return [RouterSpec(**common, **fields, routed_scaling_factor=scale)  # type: ignore[arg-type]
-            for scale in scales for _label, fields in rules]
+    specs = [RouterSpec(**common, **fields, routed_scaling_factor=scale)  # type: ignore[arg-type]
+             for scale in scales for _label, fields in rules]
+    traced = traced_logits(cap, facts.selection) if facts.selection is not None else "no selection"
+    if isinstance(traced, str):
+        facts.why_not_traced = traced
+    else:  # the block's own logits code, then the known rules: tried after them
+        fn, paths = traced
+        specs += [dataclasses.replace(spec, logits_from="traced", traced=fn, module_args=paths, module_input="hidden",
+                                      bias=None, dtype="input") for spec in specs]
+    return specs

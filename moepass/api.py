@@ -221,6 +221,10 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
         lines.append(f"== {detail.path or '<root>'} ({detail.module_type}) ==")
         lines.append(f"recogniser: {detail.recogniser}")
         lines.append(f"spec: {detail.spec.summary()}")
+        if detail.spec.router.logits_from == "traced":  # an unknown router: its own code, then the known rule
+            lines.append("router region, traced from the block's forward up to the logits (then the known "
+                         "selection the spec names):")
+            lines.append(detail.spec.router.traced.code.strip())
         if detail.check is not None:
             lines.append(f"semantic check: {detail.check.describe()}")
         block_plan = plan.for_block(detail.spec.path)

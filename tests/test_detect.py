@@ -177,6 +177,10 @@ def test_an_inline_router_runs_as_traced():
     assert r.logits_from == "traced" and set(r.module_args) == {"router.temperature", "router.gate.weight"}
     assert (r.score_func, r.softmax_before_topk, r.renormalize) == ("softmax", True, True)
     assert "router=traced logits (reads " in spec.summary()
+    text = moepass.explain(inline, moepass.Plan(form="single"))  # the router region, printed as traced
+    assert "router region, traced from the block's forward up to the logits" in text
+    assert "def forward(self, hidden_states, router_temperature, router_gate_weight)" in text
+    assert "div = torch_Tensor_div(linear, router_temperature)" in text
     compiled = assert_exact_single(inline)
     assert compiled.moepass_router_logits.graph is not r.traced.graph  # the block's own copy, no tensor in it
     assert not list(compiled.moepass_router_logits.parameters())

@@ -298,7 +298,7 @@ def traced_logits(cap: Capture, sel: Selection) -> tuple[fx.GraphModule, tuple[s
     for node in nodes:
         if node.op == "get_attr":
             paths.append(str(node.target))
-            env[node] = graph.placeholder(f"tensor_{len(paths)}")
+            env[node] = graph.placeholder(str(node.target).replace(".", "_"))  # fx keeps the names unique
         elif node.op == "call_function":
             if node.target in DATA_DEPENDENT:
                 return f"the router code calls {getattr(node.target, '__name__', node.target)} (data-dependent)"

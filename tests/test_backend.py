@@ -121,6 +121,44 @@ def test_sample_parity_and_regions_rewritten(style):
     assert all(r.nodes_removed > 0 and r.nodes_added > 0 for r in report.regions)
 
 
+class SoftcappedRouterMoE(torch.nn.Module):
+    """Fused 3-D experts computed by gathering each token's K expert weights (one Dynamo graph), routed by
+    inline code no known rule describes: soft-capped logits with a learnable cap (a traced router)."""
+
+    def __init__(self, D=16, F=24, E=4, K=2):
+        super().__init__()
+        self.top_k = K
+        self.gate = torch.nn.Linear(D, E, bias=False)
+        self.softcap = torch.nn.Parameter(torch.tensor(2.0))
+        self.w1 = torch.nn.Parameter(torch.randn(E, F, D) * 0.1)
+        self.w3 = torch.nn.Parameter(torch.randn(E, F, D) * 0.1)
+        self.w2 = torch.nn.Parameter(torch.randn(E, D, F) * 0.1)
+
+    def forward(self, h):
+        x_TD = h.reshape(-1, h.shape[-1])
+        logits_TE = self.softcap * torch.tanh(self.gate(x_TD) / self.softcap)
+        weights_TK, experts_TK = logits_TE.float().softmax(-1).topk(self.top_k, dim=-1)
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        w1, w3, w2 = self.w1[experts_TK], self.w3[experts_TK], self.w2[experts_TK]
+        h_TKF = F.silu(torch.einsum("tkfd,td->tkf", w1, x_TD)) * torch.einsum("tkfd,td->tkf", w3, x_TD)
+        y_TKD = torch.einsum("tkdf,tkf->tkd", w2, h_TKF)
+        return (y_TKD * weights_TK[..., None]).sum(1).view_as(h)
+
+
+def test_traced_router_block_is_rewritten_with_parity():
+    """A block whose inline router runs as traced code (`logits_from="traced"`) is rewritten by the backend
+    too: one region, outputs and every gradient (the learnable cap's included) as the block's own."""
+    torch.manual_seed(0)
+    block = SoftcappedRouterMoE()
+    (spec,) = moepass.detect(block).blocks
+    assert spec.router.logits_from == "traced"
+    compiled = torch.compile(block, backend="moepass", options=backend_options())
+    x = torch.randn(2, 5, 16)
+    assert_parity(block, compiled, lambda m: (m(x) * x.cos()).sum())
+    assert [r.path for r in regions("rewritten")] == [""] and B.COUNTERS["regions_passthrough"] == 0
+    assert block.softcap.grad is not None and block.softcap.grad.abs() > 0
+
+
 def test_new_sequence_length_recompiles_with_dynamic_shapes_and_rewrites_again():
     model = TinyMoELM(SampleConfig(style="fused", layers=1))
     compiled = torch.compile(model, backend="moepass", options=backend_options())

@@ -51,7 +51,7 @@ from torch import fx, nn
 
 from moepass import dialect, generic_experts
 from moepass.errors import PlanError
-from moepass.spec import TRACED_ROUTER, CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, TensorSource
+from moepass.spec import TRACED_ROUTER, CapacitySpec, Constant, ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
 if TYPE_CHECKING:
     from moepass.rewrite.experts import ExpertLayout
@@ -586,7 +586,8 @@ def router_call(b: GraphBuilder, r: RouterSpec, hidden: fx.Node, x_TD: fx.Node,
     """The router module called as the block calls it: on the input (as given, or as [T, D] tokens), then
     `module_args`: the block's own tensors, or its further inputs by name (token ids)."""
     first = hidden if r.module_input == "hidden" else x_TD
-    extra = [block_inputs[name] if name in block_inputs else b.attr(name) for name in r.module_args]
+    extra = [name.value if isinstance(name, Constant) else block_inputs[name] if name in block_inputs
+             else b.attr(name) for name in r.module_args]
     target = TRACED_ROUTER if r.logits_from == "traced" else r.module_path
     return b.module(target, first, *extra, name="router_out")
 
@@ -617,6 +618,9 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
     if selection_bias is not None and r.bias_update_rate > 0:  # aux-loss-free balancing, train mode only
         b.fn(dialect.UPDATE_SELECTION_BIAS, selection_bias, experts_TK, r.bias_update_rate, b.attr("training"),
              name="update_selection_bias")
+    if spec.load_counter is not None:  # the block's own load statistic, train mode only
+        b.fn(dialect.COUNT_LOAD, b.tensor(spec.load_counter, "load_counter_R"), experts_TK, b.attr("training"),
+             name="count_load")
     out_TD = routed_experts(b, spec, x_TD, experts_TK, weights_TK, E, PLAIN_NAMES)
 
     if dropped_TK is not None:  # dropped top-1 tokens pass their input through, scaled by their weight

@@ -7,6 +7,7 @@ graphs and behaves the same eagerly and compiled:
     route(logits_TE, selection_bias_E?)            -> weights_TK (logits dtype), experts_TK (int64)
                                                       (bias [E], or [T, E]: one row per token)
     update_selection_bias(bias, experts_TK, rate, training)  in place: aux-loss-free balancing step
+    count_load(counter_R, experts_TK, training)  in place: the block's own per-expert load counter
     capacity_keep(experts_TK, ...)                 -> keep_TK (bool)
     permute(x_TD, experts_TK)                      -> x_ND, counts_E, order_N
     expert_ffn(x_ND, counts_E, w_gate_EFD, ...)    -> y_ND
@@ -310,6 +311,30 @@ def _(selection_bias, experts_TK, rate, training):
     if selection_bias.dim() not in (1, 2) or experts_TK.dim() != 2 or experts_TK.shape[0] % H:
         raise ValueError(f"moe.update_selection_bias: selection_bias {tuple(selection_bias.shape)} must be [E] or "
                          f"[H, E] and experts_TK {tuple(experts_TK.shape)} [T*H, K]")
+    return None
+
+
+def count_load_ref(counter_R: Tensor, experts_TK: Tensor) -> Tensor:
+    """`counter_R` plus how many of the rows' choices picked each expert (a block's own load statistic, e.g. the
+    token counts a training loop reads to balance the experts), as a new tensor in the counter's dtype."""
+    load_R = torch.bincount(experts_TK.reshape(-1), minlength=counter_R.shape[0])
+    return counter_R + load_R.to(counter_R.dtype)
+
+
+@torch.library.custom_op("moe::count_load", mutates_args=("counter_R",))
+def count_load(counter_R: Tensor, experts_TK: Tensor, training: bool) -> None:
+    """In train mode, add each expert's load to `counter_R` in place (`count_load_ref`); in eval mode nothing.
+    The counter is the block's state (a buffer), never a parameter: nothing flows back through it."""
+    if training:
+        with torch.no_grad():
+            counter_R.copy_(count_load_ref(counter_R, experts_TK))
+
+
+@count_load.register_fake
+def _(counter_R, experts_TK, training):
+    if counter_R.dim() != 1 or experts_TK.dim() != 2:
+        raise ValueError(f"moe.count_load: counter_R {tuple(counter_R.shape)} must be [R] and experts_TK "
+                         f"{tuple(experts_TK.shape)} [T, K]")
     return None
 
 
@@ -773,7 +798,9 @@ EXPERT_FFN = torch.ops.moe.expert_ffn.default
 UNPERMUTE = torch.ops.moe.unpermute.default
 COMBINE = torch.ops.moe.combine.default
 UPDATE_SELECTION_BIAS = torch.ops.moe.update_selection_bias.default
-DIALECT_OPS = frozenset({ROUTE, CAPACITY_KEEP, PERMUTE, EXPERT_FFN, UNPERMUTE, COMBINE, UPDATE_SELECTION_BIAS})
+COUNT_LOAD = torch.ops.moe.count_load.default
+DIALECT_OPS = frozenset({ROUTE, CAPACITY_KEEP, PERMUTE, EXPERT_FFN, UNPERMUTE, COMBINE, UPDATE_SELECTION_BIAS,
+                         COUNT_LOAD})
 
 
 def is_dialect_op(target: object) -> bool:

@@ -70,6 +70,17 @@ class TensorSource:
 
 
 @dataclass(frozen=True)
+class Constant:
+    """A constant a block passes to its router module beside tensors (`None` for an absent bias, a flag, a
+    number): `RouterSpec.module_args` holds it as it is, where a string names a tensor or a block input."""
+
+    value: None | bool | int | float | str
+
+    def __str__(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     """Token → expert selection. Logits are computed as `x @ weight.T (+ bias)`."""
 
@@ -100,7 +111,8 @@ class RouterSpec:
     module_input: str = "hidden"  # the router module's first argument: "hidden" (as given) or "tokens" ([T, D])
     # further arguments: tensors of the block (parameter / buffer paths) or further block inputs by name
     # (`MoESpec.input_names`, e.g. the token ids a hash router is keyed by)
-    module_args: tuple[str, ...] = ()
+    # (a `Constant` is passed as it is: `None` for an absent expert bias, a flag)
+    module_args: tuple[str | Constant, ...] = ()
     # logits_from="selection": whether the module's selection matched the known rule the fields above name
     # (on the detection probe: a description for reports and the cost model; the graph runs the module)
     known_kind: bool = True
@@ -331,6 +343,9 @@ class MoESpec:
     input_names: tuple[str, ...] = ("hidden_states",)
     side_outputs: tuple[str, ...] = ()  # returned after the hidden states, in this order
     heads: HeadsSpec | None = None  # Multi-Head LatentMoE: routing over H latent sub-tokens per token
+    # an [R] buffer the block adds each expert's load to in every train-mode forward (its own statistic, e.g.
+    # the token counts a loop reads to balance the experts): the graph keeps doing it (`moe.count_load`)
+    load_counter: TensorSource | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -435,7 +450,7 @@ class MoESpec:
             parts[1] = (f"router=module {r.module_path} (its own selection, "
                         + ("no known kind)" if unknown else f"matches {parts[1].removeprefix('router=')})"))
         if r.logits_from == "traced":  # the block's own logits code, then a known rule
-            parts[1] = f"router=traced logits (reads {', '.join(r.module_args)}), then {parts[1].removeprefix('router=')}"
+            parts[1] = f"router=traced logits (reads {', '.join(map(str, r.module_args))}), then {parts[1].removeprefix('router=')}"
         if r.renormalize and not unknown:
             parts.append("renormalised")
         if r.selection_bias is not None:
@@ -454,6 +469,8 @@ class MoESpec:
             parts.append("expert-output-scale")
         if self.shared is not None:
             parts.append("shared" + ("(gated)" if self.shared.gate_path else ""))
+        if self.load_counter is not None:
+            parts.append(f"counts load in {'.'.join(self.load_counter.paths)}")
         if self.capacity is not None:
             c = self.capacity
             parts.append(

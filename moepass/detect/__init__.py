@@ -10,7 +10,7 @@ reproduces it on probe inputs; otherwise it is reported with the reason and left
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -26,7 +26,7 @@ from moepass.detect.candidates import (
 from moepass.detect.check import CheckResult, semantic_check
 from moepass.detect.structure import structural_key
 from moepass.module_copy import gc_paused
-from moepass.spec import MoESpec
+from moepass.spec import MoESpec, TensorSource
 
 Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
 
@@ -113,6 +113,9 @@ def detect_block(candidate: Candidate) -> BlockReport:
         if isinstance(found, str):
             reasons.append(f"{name}: {found}")
             continue
+        if candidate.load_counter is not None:  # the block counts its experts' load: every hypothesis keeps it
+            counter = TensorSource.param(candidate.load_counter)
+            found = [replace(spec, load_counter=counter) for spec in found]
         try:
             winner, tried = semantic_check(candidate.module, found)
         except Exception as err:  # the user's block itself fails on probe inputs: reject, never raise

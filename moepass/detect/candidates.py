@@ -50,6 +50,7 @@ class Candidate:
     outputs: int = 1  # how many values the block returns
     ffn_experts: int = 0  # E, the expert group's size: R - E router ids are zero-compute experts (0: E = R)
     input_names: tuple[str, ...] = ("hidden_states",)  # the hidden states, then further inputs (token ids)
+    load_counter: str | None = None  # an [R] buffer a train-mode forward adds each expert's load to (`load_counter`)
 
     @property
     def num_ffn_experts(self) -> int:
@@ -288,7 +289,36 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
         c.router_path = c.router.weight.rsplit(".", 1)[0] if "." in c.router.weight else ""
     out = c.graph.output
     c.outputs = len(out) if isinstance(out, tuple) else 1
+    c.load_counter = load_counter(probe, (x, *ids), c.num_experts, c.selection.k)
     return None
+
+
+def load_counter(probe: nn.Module, inputs: tuple[torch.Tensor, ...], R: int, K: int) -> str | None:
+    """The [R] buffer a train-mode forward of the block adds its experts' load to, read from what one such
+    forward does (on the probe, under no_grad, the RNG state restored): the buffer whose increase is a count
+    per expert summing to every token's K choices. None when no buffer moves that way."""
+    tokens = inputs[0].numel() // inputs[0].shape[-1]
+    start = {name: t.clone() for name, t in probe.named_buffers() if t.dim() == 1 and t.shape[0] == R}
+    if not start:
+        return None
+    was_training = probe.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            probe.train()
+            probe(*(t.clone() for t in inputs))
+    except Exception:  # the block's train mode is checked (and reported) by the semantic check
+        return None
+    finally:
+        probe.train(was_training)
+    buffers = dict(probe.named_buffers())
+    found = None
+    for name, before in start.items():
+        delta = (buffers[name].double() - before.double()).round()  # the probe's buffers hold random values
+        moved = not torch.equal(buffers[name], before)
+        buffers[name].copy_(before)  # the probe is used again: leave it as it was
+        if found is None and moved and bool((delta >= 0).all()) and int(delta.sum()) == tokens * K:
+            found = name
+    return found
 
 
 def output_scales(c: Candidate) -> list[str]:
@@ -343,7 +373,8 @@ def shared_expert(c: Candidate) -> SharedExpertSpec | None:
     skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None) if p]
     shared = gate = None
     for call in c.graph.calls:
-        if call.parent != "" or call.path == "" or any(_inside(call.path, p) for p in skip) or not call.args:
+        if call.parent != "" or call.path == "" or not call.args or any(
+                _inside(call.path, p) or _inside(p, call.path) for p in skip):  # the experts, the router, or above
             continue
         arg, out = call.args[0], call.output
         if not isinstance(arg, torch.Tensor) or not isinstance(out, torch.Tensor) or arg.shape[-1] != D \

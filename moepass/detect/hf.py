@@ -39,7 +39,7 @@ from moepass.detect.candidates import Candidate, shared_expert
 from moepass.detect.fused_experts import activations, expert_layouts
 from moepass.detect.loop_experts import stacked_experts_spec
 from moepass.detect.router import RouterFacts, module_call
-from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
+from moepass.spec import CapacitySpec, Constant, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 
 JITTER_NAMES = ("jitter_noise", "router_jitter_noise")  # train-mode only: not in the (eval) graph
 CAPACITY_NAMES = ("expert_capacity",)  # a Python int the block compares counts with: not a graph tensor
@@ -88,14 +88,15 @@ class HFBlock:
         return (f"no output of router {self.router_name} ({type(self.router).__name__}) equals its logits "
                 f"x @ {self.weight_name}.T")
 
-    def call_args(self, x: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    def call_args(self, x: torch.Tensor, dtype: torch.dtype) -> list[Any]:
         """The router module's arguments as the block passes them, for a [2, 3, D] probe `x`."""
         assert not isinstance(self.call, str)
         module_input, module_args = self.call
         first = x if module_input == "hidden" else x.reshape(-1, self.D)
-        extra = [self.c.module.get_parameter(p) if p in dict(self.c.module.named_parameters())
-                 else self.c.module.get_buffer(p) for p in module_args]
-        return [first] + [t.detach().to(dtype) if t.is_floating_point() else t for t in extra]
+        extra = [p.value if isinstance(p, Constant) else self.c.module.get_parameter(p)
+                 if p in dict(self.c.module.named_parameters()) else self.c.module.get_buffer(p) for p in module_args]
+        return [first] + [t.detach().to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                          for t in extra]
 
     def logits_dtype(self, index: int | None) -> str:
         """'float32' if the router computes fp32 logits for a bf16 input and bf16 weights, else 'input'."""

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from moepass.detect.capture import Capture, Selection, attrs, downstream, upstream, value
 from moepass.dialect import route_ref
-from moepass.spec import RouterSpec, TensorSource
+from moepass.spec import Constant, RouterSpec, TensorSource
 
 SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax)
 SIGMOID = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)
@@ -61,7 +61,7 @@ class RouterFacts:
     module: str | None = None  # the block's submodule the selection ran in
     selection_outputs: tuple[int, int] | None = None  # the module returns (weights, experts) at these indices
     module_input: str = "hidden"
-    module_args: tuple[str, ...] = ()
+    module_args: tuple[str | Constant, ...] = ()
     why_not_module: str = ""  # why the router module cannot be called as the block calls it
     scales: list[float] = field(default_factory=list)  # constants the weights are multiplied by
     sigmoid: bool = False
@@ -138,19 +138,35 @@ def _module_selection(cap: Capture, facts: RouterFacts, sel: Selection) -> None:
     facts.module_input, facts.module_args = found
 
 
-def module_call(cap: Capture, path: str) -> tuple[str, tuple[str, ...]] | str:
-    """How the block calls its submodule `path` (its last call): ("hidden" | "tokens", the block tensors
-    passed after it), or why the router region cannot call it the same way."""
+CONSTANTS = (type(None), bool, int, float, str)  # passed to a router module as they are (`spec.Constant`)
+
+
+def module_call(cap: Capture, path: str) -> tuple[str, tuple[str | Constant, ...]] | str:
+    """How the block calls its submodule `path` (its last call): ("hidden" | "tokens", what it passes after
+    that: the block's tensors by path, its further inputs by name, constants such as an absent expert bias),
+    or why the router region cannot call it the same way."""
     call = next((c for c in reversed(cap.calls) if c.path == path), None)
     if call is None:
         return f"the block does not call {path}"
     block_input = value(cap.input_node)
-    args = [_tensor_arg(cap, a, block_input) for a in call.args]
-    if call.kwargs or not args or args[0] not in ("hidden", "tokens") or any(a in (None, "hidden", "tokens")
-                                                                               for a in args[1:]):
-        return (f"router module {path} is called with arguments other than the block's input and its own "
-                f"tensors (or keyword arguments)")
-    return str(args[0]), tuple(str(a) for a in args[1:])
+    first = _tensor_arg(cap, call.args[0], block_input) if call.args else None
+    if first not in ("hidden", "tokens"):
+        return f"router module {path} is not called on the block's input (as given, or as [T, D] tokens)"
+    rest: list[str | Constant] = []
+    for i, arg in enumerate(call.args[1:], start=1):
+        if isinstance(arg, CONSTANTS):
+            rest.append(Constant(arg))
+            continue
+        found = _tensor_arg(cap, arg, block_input)
+        if found in (None, "hidden", "tokens"):
+            return (f"router module {path} is called with argument {i} ({type(arg).__name__}) computed inside the "
+                    f"block: only the block's input, its own tensors, its further inputs and constants can be "
+                    f"passed as the block passes them")
+        rest.append(str(found))
+    if call.kwargs:
+        return (f"router module {path} is called with keyword arguments {sorted(call.kwargs)}: pass them "
+                f"positionally for moepass to call it as the block does")
+    return str(first), tuple(rest)
 
 
 def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:

@@ -564,7 +564,8 @@ def block_inputs(b: GraphBuilder, spec: MoESpec) -> list[fx.Node]:
     """The graph's inputs: the hidden states, then the block's further inputs (token ids), each checked by
     `further_input`."""
     hidden = b.input(spec.input_names[0])
-    further = [b.fn(further_input, b.input(name, default=None), hidden, name, spec.path, name=f"{name}_checked")
+    further = [b.input(name, default=None) if name in spec.unused_inputs else  # taken as the block takes it, unread
+               b.fn(further_input, b.input(name, default=None), hidden, name, spec.path, name=f"{name}_checked")
                for name in spec.input_names[1:]]
     return [hidden, *further]
 
@@ -622,6 +623,9 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         b.fn(dialect.COUNT_LOAD, b.tensor(spec.load_counter, "load_counter_R"), experts_TK, b.attr("training"),
              name="count_load")
     out_TD = routed_experts(b, spec, x_TD, experts_TK, weights_TK, E, PLAIN_NAMES)
+
+    if spec.output_bias is not None:  # a bias the block adds to the combined output, outside the experts
+        out_TD = b.fn(operator.add, out_TD, b.tensor(spec.output_bias, "output_bias_D"), name="out_plus_bias_TD")
 
     if dropped_TK is not None:  # dropped top-1 tokens pass their input through, scaled by their weight
         passthrough_TD = b.fn(operator.mul, x_TD, b.method("to", dropped_TK, x_TD, name="dropped_w"),

@@ -341,11 +341,16 @@ class MoESpec:
     shared: SharedExpertSpec | None = None
     capacity: CapacitySpec | None = None  # None: dropless
     input_names: tuple[str, ...] = ("hidden_states",)
+    # block inputs (among input_names[1:]) the MoE computation does not read: masks, position tensors, flags the
+    # model passes to the block; the graph takes them where the block does and ignores them
+    unused_inputs: tuple[str, ...] = ()
     side_outputs: tuple[str, ...] = ()  # returned after the hidden states, in this order
     heads: HeadsSpec | None = None  # Multi-Head LatentMoE: routing over H latent sub-tokens per token
     # an [R] buffer the block adds each expert's load to in every train-mode forward (its own statistic, e.g.
     # the token counts a loop reads to balance the experts): the graph keeps doing it (`moe.count_load`)
     load_counter: TensorSource | None = None
+    # a [D] tensor the block adds to the routed experts' combined output (a bias outside the experts)
+    output_bias: TensorSource | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -471,6 +476,8 @@ class MoESpec:
             parts.append("shared" + ("(gated)" if self.shared.gate_path else ""))
         if self.load_counter is not None:
             parts.append(f"counts load in {'.'.join(self.load_counter.paths)}")
+        if self.output_bias is not None:
+            parts.append(f"output bias {'.'.join(self.output_bias.paths)}")
         if self.capacity is not None:
             c = self.capacity
             parts.append(

@@ -174,9 +174,9 @@ def test_detection_pauses_the_garbage_collector(monkeypatch):
         if phase == "start":
             collections.append(info["generation"])
 
-    def walked(model, tree=None):  # the collections its walk of the module tree triggers
+    def walked(model, tree=None, blocks=None):  # the collections its walk of the module tree triggers
         before = len(collections)
-        found = find_candidates(model, tree)
+        found = find_candidates(model, tree, blocks)
         during.append(len(collections) - before)
         return found
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torch import nn
 
 from moepass.detect import fused_experts, gshard, loop_experts, self_described
 from moepass.detect.candidates import (
+    GRAPH,
     SELF_DESCRIBED,
     Candidate,
     ModuleTree,
@@ -24,6 +26,7 @@ from moepass.detect.candidates import (
     find_dense_mlps,
 )
 from moepass.detect.check import CheckResult, semantic_check
+from moepass.detect.graph_candidates import GraphBlock, graph_blocks, record_model, synthesize_inputs
 from moepass.detect.structure import structural_key
 from moepass.module_copy import gc_paused
 from moepass.spec import MoESpec, TensorSource
@@ -73,6 +76,7 @@ class BlockReport:
 class DetectionReport:
     details: list[BlockReport] = field(default_factory=list)
     dense: list[str] = field(default_factory=list)  # FFN-shaped modules that are not MoE
+    recording: str = ""  # on what input the model's forward was recorded (`recorded_blocks`), or why it was not
 
     @property
     def blocks(self) -> list[MoESpec]:
@@ -96,6 +100,8 @@ class DetectionReport:
                 lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}{same}")
         for path in self.dense:
             lines.append(f"  {path}: dense FFN, not MoE")
+        if self.recording:
+            lines.append(f"  ({self.recording})")
         return "\n".join(lines)
 
 
@@ -108,6 +114,9 @@ def detect_block(candidate: Candidate) -> BlockReport:
         if why_not is not None:
             report.reason = why_not
             return report
+    if candidate.experts_kind == GRAPH:
+        report.reason = undescribed(candidate)
+        return report
     for name, recognise in recognisers:
         found = recognise(candidate)
         if isinstance(found, str):
@@ -116,8 +125,15 @@ def detect_block(candidate: Candidate) -> BlockReport:
         if candidate.load_counter is not None:  # the block counts its experts' load: every hypothesis keeps it
             counter = TensorSource.param(candidate.load_counter)
             found = [replace(spec, load_counter=counter) for spec in found]
+        if candidate.input_names != ("hidden_states",):  # the block's inputs as the model passes them
+            found = [replace(spec, input_names=candidate.input_names, unused_inputs=tuple(candidate.passthrough))
+                     for spec in found]
+        if candidate.output_bias is not None:  # a bias on the combined output: tried with it first, then without
+            bias = TensorSource.param(candidate.output_bias)
+            found = [replace(spec, output_bias=bias) for spec in found] + found
         try:
-            winner, tried = semantic_check(candidate.module, found)
+            winner, tried = semantic_check(candidate.module, found, passthrough=candidate.passthrough,
+                                           shape=candidate.probe_shape)
         except Exception as err:  # the user's block itself fails on probe inputs: reject, never raise
             reasons.append(f"{name}: probing the block failed: {type(err).__name__}: {err}")
             continue
@@ -139,23 +155,62 @@ def detect_block(candidate: Candidate) -> BlockReport:
     return report
 
 
-def detect(model: nn.Module) -> DetectionReport:
+def undescribed(c: Candidate) -> str:
+    """Why a block only the recorded forward shows is rejected: what it reads, and the ways out."""
+    block = c.graph_block
+    reads = f" on {block.describe_experts()}" if block is not None else ""
+    return (f"a selection over E={c.num_experts} scores drives per-expert work{reads}, but no rule describes these "
+            f"experts (moepass reads expert weights stored as [E, ...] tensors, two or three per expert function, or "
+            f"as a ModuleList / ModuleDict of expert modules). Ways out: store the weights that way, or give the block "
+            f"a `moepass_spec(path)` method returning its MoESpec (moepass.detect.self_described), or leave it alone "
+            f"with Plan(blocks={{{c.path!r}: None}})")
+
+
+def detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None
+           ) -> DetectionReport:
     """Detect the MoE blocks of `model` (read-only). A block structurally identical to one already checked
     (`moepass.detect.structure`) gets that block's verdict, its spec re-rooted at its own path.
+
+    `example_inputs` (a tensor or a tuple of the model's positional arguments) and `example_kwargs`: one
+    input the model is called with, to record its forward (`graph_candidates`): where selections drive
+    experts anchors each block and reports blocks the structure does not show. Without them an input is
+    synthesized when the model starts with an embedding or a linear layer (the report says which), else
+    only the structure is read.
 
     The cyclic garbage collector is paused meanwhile (`module_copy.gc_paused`): the walks of the module tree
     and the probe copies allocate enough to trigger collections, and a full one walks every object alive (a
     quarter of a second on 32 layers x 64 experts, every few calls); what detection computes does not
     depend on it."""
     with gc_paused():
-        return _detect(model)
+        return _detect(model, example_inputs, example_kwargs)
 
 
-def _detect(model: nn.Module) -> DetectionReport:
+def recorded_blocks(model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None
+                    ) -> tuple[list[GraphBlock], str]:
+    """The blocks the model's recorded forward shows, and a line saying on what input it ran (or why not)."""
+    if example_inputs is None and not example_kwargs:
+        made = synthesize_inputs(model)
+        if isinstance(made, str):
+            return [], f"forward not recorded: {made}"
+        args, how = made
+        note = f"forward recorded on a synthesized input ({how}; pass example_inputs for the model's own)"
+    else:
+        args = example_inputs if isinstance(example_inputs, tuple) else () if example_inputs is None \
+            else (example_inputs,)
+        note = "forward recorded on the example input"
+    cap = record_model(model, args, example_kwargs)
+    if isinstance(cap, str):
+        return [], f"forward not recorded: {cap} (blocks found from the module structure only)"
+    return graph_blocks(cap, model), note
+
+
+def _detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None
+            ) -> DetectionReport:
     details: list[BlockReport] = []
     checked: dict[object, BlockReport] = {}
     tree = ModuleTree(model)  # one walk of the module tree for candidates and dense FFNs
-    for candidate in find_candidates(model, tree):
+    blocks, note = recorded_blocks(model, example_inputs, example_kwargs)
+    for candidate in find_candidates(model, tree, blocks):
         key = structural_key(candidate.module)
         first = checked.get(key) if key is not None else None
         if first is None:
@@ -167,4 +222,4 @@ def _detect(model: nn.Module) -> DetectionReport:
                                    first.spec.replace(path=candidate.path) if first.spec is not None else None,
                                    first.check, first.reason, same_as=first.path))
     moe_paths = [d.path for d in details]
-    return DetectionReport(details=details, dense=find_dense_mlps(model, moe_paths, tree))
+    return DetectionReport(details=details, dense=find_dense_mlps(model, moe_paths, tree), recording=note)

@@ -19,17 +19,30 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from moepass.detect.capture import Capture, Selection, attrs, capture, selection, upstream, value
+from moepass.detect.capture import (
+    Capture,
+    ModuleCall,
+    Selection,
+    attrs,
+    capture,
+    downstream,
+    selection,
+    upstream,
+    value,
+)
 from moepass.detect.check import probe_copy, token_ids
+from moepass.detect.graph_candidates import GraphBlock, router_weight
 from moepass.detect.router import RouterFacts, read_router
 from moepass.spec import SharedExpertSpec
 
 SPEC_METHOD = "moepass_spec"  # the self-description protocol: module.moepass_spec(path) -> MoESpec
 SELF_DESCRIBED = "self-described"  # Candidate.experts_kind of a module implementing it
+GRAPH = "graph"  # Candidate.experts_kind of a block only the recorded forward shows (no structural expert group)
 PROBE_TOKENS = (2, 6)  # [B, S] of the probe the candidate's graph is captured on
 
 
@@ -51,6 +64,14 @@ class Candidate:
     ffn_experts: int = 0  # E, the expert group's size: R - E router ids are zero-compute experts (0: E = R)
     input_names: tuple[str, ...] = ("hidden_states",)  # the hidden states, then further inputs (token ids)
     load_counter: str | None = None  # an [R] buffer a train-mode forward adds each expert's load to (`load_counter`)
+    output_bias: str | None = None  # a [D] parameter added to the combined output (`output_bias`)
+    call: ModuleCall | None = None  # the call the model made to it, when its forward was recorded
+    # inputs after the hidden states that its selection does not read, by name: their recorded values, passed to
+    # every probe as the model passed them (`MoESpec.unused_inputs`); the probe's hidden states then take
+    # `probe_shape`, the recorded one (a mask's shape follows the batch's)
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    probe_shape: tuple[int, ...] = ()
+    graph_block: GraphBlock | None = None  # what the model's recorded forward shows of it (`graph_candidates`)
 
     @property
     def num_ffn_experts(self) -> int:
@@ -222,17 +243,26 @@ def _router_weight(block_path: str, tree: ModuleTree, group: _Group, grouped: se
     return min(found, key=lambda f: f[0])[1:] if found else None
 
 
-def find_candidates(model: nn.Module, tree: ModuleTree | None = None) -> list[Candidate]:
-    """Every module that structurally looks like an MoE block (outermost first, not nested). `tree`: the
-    model's, when the caller has read it already."""
-    if tree is None:
-        tree = ModuleTree(model)
+def expert_groups(tree: ModuleTree) -> list[_Group]:
+    """Every expert group of the model (see the module doc), in module order."""
     modules = tree.modules
     fused = {path: _fused(path, tree.own[path]) for path in modules}
     containers = {path for path, m in modules.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
     holds_group = tree.holds([path for path in modules if path in containers or fused[path] is not None])
-    groups = [g for path, m in modules.items()
-              for g in (_listed(path, m, holds_group) if path in containers else None, fused[path]) if g is not None]
+    return [g for path, m in modules.items()
+            for g in (_listed(path, m, holds_group) if path in containers else None, fused[path]) if g is not None]
+
+
+def find_candidates(model: nn.Module, tree: ModuleTree | None = None,
+                    blocks: list[GraphBlock] | None = None) -> list[Candidate]:
+    """Every module that looks like an MoE block (outermost first, not nested): from the structure, and
+    from `blocks`, the ones the model's recorded forward shows (`graph_candidates`), which decide where a
+    block is anchored and add those the structure does not see. `tree`: the model's, when the caller has
+    read it already."""
+    if tree is None:
+        tree = ModuleTree(model)
+    modules = tree.modules
+    groups = expert_groups(tree)
     grouped = _grouped(tree, groups)
     found: dict[str, Candidate] = {}
     for path, module in modules.items():
@@ -255,7 +285,81 @@ def find_candidates(model: nn.Module, tree: ModuleTree | None = None) -> list[Ca
                     ffn_experts=group.num_experts)
             break
     ordered = [found[p] for p in modules if p in found]
-    return [c for c in ordered if not any(_inside(c.path, o.path) and o.path != c.path for o in ordered)]
+    structural = [c for c in ordered if not any(_inside(c.path, o.path) and o.path != c.path for o in ordered)]
+    if not blocks:
+        return structural
+    return anchored(structural, blocks, tree, groups)
+
+
+def anchored(structural: list[Candidate], blocks: list[GraphBlock], tree: ModuleTree,
+             groups: list[_Group]) -> list[Candidate]:
+    """The structural candidates, re-anchored where the recorded forward shows the block elsewhere: each
+    graph block is a candidate at its own path (a structural candidate there gets its recorded call; one
+    above or below it is replaced, its experts kept when they are among the block's expert tensors); a graph
+    block whose experts match no structural group is a candidate of kind GRAPH, reported with what it reads.
+    Structural candidates the forward did not reach stay as they are."""
+    by_path = {c.path: c for c in structural}
+    replaced: set[str] = set()
+    found: dict[str, Candidate] = {}
+    for block in blocks:
+        here = by_path.get(block.path)
+        if here is not None:
+            here.call, here.graph_block = block.call, block
+            found[block.path] = here
+            continue
+        replaced.update(c.path for c in structural if _inside(c.path, block.path) or _inside(block.path, c.path))
+        found[block.path] = _graph_candidate(block, tree, groups)
+    for c in structural:
+        if c.path not in found and c.path not in replaced:
+            found[c.path] = c
+    return [found[p] for p in tree.paths if p in found]
+
+
+def _spread_group(block: GraphBlock, path: str) -> _Group | None:
+    """A fused group the structure cannot see: >= 2 three-dimensional [E, ...] tensors the block reads per
+    expert, held by different modules (one per expert role); anchored at the module holding them all."""
+    E = block.num_experts
+    held = [p for p in block.expert_params if len(block.shapes.get(p, ())) == 3 and block.shapes[p][0] == E
+            and _inside(p, path)]
+    owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in held}
+    if len(held) < 2 or len(owners) < 2:
+        return None
+    parts = [o.split(".") for o in owners]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    root = ".".join(common) if common else ""
+    if not _inside(root, path):
+        root = path
+    return _Group(root, "fused", E, fused=tuple((_relative(p, root), block.shapes[p]) for p in held))
+
+
+def _graph_candidate(block: GraphBlock, tree: ModuleTree, groups: list[_Group]) -> Candidate:
+    """The candidate at a graph block's path: its experts the structural group inside it whose tensors it reads
+    per expert (most of them), its router the module holding the weight its scores read."""
+    path, E = block.path, block.num_experts
+    read = set(block.expert_params)
+    inside = [(len(read & {n for n, _ in tree.named_parameters(g.path)}), g) for g in groups
+              if _inside(g.path, path) and g.path != path or g.kind == "fused" and g.path == path]
+    inside = [(n, g) for n, g in inside if n]
+    weight = router_weight(block)
+    router_path = _relative(weight.rsplit(".", 1)[0] if "." in weight else "", path) if weight else ""
+    shape = block.shapes.get(weight, ()) if weight else ()
+    call_x = block.call.args[0] if block.call is not None and block.call.args else None
+    width = int(shape[1] if len(shape) == 2 and shape[0] == E else shape[0] if len(shape) == 2 else 0) or (
+        int(call_x.shape[-1]) if isinstance(call_x, torch.Tensor) and call_x.dim() else 0)
+    module = tree.modules[path]
+    spread = _spread_group(block, path)
+    if not inside and spread is None:
+        return Candidate(path, module, E, router_path=router_path, experts_path="", experts_kind=GRAPH,
+                         hidden_dim=width, call=block.call, graph_block=block)
+    group = max(inside, key=lambda ng: ng[0])[1] if inside else spread
+    assert group is not None
+    return Candidate(path, module, E, router_path=router_path, experts_path=_relative(group.path, path),
+                     experts_kind=group.kind, fused_params=dict(group.fused), expert_names=group.names,
+                     hidden_dim=width, ffn_experts=group.num_experts, call=block.call, graph_block=block)
 
 
 def further_inputs(block: nn.Module) -> tuple[str, ...]:
@@ -269,31 +373,107 @@ def further_inputs(block: nn.Module) -> tuple[str, ...]:
     return tuple(p.name for p in positional[1:] if p.default is p.empty)
 
 
+def recorded_arguments(c: Candidate) -> tuple[tuple[str, ...], list[Any], tuple[int, ...]] | str | None:
+    """The block's inputs as the model called it (`Candidate.call`), when it passed more than the hidden
+    states: (every positional name in the block's signature up to the last one given, their values as
+    given or defaulted, the hidden states' shape); None when it passed the hidden states alone (or its call
+    was not recorded); or why the call cannot be reproduced (keyword-only or `**kwargs` arguments)."""
+    call = c.call
+    if call is None or (len(call.args) <= 1 and not call.kwargs) or not call.args \
+            or not isinstance(call.args[0], torch.Tensor):
+        return None
+    try:
+        params = list(inspect.signature(c.module.forward).parameters.values())
+        bound = inspect.signature(c.module.forward).bind(*call.args, **call.kwargs)
+    except (TypeError, ValueError) as err:
+        return f"its recorded call does not match its forward's signature: {err}"
+    given = [p for p in params if p.name in bound.arguments]
+    extra = [p.name for p in given if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    if extra:
+        return (f"the model passes it {extra} (keyword-only, *args or **kwargs), which moepass cannot pass through "
+                f"yet: pass them positionally, or leave the block alone with Plan(blocks={{{c.path!r}: None}})")
+    last = max(params.index(p) for p in given)
+    names, values = [], []
+    for p in params[:last + 1]:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        if p.name not in bound.arguments and p.default is p.empty:
+            return f"its recorded call lacks {p.name!r}"
+        names.append(p.name)
+        values.append(bound.arguments.get(p.name, p.default))
+    names[0] = "hidden_states"
+    return tuple(names), values, tuple(call.args[0].shape)
+
+
+def _probe_value(value: Any) -> Any:
+    """A recorded argument as the fp32 probe takes it: tensors detached and cloned (floating ones in fp32)."""
+    if isinstance(value, torch.Tensor):  # on the CPU, as the probe copy is
+        value = value.detach().to("cpu", copy=True)
+        return value.float() if value.is_floating_point() else value
+    return value
+
+
 def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     """Record the candidate's forward on a probe copy and read its selection and router; the reason it is
-    not an MoE block (no selection over its E experts) or None."""
+    not an MoE block (no selection over its E experts) or None. A block the model called with more than its
+    hidden states is probed with those arguments (`recorded_arguments`); the ones its selection does not read
+    are passed through as recorded (`Candidate.passthrough`)."""
     probe = probe_copy(c.module, seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(*PROBE_TOKENS, c.hidden_dim, generator=gen)
-    c.input_names = ("hidden_states", *further_inputs(c.module))
-    ids = [token_ids(probe, PROBE_TOKENS, gen) for _ in c.input_names[1:]]
+    recorded = recorded_arguments(c)
+    if isinstance(recorded, str):
+        return recorded
+    if recorded is None:
+        x = torch.randn(*PROBE_TOKENS, c.hidden_dim, generator=gen)
+        c.input_names = ("hidden_states", *further_inputs(c.module))
+        extras: list[Any] = [token_ids(probe, PROBE_TOKENS, gen) for _ in c.input_names[1:]]
+    else:
+        c.input_names, values, shape = recorded
+        x = torch.randn(*shape[:-1], c.hidden_dim, generator=gen)
+        extras = [_probe_value(v) for v in values[1:]]
     try:
-        c.graph = capture(probe, x, *ids, names=c.input_names)
+        c.graph = capture(probe, x, *extras, names=c.input_names)
     except Exception as err:  # the user's block fails on probe inputs: reject, never raise
         return f"probing the block failed: {type(err).__name__}: {err}"
     c.selection = selection(c.graph, c.num_experts)
     if c.selection is None:
         return f"no top-k / argmax over E={c.num_experts} scores in the block's graph: not an MoE selection"
+    if recorded is not None:  # what the selection reads is a further input (token ids); the rest passes through
+        read = {n.target for n in upstream(c.selection.node) if n.op == "placeholder"}
+        c.passthrough = {name: v for name, v in zip(c.input_names[1:], extras) if name not in read}
+    if c.passthrough:
+        c.probe_shape = tuple(x.shape)
     c.router = read_router(c.graph, c.selection, c.num_experts)
     if c.router.weight is not None:  # the graph says which [E, D] weight scores the experts
         c.router_path = c.router.weight.rsplit(".", 1)[0] if "." in c.router.weight else ""
     out = c.graph.output
     c.outputs = len(out) if isinstance(out, tuple) else 1
-    c.load_counter = load_counter(probe, (x, *ids), c.num_experts, c.selection.k)
+    c.load_counter = load_counter(probe, (x, *extras), c.num_experts, c.selection.k)
+    c.output_bias = output_bias(c)
     return None
 
 
-def load_counter(probe: nn.Module, inputs: tuple[torch.Tensor, ...], R: int, K: int) -> str | None:
+ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__iadd__)
+
+
+def output_bias(c: Candidate) -> str | None:
+    """A [D] parameter of the block (outside its experts and router) added to a value that depends on the
+    selection: a bias on the combined output. None when there is none."""
+    if c.graph is None or c.selection is None:
+        return None
+    after = downstream(c.selection.node)
+    skip = [p for p in (c.experts_path, c.router_path) if p]
+    for node in attrs(c.graph.graph.nodes):
+        val, path = value(node), str(node.target)
+        if not isinstance(val, nn.Parameter) or tuple(val.shape) != (c.hidden_dim,) or any(_inside(path, p) for p in skip):
+            continue
+        if any(u.op == "call_function" and u.target in ADDS and any(a in after for a in u.all_input_nodes)
+               for u in node.users):
+            return path
+    return None
+
+
+def load_counter(probe: nn.Module, inputs: tuple[Any, ...], R: int, K: int) -> str | None:
     """The [R] buffer a train-mode forward of the block adds its experts' load to, read from what one such
     forward does (on the probe, under no_grad, the RNG state restored): the buffer whose increase is a count
     per expert summing to every token's K choices. None when no buffer moves that way."""
@@ -305,7 +485,7 @@ def load_counter(probe: nn.Module, inputs: tuple[torch.Tensor, ...], R: int, K: 
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             probe.train()
-            probe(*(t.clone() for t in inputs))
+            probe(*(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs))
     except Exception:  # the block's train mode is checked (and reported) by the semantic check
         return None
     finally:

@@ -170,17 +170,21 @@ class _Recorder(TorchFunctionMode):
         return handles
 
 
-def capture(module: nn.Module, *inputs: torch.Tensor, names: tuple[str, ...] = ()) -> Capture:
-    """Run `module(*inputs)` under no_grad, recording its graph. `module` should be a probe copy: hooks
-    are added for the call and removed after it, nothing else is changed. `names`: the inputs' placeholder
-    names (default `input_<i>`)."""
+def capture(module: nn.Module, *inputs: Any, names: tuple[str, ...] = (), kwargs: dict[str, Any] | None = None
+            ) -> Capture:
+    """Run `module(*inputs, **kwargs)` under no_grad, recording its graph. `module` should be a probe copy (or
+    a model in eval mode whose state the caller restores): hooks are added for the call and removed after it,
+    nothing else is changed. `names`: the positional inputs' placeholder names (default `input_<i>`); a
+    tensor keyword argument's placeholder is its name; other arguments are constants of the graph."""
+    kwargs = kwargs or {}
     recorder = _Recorder(module)
     placeholders = [recorder.placeholder(names[i] if i < len(names) else f"input_{i}", x)
-                    for i, x in enumerate(inputs)]
+                    for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+    placeholders += [recorder.placeholder(name, x) for name, x in kwargs.items() if isinstance(x, torch.Tensor)]
     handles = recorder.hooks(module)
     try:
         with torch.no_grad(), recorder:
-            out = module(*inputs)
+            out = module(*inputs, **kwargs)
     finally:
         for h in handles:
             h.remove()

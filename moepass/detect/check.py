@@ -54,7 +54,7 @@ Inputs = tuple[torch.Tensor, ...]  # one probe: the hidden states, then the bloc
 
 
 def clones(x: Inputs) -> Inputs:
-    return tuple(t.clone() for t in x)
+    return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in x)
 
 
 def token_ids(block: nn.Module, shape: torch.Size | tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -173,7 +173,8 @@ class _Capture(fx.Interpreter):
 
 
 def probe_copy(block: nn.Module, seed: int = 0, spec: MoESpec | None = None) -> nn.Module:
-    """An fp32, eval-mode copy whose all-zero floating parameters and buffers are randomised.
+    """An fp32, eval-mode copy on the CPU (the probes' inputs are CPU tensors, wherever the model lives) whose
+    all-zero floating parameters and buffers are randomised.
 
     With `spec`, the per-expert weights its canonical graph stacks are copied straight into one buffer
     per role (`canonical.stacked_copies`; laid out again if `.float()` re-allocated them), so
@@ -182,7 +183,7 @@ def probe_copy(block: nn.Module, seed: int = 0, spec: MoESpec | None = None) -> 
     memo: dict[int, Any] = {}
     if spec is not None:
         canonical.stacked_copies(block, spec, memo)
-    probe = deepcopy_module(block, memo).float().eval()
+    probe = deepcopy_module(block, memo).to(device="cpu", dtype=torch.float32).eval()  # probes run on CPU
     if spec is not None:
         canonical.relayout_stacked(probe, spec)
     gen = torch.Generator().manual_seed(seed)
@@ -399,10 +400,14 @@ def _group_coverage(spec: MoESpec, probe: nn.Module, inputs: list[Inputs]) -> in
 
 
 def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3, tokens: int = 24,
-                   seed: int = 0, first_only: bool = True) -> tuple[CheckResult | None, list[CheckResult]]:
+                   seed: int = 0, first_only: bool = True, passthrough: dict[str, Any] | None = None,
+                   shape: tuple[int, ...] = ()) -> tuple[CheckResult | None, list[CheckResult]]:
     """The first hypothesis that reproduces `block`, and every result tried (for the report).
 
-    With `first_only=False` every hypothesis is checked (on the same probe inputs)."""
+    With `first_only=False` every hypothesis is checked (on the same probe inputs). `passthrough`: values of
+    block inputs the MoE computation does not read (`MoESpec.unused_inputs`), given to every probe as
+    recorded; `shape`: the hidden states' shape they go with (the recorded call's)."""
+    passthrough = passthrough or {}
     if not hypotheses:
         return None, []
     probe = probe_copy(block, seed, spec=hypotheses[0])
@@ -412,8 +417,9 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
     gen = torch.Generator().manual_seed(seed + 1)
 
     def draw(scale: float = 1.0) -> Inputs:  # the hidden states, then the block's further inputs (token ids)
-        x = torch.randn(2, tokens // 2, D, generator=gen) * scale
-        return (x, *[token_ids(probe, x.shape[:-1], gen) for _ in hypotheses[0].input_names[1:]])
+        x = torch.randn(*(shape[:-1] or (2, tokens // 2)), D, generator=gen) * scale
+        return (x, *[passthrough[name] if name in passthrough else token_ids(probe, x.shape[:-1], gen)
+                     for name in hypotheses[0].input_names[1:]])
 
     def probed(spec: MoESpec) -> MoESpec:  # the spec as it must behave on the probe (scale 1 -> PROBE_SCALING)
         if scaled:

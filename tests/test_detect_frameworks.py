@@ -1,0 +1,217 @@
+"""MoE blocks written the ways training frameworks write them, found from the model's recorded forward.
+
+Each case is a small hand-written model (no framework imported): the block is found where its selection
+drives its experts (`moepass.detect.graph_candidates`), called as the model calls it, and either reproduced
+exactly under `single` (outputs, every gradient) or reported with the reason and the way out — never
+silent, never raised.
+
+Shape legend: B batch, S sequence, D model width, F expert hidden width, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import moepass
+from moepass.detect import recorded_blocks
+from moepass.detect.graph_candidates import graph_blocks, record_model
+
+D, FF, E, K, V = 16, 24, 4, 2, 32
+
+
+class SpreadExperts(nn.Module):
+    """Experts held by two sibling modules, one [E, ...] weight each, plus a bias on the combined output."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Module()
+        self.up.weight = nn.Parameter(torch.randn(E, 2 * FF, D) / D**0.5)
+        self.down = nn.Module()
+        self.down.weight = nn.Parameter(torch.randn(E, D, FF) / FF**0.5)
+        self.router = nn.Linear(D, E, bias=False)
+        self.bias = nn.Parameter(torch.randn(D) * 0.1)
+
+    def forward(self, x_BSD, mask_BS=None):
+        x_TD = x_BSD.reshape(-1, D)
+        probs_TE = self.router(x_TD).softmax(-1)
+        w_TK, e_TK = probs_TE.topk(K, dim=-1)
+        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+        out_TD = torch.zeros_like(x_TD)
+        for e in range(E):
+            rows, slot = torch.where(e_TK == e)
+            if rows.numel() == 0:
+                continue
+            gate, up = F.linear(x_TD[rows], self.up.weight[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down.weight[e])
+            out_TD.index_add_(0, rows, y * w_TK[rows, slot, None])
+        return (out_TD + self.bias).view_as(x_BSD)
+
+
+class FlatExperts(nn.Module):
+    """Expert weights stored flattened, [E·F, D], viewed as [E, F, D] inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E * FF, D) / D**0.5)
+        self.w2 = nn.Parameter(torch.randn(E * FF, D) / FF**0.5)
+        self.gate = nn.Linear(D, E, bias=False)
+
+    def forward(self, x_BSD):
+        x_TD = x_BSD.reshape(-1, D)
+        w_TK, e_TK = self.gate(x_TD).softmax(-1).topk(K, dim=-1)
+        w1_EFD, w2_EFD = self.w1.view(E, FF, D), self.w2.view(E, FF, D)
+        h_TKF = F.gelu(torch.einsum("td,tkfd->tkf", x_TD, w1_EFD[e_TK]))
+        y_TKD = torch.einsum("tkf,tkfd->tkd", h_TKF, w2_EFD[e_TK])
+        return (y_TKD * w_TK[..., None]).sum(1).view_as(x_BSD)
+
+
+class Layer(nn.Module):
+    def __init__(self, moe: nn.Module, pass_mask: bool, kw_only: bool = False):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.moe = moe
+        self.pass_mask, self.kw_only = pass_mask, kw_only
+
+    def forward(self, h, mask):
+        if self.kw_only:
+            return h + self.moe(self.norm(h), mask_BS=mask)
+        return h + (self.moe(self.norm(h), mask) if self.pass_mask else self.moe(self.norm(h)))
+
+
+class LM(nn.Module):
+    def __init__(self, make, layers=2, pass_mask=False, kw_only=False):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(Layer(make(), pass_mask, kw_only) for _ in range(layers))
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids_BS, mask_BS=None):
+        h = self.embed(ids_BS)
+        mask = torch.ones_like(ids_BS, dtype=torch.bool) if mask_BS is None else mask_BS
+        for layer in self.layers:
+            h = layer(h, mask)
+        return self.head(h)
+
+
+def _ids(seed=0):
+    return torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_exact(model, cm, ids):
+    target = torch.randn(2, 6, V, generator=torch.Generator().manual_seed(9))
+    outs = []
+    for m in (model, cm):
+        m.zero_grad()
+        out = m(ids)
+        (out * target).sum().backward()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for n, p in cm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_graph_blocks_anchor_where_selection_meets_experts():
+    torch.manual_seed(0)
+    model = LM(SpreadExperts)
+    cap = record_model(model, (_ids(),))
+    assert not isinstance(cap, str), cap
+    blocks = graph_blocks(cap, model)
+    assert [b.path for b in blocks] == ["layers.0.moe", "layers.1.moe"]
+    assert blocks[0].num_experts == E and blocks[0].router_params == ("layers.0.moe.router.weight",)
+    assert set(blocks[0].expert_params) >= {"layers.0.moe.up.weight", "layers.0.moe.down.weight"}
+    assert blocks[0].call is not None and blocks[0].call.args[0].shape == (2, 6, D)  # as the model called it
+
+
+def test_experts_over_sibling_modules_with_an_output_bias_are_exact():
+    torch.manual_seed(0)
+    model = LM(SpreadExperts)
+    report = moepass.detect(model)
+    assert [s.path for s in report.blocks] == ["layers.0.moe", "layers.1.moe"], report.summary()
+    assert report.blocks[0].output_bias is not None and report.blocks[0].output_bias.paths == ("bias",)
+    assert "synthesized input" in report.summary()
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    assert sorted(cm.moepass_info.rewritten) == ["layers.0.moe", "layers.1.moe"]
+    _assert_exact(model, cm, _ids(1))
+
+
+def test_block_called_with_an_unread_mask_is_called_as_the_model_calls_it():
+    torch.manual_seed(0)
+    model = LM(SpreadExperts, pass_mask=True)
+    report = moepass.detect(model, example_inputs=(_ids(),))
+    assert len(report.blocks) == 2, report.summary()
+    spec = report.blocks[0]
+    assert spec.input_names == ("hidden_states", "mask_BS") and spec.unused_inputs == ("mask_BS",)
+    assert "example input" in report.summary()
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    assert len(cm.moepass_info.rewritten) == 2
+    _assert_exact(model, cm, _ids(2))
+
+
+class KeywordOnly(SpreadExperts):
+    def forward(self, x_BSD, *, mask_BS=None):
+        return super().forward(x_BSD, mask_BS)
+
+
+def test_mask_passed_by_keyword_is_taken_by_name():
+    torch.manual_seed(0)
+    model = LM(SpreadExperts, kw_only=True)
+    report = moepass.detect(model)
+    assert len(report.blocks) == 2 and report.blocks[0].unused_inputs == ("mask_BS",), report.summary()
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    assert len(cm.moepass_info.rewritten) == 2
+    _assert_exact(model, cm, _ids(3))
+
+
+def test_keyword_only_argument_is_rejected_with_the_way_out():
+    torch.manual_seed(0)
+    model = LM(KeywordOnly, kw_only=True)
+    report = moepass.detect(model)
+    assert not report.blocks
+    assert [p for p, _ in report.rejected] == ["layers.0.moe", "layers.1.moe"], report.summary()
+    reason = report.rejected[0][1]
+    assert "['mask_BS'] (keyword-only" in reason and "Plan(blocks={'layers.0.moe': None})" in reason
+
+
+def test_flattened_expert_weights_are_reported_not_silent():
+    torch.manual_seed(0)
+    model = LM(FlatExperts)
+    report = moepass.detect(model)
+    assert not report.blocks
+    assert [p for p, _ in report.rejected] == ["layers.0.moe", "layers.1.moe"], report.summary()
+    reason = report.rejected[0][1]
+    assert f"selection over E={E} scores" in reason and "flattened" in reason and "w1" in reason
+    assert "moepass_spec" in reason and "Plan(blocks={'layers.0.moe': None})" in reason
+
+
+def test_detect_leaves_the_model_and_rng_alone():
+    torch.manual_seed(0)
+    model = LM(SpreadExperts)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(3)
+    expected = torch.rand(2)
+    torch.manual_seed(3)
+    moepass.detect(model)
+    assert torch.equal(torch.rand(2), expected)
+    assert model.training and all(m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("inputs", [None, "meta"])
+def test_unrecordable_model_falls_back_to_structure(inputs):
+    if inputs == "meta":
+        with torch.device("meta"):
+            model = LM(SpreadExperts)
+        note = recorded_blocks(model, None, None)[1]
+        assert "meta device" in note
+    else:
+        model = nn.Sequential(nn.LayerNorm(D), SpreadExperts())  # starts with neither embedding nor linear
+        note = recorded_blocks(model, None, None)[1]
+        assert "pass example_inputs" in note

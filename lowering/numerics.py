@@ -372,6 +372,8 @@ def run(device: str, small: bool, faults: tuple[str, ...] = ()) -> dict[str, dic
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowering.numerics", description=__doc__.split("\n\n")[0])
     parser.add_argument("device", nargs="?", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--small", action="store_true",
+                        help="the small shapes on CUDA too (fewer specialisations to compile; CPU always uses them)")
     parser.add_argument("--fault", action="append", default=[], metavar="FAMILY",
                         help="offset this family's kernel output on purpose (tests of the callers)")
     args = parser.parse_args(argv)
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                              "compiled kernels")
     elif not codegen.is_interpreted():
         raise SystemExit("lowering.numerics cpu: the kernels run interpreted on CPU: set TRITON_INTERPRET=1")
-    families = run(args.device, small=args.device == "cpu", faults=tuple(args.fault))
+    families = run(args.device, small=args.small or args.device == "cpu", faults=tuple(args.fault))
     print(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                       "interpret": os.environ.get("TRITON_INTERPRET"), "families": families}))
     return 0

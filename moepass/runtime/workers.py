@@ -114,16 +114,15 @@ class Pool:
                 # polled each second: a rank that died is noticed at once, not at the deadline
                 rank, cid, ok, value = self.results.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
             except queue.Empty:
-                if time.monotonic() < deadline and all(p.is_alive() for p in self.procs):
-                    continue
+                missing = sorted(set(range(self.world)) - set(got))
+                if time.monotonic() < deadline and any(self.procs[r].is_alive() for r in missing):
+                    continue  # a rank still running may yet report (an error of its own, say): wait for it
                 self.broken = True
                 self.kill()
                 failed = {r: v for r, (ok, v) in got.items() if not ok}
                 if failed:  # a rank that raised and left: its error says more than the ranks still waiting
                     raise CaseError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))) from None
-                missing = sorted(set(range(self.world)) - set(got))
-                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
-                why = f"lost ranks {dead} (their processes exited)" if dead else "did not finish"
+                why = "did not finish" if time.monotonic() >= deadline else "lost their processes (exited)"
                 raise TimeoutError(f"case {case_id!r} {why} on ranks {missing} within {timeout:.0f} s; "
                                    f"the pool was killed") from None
             if cid == case_id:

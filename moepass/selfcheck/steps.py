@@ -25,10 +25,13 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from moepass.api import CompileInfo
 
 BATCH_PER_RANK, SEQ = 2, 8
 RTOL, ATOL = 1e-4, 1e-5  # fp32 tolerances for a distributed step vs one process (summation order, atomics)
@@ -98,6 +101,12 @@ def case_form_step(rank: int, world: int, form: str, fault: bool = False) -> dic
         torch.backends.cudnn.allow_tf32 = False
     model = sample_model(form, world).to(device)
     cm = moepass.compile(model, plan_for(form, world))
+    info = cast("CompileInfo", cm.moepass_info)
+    rewritten = {path: gm.form for path, gm in info.rewritten.items()}
+    if set(rewritten.values()) != {form}:  # an untouched copy would pass every comparison below
+        raise AssertionError(f"{form}: moepass.compile rewrote {rewritten or 'no block'} on {device}, not every MoE "
+                             f"block into form {form!r}; detection says: "
+                             + " | ".join(info.report.summary().splitlines()[:3]))
     distributed = form != "single"
     B = world * BATCH_PER_RANK
     tokens_BS = torch.randint(0, LM["vocab_size"], (B, SEQ + 1), generator=torch.Generator().manual_seed(100))

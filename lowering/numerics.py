@@ -33,7 +33,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from lowering import FAMILIES
+from lowering import FAMILIES, codegen, registry
+from moepass import dialect
+from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
 _FAULTS: set[str] = set()  # families whose kernel output is offset on purpose (`--fault`)
 
@@ -44,8 +46,6 @@ _FAULTS: set[str] = set()  # families whose kernel output is offset on purpose (
 
 
 def _entry(family: str):
-    from lowering import registry
-
     (entry,) = [r for r in registry() if r.family == family]
     if family in _FAULTS:
         return dataclasses.replace(entry, lowered_op=_offset(entry.lowered_op))
@@ -112,8 +112,6 @@ def _without_near_ties(args: tuple) -> tuple:
     """Keep the token rows whose choice of experts no perturbation of 1e-5 changes (fp64 reference):
     there the kernel's and torch's last-bit differences in scores (exp, sigmoid) cannot pick another
     expert, so the experts must agree exactly."""
-    from moepass import dialect
-
     logits_TE, bias_E, *rest = args
     gen = torch.Generator().manual_seed(7)
     base = logits_TE.double().cpu()
@@ -129,8 +127,6 @@ def _without_near_ties(args: tuple) -> tuple:
 
 
 def check_gating(device: str, small: bool) -> int:
-    from moepass import dialect
-
     T = 64 if small else 2048
     gen = torch.Generator().manual_seed(0)
     #        E   K  score      before renorm G  TG group       scale bias   dtype           grid
@@ -180,8 +176,6 @@ def check_gating(device: str, small: bool) -> int:
 
 
 def check_permute(device: str, small: bool) -> int:
-    from moepass import dialect
-
     gen = torch.Generator().manual_seed(1)
     #         T     D    E    K  dtype           routing
     cases = [(4096, 256, 64,  4, torch.float32,  "random"),
@@ -224,8 +218,6 @@ def check_permute(device: str, small: bool) -> int:
 
 
 def check_combine(device: str, small: bool) -> int:
-    from moepass import dialect
-
     gen = torch.Generator().manual_seed(2)
     #         T     D    K  E   y dtype         weights dtype
     cases = [(4096, 256, 2, 8,  torch.float32,  torch.float32),
@@ -268,8 +260,6 @@ def check_combine(device: str, small: bool) -> int:
 
 
 def _ffn_args(device, gen, activation, counts, D, F, dtype, bias, fused_gate_up=False):
-    from moepass.activations import GATED_ACTIVATIONS
-
     E, gated = len(counts), activation in GATED_ACTIVATIONS
 
     def rand(*shape, scale=1.0):
@@ -289,8 +279,6 @@ def _ffn_args(device, gen, activation, counts, D, F, dtype, bias, fused_gate_up=
 
 def _ffn_run(fn, args, grad_y):
     """[y, grad x, grad w_gate, grad w_up, grad w_down, grad b_gate, grad b_up, grad b_down] (None: absent)."""
-    from moepass import dialect
-
     y = fn(*args)
     inputs = [args[i] for i in dialect.FFN_DIFFERENTIABLE]
     present = [t for t in inputs if t is not None]
@@ -304,9 +292,6 @@ def _leaves(args, dtype=None):
 
 
 def check_grouped_gemm(device: str, small: bool) -> int:
-    from moepass import dialect
-    from moepass.activations import ACTIVATIONS
-
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products in fp32, in the kernel and in the reference
     gen = torch.Generator().manual_seed(3)
     ragged = (0, 1, 300, 64, 129, 7) if not small else (0, 1, 7, 3)
@@ -377,8 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault", action="append", default=[], metavar="FAMILY",
                         help="offset this family's kernel output on purpose (tests of the callers)")
     args = parser.parse_args(argv)
-    from lowering import codegen
-
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("lowering.numerics cuda: torch.cuda.is_available() is False: run it on a machine "

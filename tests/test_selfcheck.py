@@ -16,7 +16,7 @@ import pytest
 import lowering
 from moepass import cli
 from moepass.plan import FORMS
-from moepass.selfcheck import headline, item_names
+from moepass.selfcheck import headline, item_names, kernel_items, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMS_CHECKED = [f for f in FORMS if f != "auto"]
@@ -68,6 +68,17 @@ def test_planted_failures_fail_their_items_only_and_the_exit_status(tmp_path):
     assert ep["detail"].startswith("W=2 gloo: rank 0: AssertionError: loss: ") and "\n" not in ep["detail"]
     assert all(i["verdict"] == "ok" for n, i in items.items() if n not in ("kernel combine", "form ep"))
     assert "FAILED: kernel combine, form ep" in stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_kernel_child_that_exits_with_an_error_fails_every_family_with_it():
+    """The child process that runs the kernel checks fails before any check (here: an argument it refuses):
+    each family is a FAIL carrying the child's one-line error, and the call returns (nothing raises)."""
+    items = kernel_items(machine(), ["no_such_family"])
+    assert [i.name for i in items] == [f"kernel {f}" for f in lowering.FAMILIES]
+    assert all(i.verdict == "FAIL" for i in items)
+    assert "exited with 1: ValueError: lowering.numerics: --fault ['no_such_family'] names no kernel family" in \
+        items[0].detail, items[0].detail
 
 
 def test_an_unknown_fault_names_the_items():

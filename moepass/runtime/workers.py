@@ -106,7 +106,7 @@ class Pool:
             self.kill()
             raise
 
-    def _collect(self, case_id: Any, timeout: float) -> list[Any]:
+    def _collect(self, case_id: Any, timeout: float, label: str = "") -> list[Any]:
         got: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(got) < self.world:
@@ -123,7 +123,7 @@ class Pool:
                 if failed:  # a rank that raised and left: its error says more than the ranks still waiting
                     raise CaseError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))) from None
                 why = "did not finish" if time.monotonic() >= deadline else "lost their processes (exited)"
-                raise TimeoutError(f"case {case_id!r} {why} on ranks {missing} within {timeout:.0f} s; "
+                raise TimeoutError(f"case {label or case_id!r} {why} on ranks {missing} within {timeout:g} s; "
                                    f"the pool was killed") from None
             if cid == case_id:
                 got[rank] = (ok, value)
@@ -140,7 +140,7 @@ class Pool:
         case_id = self._next
         for q in self.tasks:
             q.put((case_id, fn.__module__, fn.__qualname__, args, kwargs))
-        return self._collect(case_id, timeout)
+        return self._collect(case_id, timeout, label=f"{fn.__qualname__} (#{case_id})")
 
     def close(self, timeout: float = 30.0) -> None:
         if not self.broken:

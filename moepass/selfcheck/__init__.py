@@ -165,8 +165,8 @@ class Ranks:
         except Exception as err:
             self.start_error = f"could not start {m.world} {m.backend} ranks: {headline(str(err))}"
             return Item(f"ranks W={m.world} {m.backend}", "FAIL", self.start_error, time.perf_counter() - start)
-        return Item(f"ranks W={m.world} {m.backend}", "ok", f"{m.world} processes spawned, process group made",
-                    time.perf_counter() - start)
+        return Item(f"ranks W={m.world} {m.backend}", "ok", f"{m.world} rank process{'es' if m.world > 1 else ''} "
+                    f"spawned, {m.backend} process group made", time.perf_counter() - start)
 
     def run(self, fn: Callable, *args: Any, timeout: float) -> list[Any]:
         if self.start_error is not None:

@@ -1,4 +1,4 @@
-"""`python -m moepass {demo, explain, search, calibrate, bench}`."""
+"""`python -m moepass {demo, explain, search, calibrate, bench, selfcheck}`."""
 
 from __future__ import annotations
 
@@ -114,6 +114,15 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def selfcheck(args: argparse.Namespace) -> int:
+    from moepass.selfcheck import run
+
+    try:
+        return run(json_path=args.json, faults=tuple(args.fault))
+    except ValueError as err:
+        raise SystemExit(f"moepass {err}") from None
+
+
 class _Progress:
     """A tqdm bar over the benchmarks (the one running, done / total, elapsed) and a line per finished one."""
 
@@ -174,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for the JSONs, plots and report (default benchmarks/results/quick, "
                         "--full: benchmarks/results)")
     p.set_defaults(fn=bench)
+    p = sub.add_parser("selfcheck", help="does moepass work on this machine? kernels, every form's training step "
+                                         "and the collectives, as one table (exit status 1 if anything FAILs)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the table as JSON to PATH")
+    p.add_argument("--fault", action="append", default=[], metavar="ITEM",
+                   help="make ITEM (kernel:FAMILY or form:FORM) wrong on purpose, to see selfcheck report it")
+    p.set_defaults(fn=selfcheck)
     return parser
 
 

@@ -1,5 +1,6 @@
 """GPU numerics of every kernel family in `lowering/`: the compiled Triton kernels on CUDA against their
-torch references, forward and backward (tests/_kernels_gpu.py says what each family checks).
+torch references, forward and backward (lowering/numerics.py says what each family checks; `python -m moepass
+selfcheck` runs the same checks).
 
 The kernels run in a child process with TRITON_INTERPRET=0: this session imports Triton interpreted
 (tests/conftest.py) and Triton reads the flag when it is imported. The `gpu` tests are skipped, with
@@ -20,15 +21,14 @@ import pytest
 import lowering
 
 ROOT = Path(__file__).resolve().parents[1]
-HARNESS = Path(__file__).parent / "_kernels_gpu.py"
 FAMILIES = ("gating", "permute", "grouped_gemm", "combine")
 
 
 def run_harness(device: str, interpret: str, timeout: int) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": os.pathsep.join([str(ROOT),
                                                                                        os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, str(HARNESS), device], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run([sys.executable, "-m", "lowering.numerics", device], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads(out.stdout.splitlines()[-1])
     assert report["interpret"] == interpret
@@ -41,9 +41,9 @@ def cuda_report():
 
 
 def test_every_kernel_family_has_a_gpu_check():
-    import _kernels_gpu
+    from lowering import numerics
 
-    assert set(FAMILIES) == set(lowering.FAMILIES) == set(_kernels_gpu.CHECKS)
+    assert set(FAMILIES) == set(lowering.FAMILIES) == set(numerics.CHECKS)
 
 
 @pytest.mark.gpu

@@ -1,38 +1,43 @@
-"""Numerics of every kernel family in `lowering/` against its torch reference, forward and backward, on
-one device, in a process of its own (tests/test_kernels_gpu.py runs it):
+"""Numerics of every kernel family in `lowering/` against its torch reference, forward and backward, in
+fp32 and 16-bit, on one device. `tests/test_kernels_gpu.py` and `python -m moepass selfcheck` both run it,
+in a process of its own:
 
-    TRITON_INTERPRET=0 python tests/_kernels_gpu.py cuda      # compiled kernels on the GPU
-    TRITON_INTERPRET=1 python tests/_kernels_gpu.py cpu       # the same checks interpreted, small shapes
+    TRITON_INTERPRET=0 python -m lowering.numerics cuda      # compiled kernels on the GPU
+    TRITON_INTERPRET=1 python -m lowering.numerics cpu       # the same checks interpreted, small shapes
 
-The last line of stdout is JSON: {family: {"ok": bool, "checks": int, "error": str | None}}; a family's
-failure is reported there, not raised, so each family's test shows its own. A process of its own
-because Triton reads TRITON_INTERPRET when it is imported, and the test session imports it interpreted.
+The last line of stdout is JSON: {"device", "interpret", "families": {family: {"ok": bool, "checks": int,
+"seconds": float, "error": str | None}}}; a family's failure is reported there, not raised, so each family
+shows its own. A process of its own because Triton reads TRITON_INTERPRET when it is imported.
 
 Every check first makes sure the Triton path runs, not the torch fallback: the registry's `eligible`
 must accept the arguments and the family's fallback counters must not move. References run on the
 same device (fp32); 16-bit kernels are compared with the fp32 reference of the same rounded inputs.
+
+`--fault FAMILY` plants a wrong result on purpose (the family's kernel output is offset before it is
+compared): how the callers' tests prove that a wrong kernel is reported as a failure.
 
 Shape legend: T tokens, D model width, F expert hidden width, E experts, K top-k, N = T*K routed rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
-import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from lowering import FAMILIES, codegen, registry
+from moepass import dialect
+from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
-FAMILIES = ("gating", "permute", "grouped_gemm", "combine")
+_FAULTS: set[str] = set()  # families whose kernel output is offset on purpose (`--fault`)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,10 +46,23 @@ FAMILIES = ("gating", "permute", "grouped_gemm", "combine")
 
 
 def _entry(family: str):
-    from lowering import registry
-
     (entry,) = [r for r in registry() if r.family == family]
+    if family in _FAULTS:
+        return dataclasses.replace(entry, lowered_op=_offset(entry.lowered_op))
     return entry
+
+
+def _offset(op: Callable) -> Callable:
+    """`op` with its first floating-point output moved by 0.5 (a planted fault, `--fault`)."""
+
+    def wrong(*args):
+        out = op(*args)
+        outputs = list(out) if isinstance(out, tuple) else [out]
+        first = next(i for i, t in enumerate(outputs) if t.is_floating_point())
+        outputs[first] = outputs[first] + 0.5
+        return tuple(outputs) if isinstance(out, tuple) else outputs[0]
+
+    return wrong
 
 
 @contextlib.contextmanager
@@ -94,8 +112,6 @@ def _without_near_ties(args: tuple) -> tuple:
     """Keep the token rows whose choice of experts no perturbation of 1e-5 changes (fp64 reference):
     there the kernel's and torch's last-bit differences in scores (exp, sigmoid) cannot pick another
     expert, so the experts must agree exactly."""
-    from moepass import dialect
-
     logits_TE, bias_E, *rest = args
     gen = torch.Generator().manual_seed(7)
     base = logits_TE.double().cpu()
@@ -111,8 +127,6 @@ def _without_near_ties(args: tuple) -> tuple:
 
 
 def check_gating(device: str, small: bool) -> int:
-    from moepass import dialect
-
     T = 64 if small else 2048
     gen = torch.Generator().manual_seed(0)
     #        E   K  score      before renorm G  TG group       scale bias   dtype           grid
@@ -143,6 +157,15 @@ def check_gating(device: str, small: bool) -> int:
         assert experts.device.type == device and weights.dtype == dtype, what
         assert torch.equal(experts, want_experts), f"{what}: experts differ in {(experts != want_experts).any(1).sum()} rows"
         _close(weights, want_weights, what)
+        # backward: the weights' gradient through the lowered op (its autograd wiring) and the dialect op
+        grad_TK = torch.randn(weights.shape, generator=gen).to(dtype).to(device)
+        grads = []
+        for op in (_entry("gating").lowered_op, dialect.ROUTE):
+            leaf = args[0].detach().clone().requires_grad_()
+            with _triton_path("gating", args) if op is not dialect.ROUTE else _stable_reference():
+                (grad,) = torch.autograd.grad(op(leaf, *args[1:])[0], leaf, grad_TK)
+            grads.append(grad)
+        _close(grads[0], grads[1], f"{what}: grad_logits")
         checks += 1
     return checks
 
@@ -153,8 +176,6 @@ def check_gating(device: str, small: bool) -> int:
 
 
 def check_permute(device: str, small: bool) -> int:
-    from moepass import dialect
-
     gen = torch.Generator().manual_seed(1)
     #         T     D    E    K  dtype           routing
     cases = [(4096, 256, 64,  4, torch.float32,  "random"),
@@ -197,8 +218,6 @@ def check_permute(device: str, small: bool) -> int:
 
 
 def check_combine(device: str, small: bool) -> int:
-    from moepass import dialect
-
     gen = torch.Generator().manual_seed(2)
     #         T     D    K  E   y dtype         weights dtype
     cases = [(4096, 256, 2, 8,  torch.float32,  torch.float32),
@@ -241,8 +260,6 @@ def check_combine(device: str, small: bool) -> int:
 
 
 def _ffn_args(device, gen, activation, counts, D, F, dtype, bias, fused_gate_up=False):
-    from moepass.activations import GATED_ACTIVATIONS
-
     E, gated = len(counts), activation in GATED_ACTIVATIONS
 
     def rand(*shape, scale=1.0):
@@ -262,8 +279,6 @@ def _ffn_args(device, gen, activation, counts, D, F, dtype, bias, fused_gate_up=
 
 def _ffn_run(fn, args, grad_y):
     """[y, grad x, grad w_gate, grad w_up, grad w_down, grad b_gate, grad b_up, grad b_down] (None: absent)."""
-    from moepass import dialect
-
     y = fn(*args)
     inputs = [args[i] for i in dialect.FFN_DIFFERENTIABLE]
     present = [t for t in inputs if t is not None]
@@ -277,9 +292,6 @@ def _leaves(args, dtype=None):
 
 
 def check_grouped_gemm(device: str, small: bool) -> int:
-    from moepass import dialect
-    from moepass.activations import ACTIVATIONS
-
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products in fp32, in the kernel and in the reference
     gen = torch.Generator().manual_seed(3)
     ragged = (0, 1, 300, 64, 129, 7) if not small else (0, 1, 7, 3)
@@ -320,27 +332,50 @@ CHECKS: dict[str, Callable[[str, bool], int]] = {
 }
 
 
-def main(argv: list[str]) -> int:
-    device = argv[0] if argv else "cuda"
-    small = device == "cpu"
-    from lowering import codegen
-
-    if device == "cuda":
-        assert torch.cuda.is_available(), "no CUDA device"
-        assert not codegen.is_interpreted(), "TRITON_INTERPRET must be 0 for the compiled kernels"
-    else:
-        assert codegen.is_interpreted(), "on CPU the kernels run interpreted: set TRITON_INTERPRET=1"
+def run(device: str, small: bool, faults: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Every family's checks on `device`: {family: {"ok", "checks", "seconds", "error"}}; never raises for
+    a family's failure (its traceback is its "error")."""
+    unknown = sorted(set(faults) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"lowering.numerics: --fault {unknown} names no kernel family: choose from {list(CHECKS)}")
+    _FAULTS.clear()
+    _FAULTS.update(faults)
     torch.manual_seed(0)
     report = {}
-    for family, check in CHECKS.items():
+    for family in FAMILIES:
+        check = CHECKS[family]
+        start = time.perf_counter()
         try:
-            report[family] = {"ok": True, "checks": check(device, small), "error": None}
-        except Exception:  # reported per family; the test of that family fails with it
-            report[family] = {"ok": False, "checks": 0, "error": traceback.format_exc()[-6000:]}
-    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                      "interpret": os.environ.get("TRITON_INTERPRET"), "families": report}))
+            checks, error = check(device, small), None
+        except Exception:  # reported per family; the caller shows it as that family's failure
+            checks, error = 0, traceback.format_exc()[-6000:]
+        report[family] = {"ok": error is None, "checks": checks, "seconds": time.perf_counter() - start,
+                          "error": error}
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lowering.numerics", description=__doc__.split("\n\n")[0])
+    parser.add_argument("device", nargs="?", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--small", action="store_true",
+                        help="the small shapes on CUDA too (fewer specialisations to compile; CPU always uses them)")
+    parser.add_argument("--fault", action="append", default=[], metavar="FAMILY",
+                        help="offset this family's kernel output on purpose (tests of the callers)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("lowering.numerics cuda: torch.cuda.is_available() is False: run it on a machine "
+                             "with a CUDA GPU, or run `TRITON_INTERPRET=1 python -m lowering.numerics cpu`")
+        if codegen.is_interpreted():
+            raise SystemExit("lowering.numerics cuda: TRITON_INTERPRET is set: unset it (or set it to 0) for the "
+                             "compiled kernels")
+    elif not codegen.is_interpreted():
+        raise SystemExit("lowering.numerics cpu: the kernels run interpreted on CPU: set TRITON_INTERPRET=1")
+    families = run(args.device, small=args.small or args.device == "cpu", faults=tuple(args.fault))
+    print(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                      "interpret": os.environ.get("TRITON_INTERPRET"), "families": families}))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -37,17 +37,19 @@ def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False,
-            report: DetectionReport | None = None) -> nn.Module:
+            report: DetectionReport | None = None, example_inputs: Any = None) -> nn.Module:
     """Rewrite every accepted MoE block of `model` as `plan` says; returns the model to train.
 
     The result is the model itself (a deep copy unless `inplace=True`) with each MoE block replaced
     by an `MoEGraphModule` holding the block's own parameters: same class, same parameter names.
     Blocks that detection rejected, or that `plan.blocks` maps to None, are left as they are.
+    `example_inputs`: the model's positional arguments for one call (a tensor or a tuple), for detection to
+    record the forward on (`moepass.detect`); without them it synthesizes one where it can.
     """
     plan = Plan() if plan is None else plan
     if not isinstance(plan, Plan):
         raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
-    report = detect(model) if report is None else report
+    report = detect(model, example_inputs) if report is None else report
     plan, _ = resolve_auto(plan, report, model)
     _needs_process_group(plan, report)  # before anything is copied or changed
     if plan.deterministic:
@@ -184,10 +186,12 @@ def _world_for(plan: Plan):
         dist.destroy_process_group()
 
 
-def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, sources: bool = False) -> str:
+def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, sources: bool = False,
+            example_inputs: Any = None) -> str:
     """A readable report of what `compile(model, plan)` would do. Never raises.
 
-    `sources=True` adds the generated Triton source of every lowered node (Plan.lowering)."""
+    `sources=True` adds the generated Triton source of every lowered node (Plan.lowering); `example_inputs`
+    as `compile` takes them."""
     lines: list[str] = []
     try:
         plan = Plan() if plan is None else plan
@@ -198,7 +202,7 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     except Exception as err:  # explain never raises
         return f"moepass: invalid plan: {err}"
     try:
-        report = detect(model)
+        report = detect(model, example_inputs)
     except Exception:
         return "moepass: detection failed:\n" + traceback.format_exc()
     lines.append(report.summary())

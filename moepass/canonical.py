@@ -51,7 +51,16 @@ from torch import fx, nn
 
 from moepass import dialect, generic_experts
 from moepass.errors import PlanError
-from moepass.spec import TRACED_ROUTER, CapacitySpec, Constant, ExpertsSpec, MoESpec, RouterSpec, TensorSource
+from moepass.spec import (
+    LOAD_OUTPUT,
+    TRACED_ROUTER,
+    CapacitySpec,
+    Constant,
+    ExpertsSpec,
+    MoESpec,
+    RouterSpec,
+    TensorSource,
+)
 
 if TYPE_CHECKING:
     from moepass.rewrite.experts import ExpertLayout
@@ -641,10 +650,21 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         out_TD = b.fn(operator.add, out_TD, shared_TD, name="out_plus_shared_TD")
 
     out = b.method("view_as", out_TD, inputs[0], name="out")
-    side = {"router_logits": logits_TE if router_logits is None else router_logits}
+    side: dict[str, Any] = {"router_logits": logits_TE if router_logits is None else router_logits, "none": None}
+    for name in spec.side_outputs:
+        if name.startswith(LOAD_OUTPUT):  # each expert's load, in the dtype the block returns it in
+            dtype = getattr(torch, name.removeprefix(LOAD_OUTPUT))
+            side[name] = b.fn(expert_load, experts_TK, spec.router.num_experts, dtype, name="expert_load_R")
     outputs = [out] + [side[name] for name in spec.side_outputs]
     b.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
     return b.graph
+
+
+def expert_load(experts_TK: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """How many of the rows' choices picked each expert, [R] in `dtype` (a side output some blocks return)."""
+    ids = experts_TK.reshape(-1)  # a scatter, not bincount: a fixed [R] shape (fake tensors) and no host sync
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids)) \
+        .to(dtype)
 
 
 def build(spec: MoESpec, block: nn.Module) -> MoEGraphModule:

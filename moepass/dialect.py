@@ -317,7 +317,8 @@ def _(selection_bias, experts_TK, rate, training):
 def count_load_ref(counter_R: Tensor, experts_TK: Tensor) -> Tensor:
     """`counter_R` plus how many of the rows' choices picked each expert (a block's own load statistic, e.g. the
     token counts a training loop reads to balance the experts), as a new tensor in the counter's dtype."""
-    load_R = torch.bincount(experts_TK.reshape(-1), minlength=counter_R.shape[0])
+    ids = experts_TK.reshape(-1)  # a scatter, not bincount: no host sync
+    load_R = torch.zeros(counter_R.shape[0], dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     return counter_R + load_R.to(counter_R.dtype)
 
 

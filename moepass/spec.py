@@ -31,7 +31,11 @@ ROUTER_DTYPES = ("float32", "input")
 LOGITS_SOURCES = ("linear", "module", "selection", "traced")
 TRACED_ROUTER = "moepass_router_logits"  # where the rewritten block holds a traced router's logits function
 MODULE_INPUTS = ("hidden", "tokens")
-SIDE_OUTPUTS = ("router_logits",)
+# what a block returns after its hidden states: its router's logits; each expert's load (how many of the
+# tokens' K choices picked it, [R], in the dtype the suffix names); None (a slot a framework fills elsewhere)
+SIDE_OUTPUTS = ("router_logits", "none")
+LOAD_OUTPUT = "expert_load."  # + a dtype name: "expert_load.int64", "expert_load.float32"
+LOAD_DTYPES = ("int64", "int32", "float32", "float64", "float16", "bfloat16")
 EXPERT_KINDS = ("ffn", "generic")
 FFN_ROLES = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # `moe.expert_ffn`'s operand order
 
@@ -383,8 +387,11 @@ class MoESpec:
                 f"Plan.capacity_factor unset)."
             )
         for name in self.side_outputs:
+            if name.startswith(LOAD_OUTPUT):
+                _check_choice(f"{where}.side_outputs[{name!r}] dtype", name.removeprefix(LOAD_OUTPUT), LOAD_DTYPES)
+                continue
             _check_choice(f"{where}.side_outputs", name, SIDE_OUTPUTS)
-        if self.side_outputs and self.router.logits_from == "selection":
+        if "router_logits" in self.side_outputs and self.router.logits_from == "selection":
             raise PlanError(f"{where}.side_outputs={list(self.side_outputs)} is invalid with router.logits_from="
                             f"'selection': the router module returns weights and experts, not logits.")
 

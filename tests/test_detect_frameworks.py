@@ -70,6 +70,23 @@ class FlatExperts(nn.Module):
         return (y_TKD * w_TK[..., None]).sum(1).view_as(x_BSD)
 
 
+class ReturnsMore(SpreadExperts):
+    """A block returning (out, extra) as frameworks do: None (a bias slot), its per-expert load, an aux loss."""
+
+    extra = "none"
+
+    def forward(self, x_BSD, mask_BS=None):
+        out = super().forward(x_BSD, mask_BS)
+        if self.extra == "none":
+            return out, None
+        e_TK = self.router(x_BSD.reshape(-1, D)).softmax(-1).topk(K, dim=-1).indices
+        load_E = torch.bincount(e_TK.reshape(-1), minlength=E)
+        if self.extra == "load":
+            return out, load_E
+        probs_E = self.router(x_BSD.reshape(-1, D)).softmax(-1).mean(0)
+        return out, E * (load_E.float() / e_TK.numel() * probs_E).sum()  # a switch-style aux loss
+
+
 class Layer(nn.Module):
     def __init__(self, moe: nn.Module, pass_mask: bool, kw_only: bool = False):
         super().__init__()
@@ -79,8 +96,13 @@ class Layer(nn.Module):
 
     def forward(self, h, mask):
         if self.kw_only:
-            return h + self.moe(self.norm(h), mask_BS=mask)
-        return h + (self.moe(self.norm(h), mask) if self.pass_mask else self.moe(self.norm(h)))
+            out = self.moe(self.norm(h), mask_BS=mask)
+        else:
+            out = self.moe(self.norm(h), mask) if self.pass_mask else self.moe(self.norm(h))
+        if isinstance(out, tuple):  # (out, extra): the extra is the model's business (summed into a loss, say)
+            out, extra = out
+            self.extra = extra
+        return h + out
 
 
 class LM(nn.Module):
@@ -215,3 +237,73 @@ def test_unrecordable_model_falls_back_to_structure(inputs):
         model = nn.Sequential(nn.LayerNorm(D), SpreadExperts())  # starts with neither embedding nor linear
         note = recorded_blocks(model, None, None)[1]
         assert "pass example_inputs" in note
+
+
+@pytest.mark.parametrize("extra", ["none", "load"])
+def test_returned_none_and_expert_load_are_reproduced(extra):
+    torch.manual_seed(0)
+    ReturnsMore.extra = extra
+    model = LM(ReturnsMore)
+    report = moepass.detect(model)
+    assert len(report.blocks) == 2, report.summary()
+    want = ("none",) if extra == "none" else ("expert_load.int64",)
+    assert report.blocks[0].side_outputs == want
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    assert len(cm.moepass_info.rewritten) == 2
+    _assert_exact(model, cm, _ids(4))
+    for a, b in zip(model.layers, cm.layers):
+        assert (a.extra is None and b.extra is None) or torch.equal(a.extra, b.extra)
+
+
+def test_returned_aux_loss_is_named_in_the_rejection():
+    torch.manual_seed(0)
+    ReturnsMore.extra = "aux"
+    model = LM(ReturnsMore)
+    report = moepass.detect(model)
+    assert not report.blocks, report.summary()
+    reason = report.rejected[0][1]
+    assert "It returns output 1 ([] float32, a scalar: an aux loss?), which no rule reproduces" in reason
+    assert "Plan(blocks={'layers.0.moe': None})" in reason
+
+
+def case_ep(rank, world, extra):
+    """EP at W ranks on the framework-style LM (mask passed through, an extra output, an output bias) vs the
+    whole batch on one process: outputs, every gradient (expert shards by rows), the returned extras."""
+    from moepass.runtime.grads import all_reduce_replicated_grads
+
+    torch.manual_seed(0)
+    ReturnsMore.extra = extra
+    model = LM(ReturnsMore, pass_mask=True)
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="ep"), example_inputs=(_ids(),))
+    assert sorted(cm.moepass_info.rewritten) == ["layers.0.moe", "layers.1.moe"]
+    ids = torch.randint(0, V, (2 * world, 6), generator=torch.Generator().manual_seed(7))
+    target = torch.randn(2 * world, 6, V, generator=torch.Generator().manual_seed(8))
+    mine = slice(2 * rank, 2 * rank + 2)
+    ref_out = model(ids)
+    ((ref_out * target).sum() / world).backward()
+    out = cm(ids[mine])
+    (out * target[mine]).sum().backward()
+    all_reduce_replicated_grads(cm)
+    torch.testing.assert_close(out, ref_out[mine].detach(), rtol=1e-5, atol=1e-5)
+    ref_grads = dict((n, p.grad) for n, p in model.named_parameters())
+    for n, (g, rows) in moepass.logical_grads(cm).items():
+        want = ref_grads[n] if rows is None else ref_grads[n][rows]
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    if extra == "load":  # each rank returns its own tokens' load; summed, the whole batch's
+        for a, b in zip(model.layers, cm.layers):
+            load = b.extra.clone()
+            torch.distributed.all_reduce(load)
+            torch.testing.assert_close(load, a.extra)
+    return True
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("extra", ["none", "load"])
+def test_framework_style_block_exact_under_ep_w2(extra):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _dist import pool
+
+    assert pool(2).run(case_ep, extra) == [True, True]

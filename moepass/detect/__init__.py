@@ -29,7 +29,7 @@ from moepass.detect.check import CheckResult, semantic_check
 from moepass.detect.graph_candidates import GraphBlock, graph_blocks, record_model, synthesize_inputs
 from moepass.detect.structure import structural_key
 from moepass.module_copy import gc_paused
-from moepass.spec import MoESpec, TensorSource
+from moepass.spec import LOAD_OUTPUT, MoESpec, TensorSource
 
 Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
 
@@ -128,6 +128,9 @@ def detect_block(candidate: Candidate) -> BlockReport:
         if candidate.input_names != ("hidden_states",):  # the block's inputs as the model passes them
             found = [replace(spec, input_names=candidate.input_names, unused_inputs=tuple(candidate.passthrough))
                      for spec in found]
+        kinds = candidate.side_outputs
+        if any(k == "none" or k.startswith(LOAD_OUTPUT) for k in kinds) and not any(k.startswith("?") for k in kinds):
+            found = [replace(spec, side_outputs=tuple(kinds)) for spec in found]  # what it returns, reproduced
         if candidate.output_bias is not None:  # a bias on the combined output: tried with it first, then without
             bias = TensorSource.param(candidate.output_bias)
             found = [replace(spec, output_bias=bias) for spec in found] + found
@@ -145,6 +148,11 @@ def detect_block(candidate: Candidate) -> BlockReport:
         reasons.append(f"{name}: no hypothesis reproduces the block"
                        + (f" (closest: {best.spec.router.score_func} router, {best.reason})" if best else ""))
     report.reason = "; ".join(reasons) or "no recogniser applies"
+    unknown = [k[1:] for k in candidate.side_outputs if k.startswith("?")]
+    if unknown:
+        report.reason += (f". It returns {', '.join(unknown)}, which no rule reproduces (moepass reproduces router "
+                          f"logits, per-expert loads and None): compute it outside the block (from the router's recorded logits, "
+                          f"say), or leave the block alone with Plan(blocks={{{candidate.path!r}: None}})")
     facts = candidate.router
     if facts is not None and facts.why_not_traced and facts.selection_outputs is None:
         reads = f"Its selection scores also read {list(facts.unknown_tensors)}, which no known rule reads; " \

@@ -25,6 +25,9 @@ import torch
 from torch import nn
 
 from moepass.detect.capture import (
+    ARGMAX,
+    SORT,
+    TOPK,
     Capture,
     ModuleCall,
     Selection,
@@ -38,7 +41,7 @@ from moepass.detect.capture import (
 from moepass.detect.check import probe_copy, token_ids
 from moepass.detect.graph_candidates import GraphBlock, router_weight
 from moepass.detect.router import RouterFacts, read_router
-from moepass.spec import SharedExpertSpec
+from moepass.spec import LOAD_OUTPUT, SharedExpertSpec
 
 SPEC_METHOD = "moepass_spec"  # the self-description protocol: module.moepass_spec(path) -> MoESpec
 SELF_DESCRIBED = "self-described"  # Candidate.experts_kind of a module implementing it
@@ -65,6 +68,7 @@ class Candidate:
     input_names: tuple[str, ...] = ("hidden_states",)  # the hidden states, then further inputs (token ids)
     load_counter: str | None = None  # an [R] buffer a train-mode forward adds each expert's load to (`load_counter`)
     output_bias: str | None = None  # a [D] parameter added to the combined output (`output_bias`)
+    side_outputs: list[str] = field(default_factory=list)  # what it returns after the hidden states (`side_outputs`)
     call: ModuleCall | None = None  # the call the model made to it, when its forward was recorded
     # inputs after the hidden states that its selection does not read, by name: their recorded values, passed to
     # every probe as the model passed them (`MoESpec.unused_inputs`); the probe's hidden states then take
@@ -450,7 +454,32 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     c.outputs = len(out) if isinstance(out, tuple) else 1
     c.load_counter = load_counter(probe, (x, *extras), c.num_experts, c.selection.k)
     c.output_bias = output_bias(c)
+    c.side_outputs = side_outputs(c)
     return None
+
+
+def side_outputs(c: Candidate) -> list[str]:
+    """What the block returns after its hidden states, each as a `MoESpec.side_outputs` name when it is one
+    moepass reproduces ("none"; "expert_load.<dtype>": the selection's count per expert; "router_logits": a
+    [T, E] floating tensor, which the recognisers confirm), else a description starting with "?"."""
+    out = c.graph.output if c.graph is not None else None
+    if not isinstance(out, tuple) or c.selection is None:
+        return []
+    R, T = c.num_experts, c.selection.indices.shape[0]
+    load = torch.bincount(c.selection.indices.reshape(-1), minlength=R)
+    kinds = []
+    for i, v in enumerate(out[1:], start=1):
+        if v is None:
+            kinds.append("none")
+        elif isinstance(v, torch.Tensor) and tuple(v.shape) == (R,) and torch.equal(v.double(), load.double()):
+            kinds.append(LOAD_OUTPUT + str(v.dtype).removeprefix("torch."))
+        elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == T * R and v.shape[-1] == R:
+            kinds.append("router_logits")
+        else:
+            what = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
+                else type(v).__name__
+            kinds.append(f"?output {i} ({what}{', a scalar: an aux loss?' if isinstance(v, torch.Tensor) and not v.dim() else ''})")
+    return kinds
 
 
 ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__iadd__)
@@ -461,7 +490,11 @@ def output_bias(c: Candidate) -> str | None:
     selection: a bias on the combined output. None when there is none."""
     if c.graph is None or c.selection is None:
         return None
-    after = downstream(c.selection.node)
+    after: set = set()  # what depends on any selection over the R scores (the block's last may come late)
+    for node in c.graph.nodes(TOPK + ARGMAX + SORT):
+        scores = value(node.args[0]) if node.args else None
+        if isinstance(scores, torch.Tensor) and scores.dim() and scores.shape[-1] == c.num_experts:
+            after |= downstream(node)
     skip = [p for p in (c.experts_path, c.router_path) if p]
     for node in attrs(c.graph.graph.nodes):
         val, path = value(node), str(node.target)

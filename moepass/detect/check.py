@@ -265,6 +265,11 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list
             return CheckResult(spec, False, float("inf"), reason=f"returns {len(_outputs(ours))} value(s) (hidden states + side "
                                                    f"outputs {list(spec.side_outputs)}), block returns {len(original)}")
         for a, b in zip(_outputs(ours), _outputs(original)):
+            if a is None or b is None:  # a slot the block leaves empty (e.g. a bias a framework adds elsewhere)
+                if a is not b:
+                    return CheckResult(spec, False, float("inf"), reason="returns None where the block returns a "
+                                                                         "value (or the reverse)")
+                continue
             if a.shape != b.shape:
                 return CheckResult(spec, False, float("inf"), reason=f"output shape {tuple(a.shape)} != block's {tuple(b.shape)}")
             gap = (a - b).abs().max().item() if a.numel() else 0.0
@@ -345,7 +350,9 @@ def contract_check(spec: MoESpec, probe: nn.Module, x: Inputs, atol: float = 1e-
         probe.train(was_training)
         _restore(buffers, start)  # later hypotheses are probed from the same state
     for a, b in zip(outs[1], outs[0]):
-        if a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=rtol):
+        if a is None and b is None:
+            continue
+        if a is None or b is None or a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=rtol):
             gap = (a - b).abs().max().item() if a.shape == b.shape else float("nan")
             return (f"train-mode outputs differ by up to {gap:.2e} under the same seed: the block draws "
                     f"random numbers (jitter, dropout) that the spec does not reproduce in the same order")

@@ -175,9 +175,32 @@ def test_block_called_with_an_unread_mask_is_called_as_the_model_calls_it():
     _assert_exact(model, cm, _ids(2))
 
 
+class TransposedRouter(SpreadExperts):
+    """The router's weight stored [D, E] (scores = x @ w), not as an nn.Linear."""
+
+    def __init__(self):
+        super().__init__()
+        del self.router  # the method below takes its place
+        self.w_router = nn.Parameter(torch.randn(D, E) / D**0.5)
+
+    def router(self, x):
+        return x @ self.w_router
+
+
 class KeywordOnly(SpreadExperts):
     def forward(self, x_BSD, *, mask_BS=None):
         return super().forward(x_BSD, mask_BS)
+
+
+def test_transposed_router_weight_is_read_as_its_transpose():
+    torch.manual_seed(0)
+    model = LM(TransposedRouter)
+    report = moepass.detect(model)
+    assert len(report.blocks) == 2, report.summary()
+    weight = report.blocks[0].router.weight
+    assert weight.paths == ("w_router",) and weight.transpose
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    _assert_exact(model, cm, _ids(5))
 
 
 def test_mask_passed_by_keyword_is_taken_by_name():

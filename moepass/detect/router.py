@@ -55,6 +55,7 @@ class RouterFacts:
     num_experts: int
     top_k: int
     weight: str | None = None
+    weight_transposed: bool = False  # the weight is stored [D, E] (scores = x @ weight): read as its transpose
     bias: str | None = None
     selection_bias: str | None = None
     groups: tuple[int, int] | None = None  # (n_group, topk_group)
@@ -174,11 +175,12 @@ def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
     E = num_experts
     facts = RouterFacts(num_experts=E, top_k=sel.k, selection=sel)
     scores_slice = set() if sel.scores is None else upstream(sel.scores)
-    for node in attrs(scores_slice):
+    for node in sorted(attrs(scores_slice), key=lambda n: value(n).shape[0] != E if value(n).dim() == 2 else True):
         val = value(node)
         if facts.weight is None and isinstance(val, nn.Parameter | torch.Tensor) and val.dim() == 2 \
-                and val.shape[0] == E:
+                and E in val.shape and val.is_floating_point():
             facts.weight = str(node.target)
+            facts.weight_transposed = val.shape[0] != E  # stored [D, E]: read as its transpose
             linear = _linear_of(node, scores_slice)
             if linear is not None:
                 facts.bias = next((str(a.target) for a in linear.all_input_nodes
@@ -248,6 +250,7 @@ def known_rule(cap: Capture, facts: RouterFacts) -> dict[str, Any] | None:
     if call is None or weight is None or facts.selection_outputs is None:
         return None
     bias, selection_bias = _attr_value(cap, facts.bias), _attr_value(cap, facts.selection_bias)
+    weight = weight.T if facts.weight_transposed else weight
     x_TD = call.args[0].reshape(-1, weight.shape[1])
     logits_TE = F.linear(x_TD.float(), weight.float(), None if bias is None else bias.float())
     K = facts.top_k
@@ -339,7 +342,7 @@ def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | st
     owner = facts.weight.rsplit(".", 1)[0] if "." in facts.weight else ""
     common = dict(
         num_experts=facts.num_experts, top_k=facts.top_k,
-        weight=TensorSource.param(facts.weight),
+        weight=TensorSource.param(facts.weight, transpose=facts.weight_transposed),
         bias=TensorSource.param(facts.bias) if facts.bias else None,
         selection_bias=TensorSource.param(facts.selection_bias) if facts.selection_bias else None,
         module_path=owner, dtype="float32" if facts.logits_fp32 else "input",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import traceback
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,8 @@ from moepass.errors import PlanError
 from moepass.module_copy import deepcopy_module, gc_paused, storage_counts, unshare
 from moepass.pipeline import compile_block, copy_expert_weights, finalize
 from moepass.plan import DISTRIBUTED_FORMS, Plan
+
+log = logging.getLogger("moepass")
 
 
 @dataclass
@@ -49,7 +53,12 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
     report = detect(model) if report is None else report
     plan, _ = resolve_auto(plan, report, model)
-    _needs_process_group(plan, report)  # before anything is copied or changed
+    missed = not_rewritten(plan, report)
+    if plan.strict and missed:  # before anything is copied or changed
+        raise PlanError(_missed_message(missed, plan) + " Plan(strict=True) refuses to compile the model so: fix the "
+                        "block (moepass.explain(model, plan) shows each check), leave it alone explicitly with "
+                        f"Plan(blocks={{{missed[0][0]!r}: None}}), or pass strict=False to train it as it is.")
+    _needs_process_group(plan, report)
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
     info = CompileInfo(plan=plan, report=report)
@@ -61,7 +70,32 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
         object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged
     object.__setattr__(target, "moepass_info", info)
+    distributed = [(path, reason) for path, reason in missed if _form_of(plan, path) in DISTRIBUTED_FORMS]
+    if distributed:  # the block trains replicated on every rank: never silently
+        warnings.warn(_missed_message(distributed, plan) + " They train as they are, replicated on every rank. Fix "
+                      "them (moepass.explain(model, plan) shows each check), leave them alone explicitly with "
+                      "Plan(blocks={path: None}), or pass Plan(strict=True) to make this an error.", UserWarning,
+                      stacklevel=2)
+    log.info("moepass.compile: form=%s: %d MoE block(s) rewritten, %d rejected by detection (not rewritten), %d left "
+             "alone by Plan.blocks", plan.form, len(info.rewritten), len(missed), len(info.skipped))
     return target
+
+
+def not_rewritten(plan: Plan, report: DetectionReport) -> list[tuple[str, str]]:
+    """(path, reason) of every MoE-like block detection saw that `compile(model, plan)` leaves as it is although
+    the plan names a form for it: the blocks detection rejected (a block `Plan.blocks` maps to None is left
+    alone on purpose: not listed)."""
+    return [(path, reason) for path, reason in report.rejected if plan.for_block(path) is not None]
+
+
+def _form_of(plan: Plan, path: str) -> str | None:
+    block_plan = plan.for_block(path)
+    return None if block_plan is None else block_plan.form
+
+
+def _missed_message(missed: list[tuple[str, str]], plan: Plan) -> str:
+    blocks = "; ".join(f"{path or '<root>'!r} (form={_form_of(plan, path)!r}): {reason}" for path, reason in missed)
+    return f"moepass.compile left {len(missed)} MoE-like block(s) un-rewritten, rejected by detection: {blocks}."
 
 
 def rewrite_blocks(model: nn.Module, plan: Plan, report: DetectionReport, info: CompileInfo,
@@ -202,6 +236,11 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     except Exception:
         return "moepass: detection failed:\n" + traceback.format_exc()
     lines.append(report.summary())
+    missed = not_rewritten(plan, report) if plan.form != "auto" else []
+    if plan.strict and missed:
+        lines.append(f"compile would raise PlanError (Plan.strict=True): {_missed_message(missed, plan)}")
+    elif any(_form_of(plan, path) in DISTRIBUTED_FORMS for path, _ in missed):
+        lines.append(f"compile would warn: {_missed_message(missed, plan)}")
     if plan.form == "auto":
         try:
             plan, result = resolve_auto(plan, report, model)

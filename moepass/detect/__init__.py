@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from moepass.detect import fused_experts, gshard, loop_experts, self_described
@@ -23,9 +24,9 @@ from moepass.detect.candidates import (
     find_candidates,
     find_dense_mlps,
 )
-from moepass.detect.check import CheckResult, semantic_check
+from moepass.detect.check import CheckResult, holds_meta, materialise, semantic_check
 from moepass.detect.structure import structural_key
-from moepass.module_copy import gc_paused
+from moepass.module_copy import deepcopy_module, gc_paused
 from moepass.spec import MoESpec
 
 Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
@@ -73,6 +74,7 @@ class BlockReport:
 class DetectionReport:
     details: list[BlockReport] = field(default_factory=list)
     dense: list[str] = field(default_factory=list)  # FFN-shaped modules that are not MoE
+    notes: list[str] = field(default_factory=list)  # what detection could not read (it never raises)
 
     @property
     def blocks(self) -> list[MoESpec]:
@@ -96,11 +98,24 @@ class DetectionReport:
                 lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}{same}")
         for path in self.dense:
             lines.append(f"  {path}: dense FFN, not MoE")
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
 def detect_block(candidate: Candidate) -> BlockReport:
+    """The verdict on one candidate. Never raises: whatever fails while reading the block (a recogniser, its
+    probe, the block's own code) becomes the reason it is rejected, with the exception's type."""
+    try:
+        return _detect_block(candidate)
+    except Exception as err:
+        return BlockReport(candidate.path, type(candidate.module).__name__, accepted=False,
+                           reason=f"detection failed on this block: {type(err).__name__}: {err}")
+
+
+def _detect_block(candidate: Candidate) -> BlockReport:
     report = BlockReport(candidate.path, type(candidate.module).__name__, accepted=False)
+    if holds_meta(candidate.module):  # no values to probe: a materialised copy (seeded random values) is read
+        candidate.module = materialise(deepcopy_module(candidate.module), torch.Generator().manual_seed(0))
     reasons = []
     recognisers = SELF_DESCRIBED_RECOGNISERS if candidate.experts_kind == SELF_DESCRIBED else RECOGNISERS
     if candidate.experts_kind != SELF_DESCRIBED:
@@ -109,7 +124,11 @@ def detect_block(candidate: Candidate) -> BlockReport:
             report.reason = why_not
             return report
     for name, recognise in recognisers:
-        found = recognise(candidate)
+        try:
+            found = recognise(candidate)
+        except Exception as err:  # a recogniser that fails on this block rejects it: it never raises
+            reasons.append(f"{name}: the recogniser raised {type(err).__name__}: {err}")
+            continue
         if isinstance(found, str):
             reasons.append(f"{name}: {found}")
             continue
@@ -149,19 +168,30 @@ def detect(model: nn.Module) -> DetectionReport:
 
 
 def _detect(model: nn.Module) -> DetectionReport:
-    details: list[BlockReport] = []
+    report = DetectionReport()
+    try:
+        tree = ModuleTree(model)  # one walk of the module tree for candidates and dense FFNs
+        candidates = find_candidates(model, tree)
+    except Exception as err:  # detection never raises: the report says what could not be read
+        report.notes.append(f"the module tree could not be read for candidates: {type(err).__name__}: {err}")
+        return report
     checked: dict[object, BlockReport] = {}
-    tree = ModuleTree(model)  # one walk of the module tree for candidates and dense FFNs
-    for candidate in find_candidates(model, tree):
-        key = structural_key(candidate.module)
+    for candidate in candidates:
+        try:
+            key = structural_key(candidate.module)
+        except Exception:  # no key: the block is checked on its own
+            key = None
         first = checked.get(key) if key is not None else None
         if first is None:
-            details.append(detect_block(candidate))
+            report.details.append(detect_block(candidate))
             if key is not None:
-                checked[key] = details[-1]
+                checked[key] = report.details[-1]
             continue
-        details.append(BlockReport(candidate.path, first.module_type, first.accepted, first.recogniser,
-                                   first.spec.replace(path=candidate.path) if first.spec is not None else None,
-                                   first.check, first.reason, same_as=first.path))
-    moe_paths = [d.path for d in details]
-    return DetectionReport(details=details, dense=find_dense_mlps(model, moe_paths, tree))
+        report.details.append(BlockReport(candidate.path, first.module_type, first.accepted, first.recogniser,
+                                          first.spec.replace(path=candidate.path) if first.spec is not None else None,
+                                          first.check, first.reason, same_as=first.path))
+    try:
+        report.dense = find_dense_mlps(model, [d.path for d in report.details], tree)
+    except Exception as err:
+        report.notes.append(f"the dense-FFN search failed: {type(err).__name__}: {err}")
+    return report

@@ -218,10 +218,12 @@ def _world_for(plan: Plan):
         dist.destroy_process_group()
 
 
-def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, sources: bool = False) -> str:
+def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, sources: bool = False,
+            report: DetectionReport | None = None) -> str:
     """A readable report of what `compile(model, plan)` would do. Never raises.
 
-    `sources=True` adds the generated Triton source of every lowered node (Plan.lowering)."""
+    `sources=True` adds the generated Triton source of every lowered node (Plan.lowering); `report`: the
+    model's `detect` result, when the caller has it already (as `compile` takes it)."""
     lines: list[str] = []
     try:
         plan = Plan() if plan is None else plan
@@ -232,7 +234,7 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     except Exception as err:  # explain never raises
         return f"moepass: invalid plan: {err}"
     try:
-        report = detect(model)
+        report = detect(model) if report is None else report
     except Exception:
         return "moepass: detection failed:\n" + traceback.format_exc()
     lines.append(report.summary())

@@ -238,11 +238,6 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     except Exception:
         return "moepass: detection failed:\n" + traceback.format_exc()
     lines.append(report.summary())
-    missed = not_rewritten(plan, report) if plan.form != "auto" else []
-    if plan.strict and missed:
-        lines.append(f"compile would raise PlanError (Plan.strict=True): {_missed_message(missed, plan)}")
-    elif any(_form_of(plan, path) in DISTRIBUTED_FORMS for path, _ in missed):
-        lines.append(f"compile would warn: {_missed_message(missed, plan)}")
     if plan.form == "auto":
         try:
             plan, result = resolve_auto(plan, report, model)
@@ -255,6 +250,11 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
         except Exception as err:
             lines.append(f"cost model could not choose a form: {type(err).__name__}: {err}")
             return "\n".join(lines)
+    missed = not_rewritten(plan, report)  # what compile would leave as it is: said as compile would say it
+    if plan.strict and missed:
+        lines.append(f"compile would raise PlanError (Plan.strict=True): {_missed_message(missed, plan)}")
+    elif any(_form_of(plan, path) in DISTRIBUTED_FORMS for path, _ in missed):
+        lines.append(f"compile would warn: {_missed_message(missed, plan)}")
     for detail in report.details:
         if not detail.accepted or detail.spec is None:
             continue

@@ -132,7 +132,7 @@ def _share_known(value: Any, memo: dict[int, Any]) -> None:
     if isinstance(value, SHARED_TYPES):
         memo[id(value)] = value
     elif isinstance(value, _CONTAINERS):
-        for item in value.items() if isinstance(value, dict) else value:
+        for item in [*value.keys(), *value.values()] if isinstance(value, dict) else value:
             if type(item) not in _ATOMIC:
                 _share_known(item, memo)
 
@@ -152,8 +152,8 @@ def share_uncopyable(value: Any, memo: dict[int, Any]) -> int:
         seen.add(id(obj))
         if isinstance(obj, nn.Module):
             todo.extend(vars(obj).values())
-        elif isinstance(obj, _CONTAINERS):
-            todo.extend(obj.items() if isinstance(obj, dict) else obj)
+        elif isinstance(obj, _CONTAINERS):  # a dict's keys and values (not item tuples: `seen` holds lasting ids)
+            todo.extend([*obj.keys(), *obj.values()] if isinstance(obj, dict) else obj)
         elif isinstance(obj, SHARED_TYPES) or not _copies(obj):
             memo[id(obj)] = obj
             shared += 1

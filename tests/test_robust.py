@@ -198,6 +198,8 @@ def test_rejected_block_under_ep_warns_naming_it_and_logs_the_counts(caplog):
                                              r"'layers.1.mlp' \(form='ep'\): .*no hypothesis reproduces the block.*"
                                              r"Plan\(strict=True\)"):
             cm = moepass.compile(model, Plan(form="ep"))
+        explained = moepass.explain(model, Plan(form="ep"), graphs=False)
+    assert "compile would warn: moepass.compile left 1 MoE-like block(s) un-rewritten" in explained
     assert list(cm.moepass_info.rewritten) == ["layers.0.mlp"]
     assert "form=ep: 1 MoE block(s) rewritten, 1 rejected by detection (not rewritten), 0 left alone" in caplog.text
 

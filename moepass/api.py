@@ -16,6 +16,7 @@ from torch import nn
 from moepass import determinism
 from moepass.canonical import CANONICAL_PASS, MoEGraphModule
 from moepass.detect import DetectionReport, detect
+from moepass.detect.check import holds_meta
 from moepass.errors import PlanError
 from moepass.module_copy import deepcopy_module, gc_paused, storage_counts, unshare
 from moepass.pipeline import compile_block, copy_expert_weights, finalize
@@ -59,6 +60,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
                         "block (moepass.explain(model, plan) shows each check), leave it alone explicitly with "
                         f"Plan(blocks={{{missed[0][0]!r}: None}}), or pass strict=False to train it as it is.")
     _needs_process_group(plan, report)
+    _meta_needs_single(plan, report, model)
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
     info = CompileInfo(plan=plan, report=report)
@@ -151,6 +153,22 @@ def _needs_process_group(plan: Plan, report: DetectionReport) -> None:
             raise PlanError(f"Plan(form={block_plan.form!r}) for block {spec.path or '<root>'!r} needs torch.distributed "
                             f"initialised (init_process_group) on every rank: run under torchrun or "
                             f"torch.multiprocessing.spawn, or use form='single' on one process.")
+
+
+def _meta_needs_single(plan: Plan, report: DetectionReport, model: nn.Module) -> None:
+    """A block on the meta device compiles under form="single" only: its rewritten form keeps the block's own
+    modules, so `to_empty` + the model's own init reach every tensor. A distributed form replaces the experts
+    by tensors of its own (EP's `ep_w_gate`, ...), which that init does not reach: refused, naming the fix."""
+    for spec in report.blocks:
+        block_plan = plan.for_block(spec.path)
+        if block_plan is None or block_plan.form not in DISTRIBUTED_FORMS:
+            continue
+        if holds_meta(model.get_submodule(spec.path) if spec.path else model):
+            raise PlanError(f"Plan(form={block_plan.form!r}) for block {spec.path or '<root>'!r}: the block is on the "
+                            f"meta device (no values), and form {block_plan.form!r} replaces its experts by tensors of "
+                            f"its own that your model's initialisation does not reach after to_empty. Materialise the "
+                            f"model first (model.to_empty(device=...) and its init, or load its weights), then "
+                            f"compile; form='single' compiles a meta model (then to_empty + your init).")
 
 
 def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = None):

@@ -186,6 +186,17 @@ def test_meta_model_compiled_then_materialised_trains_as_a_materialised_model_co
     assert_same_training(cm, cr, tokens, exact=True)
 
 
+def test_meta_model_under_a_distributed_form_is_refused_naming_the_fix():
+    """EP replaces the experts by its own stacked tensors: a meta model's init would not reach them after
+    to_empty, so compile refuses (before copying anything) and says what to do."""
+    with torch.device("meta"):
+        meta = tiny_mixtral(**SMALL)
+    with fake_world(2), pytest.raises(PlanError, match=r"Plan\(form='ep'\) for block 'layers.0.mlp': the block is "
+                                                       r"on the meta device .* Materialise the model first .*"
+                                                       r"form='single' compiles a meta model"):
+        moepass.compile(meta, Plan(form="ep"))
+
+
 # ----------------------------------------------------------------------------------------------
 # Nothing silent: blocks a distributed plan leaves as they are.
 # ----------------------------------------------------------------------------------------------

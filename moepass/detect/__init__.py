@@ -4,7 +4,10 @@
         ─► semantic check ─► accepted | rejected
 
 Detection only reads the model. A block is accepted when one hypothesis of one recogniser
-reproduces it on probe inputs; otherwise it is reported with the reason and left untouched.
+reproduces it on probe inputs; otherwise it is reported with the reason and left untouched. It never raises
+on a model: whatever fails on a block (its forward, a recogniser) is that block's reason; what cannot be read
+at all (the module tree, the dense-FFN search) is a note of the report. A block on the meta device is read on
+a copy given seeded random values.
 """
 
 from __future__ import annotations

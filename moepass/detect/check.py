@@ -178,7 +178,8 @@ def probe_copy(block: nn.Module, seed: int = 0, spec: MoESpec | None = None) -> 
     With `spec`, the per-expert weights its canonical graph stacks are copied straight into one buffer
     per role (`canonical.stacked_copies`; laid out again if `.float()` re-allocated them), so
     `canonical.stack_experts` reads them as one view on every run of the graph instead of stacking
-    them afresh; their values are the ones a plain copy has."""
+    them afresh; their values are the ones a plain copy has. A block on the meta device is copied as it is,
+    then given seeded random values (`materialise`)."""
     memo: dict[int, Any] = {}
     meta = holds_meta(block)
     if spec is not None and not meta:

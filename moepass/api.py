@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import traceback
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,10 +16,13 @@ from torch import nn
 from moepass import determinism
 from moepass.canonical import CANONICAL_PASS, MoEGraphModule
 from moepass.detect import DetectionReport, detect
+from moepass.detect.check import holds_meta
 from moepass.errors import PlanError
 from moepass.module_copy import deepcopy_module, gc_paused, storage_counts, unshare
 from moepass.pipeline import compile_block, copy_expert_weights, finalize
 from moepass.plan import DISTRIBUTED_FORMS, Plan
+
+log = logging.getLogger("moepass")
 
 
 @dataclass
@@ -51,7 +56,13 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
     report = detect(model, example_inputs) if report is None else report
     plan, _ = resolve_auto(plan, report, model)
-    _needs_process_group(plan, report)  # before anything is copied or changed
+    missed = not_rewritten(plan, report)
+    if plan.strict and missed:  # before anything is copied or changed
+        raise PlanError(_missed_message(missed, plan) + " Plan(strict=True) refuses to compile the model so: fix the "
+                        "block (moepass.explain(model, plan) shows each check), leave it alone explicitly with "
+                        f"Plan(blocks={{{missed[0][0]!r}: None}}), or pass strict=False to train it as it is.")
+    _needs_process_group(plan, report)
+    _meta_needs_single(plan, report, model)
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
     info = CompileInfo(plan=plan, report=report)
@@ -63,7 +74,32 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
         object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged
     object.__setattr__(target, "moepass_info", info)
+    distributed = [(path, reason) for path, reason in missed if _form_of(plan, path) in DISTRIBUTED_FORMS]
+    if distributed:  # the block trains replicated on every rank: never silently
+        warnings.warn(_missed_message(distributed, plan) + " They train as they are, replicated on every rank. Fix "
+                      "them (moepass.explain(model, plan) shows each check), leave them alone explicitly with "
+                      "Plan(blocks={path: None}), or pass Plan(strict=True) to make this an error.", UserWarning,
+                      stacklevel=2)
+    log.info("moepass.compile: form=%s: %d MoE block(s) rewritten, %d rejected by detection (not rewritten), %d left "
+             "alone by Plan.blocks", plan.form, len(info.rewritten), len(missed), len(info.skipped))
     return target
+
+
+def not_rewritten(plan: Plan, report: DetectionReport) -> list[tuple[str, str]]:
+    """(path, reason) of every MoE-like block detection saw that `compile(model, plan)` leaves as it is although
+    the plan names a form for it: the blocks detection rejected (a block `Plan.blocks` maps to None is left
+    alone on purpose: not listed)."""
+    return [(path, reason) for path, reason in report.rejected if plan.for_block(path) is not None]
+
+
+def _form_of(plan: Plan, path: str) -> str | None:
+    block_plan = plan.for_block(path)
+    return None if block_plan is None else block_plan.form
+
+
+def _missed_message(missed: list[tuple[str, str]], plan: Plan) -> str:
+    blocks = "; ".join(f"{path or '<root>'!r} (form={_form_of(plan, path)!r}): {reason}" for path, reason in missed)
+    return f"moepass.compile left {len(missed)} MoE-like block(s) un-rewritten, rejected by detection: {blocks}."
 
 
 def rewrite_blocks(model: nn.Module, plan: Plan, report: DetectionReport, info: CompileInfo,
@@ -119,6 +155,22 @@ def _needs_process_group(plan: Plan, report: DetectionReport) -> None:
             raise PlanError(f"Plan(form={block_plan.form!r}) for block {spec.path or '<root>'!r} needs torch.distributed "
                             f"initialised (init_process_group) on every rank: run under torchrun or "
                             f"torch.multiprocessing.spawn, or use form='single' on one process.")
+
+
+def _meta_needs_single(plan: Plan, report: DetectionReport, model: nn.Module) -> None:
+    """A block on the meta device compiles under form="single" only: its rewritten form keeps the block's own
+    modules, so `to_empty` + the model's own init reach every tensor. A distributed form replaces the experts
+    by tensors of its own (EP's `ep_w_gate`, ...), which that init does not reach: refused, naming the fix."""
+    for spec in report.blocks:
+        block_plan = plan.for_block(spec.path)
+        if block_plan is None or block_plan.form not in DISTRIBUTED_FORMS:
+            continue
+        if holds_meta(model.get_submodule(spec.path) if spec.path else model):
+            raise PlanError(f"Plan(form={block_plan.form!r}) for block {spec.path or '<root>'!r}: the block is on the "
+                            f"meta device (no values), and form {block_plan.form!r} replaces its experts by tensors of "
+                            f"its own that your model's initialisation does not reach after to_empty. Materialise the "
+                            f"model first (model.to_empty(device=...) and its init, or load its weights), then "
+                            f"compile; form='single' compiles a meta model (then to_empty + your init).")
 
 
 def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = None):
@@ -187,11 +239,12 @@ def _world_for(plan: Plan):
 
 
 def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, sources: bool = False,
-            example_inputs: Any = None) -> str:
+            report: DetectionReport | None = None, example_inputs: Any = None) -> str:
     """A readable report of what `compile(model, plan)` would do. Never raises.
 
-    `sources=True` adds the generated Triton source of every lowered node (Plan.lowering); `example_inputs`
-    as `compile` takes them."""
+    `sources=True` adds the generated Triton source of every lowered node (Plan.lowering); `report`: the
+    model's `detect` result, when the caller has it already (as `compile` takes it); `example_inputs` as
+    `compile` takes them."""
     lines: list[str] = []
     try:
         plan = Plan() if plan is None else plan
@@ -202,7 +255,7 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     except Exception as err:  # explain never raises
         return f"moepass: invalid plan: {err}"
     try:
-        report = detect(model, example_inputs)
+        report = detect(model, example_inputs) if report is None else report
     except Exception:
         return "moepass: detection failed:\n" + traceback.format_exc()
     lines.append(report.summary())
@@ -218,6 +271,11 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
         except Exception as err:
             lines.append(f"cost model could not choose a form: {type(err).__name__}: {err}")
             return "\n".join(lines)
+    missed = not_rewritten(plan, report)  # what compile would leave as it is: said as compile would say it
+    if plan.strict and missed:
+        lines.append(f"compile would raise PlanError (Plan.strict=True): {_missed_message(missed, plan)}")
+    elif any(_form_of(plan, path) in DISTRIBUTED_FORMS for path, _ in missed):
+        lines.append(f"compile would warn: {_missed_message(missed, plan)}")
     for detail in report.details:
         if not detail.accepted or detail.spec is None:
             continue

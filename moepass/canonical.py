@@ -92,6 +92,18 @@ class MoEGraphModule(fx.GraphModule):
         self.meta["moepass_dialect"] = True
         self.register_forward_pre_hook(check_block_input)
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's signature
+        """`.to(...)`, `.cuda()`, `to_empty(...)` give every tensor its own storage: the single form then lays
+        its per-expert weights in one buffer per role again (`relayout_stacked`), so the graph still reads
+        them as one view (a model compiled on the meta device, then `to_empty`). Plain CPU / CUDA parameters
+        only: a subclass (DTensor under FSDP2) or a meta tensor is left as it is."""
+        super()._apply(fn, recurse)
+        if getattr(self, "form", None) == "single":
+            groups = stacked_parameters(self, self.spec)
+            if all(type(p.data) is torch.Tensor and not p.is_meta for params in groups for p in params):
+                relayout_stacked(self, self.spec)
+        return self
+
 
 def check_block_input(gm: MoEGraphModule, args: tuple[Any, ...]) -> None:
     """Forward pre-hook of every rewritten block: its hidden states are floating point and D wide (a wrong

@@ -11,6 +11,12 @@ The result is the one `copy.deepcopy` gives, sharing included: every object copi
 `memo`, so a tensor or module referenced twice is copied once, and ids registered in `memo`
 beforehand are adopted (`canonical.stacked_copies`). Any other class is handed to `copy.deepcopy`.
 
+What must not be copied is shared: the copy holds the original object (`share_uncopyable`). That is an
+object of a known runtime type (a process group, a `DeviceMesh`, a store, a stream or event: `SHARED_TYPES`),
+or one that is not plain data (not a tensor, a module or a container) and whose copy raises (a lock, a
+file handle, a generator, an object holding one of them). Deep-copying a model that holds a process group
+raises `cannot pickle 'ProcessGroup' object` otherwise; a copy of a `DeviceMesh` would be another mesh.
+
 `alias_in_memo` and `unshare` serve a copy whose rewrite replaces some tensors anyway (the expert weights
 under EP and FSEP, which keep only their shard): the copy adopts aliases of those tensors instead of copying
 them, and `unshare` copies any alias the rewritten result still holds, so it never shares memory with the
@@ -29,11 +35,19 @@ from functools import cache
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 _EMPTY_CONTAINERS = frozenset((dict, OrderedDict, set))
 _ATOMIC = frozenset((type(None), bool, int, float, str))  # what `copy.deepcopy` returns as it is
+_CONTAINERS = (list, tuple, dict, set, frozenset)  # walked element by element for what they hold
+
+# Runtime handles a copy shares whether or not their type copies: a copy would be another group, mesh, store
+# or queue position, not the one the model's code means (a DeviceMesh deep-copies without an error).
+SHARED_TYPES: tuple[type, ...] = (dist.ProcessGroup, DeviceMesh, dist.Store, dist.Work, torch.Stream, torch.Event,
+                                  torch._C._CudaStreamBase, torch._C._CudaEventBase)
 
 
 @cache
@@ -74,7 +88,7 @@ def _copy(module: nn.Module, memo: dict[int, Any]) -> Any:
         return done
     cls = type(module)
     if not copies_plainly(cls):  # type: ignore[arg-type]  # classes are hashable
-        return copy.deepcopy(module, memo)
+        return _deepcopy_sharing(module, memo, f"a {cls.__name__} module")
     new = cls.__new__(cls)
     memo[id(module)] = new
     state = module.__getstate__()  # a new dict: its entries are replaced by their copies in place
@@ -90,9 +104,69 @@ def _copy(module: nn.Module, memo: dict[int, Any]) -> Any:
             state[name] = memo[id(value)] = {key if type(key) is str else copy.deepcopy(key, memo): _copy_value(v, memo)
                                              for key, v in value.items()}
         else:
-            state[name] = copy.deepcopy(value, memo)
+            state[name] = _deepcopy_sharing(value, memo, f"attribute {name!r} of a {cls.__name__} module")
     new.__setstate__(state)
     return new
+
+
+def _deepcopy_sharing(value: Any, memo: dict[int, Any], what: str) -> Any:
+    """`copy.deepcopy(value, memo)`, sharing what `share_uncopyable` shares: the known runtime types first
+    (cheap: the value and its containers); on a copy that raises, `memo` is put back as it was (a failed
+    copy leaves half-built objects in it) and every uncopyable object inside is shared, then copied again."""
+    _share_known(value, memo)
+    mark = len(memo)
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception as err:
+        for key in list(memo)[mark:]:  # a dict keeps insertion order: the failed copy's entries are the last
+            del memo[key]
+        if not share_uncopyable(value, memo):
+            raise TypeError(f"deep-copying {what} failed: {type(err).__name__}: {err}. Give its class a "
+                            f"__deepcopy__, or hold the object somewhere a copy of the model need not reach.") from err
+        return copy.deepcopy(value, memo)
+
+
+def _share_known(value: Any, memo: dict[int, Any]) -> None:
+    """Register every `SHARED_TYPES` object in `value` (itself, or inside plain containers) in `memo` as
+    itself."""
+    if isinstance(value, SHARED_TYPES):
+        memo[id(value)] = value
+    elif isinstance(value, _CONTAINERS):
+        for item in [*value.keys(), *value.values()] if isinstance(value, dict) else value:
+            if type(item) not in _ATOMIC:
+                _share_known(item, memo)
+
+
+def share_uncopyable(value: Any, memo: dict[int, Any]) -> int:
+    """Register in `memo`, as itself, every object inside `value` (through containers, modules and their
+    state) that a copy must share: a `SHARED_TYPES` object, or one that is not plain data (not a tensor, a
+    module or a container) and whose `copy.deepcopy` raises. Tensors, modules and containers are never
+    shared (a copy sharing them would alias the original's state). Returns how many were registered."""
+    shared = 0
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        obj = todo.pop()
+        if type(obj) in _ATOMIC or id(obj) in seen or id(obj) in memo or isinstance(obj, torch.Tensor):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            todo.extend(vars(obj).values())
+        elif isinstance(obj, _CONTAINERS):  # a dict's keys and values (not item tuples: `seen` holds lasting ids)
+            todo.extend([*obj.keys(), *obj.values()] if isinstance(obj, dict) else obj)
+        elif isinstance(obj, SHARED_TYPES) or not _copies(obj):
+            memo[id(obj)] = obj
+            shared += 1
+    return shared
+
+
+def _copies(obj: Any) -> bool:
+    """Whether `copy.deepcopy(obj)` succeeds (on a memo of its own: the trial copy is dropped)."""
+    try:
+        copy.deepcopy(obj, {})
+    except Exception:
+        return False
+    return True
 
 
 def _copy_value(value: Any, memo: dict[int, Any]) -> Any:

@@ -21,7 +21,7 @@ MATH_CHANGING_FORMS = ("hp", "locality")
 DISTRIBUTED_FORMS = ("ep", "fsep", "hp", "locality")  # need torch.distributed initialised
 LOWERINGS = ("auto", "triton", "torch")
 GRAD_SYNCS = ("none", "scheduler")
-PLAN_WIDE = ("deterministic", "grad_sync")  # process- or model-wide: not overridable per block
+PLAN_WIDE = ("deterministic", "grad_sync", "strict")  # process- or model-wide: not overridable per block
 DEFAULT_MICRO_OP_BYTES = MICRO_OP_BYTES  # one figure for the runtime and the cost model's priority pricing
 DEFAULT_PREFETCH_DEPTH = 2
 GATES = ("grap", "learned")  # form="locality": the top-1 router's gate
@@ -76,6 +76,10 @@ class Plan:
     # CPU defaults); a preset name (cost_model.presets.PRESET_NAMES, e.g. "h100"), a calibration
     # profile path (.json) or a cost_model.presets.Hardware
     hardware: Any = None
+    # every MoE-like block detection saw must be rewritten: True makes compile raise PlanError naming each block
+    # it would leave as it is (rejected by detection) and why; False leaves them, with a UserWarning under a
+    # distributed form (they train replicated on every rank)
+    strict: bool = False
 
     def __init__(self, **kwargs: Any) -> None:
         names = [f.name for f in fields(self)]
@@ -137,7 +141,7 @@ class Plan:
             raise PlanError(f"Plan.head_ep_size={self.head_ep_size} is invalid with Plan.ep_size={self.ep_size}: the "
                             f"ep_size ranks of a block must split into head groups of head_ep_size ranks; use a "
                             f"head_ep_size dividing {self.ep_size}.")
-        for name in ("expert_recompute", "keep_restored", "defer_expert_grads"):
+        for name in ("expert_recompute", "keep_restored", "defer_expert_grads", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")
         _locality(self)
@@ -156,7 +160,8 @@ class Plan:
                 if override.get(name, getattr(self, name)) != getattr(self, name):
                     raise PlanError(f"Plan.blocks[{pattern!r}][{name!r}]={override[name]!r} is invalid: {name} applies "
                                     f"to the whole model (determinism is process-wide, gradient synchronisation "
-                                    f"model-wide); set Plan({name}=...) on the whole plan, not per block.")
+                                    f"model-wide, strictness covers every block compile may leave); set "
+                                    f"Plan({name}=...) on the whole plan, not per block.")
             Plan(**{**self._as_dict(exclude=("blocks",)), **override})  # validates the override
 
     def _as_dict(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:

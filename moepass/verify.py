@@ -73,7 +73,8 @@ def check_shapes(gm: fx.GraphModule, example_inputs: list[torch.Tensor] | None) 
     if example_inputs is None:
         if spec is None:
             return []
-        example_inputs = [torch.empty(2, 3, spec.model_dim)]
+        device = next((p.device for p in gm.parameters()), None)  # a meta model's graph: meta hidden states
+        example_inputs = [torch.empty(2, 3, spec.model_dim, device=device)]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(x) for x in example_inputs]
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")

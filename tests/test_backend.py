@@ -235,6 +235,23 @@ def test_unrecognised_graph_comes_back_unchanged_with_diagnostic():
     assert "not called from a Dynamo compilation" in B.last_report().diagnostics[0]
 
 
+def test_a_block_whose_compile_fails_passes_through_with_the_exception(monkeypatch):
+    """The backend never raises on a model: a block whose compilation raises runs as it is, the reason kept."""
+    import moepass.pipeline
+
+    def fails(spec, block, plan):
+        raise RuntimeError("no kernel for this block")
+
+    monkeypatch.setattr(moepass.pipeline, "compile_block", fails)
+    block = FusedMoE(16, 32, num_experts=4, top_k=2)
+    compiled = torch.compile(block, backend="moepass", options=backend_options())
+    x = torch.randn(2, 5, 16)
+    assert_parity(block, compiled, lambda m: m(x).square().sum())
+    (passed,) = regions("passthrough")
+    assert passed.reason == "compiling the block failed: RuntimeError: no kernel for this block"
+    assert not regions("rewritten")
+
+
 def test_distributed_form_on_unsharded_model_raises_plan_error():
     block = FusedMoE(16, 32, num_experts=4, top_k=2)
     compiled = torch.compile(block, backend="moepass", options=backend_options(form="ep"))

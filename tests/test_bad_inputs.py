@@ -86,6 +86,9 @@ CASES = [
     Case("grad-sync-per-block", lambda m: Plan(blocks={BLOCK: {"grad_sync": "scheduler"}}), PlanError,
          r"Plan.blocks\['layers.0.mlp'\]\['grad_sync'\]='scheduler' is invalid: grad_sync applies to the whole "
          r"model"),
+    Case("strict-per-block", lambda m: Plan(blocks={BLOCK: {"strict": True}}), PlanError,
+         r"Plan.blocks\['layers.0.mlp'\]\['strict'\]=True is invalid: strict applies to the whole model .*; set "
+         r"Plan\(strict=...\) on the whole plan, not per block."),
     Case("grad-sync-typo", lambda m: Plan(grad_sync="sched"), PlanError,
          r"Plan.grad_sync='sched' is invalid: use one of \['none', 'scheduler'\]."),
     Case("plan-not-a-plan", lambda m: moepass.compile(m, "ep"), PlanError,

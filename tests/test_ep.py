@@ -82,18 +82,27 @@ def _max_err(a, b):
 
 
 def case_parity(rank, world, style, ep_size=None, capacity_factor=None, nodes=1, steps=1, form="ep", optimizer="sgd",
-                **plan_kw):
+                hold_group=False, **plan_kw):
     """A distributed form (EP by default) vs the single-process reference: loss, outputs, every gradient,
-    global grad norm, parameters after each optimizer step; per step."""
+    global grad norm, parameters after each optimizer step; per step. `hold_group`: the model, its layers and
+    their MoE blocks hold the world's process group (an attribute), which the compiled copy shares."""
     import moepass
     from moepass.runtime.grads import all_reduce_replicated_grads, clip_grad_norm_
     from samples.models import tiny_mixtral
 
     torch.manual_seed(0)
     model = tiny_mixtral(style=style, **CFG)
+    group = torch.distributed.group.WORLD
+    if hold_group:
+        model.group = group
+        for layer in model.layers:
+            layer.group = layer.mlp.group = group
     plan = moepass.Plan(form=form, ep_size=ep_size, capacity_factor=capacity_factor,
                         topology=moepass.Topology(nodes, world // nodes), **plan_kw)
     cm = moepass.compile(model, plan)
+    if hold_group:
+        assert cm.group is group and all(layer.group is group for layer in cm.layers)
+        assert sorted(cm.moepass_info.rewritten) == [f"layers.{i}.mlp" for i in range(len(model.layers))]
     per_rank = capacity_factor is not None or style == "gshard"  # capacity is per (source rank, expert)
     ref = _reference_with_capacity(model, plan) if per_rank else model
     make_opt = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1), "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2)}
@@ -254,6 +263,13 @@ def test_parity_w2(style):
     reports = pool(2).run(case_parity, style)
     assert reports[0]["forms"] == ["ep"]
     assert max(r["grad"] for r in reports) < 1e-4
+
+
+def test_parity_w2_with_a_process_group_in_the_model():
+    """The model and its MoE blocks hold the process group: detected, compiled under EP (the copy shares the
+    group), exact parity."""
+    reports = pool(2).run(case_parity, "loop", hold_group=True)
+    assert all(r["forms"] == ["ep"] for r in reports)
 
 
 @pytest.mark.parametrize("style", STYLES)

@@ -154,3 +154,73 @@ def test_gc_paused_restores_the_collector_as_it_was():
         assert not gc.isenabled()  # a collector the caller had paused stays paused
     finally:
         gc.enable()
+
+
+class Holder:
+    """A plain object holding a lock: not plain data, and its copy raises."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+        self.n = 3
+
+
+class CustomHoldingGroup(nn.Module):
+    """Customises its copy through `copy.deepcopy` of its own state, which holds a process group."""
+
+    def __deepcopy__(self, memo):
+        new = CustomHoldingGroup.__new__(CustomHoldingGroup)
+        nn.Module.__init__(new)
+        new.group = copy.deepcopy(self.group, memo)
+        new.marked = True
+        return new
+
+
+def test_what_cannot_be_copied_is_shared():
+    """Process groups, a DeviceMesh, stores, streams and events, locks, conditions, file handles, generators
+    and objects holding them: the copy holds the same object (in a container too); tensors, modules and
+    containers are still copied."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    store = FakeStore()
+    dist.init_process_group("fake", rank=0, world_size=2, store=store)
+    try:
+        model = Zoo()
+        shared = {"group": dist.group.WORLD, "mesh": init_device_mesh("cpu", (2,)), "store": store,
+                  "stream": torch.Stream("cpu"), "event": torch.Event("cpu"), "lock": threading.Lock(),
+                  "cond": threading.Condition(), "flag": threading.Event(), "file": open(__file__),
+                  "gen": (i for i in range(3)), "holder": Holder()}
+        for name, value in shared.items():
+            setattr(model, name, value)
+        model.mixed = [torch.ones(2), dist.group.WORLD, {"lock": shared["lock"]}]
+        model.custom = CustomHoldingGroup()
+        model.custom.group = dist.group.WORLD
+        got = deepcopy_module(model)
+        for name, value in shared.items():
+            assert getattr(got, name) is value, name
+        assert got.mixed is not model.mixed and got.mixed[1] is dist.group.WORLD
+        assert got.mixed[2]["lock"] is shared["lock"] and got.mixed[0] is not model.mixed[0]
+        assert got.custom.group is dist.group.WORLD and got.custom.marked
+        assert shape_of(got) == shape_of(model)
+        shared["file"].close()
+    finally:
+        dist.destroy_process_group()
+
+
+class RefusesCopy(nn.Module):
+    def __deepcopy__(self, memo):
+        raise RuntimeError("this module cannot be copied")
+
+
+def test_a_module_whose_copy_raises_is_never_shared():
+    """A module (or tensor, or container) is never shared: its copy's error is raised, naming it and the fix."""
+    model = Zoo()
+    model.table.z = RefusesCopy()
+    with pytest.raises(TypeError, match=r"deep-copying a RefusesCopy module failed: RuntimeError: this module cannot "
+                                        r"be copied. Give its class a __deepcopy__"):
+        deepcopy_module(model)

@@ -38,7 +38,8 @@ def test_negative_capacity_names_field_value_and_fix(value):
 
 
 @pytest.mark.parametrize("field,value", [("a2a_chunks", 0), ("packing", "autoo"), ("ep_size", 0),
-                                         ("micro_op_bytes", -5), ("lowering", "cuda"), ("deterministic", 1)])
+                                         ("micro_op_bytes", -5), ("lowering", "cuda"), ("deterministic", 1),
+                                         ("strict", "yes")])
 def test_other_bad_values(field, value):
     with pytest.raises(PlanError, match=rf"Plan.{field}={value!r} is invalid"):
         Plan(**{field: value})

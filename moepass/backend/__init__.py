@@ -149,6 +149,9 @@ def transform(gm: fx.GraphModule, plan: Plan, report: BackendReport, scope: dict
             region = rewrite_region(gm, block, block_plan, tensor_inputs(gm))
         except Decline as why:
             region = Region(block.path, type(block.module).__name__, "passthrough", str(why))
+        except Exception as err:  # the backend never raises on a model: the block runs as it is, the reason kept
+            region = Region(block.path, type(block.module).__name__, "passthrough",
+                            f"compiling the block failed: {type(err).__name__}: {err}")
         report.regions.append(region)
         changed |= region.action == "rewritten"
     if changed:

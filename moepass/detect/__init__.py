@@ -4,7 +4,10 @@
         ─► semantic check ─► accepted | rejected
 
 Detection only reads the model. A block is accepted when one hypothesis of one recogniser
-reproduces it on probe inputs; otherwise it is reported with the reason and left untouched.
+reproduces it on probe inputs; otherwise it is reported with the reason and left untouched. It never raises
+on a model: whatever fails on a block (its forward, a recogniser) is that block's reason; what cannot be read
+at all (the module tree, the dense-FFN search) is a note of the report. A block on the meta device is read on
+a copy given seeded random values.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from moepass.detect import fused_experts, gshard, loop_experts, self_described
@@ -25,10 +29,10 @@ from moepass.detect.candidates import (
     find_candidates,
     find_dense_mlps,
 )
-from moepass.detect.check import CheckResult, semantic_check
+from moepass.detect.check import CheckResult, holds_meta, materialise, semantic_check
 from moepass.detect.graph_candidates import GraphBlock, graph_blocks, record_model, synthesize_inputs
 from moepass.detect.structure import structural_key
-from moepass.module_copy import gc_paused
+from moepass.module_copy import deepcopy_module, gc_paused
 from moepass.spec import LOAD_OUTPUT, MoESpec, TensorSource
 
 Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
@@ -77,6 +81,7 @@ class DetectionReport:
     details: list[BlockReport] = field(default_factory=list)
     dense: list[str] = field(default_factory=list)  # FFN-shaped modules that are not MoE
     recording: str = ""  # on what input the model's forward was recorded (`recorded_blocks`), or why it was not
+    notes: list[str] = field(default_factory=list)  # what detection could not read (it never raises)
 
     @property
     def blocks(self) -> list[MoESpec]:
@@ -100,13 +105,26 @@ class DetectionReport:
                 lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}{same}")
         for path in self.dense:
             lines.append(f"  {path}: dense FFN, not MoE")
+        lines += [f"  note: {note}" for note in self.notes]
         if self.recording:
             lines.append(f"  ({self.recording})")
         return "\n".join(lines)
 
 
 def detect_block(candidate: Candidate) -> BlockReport:
+    """The verdict on one candidate. Never raises: whatever fails while reading the block (a recogniser, its
+    probe, the block's own code) becomes the reason it is rejected, with the exception's type."""
+    try:
+        return _detect_block(candidate)
+    except Exception as err:
+        return BlockReport(candidate.path, type(candidate.module).__name__, accepted=False,
+                           reason=f"detection failed on this block: {type(err).__name__}: {err}")
+
+
+def _detect_block(candidate: Candidate) -> BlockReport:
     report = BlockReport(candidate.path, type(candidate.module).__name__, accepted=False)
+    if holds_meta(candidate.module):  # no values to probe: a materialised copy (seeded random values) is read
+        candidate.module = materialise(deepcopy_module(candidate.module), torch.Generator().manual_seed(0))
     reasons = []
     recognisers = SELF_DESCRIBED_RECOGNISERS if candidate.experts_kind == SELF_DESCRIBED else RECOGNISERS
     if candidate.experts_kind != SELF_DESCRIBED:
@@ -118,7 +136,11 @@ def detect_block(candidate: Candidate) -> BlockReport:
         report.reason = undescribed(candidate)
         return report
     for name, recognise in recognisers:
-        found = recognise(candidate)
+        try:
+            found = recognise(candidate)
+        except Exception as err:  # a recogniser that fails on this block rejects it: it never raises
+            reasons.append(f"{name}: the recogniser raised {type(err).__name__}: {err}")
+            continue
         if isinstance(found, str):
             reasons.append(f"{name}: {found}")
             continue
@@ -214,20 +236,34 @@ def recorded_blocks(model: nn.Module, example_inputs: Any, example_kwargs: dict[
 
 def _detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None
             ) -> DetectionReport:
-    details: list[BlockReport] = []
+    report = DetectionReport()
+    try:
+        blocks, report.recording = recorded_blocks(model, example_inputs, example_kwargs)
+    except Exception as err:  # detection never raises: the structure alone is read
+        blocks, report.recording = [], f"forward not recorded: {type(err).__name__}: {err}"
+    try:
+        tree = ModuleTree(model)  # one walk of the module tree for candidates and dense FFNs
+        candidates = find_candidates(model, tree, blocks)
+    except Exception as err:  # detection never raises: the report says what could not be read
+        report.notes.append(f"the module tree could not be read for candidates: {type(err).__name__}: {err}")
+        return report
     checked: dict[object, BlockReport] = {}
-    tree = ModuleTree(model)  # one walk of the module tree for candidates and dense FFNs
-    blocks, note = recorded_blocks(model, example_inputs, example_kwargs)
-    for candidate in find_candidates(model, tree, blocks):
-        key = structural_key(candidate.module)
+    for candidate in candidates:
+        try:
+            key = structural_key(candidate.module)
+        except Exception:  # no key: the block is checked on its own
+            key = None
         first = checked.get(key) if key is not None else None
         if first is None:
-            details.append(detect_block(candidate))
+            report.details.append(detect_block(candidate))
             if key is not None:
-                checked[key] = details[-1]
+                checked[key] = report.details[-1]
             continue
-        details.append(BlockReport(candidate.path, first.module_type, first.accepted, first.recogniser,
-                                   first.spec.replace(path=candidate.path) if first.spec is not None else None,
-                                   first.check, first.reason, same_as=first.path))
-    moe_paths = [d.path for d in details]
-    return DetectionReport(details=details, dense=find_dense_mlps(model, moe_paths, tree), recording=note)
+        report.details.append(BlockReport(candidate.path, first.module_type, first.accepted, first.recogniser,
+                                          first.spec.replace(path=candidate.path) if first.spec is not None else None,
+                                          first.check, first.reason, same_as=first.path))
+    try:
+        report.dense = find_dense_mlps(model, [d.path for d in report.details], tree)
+    except Exception as err:
+        report.notes.append(f"the dense-FFN search failed: {type(err).__name__}: {err}")
+    return report

@@ -179,19 +179,56 @@ def probe_copy(block: nn.Module, seed: int = 0, spec: MoESpec | None = None) -> 
     With `spec`, the per-expert weights its canonical graph stacks are copied straight into one buffer
     per role (`canonical.stacked_copies`; laid out again if `.float()` re-allocated them), so
     `canonical.stack_experts` reads them as one view on every run of the graph instead of stacking
-    them afresh; their values are the ones a plain copy has."""
+    them afresh; their values are the ones a plain copy has. A block on the meta device is copied as it is,
+    then given seeded random values (`materialise`)."""
     memo: dict[int, Any] = {}
-    if spec is not None:
+    meta = holds_meta(block)
+    if spec is not None and not meta:
         canonical.stacked_copies(block, spec, memo)
-    probe = deepcopy_module(block, memo).to(device="cpu", dtype=torch.float32).eval()  # probes run on CPU
+    probe = deepcopy_module(block, memo)
+    gen = torch.Generator().manual_seed(seed)
+    if meta:
+        materialise(probe, gen)
+    probe = probe.to(device="cpu", dtype=torch.float32).eval()  # probes run on CPU, wherever the model lives
     if spec is not None:
         canonical.relayout_stacked(probe, spec)
-    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for tensor in list(probe.parameters()) + list(probe.buffers()):
             if tensor.is_floating_point() and tensor.numel() and _all_zero(tensor):
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
     return probe
+
+
+def holds_meta(module: nn.Module) -> bool:
+    """Whether a parameter or buffer of `module` is on the meta device (shapes only, no values)."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def materialise(module: nn.Module, gen: torch.Generator) -> nn.Module:
+    """Give every meta-device parameter and buffer of `module` (in place: a probe copy, never the user's
+    model) a real CPU tensor of its shape and dtype, with seeded random values: floating ones N(0, 1/n) (n
+    the last dim: a linear layer's fan-in), integer ones in [0, 2), booleans False. Tied tensors stay tied
+    (one new tensor per original); `requires_grad` is kept. Returns `module`."""
+    new: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in new:
+            if t.is_floating_point() or t.is_complex():
+                value = torch.randn(t.shape, generator=gen) / max(t.shape[-1] if t.dim() else 1, 1) ** 0.5
+                value = value.to(t.dtype)
+            elif t.dtype == torch.bool:
+                value = torch.zeros(t.shape, dtype=torch.bool)
+            else:
+                value = torch.randint(0, 2, t.shape, generator=gen).to(t.dtype)
+            new[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+        return new[id(t)]
+
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_meta:
+                    table[name] = real(t)  # type: ignore[assignment]  # a Parameter stays a Parameter
+    return module
 
 
 def _all_zero(tensor: torch.Tensor) -> bool:

@@ -45,6 +45,20 @@ JITTER_NAMES = ("jitter_noise", "router_jitter_noise")  # train-mode only: not i
 CAPACITY_NAMES = ("expert_capacity",)  # a Python int the block compares counts with: not a graph tensor
 
 
+def block_tensor(module: nn.Module, path: str) -> torch.Tensor:
+    """The parameter or buffer at dotted `path` below `module` (a selection bias is often a buffer: updated
+    by the training loop, not by the optimizer)."""
+    prefix, _, name = path.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    found = owner._parameters.get(name)
+    if found is None:
+        found = owner._buffers.get(name)
+    if found is None:
+        raise ValueError(f"{type(module).__name__} has no parameter or buffer {path!r}: the captured graph read it, "
+                         f"so the block's tensors changed after the capture; detect the model again")
+    return found
+
+
 def _attr(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, ...]) -> Any:
     """The first of `names` on `module` that is an instance of `kind` (a bool counts only as bool)."""
     for name in names:
@@ -62,9 +76,9 @@ class HFBlock:
         self.router_name = c.router_path.split(".")[0]  # the block's child: the module whose hooks record logits
         self.router: nn.Module = c.module.get_submodule(self.router_name)
         self.weight_name = facts.weight or ""
-        self.weight = c.module.get_parameter(self.weight_name)
+        self.weight = block_tensor(c.module, self.weight_name)
         self.bias_name = facts.bias
-        self.bias = None if facts.bias is None else c.module.get_parameter(facts.bias)
+        self.bias = None if facts.bias is None else block_tensor(c.module, facts.bias)
         self.call = module_call(c.graph, self.router_name) if c.graph is not None else "no graph"
         self.E, self.D = self.weight.shape
         self._dtype: str | None = None
@@ -93,8 +107,7 @@ class HFBlock:
         assert not isinstance(self.call, str)
         module_input, module_args = self.call
         first = x if module_input == "hidden" else x.reshape(-1, self.D)
-        extra = [self.c.module.get_parameter(p) if p in dict(self.c.module.named_parameters())
-                 else self.c.module.get_buffer(p) for p in module_args]
+        extra = [block_tensor(self.c.module, p) for p in module_args]
         return [first] + [t.detach().to(dtype) if t.is_floating_point() else t for t in extra]
 
     def logits_dtype(self, index: int | None) -> str:
@@ -151,26 +164,26 @@ class HFBlock:
 
 
 def fused_experts_specs(c: Candidate, D: int) -> list[ExpertsSpec] | str:
-    """transformers' fused experts: the layout from its declared flags; the activations the graph calls first."""
+    """transformers' fused experts: the layout their flags declare (both orientations where a flag is not
+    declared); the activations the graph calls first. An overridden `_apply_gate` is functional code like any
+    other: every gated activation is a hypothesis, the semantic check decides."""
     x = c.experts
     flags = {f: getattr(x, f, None) for f in ("has_gate", "has_bias", "is_transposed", "is_concatenated",
                                               "has_post_expert_norm")}
     if flags["has_bias"] or flags["has_post_expert_norm"] or flags["is_concatenated"] is False:
         return (f"experts {c.experts_path} declare {flags}: expert biases, post-expert norms and interleaved "
                 f"gate/up are not read by this recogniser")
-    apply_gate = getattr(type(x), "_apply_gate", None)
-    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
-        return f"experts {c.experts_path} ({type(x).__name__}) override _apply_gate: a custom gated activation"
-    transposed, gated = bool(flags["is_transposed"]), flags["has_gate"] is not False
+    gated = flags["has_gate"] is not False
     layouts = [lay for lay in expert_layouts(c, D)
-               if lay["gated"] == gated and lay["w_down"].transpose == transposed
+               if lay["gated"] == gated and (flags["is_transposed"] is None
+                                             or lay["w_down"].transpose == bool(flags["is_transposed"]))
                and (not gated or lay["w_gate"].chunk == (0, 2))]
     if not layouts:
-        return f"3-D parameters {c.fused_params} do not read as the declared layout (is_transposed={transposed}, D={D})"
-    lay = layouts[0]
+        return (f"3-D parameters {c.fused_params} do not read as the declared layout "
+                f"(is_transposed={flags['is_transposed']}, D={D})")
     return [ExpertsSpec(num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=lay["F"], activation=act,  # type: ignore[arg-type]
                         w_gate=lay["w_gate"], w_up=lay["w_up"], w_down=lay["w_down"], container=c.experts_path)
-            for act in activations(c, gated)]
+            for lay in layouts for act in activations(c, gated)]
 
 
 def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
@@ -184,7 +197,8 @@ def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
 
 
 def _router_block(c: Candidate) -> tuple[HFBlock, int | None, RouterFacts] | str:
-    """The shared preamble: a router *module* (not a bare Linear) whose output holds the logits."""
+    """The shared preamble: a router *module* whose output holds the logits: not a bare Linear (a subclass
+    of nn.Linear with its own forward is a router module, called as it is)."""
     if c.experts_kind not in ("fused", "moduledict", "modulelist") or c.router is None:
         return "experts are not fused 3-D weights or a container of expert modules"
     if not c.router_path or c.router.weight is None:
@@ -192,7 +206,7 @@ def _router_block(c: Candidate) -> tuple[HFBlock, int | None, RouterFacts] | str
     block = HFBlock(c, c.router)
     if isinstance(block.call, str):
         return block.call
-    if isinstance(block.router, nn.Linear):
+    if isinstance(block.router, nn.Linear) and type(block.router).forward is nn.Linear.forward:
         return f"router {block.router_name} is a plain nn.Linear: no router module to keep calling"
     index = block.logits_index()
     if isinstance(index, str):

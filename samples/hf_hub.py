@@ -184,7 +184,7 @@ def _shrunk(config: Any) -> dict[str, Any]:
             continue
         for pattern, tiny in SHRINK:
             if re.search(pattern, name):
-                exact = val is None or tiny == 0 or EXPERT_COUNT.match(name) or val <= 0
+                exact = val is None or tiny == 0 or EXPERT_COUNT.match(name)  # else 0 (off) stays 0
                 fields[name] = tiny if exact else min(val, tiny)
                 break
     for name, val in vars(config).items():  # train-mode parity is checked with dropout off

@@ -12,7 +12,7 @@ What the router does comes from the block's captured graph (`moepass.detect.rout
 selection, the selection-only bias, groups (a top-k over group scores), renormalisation (a sum over
 the K weights) and the routed scaling (a constant the weights are multiplied by):
 
-    softmax_topk   softmax over E, top-k [, renormalise]
+    softmax_topk   softmax over E, top-k [, renormalise]; or top-k logits, softmax over the K
     group_limited  + a selection bias [E] and / or a group-limited top-k, scaling, renormalisation
     top1_capacity  softmax, top-1 with a fixed `expert_capacity` counted per sequence
 
@@ -220,15 +220,19 @@ def _renorms(facts: RouterFacts) -> list[bool]:
 
 
 def softmax_topk(c: Candidate) -> list[MoESpec] | str:
-    """softmax over E → top-k → renormalise or not (the graph orders the two)."""
+    """softmax over E → top-k → renormalise or not, or top-k logits → softmax over the K (the graph orders
+    the hypotheses)."""
     found = _router_block(c)
     if isinstance(found, str):
         return found
     block, index, facts = found
     if facts.groups is not None or facts.selection_bias is not None:
         return f"router {block.router_name} has groups or a selection bias: a group_limited router"
+    # softmax over E then top-k, or over the top-k logits (a softmax of the top-k values in the graph: first)
+    orders = [not facts.softmax_after, facts.softmax_after]
     routers = [block.router_spec(index, top_k=facts.top_k, score_func="softmax", renormalize=r,
-                                 jitter_eps=block.block_jitter()) for r in _renorms(facts)]
+                                 softmax_before_topk=before, jitter_eps=block.block_jitter())
+               for before in orders for r in (_renorms(facts) if before else [False])]
     return block.specs("hf-softmax-topk", routers)
 
 
@@ -242,11 +246,13 @@ def group_limited(c: Candidate) -> list[MoESpec] | str:
     n_group, topk_group = facts.groups or (1, 1)
     if facts.selection_bias is None and n_group == 1:
         return f"router {block.router_name}: the graph shows neither a selection bias nor a group-limited top-k"
-    scaling = facts.scales[0] if facts.scales else 1.0
-    common = dict(top_k=facts.top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(scaling),
+    common = dict(top_k=facts.top_k, n_group=n_group, topk_group=topk_group,
                   selection_bias=None if facts.selection_bias is None else TensorSource.param(facts.selection_bias),
                   jitter_eps=block.block_jitter())
-    routers = [block.router_spec(index, score_func=score, renormalize=rn, group_score=gs, **common)
+    scalings = list(dict.fromkeys([*facts.scales, 1.0]))  # the graph's constants first
+    routers = [block.router_spec(index, score_func=score, renormalize=rn, group_score=gs,
+                                 routed_scaling_factor=float(scale), **common)
+               for scale in scalings
                for score, gs, rn in product(("sigmoid", "softmax"), ("top2_sum", "max"), _renorms(facts))]
     return block.specs("hf-group-limited", routers)
 

@@ -1,0 +1,198 @@
+"""The whole Hub: every MoE family of the installed transformers, built tiny, detected and compiled under
+`Plan(form="single")`; writes docs/HF_FAMILIES.md (and benchmarks/results/hf_hub.json).
+
+    python benchmarks/hf_hub.py [--only mixtral qwen2_moe ...] [--no-write]
+
+Families and how each is built: `samples/hf_hub.py` (its module doc gives the rule). For each family the
+row says whether it built, the MoE blocks one forward shows (modules computing a top-k / argmax / max
+over E router scores, counted under a TorchFunctionMode), what detection reported for them (accepted,
+rejected, or no report line at all), and the verdict: exact under single (eval output, train loss and
+every parameter gradient equal to the original's in fp32, rtol 1e-5 / atol 1e-6), rejected (detection's
+reason), not reported, mismatch, crash. `CAUSES` holds what reading each non-exact family's code found
+(the cause and the way out); it is keyed by family and checked against the verdict computed here, so a
+stale entry shows up as such in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from samples import hf_hub as H  # noqa: E402
+
+# family -> (verdict it was read under, cause, way out): what reading the family's code found
+CAUSES: dict[str, tuple[str, str, str]] = {
+    "gpt_oss": ("not reported", "the candidate is the fused experts module: its [E, D] `down_proj_bias` is taken "
+                "as a router weight (candidates.py `_router_weight` ranks a weight beside the fused experts last "
+                "only among one ancestor's weights), so the probe calls `mlp.experts` alone (it needs the routing "
+                "arguments) and the report line names a module that holds no selection",
+                "candidate finding from the traced graph (in progress); or in `find_candidates`, try every "
+                "ancestor for a weight outside the fused experts' own module before accepting one beside them"),
+    "openai_privacy_filter": ("not reported", "GPT-OSS's block: the same cause", "as GPT-OSS"),
+    "dbrx": ("not reported", "the experts are 2-D parameters [E*F, D] (`w1`, `v1`, `w2`) viewed as [E, F, D] in "
+             "the forward: no expert group (3-D parameters or a list of expert modules) exists in the module tree",
+             "candidates from the traced graph (a `view(E, F, D)` of a parameter read by the expert loop); the "
+             "experts spec then needs a reshaped TensorSource"),
+    "jetmoe": ("not reported", "each expert projection is its own module holding one 3-D [E, F, D] weight "
+               "(`input_linear`, `output_linear`): an expert group needs >= 2 such parameters in one module; "
+               "its attention is a mixture of attention heads (2 of the 4 routed modules), not an FFN",
+               "candidates from the traced graph, or group 3-D weights with one leading E across sibling modules; "
+               "the attention experts stay out of scope"),
+    "nllb-moe": ("not reported", "the experts container is a plain nn.Module holding `expert_0` ... as attributes "
+                 "(not a ModuleList / ModuleDict), so no expert group is found",
+                 "treat a module whose children are >= 2 identical expert modules as a container (or candidates "
+                 "from the traced graph); its top-2 router with a second-expert policy then needs a recogniser"),
+    "phimoe": ("rejected", "sparsemixer selection: two rounds of `max` over masked scores with a jitter threshold, "
+               "no top-k / argmax the capture recognises",
+               "recognise `max(dim=-1)` as a top-1 selection in capture.selection; the router module returns "
+               "(weights, experts), so logits_from='selection' would call it as it is; or give the block a "
+               "`moepass_spec(path)`"),
+    "llama4_text": ("rejected", "the router score (sigmoid of the top-k logits) multiplies each expert's *input*, "
+                    "and the block returns [T, D]: no MoESpec field describes either",
+                    "a spec field for input-side weighting (and a flattened output), or a self-described block"),
+    "deepseek_v4": ("crash", "the compiled model calls the rewritten block with `input_ids=` (its hash-routed "
+                    "layers need token ids); the top-k layer's rewritten forward takes no such keyword. The hash "
+                    "layer is rejected: probed without its optional `input_ids`",
+                    "the rewritten block accepts (and ignores) optional keyword inputs the captured graph never "
+                    "read; probe optional inputs with token ids when the block fails without them"),
+    "switch_transformers": ("mismatch", "an expert no token reaches keeps `grad=None` in the original (its loop "
+                            "skips it) and gets a zero gradient in the rewrite: equal values, but an optimizer "
+                            "with weight decay or momentum steps the zero-gradient expert",
+                            "leave experts that received no token without a gradient (or document the "
+                            "difference); tests/test_hf_families.py's sizes route every expert"),
+    "gemma4_text": ("rejected", "router and experts sit directly in the decoder layer, so the candidate is the whole "
+                    "layer, which the probe cannot call with hidden states alone (it needs position embeddings)",
+                    "candidates from the traced graph (the MoE region inside the layer)"),
+    "diffusion_gemma_text": ("rejected", "Gemma-4's layer: the same cause", "as Gemma-4"),
+    "zaya": ("rejected", "the router module is called with the previous layer's router state (an argument other "
+             "than the block input and its own tensors), and selects over E + 1 (a skip expert)",
+             "a router-state input the spec can thread through; out of scope of the single rewrite"),
+    "inkling_text": ("rejected", "a shared-expert sink: the router scores E + 1 experts (an [E + 1, D] weight), "
+                     "the top-k runs over E of them",
+                     "a recogniser reading the sink column as a shared expert's weight"),
+    "muse_spark_text": ("rejected", "the router module's outputs hold no plain `x @ W.T` logits (they are scaled "
+                        "or normalised before being returned)", "the router region calls the module as it is "
+                        "when it returns (weights, experts); otherwise a self-described block"),
+}
+
+
+def run(only: list[str] | None = None) -> list[H.Outcome]:
+    outcomes = []
+    for family in H.moe_families():
+        if only and family.model_type not in only:
+            continue
+        if family.covered_by is not None:
+            outcomes.append(H.Outcome(family))
+            continue
+        start = time.perf_counter()
+        out = H.evaluate(family)
+        print(f"{family.model_type:28s} {out.verdict:20s} {time.perf_counter() - start:5.1f} s", flush=True)
+        outcomes.append(out)
+    return outcomes
+
+
+def _cell(text: str, limit: int = 400) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _reason(out: H.Outcome) -> tuple[str, str]:
+    """(cause, way out) for a non-exact row: CAUSES when its verdict still holds, else what detection said."""
+    known = CAUSES.get(out.family.model_type)
+    if known is not None and known[0] == out.verdict:
+        return known[1], known[2]
+    if out.verdict == "not built":
+        return out.why_not_built, "a tiny config this family accepts (see samples/hf_hub.py OVERRIDES)"
+    if out.crash:
+        return out.crash, ""
+    if out.not_reported:
+        return f"no report line covers {out.not_reported}", ""
+    if out.rejected:
+        path, reason = next(iter(out.rejected.items()))
+        closest = [part for part in reason.split("; ") if "closest" in part]
+        return f"{path}: {(closest or [reason])[0]}", "not analysed yet"
+    if out.parity:
+        return out.parity, ""
+    if not out.routed:
+        return "one forward computes no top-k / argmax / max over E scores", "not a top-k routed MoE"
+    return "", ""
+
+
+def markdown(outcomes: list[H.Outcome]) -> str:
+    own = [o for o in outcomes if o.family.covered_by is None]
+    built = [o for o in own if o.built]
+    exact = [o for o in built if o.verdict == "exact under single"]
+    counts: dict[str, int] = {}
+    for o in own:
+        counts[o.verdict] = counts.get(o.verdict, 0) + 1
+    import transformers
+
+    lines = [
+        "# Hugging Face MoE families under moepass",
+        "",
+        f"transformers {transformers.__version__}: {len(outcomes)} model types declare experts, "
+        f"{len(own)} of them their own MoE blocks ({len(outcomes) - len(own)} composite wrappers are covered by "
+        f"their text model type). **Built {len(built)}, exact under single {len(exact)}, "
+        f"{len(exact)}/{len(built)} = {100 * len(exact) / max(len(built), 1):.0f} %.** "
+        + ", ".join(f"{v}: {n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",
+        "",
+        "Generated by `python benchmarks/hf_hub.py` (families and tiny configs: `samples/hf_hub.py`; the exact "
+        "ones are asserted by `tests/test_hf_hub.py`). Each family is built from its config with random "
+        "weights, fp32, eager attention and eager experts, E = 6 experts, k = 2, width 32, 2 layers. "
+        "*Expected*: the modules one forward shows computing a top-k / argmax / max over E router scores. "
+        "*Detected*: accepted / rejected report lines covering them; *not reported*: routed modules no "
+        "report line covers. *Exact under single*: `moepass.compile(model, Plan(form=\"single\"))` gives the "
+        "original's eval output, train loss and every parameter gradient (rtol 1e-5, atol 1e-6).",
+        "",
+        "| family | built | model class | expected | detected (acc / rej / not rep.) | verdict | reason | way out |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for o in own:
+        cause, way = ("", "") if o.verdict == "exact under single" else _reason(o)
+        lines.append(
+            f"| {o.family.model_type} | {'yes' if o.built else 'no'} | {o.model_class} | "
+            f"{o.expected if o.built else ''} | "
+            f"{f'{len(o.accepted)} / {len(o.rejected)} / {len(o.not_reported)}' if o.built else ''} | "
+            f"{o.verdict} | {_cell(cause)} | {_cell(way)} |")
+    lines += ["", "Composite configs whose experts live in another model type's config (covered by that row):", ""]
+    lines += [f"- {o.family.model_type} ({o.family.expert_field}) → {o.family.covered_by}"
+              for o in outcomes if o.family.covered_by is not None]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="model types to run (default: all)")
+    parser.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    start = time.perf_counter()
+    outcomes = run(args.only)
+    text = markdown(outcomes)
+    if args.no_write or args.only:
+        print(text)
+        return 0
+    (ROOT / "docs" / "HF_FAMILIES.md").write_text(text)
+    rows = [dict(family=o.family.model_type, covered_by=o.family.covered_by, built=o.built, verdict=o.verdict,
+                 model_class=o.model_class, expected=sorted(o.routed), accepted=o.accepted, rejected=o.rejected,
+                 not_reported=o.not_reported, why_not_built=o.why_not_built, crash=o.crash, parity=o.parity,
+                 seconds=round(o.seconds, 2)) for o in outcomes]
+    (ROOT / "benchmarks" / "results" / "hf_hub.json").write_text(
+        json.dumps(dict(seconds=round(time.perf_counter() - start, 1), rows=rows), indent=1) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

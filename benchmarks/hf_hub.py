@@ -46,10 +46,11 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                "its attention is a mixture of attention heads (2 of the 4 routed modules), not an FFN",
                "candidates from the traced graph, or group 3-D weights with one leading E across sibling modules; "
                "the attention experts stay out of scope"),
-    "nllb-moe": ("not reported", "the experts container is a plain nn.Module holding `expert_0` ... as attributes "
-                 "(not a ModuleList / ModuleDict), so no expert group is found",
-                 "treat a module whose children are >= 2 identical expert modules as a container (or candidates "
-                 "from the traced graph); its top-2 router with a second-expert policy then needs a recogniser"),
+    "nllb-moe": ("not reported", "the experts container (a ModuleDict subclass) holds a `token_dropout` nn.Dropout "
+                 "beside its E expert modules, so its entries are not all of one type and candidates.py `_listed` "
+                 "finds no expert group",
+                 "in `_listed`, take the entries of one type with linears (>= 2) and let parameter-free extras "
+                 "be; its top-2 router with a second-expert policy then needs a recogniser"),
     "phimoe": ("rejected", "sparsemixer selection: two rounds of `max` over masked scores with a jitter threshold, "
                "no top-k / argmax the capture recognises",
                "recognise `max(dim=-1)` as a top-1 selection in capture.selection; the router module returns "
@@ -75,12 +76,19 @@ CAUSES: dict[str, tuple[str, str, str]] = {
     "zaya": ("rejected", "the router module is called with the previous layer's router state (an argument other "
              "than the block input and its own tensors), and selects over E + 1 (a skip expert)",
              "a router-state input the spec can thread through; out of scope of the single rewrite"),
-    "inkling_text": ("rejected", "a shared-expert sink: the router scores E + 1 experts (an [E + 1, D] weight), "
-                     "the top-k runs over E of them",
-                     "a recogniser reading the sink column as a shared expert's weight"),
-    "muse_spark_text": ("rejected", "the router module's outputs hold no plain `x @ W.T` logits (they are scaled "
-                        "or normalised before being returned)", "the router region calls the module as it is "
-                        "when it returns (weights, experts); otherwise a self-described block"),
+    "inkling_text": ("rejected", "a shared-expert sink: the router weight is [E + 1, D] (the shared expert scored "
+                     "beside the routed ones), so the candidate counts R = E + 1 experts and candidates.py "
+                     "`capture_candidate` looks for a selection over E + 1 scores while the top-k runs over the "
+                     "first E; the weights are a softmax over the K chosen logits and the shared one together",
+                     "`capture_candidate`: also look for a selection over the expert group's E "
+                     "(`num_ffn_experts`); then a recogniser for the sink's joint normalisation"),
+    "muse_spark_text": ("rejected", "the router logits are multiplied by `output_multiplier` before being returned (no "
+                        "output equals x @ W.T), and the fused experts declare post-expert norms",
+                        "a logit scale read from the graph (a constant multiplying the logits) and post-expert "
+                        "norms in ExpertsSpec"),
+    "axk1": ("rejected", "DeepSeek-V3's block plus an RMSNorm on the combined output (`post_mlp_layernorm`): no "
+             "MoESpec field applies a norm after the combination",
+             "a post-combine norm in MoESpec, or the norm moved out of the MoE block"),
 }
 
 

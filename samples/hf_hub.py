@@ -20,6 +20,7 @@ reference path).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -95,7 +96,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Family:
     """One MoE model type: its config class, the MoE field that made it one, and how it builds."""
 
@@ -103,7 +104,6 @@ class Family:
     config_class: str
     expert_field: str  # the field (dotted through a sub-config) counting experts
     covered_by: str | None = None  # a model type whose config holds the experts (a composite wrapper)
-    notes: list[str] = field(default_factory=list)
 
 
 def _expert_field(config: Any, prefix: str = "") -> str | None:
@@ -120,8 +120,10 @@ def _expert_field(config: Any, prefix: str = "") -> str | None:
     return None
 
 
-def moe_families() -> list[Family]:
-    """Every model type of the installed transformers whose config declares an expert count (module doc)."""
+@functools.cache
+def moe_families() -> tuple[Family, ...]:
+    """Every model type of the installed transformers whose config declares an expert count (module doc).
+    Cached: it builds every config class once with its defaults (seconds)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -134,15 +136,15 @@ def moe_families() -> list[Family]:
         where = _expert_field(config)
         if where is None:
             continue
-        fam = Family(model_type, class_name, where)
+        covered_by = None
         if "." in where:  # experts in a sub-config: covered by that sub-config's own model type, if it has one
             sub = config
             for part in where.split(".")[:-1]:
                 sub = getattr(sub, part)
             if sub.model_type in CONFIG_MAPPING_NAMES and sub.model_type != model_type:
-                fam.covered_by = sub.model_type
-        found.append(fam)
-    return found
+                covered_by = sub.model_type
+        found.append(Family(model_type, class_name, where, covered_by))
+    return tuple(found)
 
 
 def tiny_config(family: Family) -> Any:
@@ -430,6 +432,10 @@ def parity(model: nn.Module, compiled: nn.Module, batch: dict[str, torch.Tensor]
     return ""
 
 
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+
+
 def evaluate(family: Family, compile_: bool = True) -> Outcome:
     """Build `family` tiny, count its routed blocks, detect, and (`compile_`) compile the accepted blocks
     under `Plan(form="single")` and check parity. Never raises: a failure is recorded in the outcome."""
@@ -443,13 +449,13 @@ def evaluate(family: Family, compile_: bool = True) -> Outcome:
         model, batch = build(family)
         out.routed = count_routed(model, batch)
     except Exception as err:  # noqa: BLE001  (a family that does not build tiny: its reason is the row)
-        out.why_not_built = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        out.why_not_built = _error(err)
         return out
     out.built, out.model_class = True, type(model).__name__
     try:
         report = moepass.detect(model)
     except Exception as err:  # noqa: BLE001
-        out.crash = f"detect raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        out.crash = f"detect raised {_error(err)}"
         return out
     accepted = [d.path for d in report.details if d.accepted]
     rejected = {d.path: d.reason for d in report.details if not d.accepted}
@@ -466,6 +472,6 @@ def evaluate(family: Family, compile_: bool = True) -> Outcome:
             compiled = moepass.compile(model, moepass.Plan(form="single"), report=report)
             out.parity = parity(model, compiled, batch)
         except Exception as err:  # noqa: BLE001
-            out.crash = f"compile / parity raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            out.crash = f"compile / parity raised {_error(err)}"
     out.seconds = time.perf_counter() - start
     return out

@@ -164,8 +164,8 @@ class HFBlock:
 
 
 def fused_experts_specs(c: Candidate, D: int) -> list[ExpertsSpec] | str:
-    """transformers' fused experts: the layout their flags declare (both orientations where a flag is not
-    declared); the activations the graph calls first. An overridden `_apply_gate` is functional code like any
+    """transformers' fused experts: the layout their flags declare (every reading where a flag is not declared:
+    gated or not, either orientation); the activations the graph calls first. An overridden `_apply_gate` is functional code like any
     other: every gated activation is a hypothesis, the semantic check decides."""
     x = c.experts
     flags = {f: getattr(x, f, None) for f in ("has_gate", "has_bias", "is_transposed", "is_concatenated",
@@ -173,17 +173,16 @@ def fused_experts_specs(c: Candidate, D: int) -> list[ExpertsSpec] | str:
     if flags["has_bias"] or flags["has_post_expert_norm"] or flags["is_concatenated"] is False:
         return (f"experts {c.experts_path} declare {flags}: expert biases, post-expert norms and interleaved "
                 f"gate/up are not read by this recogniser")
-    gated = flags["has_gate"] is not False
     layouts = [lay for lay in expert_layouts(c, D)
-               if lay["gated"] == gated and (flags["is_transposed"] is None
-                                             or lay["w_down"].transpose == bool(flags["is_transposed"]))
-               and (not gated or lay["w_gate"].chunk == (0, 2))]
+               if (flags["has_gate"] is None or lay["gated"] == bool(flags["has_gate"]))
+               and (flags["is_transposed"] is None or lay["w_down"].transpose == bool(flags["is_transposed"]))
+               and (not lay["gated"] or lay["w_gate"].chunk == (0, 2))]
     if not layouts:
-        return (f"3-D parameters {c.fused_params} do not read as the declared layout "
-                f"(is_transposed={flags['is_transposed']}, D={D})")
+        return (f"3-D parameters {c.fused_params} do not read as the declared layout (has_gate={flags['has_gate']}, "
+                f"is_transposed={flags['is_transposed']}, D={D})")
     return [ExpertsSpec(num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=lay["F"], activation=act,  # type: ignore[arg-type]
                         w_gate=lay["w_gate"], w_up=lay["w_up"], w_down=lay["w_down"], container=c.experts_path)
-            for lay in layouts for act in activations(c, gated)]
+            for lay in layouts for act in activations(c, lay["gated"])]
 
 
 def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:

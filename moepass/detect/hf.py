@@ -50,7 +50,7 @@ def block_tensor(module: nn.Module, path: str) -> torch.Tensor:
     by the training loop, not by the optimizer)."""
     prefix, _, name = path.rpartition(".")
     owner = module.get_submodule(prefix) if prefix else module
-    found = owner._parameters.get(name)
+    found: torch.Tensor | None = owner._parameters.get(name)
     if found is None:
         found = owner._buffers.get(name)
     if found is None:

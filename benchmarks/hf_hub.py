@@ -89,6 +89,14 @@ CAUSES: dict[str, tuple[str, str, str]] = {
     "axk1": ("rejected", "DeepSeek-V3's block plus an RMSNorm on the combined output (`post_mlp_layernorm`): no "
              "MoESpec field applies a norm after the combination",
              "a post-combine norm in MoESpec, or the norm moved out of the MoE block"),
+    "ernie4_5_vl_moe_text": ("rejected", "the MoE layer sends text and vision tokens to two expert sets "
+                             "(`text_moe`, `vision_moe`) by token type; the candidate is the text set alone, whose "
+                             "forward returns the tokens flattened to 1-D",
+                             "a spec for modality-split experts (token-type dispatch); out of scope of the single "
+                             "rewrite"),
+    "nemotron_h": ("rejected", "non-gated relu2 experts with latent projections around them (identity at this "
+                   "config); every hypothesis differs by ~3.9, cause not found yet",
+                   "not analysed further"),
 }
 
 

@@ -72,6 +72,7 @@ SHRINK: list[tuple[str, Any]] = [
     (r"^(vocab_size_per_layer_input|ngram_vocab_size_base)$", VOCAB),
     (r"^(hidden_size_per_layer_input|ple_embed_dim)$", 8),
     (r"^zero_expert_num$", 2),
+    (r"^index_kpool$", 2),
     (r"^(mamba_n_groups|n_groups)$", 1),
 ]
 # fields whose None means "use the default" or "no MoE" (not "off"): a tiny value turns them on
@@ -93,6 +94,15 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": dict(enable_moe_block=True),  # MoE is off by default
     "unlimited_ocr_text": dict(num_key_value_heads=4),  # its attention does not repeat key / value heads
     "step3p5": dict(sliding_window=16),  # required, unset by default
+    # heads x head width = mamba_expand x hidden; the default stack is all Mamba, and the cache needs an attention layer
+    "granitemoehybrid": dict(mamba_n_heads=8, layer_types=["linear_attention", "full_attention"]),
+    "mistral4": dict(head_dim=16),  # its rope covers head_dim x partial_rotary_factor 0.5 = qk_rope_head_dim
+    "qwen3_omni_moe_talker_text": dict(shared_expert_intermediate_size=24),  # read by the model, not declared
+    "qwen4_exp_text": dict(indexer_budget=8, indexer_compress_ratio=2),  # None by default, divided
+    # multimodal rope sections must sum to the rotary half-width (4 at head_dim 8)
+    "ernie4_5_vl_moe_text": dict(rope_parameters=dict(rope_theta=500000.0, rope_type="default", mrope_section=[1, 1, 2])),
+    "glm4v_moe_text": dict(rope_parameters=dict(rope_theta=10000.0, rope_type="default", partial_rotary_factor=1.0,
+                                                mrope_section=[2, 1, 1])),
 }
 
 

@@ -8,6 +8,8 @@ that regresses (rejected, not reported, a crash, a parity difference) fails its 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -19,13 +21,24 @@ from samples import hf_hub as H  # noqa: E402
 EXACT = (
     "afmoe", "aria_text", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2_text", "deepseek_v2",
     "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
-    "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
-    "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
-    "minimax_m2", "minimax_m3_vl_text", "mistral_large4_text", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
+    "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "granitemoe", "granitemoe_swa",
+    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear",
+    "kolibri1", "laguna", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
+    "mistral4", "mistral_large4_text", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
     "qwen3_next", "qwen3_omni_moe_text", "qwen3_vl_moe_text", "solar_open", "step3p5", "unlimited_ocr_text",
 )
-# the slowest to detect here (several seconds each: many hypotheses before the accepted one)
-SLOW = {"granitemoe_swa", "glm4_moe", "bailing_hybrid", "jamba", "granitemoeshared"}
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "HF_FAMILIES.md"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: one thread is faster than two, and far faster when the cores are shared."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +69,13 @@ def test_count_routed_sees_each_selection(families):
     assert H.count_routed(model, batch) == {f"model.layers.{i}.mlp.gate": "topk" for i in range(H.LAYERS)}
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in EXACT])
+def test_the_docs_table_lists_these_families_as_exact():
+    rows = [line.split("|") for line in DOCS.read_text().splitlines() if line.startswith("| ")]
+    assert sorted(r[1].strip() for r in rows if r[6].strip() == "exact under single") == sorted(EXACT), \
+        "docs/HF_FAMILIES.md and EXACT disagree: run `python benchmarks/hf_hub.py` and update EXACT"
+
+
+@pytest.mark.parametrize("family", EXACT)
 def test_exact_under_single(family, families):
     out = _outcome(families[family])
     assert out.verdict == "exact under single", (
@@ -65,6 +84,7 @@ def test_exact_under_single(family, families):
     assert out.expected >= 1 and len(out.accepted) >= 1
 
 
+@pytest.mark.slow  # every family that builds (a minute here); the exact ones reuse their evaluation
 def test_detect_never_raises_on_a_built_family(families):
     """Every family that builds tiny: `moepass.detect` returns a report (a block it cannot read is rejected
     with its reason, never an exception)."""

@@ -30,8 +30,8 @@ from samples import hf_hub as H  # noqa: E402
 
 # family -> (verdict it was read under, cause, way out): what reading the family's code found
 CAUSES: dict[str, tuple[str, str, str]] = {
-    "gpt_oss": ("not reported", "the candidate is the fused experts module: its [E, D] `down_proj_bias` is taken "
-                "as a router weight (candidates.py `_router_weight` ranks a weight beside the fused experts last "
+    "gpt_oss": ("not reported", "the candidate is the fused experts module: its [E, 2F] `gate_up_proj_bias` is taken "
+                "as a router weight (D read as 2F) (candidates.py `_router_weight` ranks a weight beside the fused experts last "
                 "only among one ancestor's weights), so the probe calls `mlp.experts` alone (it needs the routing "
                 "arguments) and the report line names a module that holds no selection",
                 "candidate finding from the traced graph (in progress); or in `find_candidates`, try every "
@@ -56,8 +56,9 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                "recognise `max(dim=-1)` as a top-1 selection in capture.selection; the router module returns "
                "(weights, experts), so logits_from='selection' would call it as it is; or give the block a "
                "`moepass_spec(path)`"),
-    "llama4_text": ("rejected", "the router score (sigmoid of the top-k logits) multiplies each expert's *input*, "
-                    "and the block returns [T, D]: no MoESpec field describes either",
+    "llama4_text": ("rejected", "the router score (sigmoid of the top-k logits) multiplies each expert's *input* "
+                    "(`routed_in * router_scores`), and the block returns ([T, D], logits): no MoESpec field "
+                    "describes input-side weighting",
                     "a spec field for input-side weighting (and a flattened output), or a self-described block"),
     "deepseek_v4": ("crash", "the compiled model calls the rewritten block with `input_ids=` (its hash-routed "
                     "layers need token ids); the top-k layer's rewritten forward takes no such keyword. The hash "
@@ -98,20 +99,20 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                    "config); every hypothesis differs by ~3.9, cause not found yet",
                    "not analysed further"),
     "dots3_note_text": ("not built", "a heterogeneous per-layer config: the model reads `kv_lora_rank` globally, "
-                        "which the per-layer config refuses once the layer count is cut",
+                        "which the per-layer config refuses (AmbiguousGlobalPerLayerAttributeError)",
                         "shrink `per_layer_config` layer by layer (not done here)"),
     "dots3_note_vision_encoder": ("not built", "a vision encoder (MoE inside a vision tower): needs pixel values and "
                                   "grid sizes, and its per-layer config is keyed by layers 25-41",
                                   "a vision probe; out of scope of the text-token probes"),
     "longcat_flash": ("not built", "its latent attention splits the key / value projection into widths the shrunk "
                       "config does not produce (8 vs 8 + 8); not pursued", "a consistent tiny MLA config"),
-    "qwen3_omni_moe_talker_text": ("not built", "the talker's model embeds codec tokens, not `input_ids` (no "
-                                   "`embed_tokens`): it is fed by the thinker's hidden states",
+    "qwen3_omni_moe_talker_text": ("not built", "the talker's model has no `embed_tokens` (it does not take text `input_ids` "
+                                   "as built here)",
                                    "build it through the omni model; its MoE is Qwen3-MoE's (covered)"),
-    "qwen4_exp_text": ("not built", "its sparse-attention indexer (QSA) needs a dozen fields the default config "
-                       "leaves unset", "a complete tiny QSA config"),
-    "vitpose_backbone": ("not built", "a backbone without a model class of its own; its `num_experts` picks an "
-                         "expert head by dataset index, not by a router", "not a routed MoE"),
+    "qwen4_exp_text": ("not built", "its sparse-attention indexer (QSA) needs fields the default config leaves unset "
+                       "(`indexer_budget`, `indexer_compress_ratio`, `indexer_n_heads`, ...)", "a complete tiny QSA config"),
+    "vitpose_backbone": ("not built", "no model class takes its config (a backbone); its `num_experts` linears are "
+                         "picked by a dataset index passed in (`indices == i`), not by a router", "not a routed MoE"),
 }
 
 

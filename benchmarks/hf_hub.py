@@ -34,8 +34,11 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                 "as a router weight (D read as 2F) (candidates.py `_router_weight` ranks a weight beside the fused experts last "
                 "only among one ancestor's weights), so the probe calls `mlp.experts` alone (it needs the routing "
                 "arguments) and the report line names a module that holds no selection",
-                "candidate finding from the traced graph (in progress); or in `find_candidates`, try every "
-                "ancestor for a weight outside the fused experts' own module before accepting one beside them"),
+                "candidates.py `_grouped`: count every parameter of the fused experts' own module with leading "
+                "dim E (its biases) as the group's (or candidates from the traced graph). Tried in a scratch run: "
+                "the block `mlp` is then the candidate and reaches the semantic check (the biases and interleaved "
+                "gate / up are read), and fails only on its second output, the top-k weights [T, K], which "
+                "MoESpec.side_outputs cannot name (`router_logits` only)"),
     "openai_privacy_filter": ("not reported", "GPT-OSS's block: the same cause", "as GPT-OSS"),
     "dbrx": ("not reported", "the experts are 2-D parameters [E*F, D] (`w1`, `v1`, `w2`) viewed as [E, F, D] in "
              "the forward: no expert group (3-D parameters or a list of expert modules) exists in the module tree",
@@ -49,8 +52,9 @@ CAUSES: dict[str, tuple[str, str, str]] = {
     "nllb-moe": ("not reported", "the experts container (a ModuleDict subclass) holds a `token_dropout` nn.Dropout "
                  "beside its E expert modules, so its entries are not all of one type and candidates.py `_listed` "
                  "finds no expert group",
-                 "in `_listed`, take the entries of one type with linears (>= 2) and let parameter-free extras "
-                 "be; its top-2 router with a second-expert policy then needs a recogniser"),
+                 "in `_listed`, leave parameter-free entries out of the group. Tried in a scratch run: the block "
+                 "is then reported, rejected (its router is called with the padding mask too; its top-2 "
+                 "second-expert policy matches no known rule)"),
     "phimoe": ("rejected", "sparsemixer selection: two rounds of `max` over masked scores with a jitter threshold, "
                "no top-k / argmax the capture recognises",
                "recognise `max(dim=-1)` as a top-1 selection in capture.selection; the router module returns "

@@ -7,15 +7,17 @@ built with its defaults, has an integer field that counts experts (`EXPERT_COUNT
 config (vision / audio + text) whose experts live only in a sub-config of another model type is
 folded into that type (`Family.covered_by`): its MoE blocks are that type's, and its extra towers are
 what a tiny build of the wrapper would add. Whether a family really *routes* is not read from the
-config: `count_routed` runs one forward and counts the modules that compute a top-k (or argmax) over
-E router scores.
+config: `count_routed` runs one forward and counts the modules that compute a top-k (or argmax, or max)
+over E router scores.
 
 How a config is made tiny (`tiny_config`): every field is shrunk by its name (`SHRINK`: widths 32,
-4 heads of 8, 2 layers, E = 8 experts, k = 2, vocab 64, LoRA ranks 16 ...); lists indexed by layer
-are cut to the layer count; token ids beyond the vocabulary are moved inside it; `OVERRIDES` adds
-what a family needs beyond the rule (a field that must agree with another, an MoE layer placed
-within the first layers). Attention is `eager`, experts `eager` (the per-expert loop: every family's
-reference path).
+4 heads of 8, 2 layers, E = 6 experts, k = 2, vocab 64, LoRA ranks 16 ...) and the shrunk fields are
+passed to the config class, so that what it derives from them follows; lists indexed by layer are cut
+to the layer count, keeping an MoE layer and (in a hybrid stack) an attention layer; token ids beyond
+the vocabulary are moved inside it; dropout is off (train-mode parity is compared). `OVERRIDES` adds
+what a family needs beyond the rule, each with its reason (a field the default config leaves unset, a
+width that must agree with another). Attention is `eager`, experts `eager` (the per-expert loop: every
+family's reference path).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from torch.overrides import TorchFunctionMode
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB, SEQ, BATCH = 64, 9, 2
-E, K, LAYERS = 6, 2, 2  # E apart from every other width (heads 4, head_dim 8, SEQ and SEQ + 1 sink): a top-k over E is routing
+# E differs from every other width a top-k or max may run over (4 heads, head_dim 8, SEQ, SEQ + 1 with an
+# attention sink), so a selection over E scores is routing
+E, K, LAYERS = 6, 2, 2
 EXPERT_COUNT = re.compile(r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts)$")
 
 # field name -> tiny value, first match wins (an int field only; lists indexed by layer are cut separately)
@@ -48,7 +52,7 @@ SHRINK: list[tuple[str, Any]] = [
     (r"^(decoder_sparse_step|moe_layer_interval|expert_layer_period|interleave_moe_layer_step|moe_layer_freq)$", 1),
     (r"^(num_hidden_layers|num_layers|n_layers|decoder_layers|encoder_layers|num_decoder_layers)$", LAYERS),
     (r"^(num_sparse_encoder_layers|num_sparse_decoder_layers)$", 1),
-    (r"^(encoder_sparse_step|decoder_sparse_step)$", 2),
+    (r"^encoder_sparse_step$", 2),
     (r"^(vocab_size|unpadded_vocab_size)$", VOCAB),
     (r"^(hidden_size|d_model|n_embd|router_hidden_size)$", 32),
     (r"(num_attention_heads|num_heads|_attention_heads|n_heads)$", 4),

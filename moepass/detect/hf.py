@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepass.detect.candidates import Candidate, shared_expert
-from moepass.detect.fused_experts import activations, expert_layouts
+from moepass.detect.fused_experts import expert_layouts, layout_experts
 from moepass.detect.loop_experts import stacked_experts_spec
 from moepass.detect.router import RouterFacts, module_call
 from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
@@ -164,25 +164,32 @@ class HFBlock:
 
 
 def fused_experts_specs(c: Candidate, D: int) -> list[ExpertsSpec] | str:
-    """transformers' fused experts: the layout their flags declare (every reading where a flag is not declared:
-    gated or not, either orientation); the activations the graph calls first. An overridden `_apply_gate` is functional code like any
-    other: every gated activation is a hypothesis, the semantic check decides."""
+    """transformers' fused experts: the layouts their flags declare (every reading where a flag is not
+    declared: gated or not, either orientation, gate / up halves or interleaved rows), with their biases when
+    `has_bias`; the activations the graph calls first. An overridden `_apply_gate` is functional code like any
+    other: every activation is a hypothesis, the semantic check decides."""
     x = c.experts
     flags = {f: getattr(x, f, None) for f in ("has_gate", "has_bias", "is_transposed", "is_concatenated",
                                               "has_post_expert_norm")}
-    if flags["has_bias"] or flags["has_post_expert_norm"] or flags["is_concatenated"] is False:
-        return (f"experts {c.experts_path} declare {flags}: expert biases, post-expert norms and interleaved "
-                f"gate/up are not read by this recogniser")
-    layouts = [lay for lay in expert_layouts(c, D)
-               if (flags["has_gate"] is None or lay["gated"] == bool(flags["has_gate"]))
-               and (flags["is_transposed"] is None or lay["w_down"].transpose == bool(flags["is_transposed"]))
-               and (not lay["gated"] or lay["w_gate"].chunk == (0, 2))]
+    if flags["has_post_expert_norm"]:
+        return f"experts {c.experts_path} declare has_post_expert_norm: post-expert norms are not read"
+
+    def declared(lay: dict) -> bool:
+        if flags["has_gate"] is not None and lay["gated"] != bool(flags["has_gate"]):
+            return False
+        if flags["is_transposed"] is not None and lay["w_down"].transpose != bool(flags["is_transposed"]):
+            return False
+        if not lay["gated"]:
+            return True
+        halves, rows = lay["w_gate"].chunk == (0, 2), lay["w_gate"].interleave == (0, 2)  # gate first
+        concatenated = flags["is_concatenated"]
+        return halves if concatenated else rows if concatenated is False else halves or rows
+
+    layouts = [lay for lay in expert_layouts(c, D) if declared(lay)]
     if not layouts:
         return (f"3-D parameters {c.fused_params} do not read as the declared layout (has_gate={flags['has_gate']}, "
-                f"is_transposed={flags['is_transposed']}, D={D})")
-    return [ExpertsSpec(num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=lay["F"], activation=act,  # type: ignore[arg-type]
-                        w_gate=lay["w_gate"], w_up=lay["w_up"], w_down=lay["w_down"], container=c.experts_path)
-            for lay in layouts for act in activations(c, lay["gated"])]
+                f"is_transposed={flags['is_transposed']}, is_concatenated={flags['is_concatenated']}, D={D})")
+    return [experts for lay in layouts for experts in layout_experts(c, lay, D, biases=flags["has_bias"] is not False)]
 
 
 def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:

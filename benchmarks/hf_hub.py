@@ -117,6 +117,9 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                        "(`indexer_budget`, `indexer_compress_ratio`, `indexer_n_heads`, ...)", "a complete tiny QSA config"),
     "vitpose_backbone": ("not built", "no model class takes its config (a backbone); its `num_experts` linears are "
                          "picked by a dataset index passed in (`indices == i`), not by a router", "not a routed MoE"),
+    "inkling2_text": ("rejected", "its experts' activation is a softcapped SwiGLU (`Inkling2SoftcappedSwiGLU`: tanh "
+                      "softcaps bound the gate factor and `up`), which no known activation reproduces (closest "
+                      "3e-5 off)", "a softcapped SwiGLU in moepass.activations with the caps read from the module"),
 }
 
 

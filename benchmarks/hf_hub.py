@@ -99,9 +99,6 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                              "forward returns the tokens flattened to 1-D",
                              "a spec for modality-split experts (token-type dispatch); out of scope of the single "
                              "rewrite"),
-    "nemotron_h": ("rejected", "non-gated relu2 experts with latent projections around them (identity at this "
-                   "config); every hypothesis differs by ~3.9, cause not found yet",
-                   "not analysed further"),
     "dots3_note_text": ("not built", "a heterogeneous per-layer config: the model reads `kv_lora_rank` globally, "
                         "which the per-layer config refuses (AmbiguousGlobalPerLayerAttributeError)",
                         "shrink `per_layer_config` layer by layer (not done here)"),

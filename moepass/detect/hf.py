@@ -27,6 +27,7 @@ Shape legend: T tokens, D model width, E experts, F expert hidden width.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from itertools import product
 from typing import Any
@@ -144,7 +145,14 @@ class HFBlock:
         return f"experts are a {self.c.experts_kind}, not fused 3-D weights or a container of expert modules"
 
     def shared(self) -> SharedExpertSpec | None:
-        return shared_expert(self.c)
+        """`candidates.shared_expert` over the calls of submodules that hold parameters: a parameter-free module
+        called on the tokens (an `nn.Identity` standing in for an optional projection) computes no expert."""
+        c = self.c
+        if c.graph is None:
+            return None
+        calls = [call for call in c.graph.calls
+                 if call.path == "" or next(c.module.get_submodule(call.path).parameters(), None) is not None]
+        return shared_expert(dataclasses.replace(c, graph=dataclasses.replace(c.graph, calls=calls)))
 
     def block_jitter(self) -> float:
         """Input jitter the block applies itself; jitter inside the router module runs with it."""

@@ -130,27 +130,33 @@ def recognise(c: Candidate, capacity: CapacitySpec | None = None, name: str = NA
         return routers
     specs: list[MoESpec] = []
     for layout in sorted(layouts, key=lambda lay: not down_read_last(c, lay)):
-        F_dim = layout["F"]
-        one_tensor = layout["gated"] and layout["w_gate"].paths == layout["w_up"].paths
-        # separate gate and up tensors: a lone [E, F] bias cannot say which it belongs to (none is read)
-        in_width = 2 * F_dim if one_tensor else None if layout["gated"] else F_dim
-        for b_in, b_down in _bias_pairs(c, in_width, D):
-            b_gate = b_up = None
-            if not layout["gated"]:
-                b_gate = b_in
-            elif one_tensor and b_in is not None:  # one gate/up tensor: its [E, 2F] bias, split like its rows
-                b_gate, b_up = (replace(b_in, chunk=w.chunk, interleave=w.interleave, chunk_dim=1)
-                                for w in (layout["w_gate"], layout["w_up"]))
-            for act in activations(c, layout["gated"]):
-                experts = ExpertsSpec(
-                    num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=F_dim, activation=act,  # type: ignore[arg-type]
-                    w_gate=layout["w_gate"], w_up=layout["w_up"], w_down=layout["w_down"],
-                    b_gate=b_gate, b_up=b_up, b_down=b_down, container=c.experts_path,
-                )
-                found = block_specs(c, name, experts, routers, capacity=capacity)
-                if isinstance(found, str):
-                    return found
-                specs.extend(found)
+        for experts in layout_experts(c, layout, D):
+            found = block_specs(c, name, experts, routers, capacity=capacity)
+            if isinstance(found, str):
+                return found
+            specs.extend(found)
     return specs
+
+
+def layout_experts(c: Candidate, layout: dict, D: int, biases: bool = True) -> list[ExpertsSpec]:
+    """The ExpertsSpecs of one layout (`expert_layouts`): each reading of its biases (`biases`: the experts'
+    [E, width] parameters beside the weights) times each activation, the graph's first."""
+    F_dim = layout["F"]
+    one_tensor = layout["gated"] and layout["w_gate"].paths == layout["w_up"].paths
+    # separate gate and up tensors: a lone [E, F] bias cannot say which it belongs to (none is read)
+    in_width = 2 * F_dim if one_tensor else None if layout["gated"] else F_dim
+    found = []
+    for b_in, b_down in _bias_pairs(c, in_width, D) if biases else [(None, None)]:
+        b_gate = b_up = None
+        if not layout["gated"]:
+            b_gate = b_in
+        elif one_tensor and b_in is not None:  # one gate/up tensor: its [E, 2F] bias, split like its rows
+            b_gate, b_up = (replace(b_in, chunk=w.chunk, interleave=w.interleave, chunk_dim=1)
+                            for w in (layout["w_gate"], layout["w_up"]))
+        found += [ExpertsSpec(num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=F_dim, activation=act,  # type: ignore[arg-type]
+                              w_gate=layout["w_gate"], w_up=layout["w_up"], w_down=layout["w_down"],
+                              b_gate=b_gate, b_up=b_up, b_down=b_down, container=c.experts_path)
+                  for act in activations(c, layout["gated"])]
+    return found
 
 

@@ -12,7 +12,7 @@ What the router does comes from the block's captured graph (`moepass.detect.rout
 selection, the selection-only bias, groups (a top-k over group scores), renormalisation (a sum over
 the K weights) and the routed scaling (a constant the weights are multiplied by):
 
-    softmax_topk   softmax over E, top-k [, renormalise]
+    softmax_topk   softmax over E, top-k [, renormalise]; or top-k logits, softmax over the K
     group_limited  + a selection bias [E] and / or a group-limited top-k, scaling, renormalisation
     top1_capacity  softmax, top-1 with a fixed `expert_capacity` counted per sequence
 
@@ -27,6 +27,7 @@ Shape legend: T tokens, D model width, E experts, F expert hidden width.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from itertools import product
 from typing import Any
@@ -36,13 +37,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepass.detect.candidates import Candidate, shared_expert
-from moepass.detect.fused_experts import activations, expert_layouts
+from moepass.detect.fused_experts import expert_layouts, layout_experts
 from moepass.detect.loop_experts import stacked_experts_spec
 from moepass.detect.router import RouterFacts, module_call
 from moepass.spec import CapacitySpec, Constant, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 
 JITTER_NAMES = ("jitter_noise", "router_jitter_noise")  # train-mode only: not in the (eval) graph
 CAPACITY_NAMES = ("expert_capacity",)  # a Python int the block compares counts with: not a graph tensor
+
+
+def block_tensor(module: nn.Module, path: str) -> torch.Tensor:
+    """The parameter or buffer at dotted `path` below `module` (a selection bias is often a buffer: updated
+    by the training loop, not by the optimizer)."""
+    prefix, _, name = path.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    found: torch.Tensor | None = owner._parameters.get(name)
+    if found is None:
+        found = owner._buffers.get(name)
+    if found is None:
+        raise ValueError(f"{type(module).__name__} has no parameter or buffer {path!r}: the captured graph read it, "
+                         f"so the block's tensors changed after the capture; detect the model again")
+    return found
 
 
 def _attr(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, ...]) -> Any:
@@ -62,19 +77,19 @@ class HFBlock:
         self.router_name = c.router_path.split(".")[0]  # the block's child: the module whose hooks record logits
         self.router: nn.Module = c.module.get_submodule(self.router_name)
         self.weight_name = facts.weight or ""
-        self.weight = c.module.get_parameter(self.weight_name)
+        self.weight = block_tensor(c.module, self.weight_name)
         self.bias_name = facts.bias
-        self.bias = None if facts.bias is None else c.module.get_parameter(facts.bias)
+        self.bias = None if facts.bias is None else block_tensor(c.module, facts.bias)
         self.call = module_call(c.graph, self.router_name) if c.graph is not None else "no graph"
         self.E, self.D = self.weight.shape
         self._dtype: str | None = None
 
     def logits_index(self) -> int | None | str:
         """Which output of the router module is `x @ W.T (+ b)`: an index, None (a plain tensor), or why not."""
-        router = copy.deepcopy(self.router).float().eval()
+        router = copy.deepcopy(self.router).to("cpu", torch.float32).eval()  # probes run on CPU
         x = torch.randn(2, 3, self.D, generator=torch.Generator().manual_seed(0))
-        expected = F.linear(x.reshape(-1, self.D), self.weight.detach().float(),
-                            None if self.bias is None else self.bias.detach().float())
+        expected = F.linear(x.reshape(-1, self.D), self.weight.detach().cpu().float(),
+                            None if self.bias is None else self.bias.detach().cpu().float())
         try:
             with torch.no_grad():
                 out = router(*self.call_args(x, torch.float32))
@@ -93,15 +108,14 @@ class HFBlock:
         assert not isinstance(self.call, str)
         module_input, module_args = self.call
         first = x if module_input == "hidden" else x.reshape(-1, self.D)
-        extra = [p.value if isinstance(p, Constant) else self.c.module.get_parameter(p)
-                 if p in dict(self.c.module.named_parameters()) else self.c.module.get_buffer(p) for p in module_args]
-        return [first] + [t.detach().to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                          for t in extra]
+        extra = [p.value if isinstance(p, Constant) else block_tensor(self.c.module, p) for p in module_args]
+        return [first] + [t.detach().to("cpu", dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                          else t.to("cpu") if isinstance(t, torch.Tensor) else t for t in extra]
 
     def logits_dtype(self, index: int | None) -> str:
         """'float32' if the router computes fp32 logits for a bf16 input and bf16 weights, else 'input'."""
         if self._dtype is None:
-            router = copy.deepcopy(self.router).to(torch.bfloat16).eval()
+            router = copy.deepcopy(self.router).to("cpu", torch.bfloat16).eval()
             x = torch.randn(2, 3, self.D, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
             try:
                 with torch.no_grad():
@@ -132,7 +146,14 @@ class HFBlock:
         return f"experts are a {self.c.experts_kind}, not fused 3-D weights or a container of expert modules"
 
     def shared(self) -> SharedExpertSpec | None:
-        return shared_expert(self.c)
+        """`candidates.shared_expert` over the calls of submodules that hold parameters: a parameter-free module
+        called on the tokens (an `nn.Identity` standing in for an optional projection) computes no expert."""
+        c = self.c
+        if c.graph is None:
+            return None
+        calls = [call for call in c.graph.calls
+                 if call.path == "" or next(c.module.get_submodule(call.path).parameters(), None) is not None]
+        return shared_expert(dataclasses.replace(c, graph=dataclasses.replace(c.graph, calls=calls)))
 
     def block_jitter(self) -> float:
         """Input jitter the block applies itself; jitter inside the router module runs with it."""
@@ -152,26 +173,32 @@ class HFBlock:
 
 
 def fused_experts_specs(c: Candidate, D: int) -> list[ExpertsSpec] | str:
-    """transformers' fused experts: the layout from its declared flags; the activations the graph calls first."""
+    """transformers' fused experts: the layouts their flags declare (every reading where a flag is not
+    declared: gated or not, either orientation, gate / up halves or interleaved rows), with their biases when
+    `has_bias`; the activations the graph calls first. An overridden `_apply_gate` is functional code like any
+    other: every activation is a hypothesis, the semantic check decides."""
     x = c.experts
     flags = {f: getattr(x, f, None) for f in ("has_gate", "has_bias", "is_transposed", "is_concatenated",
                                               "has_post_expert_norm")}
-    if flags["has_bias"] or flags["has_post_expert_norm"] or flags["is_concatenated"] is False:
-        return (f"experts {c.experts_path} declare {flags}: expert biases, post-expert norms and interleaved "
-                f"gate/up are not read by this recogniser")
-    apply_gate = getattr(type(x), "_apply_gate", None)
-    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
-        return f"experts {c.experts_path} ({type(x).__name__}) override _apply_gate: a custom gated activation"
-    transposed, gated = bool(flags["is_transposed"]), flags["has_gate"] is not False
-    layouts = [lay for lay in expert_layouts(c, D)
-               if lay["gated"] == gated and lay["w_down"].transpose == transposed
-               and (not gated or lay["w_gate"].chunk == (0, 2))]
+    if flags["has_post_expert_norm"]:
+        return f"experts {c.experts_path} declare has_post_expert_norm: post-expert norms are not read"
+
+    def declared(lay: dict) -> bool:
+        if flags["has_gate"] is not None and lay["gated"] != bool(flags["has_gate"]):
+            return False
+        if flags["is_transposed"] is not None and lay["w_down"].transpose != bool(flags["is_transposed"]):
+            return False
+        if not lay["gated"]:
+            return True
+        halves, rows = lay["w_gate"].chunk == (0, 2), lay["w_gate"].interleave == (0, 2)  # gate first
+        concatenated = flags["is_concatenated"]
+        return halves if concatenated else rows if concatenated is False else halves or rows
+
+    layouts = [lay for lay in expert_layouts(c, D) if declared(lay)]
     if not layouts:
-        return f"3-D parameters {c.fused_params} do not read as the declared layout (is_transposed={transposed}, D={D})"
-    lay = layouts[0]
-    return [ExpertsSpec(num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=lay["F"], activation=act,  # type: ignore[arg-type]
-                        w_gate=lay["w_gate"], w_up=lay["w_up"], w_down=lay["w_down"], container=c.experts_path)
-            for act in activations(c, gated)]
+        return (f"3-D parameters {c.fused_params} do not read as the declared layout (has_gate={flags['has_gate']}, "
+                f"is_transposed={flags['is_transposed']}, is_concatenated={flags['is_concatenated']}, D={D})")
+    return [experts for lay in layouts for experts in layout_experts(c, lay, D, biases=flags["has_bias"] is not False)]
 
 
 def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
@@ -185,7 +212,8 @@ def dict_experts_spec(c: Candidate) -> ExpertsSpec | str:
 
 
 def _router_block(c: Candidate) -> tuple[HFBlock, int | None, RouterFacts] | str:
-    """The shared preamble: a router *module* (not a bare Linear) whose output holds the logits."""
+    """The shared preamble: a router *module* whose output holds the logits: not a bare Linear (a subclass
+    of nn.Linear with its own forward is a router module, called as it is)."""
     if c.experts_kind not in ("fused", "moduledict", "modulelist") or c.router is None:
         return "experts are not fused 3-D weights or a container of expert modules"
     if not c.router_path or c.router.weight is None:
@@ -193,7 +221,7 @@ def _router_block(c: Candidate) -> tuple[HFBlock, int | None, RouterFacts] | str
     block = HFBlock(c, c.router)
     if isinstance(block.call, str):
         return block.call
-    if isinstance(block.router, nn.Linear):
+    if isinstance(block.router, nn.Linear) and type(block.router).forward is nn.Linear.forward:
         return f"router {block.router_name} is a plain nn.Linear: no router module to keep calling"
     index = block.logits_index()
     if isinstance(index, str):
@@ -207,15 +235,19 @@ def _renorms(facts: RouterFacts) -> list[bool]:
 
 
 def softmax_topk(c: Candidate) -> list[MoESpec] | str:
-    """softmax over E → top-k → renormalise or not (the graph orders the two)."""
+    """softmax over E → top-k → renormalise or not, or top-k logits → softmax over the K (the graph orders
+    the hypotheses)."""
     found = _router_block(c)
     if isinstance(found, str):
         return found
     block, index, facts = found
     if facts.groups is not None or facts.selection_bias is not None:
         return f"router {block.router_name} has groups or a selection bias: a group_limited router"
+    # softmax over E then top-k, or over the top-k logits (a softmax of the top-k values in the graph: first)
+    orders = [not facts.softmax_after, facts.softmax_after]
     routers = [block.router_spec(index, top_k=facts.top_k, score_func="softmax", renormalize=r,
-                                 jitter_eps=block.block_jitter()) for r in _renorms(facts)]
+                                 softmax_before_topk=before, jitter_eps=block.block_jitter())
+               for before in orders for r in (_renorms(facts) if before else [False])]
     return block.specs("hf-softmax-topk", routers)
 
 
@@ -229,11 +261,13 @@ def group_limited(c: Candidate) -> list[MoESpec] | str:
     n_group, topk_group = facts.groups or (1, 1)
     if facts.selection_bias is None and n_group == 1:
         return f"router {block.router_name}: the graph shows neither a selection bias nor a group-limited top-k"
-    scaling = facts.scales[0] if facts.scales else 1.0
-    common = dict(top_k=facts.top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(scaling),
+    common = dict(top_k=facts.top_k, n_group=n_group, topk_group=topk_group,
                   selection_bias=None if facts.selection_bias is None else TensorSource.param(facts.selection_bias),
                   jitter_eps=block.block_jitter())
-    routers = [block.router_spec(index, score_func=score, renormalize=rn, group_score=gs, **common)
+    scalings = list(dict.fromkeys([*facts.scales, 1.0]))  # the graph's constants first
+    routers = [block.router_spec(index, score_func=score, renormalize=rn, group_score=gs,
+                                 routed_scaling_factor=float(scale), **common)
+               for scale in scalings
                for score, gs, rn in product(("sigmoid", "softmax"), ("top2_sum", "max"), _renorms(facts))]
     return block.specs("hf-group-limited", routers)
 

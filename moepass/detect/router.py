@@ -5,7 +5,7 @@ it says the rest, whatever the attributes are called:
 
     weight          the [E, D] parameter its scores depend on (at any depth in the block)
     bias            a [E] tensor the same linear / matmul adds (part of the logits)
-    selection_bias  a [E] tensor added to the scores before the selection only
+    selection_bias  a [E] tensor added to the scores before the selection only (through a dtype cast too)
     groups          a top-k over G < E group scores before it (group-limited selection)
     module          the submodule the selection ran in (below the block), if any; when that module
                     returns the selected experts itself, the router region calls it as it is
@@ -64,7 +64,8 @@ class RouterFacts:
     module_input: str = "hidden"
     module_args: tuple[str | Constant, ...] = ()
     why_not_module: str = ""  # why the router module cannot be called as the block calls it
-    scales: list[float] = field(default_factory=list)  # constants the weights are multiplied by
+    # constants the weights are multiplied by; then those multiplying the combined output (the same, by linearity)
+    scales: list[float] = field(default_factory=list)
     sigmoid: bool = False
     softmax_after: bool = False  # a softmax over the top-k values
     renormalized: bool = False  # a sum over the K weights
@@ -89,6 +90,17 @@ def _casts_to_fp32(node: fx.Node) -> bool:
         return True
     return node.target in (torch.Tensor.to, torch.Tensor.type) and torch.float32 in (*node.args[1:],
                                                                                     *node.kwargs.values())
+
+
+def _uncast(node: fx.Node) -> fx.Node:
+    """The tensor a dtype cast reads (`b.to(scores.dtype)`, `b.float()`), else the node itself."""
+    while node.op == "call_function" and (node.target is torch.Tensor.float or node.target in (
+            torch.Tensor.to, torch.Tensor.type)) and node.args and isinstance(node.args[0], fx.Node):
+        val, src = value(node), value(node.args[0])
+        if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor) or val.shape != src.shape:
+            break
+        node = node.args[0]
+    return node
 
 
 def _linear_of(weight: fx.Node, scores_slice: set[fx.Node]) -> fx.Node | None:
@@ -188,7 +200,7 @@ def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
                 facts.logits_fp32 = any(_casts_to_fp32(n) for n in upstream(linear) if n is not node)
     for node in sorted(scores_slice, key=lambda n: n.meta["order"]):
         if node.op == "call_function" and node.target in ADD:
-            vectors = [a for a in node.all_input_nodes if a.op == "get_attr" and _is_vector(a, E)
+            vectors = [a for a in map(_uncast, node.all_input_nodes) if a.op == "get_attr" and _is_vector(a, E)
                        and str(a.target) != facts.bias]
             scored = any(n.op == "call_function" and n.target in SOFTMAX + SIGMOID for n in upstream(node))
             if vectors and scored:  # added to the scores: for the selection only
@@ -203,7 +215,8 @@ def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
             if 1 < G < E and E % G == 0 and isinstance(k, int):
                 facts.groups = (G, k)
     after = downstream(sel.node) - {sel.node}
-    for node in after:
+    output_scales: list[float] = []
+    for node in sorted(after, key=lambda n: n.meta.get("order", len(cap.graph.nodes))):  # the output: last
         if node.op != "call_function":
             continue
         if node.target in SOFTMAX and sel.values is not None and sel.values in node.all_input_nodes:
@@ -216,6 +229,11 @@ def read_router(cap: Capture, sel: Selection, num_experts: int) -> RouterFacts:
         if node.target in MUL and isinstance(val, torch.Tensor) and val.numel() == TK:
             facts.scales += [float(a) for a in node.args if isinstance(a, float | int) and not isinstance(a, bool)
                              and a != 1]
+        elif node.target in MUL and isinstance(val, torch.Tensor) and val.dim() >= 1 and val.numel() > TK \
+                and val.numel() % (TK // sel.k) == 0:  # a constant scaling the combined [T, D] output instead
+            output_scales += [float(a) for a in node.args if isinstance(a, float | int) and not isinstance(a, bool)
+                              and a != 1]
+    facts.scales += [s for s in output_scales if s not in facts.scales]  # hypotheses after the weights' own
     _module_selection(cap, facts, sel)
     if facts.weight is None and facts.module is not None and facts.selection_outputs is not None:
         facts.weight = _weights_weight(cap, facts)

@@ -1,0 +1,242 @@
+"""The whole Hub: every MoE family of the installed transformers, built tiny, detected and compiled under
+`Plan(form="single")`; writes docs/HF_FAMILIES.md (and benchmarks/results/hf_hub.json).
+
+    python benchmarks/hf_hub.py [--only mixtral qwen2_moe ...] [--no-write]
+
+Families and how each is built: `samples/hf_hub.py` (its module doc gives the rule). For each family the
+row says whether it built, the MoE blocks one forward shows (modules computing a top-k / argmax / max
+over E router scores, counted under a TorchFunctionMode), what detection reported for them (accepted,
+rejected, or no report line at all), and the verdict: exact under single (eval output, train loss and
+every parameter gradient equal to the original's in fp32, rtol 1e-5 / atol 1e-6), rejected (detection's
+reason), not reported, mismatch, crash. `CAUSES` holds what reading each non-exact family's code found
+(the cause and the way out); it is keyed by family and checked against the verdict computed here, so a
+stale entry shows up as such in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from samples import hf_hub as H  # noqa: E402
+
+# family -> (verdict it was read under, cause, way out): what reading the family's code found
+CAUSES: dict[str, tuple[str, str, str]] = {
+    "gpt_oss": ("not reported", "the candidate is the fused experts module: its [E, 2F] `gate_up_proj_bias` is taken "
+                "as a router weight (D read as 2F) (candidates.py `_router_weight` ranks a weight beside the fused experts last "
+                "only among one ancestor's weights), so the probe calls `mlp.experts` alone (it needs the routing "
+                "arguments) and the report line names a module that holds no selection",
+                "candidates.py `_grouped`: count every parameter of the fused experts' own module with leading "
+                "dim E (its biases) as the group's (or candidates from the traced graph). Tried in a scratch run: "
+                "the block `mlp` is then the candidate and reaches the semantic check (the biases and interleaved "
+                "gate / up are read), and fails only on its second output, the top-k weights [T, K], which "
+                "MoESpec.side_outputs cannot name (`router_logits` only)"),
+    "openai_privacy_filter": ("not reported", "GPT-OSS's block: the same cause", "as GPT-OSS"),
+    "dbrx": ("not reported", "the experts are 2-D parameters [E*F, D] (`w1`, `v1`, `w2`) viewed as [E, F, D] in "
+             "the forward: no expert group (3-D parameters or a list of expert modules) exists in the module tree",
+             "candidates from the traced graph (a `view(E, F, D)` of a parameter read by the expert loop); the "
+             "experts spec then needs a reshaped TensorSource"),
+    "jetmoe": ("not reported", "each expert projection is its own module holding one 3-D [E, F, D] weight "
+               "(`input_linear`, `output_linear`): an expert group needs >= 2 such parameters in one module; "
+               "its attention is a mixture of attention heads (2 of the 4 routed modules), not an FFN",
+               "candidates from the traced graph, or group 3-D weights with one leading E across sibling modules; "
+               "the attention experts stay out of scope"),
+    "nllb-moe": ("not reported", "the experts container (a ModuleDict subclass) holds a `token_dropout` nn.Dropout "
+                 "beside its E expert modules, so its entries are not all of one type and candidates.py `_listed` "
+                 "finds no expert group",
+                 "in `_listed`, leave parameter-free entries out of the group. Tried in a scratch run: the block "
+                 "is then reported, rejected (its router is called with the padding mask too; its top-2 "
+                 "second-expert policy matches no known rule)"),
+    "phimoe": ("rejected", "sparsemixer selection: two rounds of `max` over masked scores with a jitter threshold, "
+               "no top-k / argmax the capture recognises",
+               "recognise `max(dim=-1)` as a top-1 selection in capture.selection; the router module returns "
+               "(weights, experts), so logits_from='selection' would call it as it is; or give the block a "
+               "`moepass_spec(path)`"),
+    "llama4_text": ("rejected", "the router score (sigmoid of the top-k logits) multiplies each expert's *input* "
+                    "(`routed_in * router_scores`), and the block returns ([T, D], logits): no MoESpec field "
+                    "describes input-side weighting",
+                    "a spec field for input-side weighting (and a flattened output), or a self-described block"),
+    "deepseek_v4": ("crash", "the compiled model calls the rewritten block with `input_ids=` (its hash-routed "
+                    "layers need token ids); the top-k layer's rewritten forward takes no such keyword. The hash "
+                    "layer is rejected: probed without its optional `input_ids`",
+                    "the rewritten block accepts (and ignores) optional keyword inputs the captured graph never "
+                    "read; probe optional inputs with token ids when the block fails without them"),
+    "switch_transformers": ("mismatch", "an expert no token reaches keeps `grad=None` in the original (its loop "
+                            "skips it) and gets a zero gradient in the rewrite: equal values, but an optimizer "
+                            "with weight decay or momentum steps the zero-gradient expert",
+                            "leave experts that received no token without a gradient (or document the "
+                            "difference); tests/test_hf_families.py's sizes route every expert"),
+    "gemma4_text": ("rejected", "router and experts sit directly in the decoder layer, so the candidate is the whole "
+                    "layer, which the probe cannot call with hidden states alone (it needs position embeddings)",
+                    "candidates from the traced graph (the MoE region inside the layer)"),
+    "diffusion_gemma_text": ("rejected", "Gemma-4's layer: the same cause", "as Gemma-4"),
+    "zaya": ("rejected", "the router module is called with the previous layer's router state (an argument other "
+             "than the block input and its own tensors), and selects over E + 1 (a skip expert)",
+             "a router-state input the spec can thread through; out of scope of the single rewrite"),
+    "inkling_text": ("rejected", "a shared-expert sink: the router weight is [E + 1, D] (the shared expert scored "
+                     "beside the routed ones), so the candidate counts R = E + 1 experts and candidates.py "
+                     "`capture_candidate` looks for a selection over E + 1 scores while the top-k runs over the "
+                     "first E; the weights are a softmax over the K chosen logits and the shared one together",
+                     "`capture_candidate`: also look for a selection over the expert group's E "
+                     "(`num_ffn_experts`); then a recogniser for the sink's joint normalisation"),
+    "muse_spark_text": ("rejected", "the router logits are multiplied by `output_multiplier` before being returned (no "
+                        "output equals x @ W.T), and the fused experts declare post-expert norms",
+                        "a logit scale read from the graph (a constant multiplying the logits) and post-expert "
+                        "norms in ExpertsSpec"),
+    "axk1": ("rejected", "DeepSeek-V3's block plus an RMSNorm on the combined output (`post_mlp_layernorm`): no "
+             "MoESpec field applies a norm after the combination",
+             "a post-combine norm in MoESpec, or the norm moved out of the MoE block"),
+    "ernie4_5_vl_moe_text": ("rejected", "the MoE layer sends text and vision tokens to two expert sets "
+                             "(`text_moe`, `vision_moe`) by token type; the candidate is the text set alone, whose "
+                             "forward returns the tokens flattened to 1-D",
+                             "a spec for modality-split experts (token-type dispatch); out of scope of the single "
+                             "rewrite"),
+    "dots3_note_text": ("not built", "a heterogeneous per-layer config: the model reads `kv_lora_rank` globally, "
+                        "which the per-layer config refuses (AmbiguousGlobalPerLayerAttributeError)",
+                        "shrink `per_layer_config` layer by layer (not done here)"),
+    "dots3_note_vision_encoder": ("not built", "a vision encoder (MoE inside a vision tower): needs pixel values and "
+                                  "grid sizes, and its per-layer config is keyed by layers 25-41",
+                                  "a vision probe; out of scope of the text-token probes"),
+    "longcat_flash": ("not built", "its latent attention splits the key / value projection into widths the shrunk "
+                      "config does not produce (8 vs 8 + 8); not pursued", "a consistent tiny MLA config"),
+    "qwen3_omni_moe_talker_text": ("not built", "the talker's model has no `embed_tokens` (it does not take text `input_ids` "
+                                   "as built here)",
+                                   "build it through the omni model; its MoE is Qwen3-MoE's (covered)"),
+    "qwen4_exp_text": ("not built", "its sparse-attention indexer (QSA) needs fields the default config leaves unset "
+                       "(`indexer_budget`, `indexer_compress_ratio`, `indexer_n_heads`, ...)", "a complete tiny QSA config"),
+    "vitpose_backbone": ("not built", "no model class takes its config (a backbone); its `num_experts` linears are "
+                         "picked by a dataset index passed in (`indices == i`), not by a router", "not a routed MoE"),
+    "inkling2_text": ("rejected", "its experts' activation is a softcapped SwiGLU (`Inkling2SoftcappedSwiGLU`: tanh "
+                      "softcaps bound the gate factor and `up`), which no known activation reproduces (closest "
+                      "3e-5 off)", "a softcapped SwiGLU in moepass.activations with the caps read from the module"),
+}
+
+
+def run(only: list[str] | None = None) -> list[H.Outcome]:
+    outcomes = []
+    for family in H.moe_families():
+        if only and family.model_type not in only:
+            continue
+        if family.covered_by is not None:
+            outcomes.append(H.Outcome(family))
+            continue
+        start = time.perf_counter()
+        out = H.evaluate(family)
+        print(f"{family.model_type:28s} {out.verdict:20s} {time.perf_counter() - start:5.1f} s", flush=True)
+        outcomes.append(out)
+    return outcomes
+
+
+def _cell(text: str, limit: int = 400) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _reason(out: H.Outcome) -> tuple[str, str]:
+    """(cause, way out) for a non-exact row: CAUSES when its verdict still holds, else what detection said."""
+    known = CAUSES.get(out.family.model_type)
+    if known is not None and known[0] == out.verdict:
+        return known[1], known[2]
+    if out.verdict == "not built":
+        return out.why_not_built, "a tiny config this family accepts (see samples/hf_hub.py OVERRIDES)"
+    if out.crash:
+        return out.crash, ""
+    if out.not_reported:
+        return f"no report line covers {out.not_reported}", ""
+    if out.rejected:
+        path, reason = next(iter(out.rejected.items()))
+        closest = [part for part in reason.split("; ") if "closest" in part]
+        return f"{path}: {(closest or [reason])[0]}", "not analysed yet"
+    if out.parity:
+        return out.parity, ""
+    if not out.routed:
+        return "one forward computes no top-k / argmax / max over E scores", "not a top-k routed MoE"
+    return "", ""
+
+
+def markdown(outcomes: list[H.Outcome]) -> str:
+    own = [o for o in outcomes if o.family.covered_by is None]
+    built = [o for o in own if o.built]
+    exact = [o for o in built if o.verdict == "exact under single"]
+    counts: dict[str, int] = {}
+    for o in own:
+        counts[o.verdict] = counts.get(o.verdict, 0) + 1
+    import transformers
+
+    lines = [
+        "# Hugging Face MoE families under moepass",
+        "",
+        f"transformers {transformers.__version__}: {len(outcomes)} model types declare experts, "
+        f"{len(own)} of them their own MoE blocks ({len(outcomes) - len(own)} composite wrappers are covered by "
+        f"their text model type). **Built {len(built)}, exact under single {len(exact)}, "
+        f"{len(exact)}/{len(built)} = {100 * len(exact) / max(len(built), 1):.0f} %.** "
+        + ", ".join(f"{v}: {n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ". "
+        f"Blocks in the built families: {sum(o.expected for o in built)} routed, "
+        f"{sum(len(o.accepted) for o in built)} accepted, {sum(len(o.rejected) for o in built)} rejected, "
+        f"{sum(len(o.not_reported) for o in built)} not reported.",
+        "",
+        "Generated by `python benchmarks/hf_hub.py` (families and tiny configs: `samples/hf_hub.py`; the exact "
+        "ones are asserted by `tests/test_hf_hub.py`). A model type is listed when its config class, built with "
+        "its defaults, has a field counting experts (`num_experts`, `num_local_experts`, `n_routed_experts`, "
+        "`moe_num_experts`), itself or in a sub-config. Each family is built from its config with random "
+        "weights, fp32, eager attention and eager experts, dropout off, E = 6 experts, k = 2, width 32, "
+        "2 layers. "
+        "*Expected*: the modules one forward shows computing a top-k / argmax / max over E router scores. "
+        "*Detected*: accepted / rejected report lines covering them; *not reported*: routed modules no "
+        "report line covers. *Exact under single*: `moepass.compile(model, Plan(form=\"single\"))` gives the "
+        "original's eval output, train loss and every parameter gradient (rtol 1e-5, atol 1e-6).",
+        "",
+        "| family | built | model class | expected | detected (acc / rej / not rep.) | verdict | reason | way out |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for o in own:
+        cause, way = ("", "") if o.verdict == "exact under single" else _reason(o)
+        lines.append(
+            f"| {o.family.model_type} | {'yes' if o.built else 'no'} | {o.model_class} | "
+            f"{o.expected if o.built else ''} | "
+            f"{f'{len(o.accepted)} / {len(o.rejected)} / {len(o.not_reported)}' if o.built else ''} | "
+            f"{o.verdict} | {_cell(cause)} | {_cell(way)} |")
+    lines += ["", "Composite configs whose experts live in another model type's config (covered by that row):", ""]
+    lines += [f"- {o.family.model_type} ({o.family.expert_field}) → {o.family.covered_by}"
+              for o in outcomes if o.family.covered_by is not None]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="model types to run (default: all)")
+    parser.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)  # tiny models: one thread is faster, and far faster on shared cores
+    transformers.logging.set_verbosity_error()
+    start = time.perf_counter()
+    outcomes = run(args.only)
+    text = markdown(outcomes)
+    if args.no_write or args.only:
+        print(text)
+        return 0
+    (ROOT / "docs" / "HF_FAMILIES.md").write_text(text)
+    rows = [dict(family=o.family.model_type, covered_by=o.family.covered_by, built=o.built, verdict=o.verdict,
+                 model_class=o.model_class, expected=sorted(o.routed), accepted=o.accepted, rejected=o.rejected,
+                 not_reported=o.not_reported, why_not_built=o.why_not_built, crash=o.crash, parity=o.parity,
+                 seconds=round(o.seconds, 2)) for o in outcomes]
+    (ROOT / "benchmarks" / "results" / "hf_hub.json").write_text(
+        json.dumps(dict(seconds=round(time.perf_counter() - start, 1), rows=rows), indent=1) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -619,6 +619,7 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
                              router_logits: fx.Node | None, selection_bias: fx.Node | None) -> fx.Graph:
     """Capacity, the routed experts, pass-through, shared experts and the outputs (see the module doc)."""
     r, E, K = spec.router, spec.num_experts, spec.top_k
+    selected = {"topk_weights": weights_TK, "topk_experts": experts_TK}  # as routed, before capacity
     dropped_TK = None
     if spec.capacity is not None:
         c = spec.capacity
@@ -662,7 +663,8 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         out_TD = b.fn(operator.add, out_TD, shared_TD, name="out_plus_shared_TD")
 
     out = b.method("view_as", out_TD, inputs[0], name="out")
-    side: dict[str, Any] = {"router_logits": logits_TE if router_logits is None else router_logits, "none": None}
+    side: dict[str, Any] = {"router_logits": logits_TE if router_logits is None else router_logits, "none": None,
+                            **selected}
     for name in spec.side_outputs:
         if name.startswith(LOAD_OUTPUT):  # each expert's load, in the dtype the block returns it in
             dtype = getattr(torch, name.removeprefix(LOAD_OUTPUT))

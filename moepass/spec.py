@@ -32,8 +32,9 @@ LOGITS_SOURCES = ("linear", "module", "selection", "traced")
 TRACED_ROUTER = "moepass_router_logits"  # where the rewritten block holds a traced router's logits function
 MODULE_INPUTS = ("hidden", "tokens")
 # what a block returns after its hidden states: its router's logits; each expert's load (how many of the
-# tokens' K choices picked it, [R], in the dtype the suffix names); None (a slot a framework fills elsewhere)
-SIDE_OUTPUTS = ("router_logits", "none")
+# tokens' K choices picked it, [R], in the dtype the suffix names); None (a slot a framework fills elsewhere);
+# the selection itself (each token's K weights, K experts)
+SIDE_OUTPUTS = ("router_logits", "none", "topk_weights", "topk_experts")  # the last two: [T, K], as routed
 LOAD_OUTPUT = "expert_load."  # + a dtype name: "expert_load.int64", "expert_load.float32"
 LOAD_DTYPES = ("int64", "int32", "float32", "float64", "float16", "bfloat16")
 EXPERT_KINDS = ("ffn", "generic")

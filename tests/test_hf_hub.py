@@ -24,8 +24,8 @@ from samples import hf_hub as H  # noqa: E402
 # nemotron_h (a parameter-free module called on the tokens is no shared expert).
 EXACT = (
     "afmoe", "aria_text", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2_text", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
-    "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "granitemoe", "granitemoe_swa",
+    "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
+    "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
     "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear",
     "kolibri1", "laguna", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
     "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "olmoe", "qwen2_moe", "qwen3_5_moe_text",

@@ -151,7 +151,8 @@ def _detect_block(candidate: Candidate) -> BlockReport:
             found = [replace(spec, input_names=candidate.input_names, unused_inputs=tuple(candidate.passthrough))
                      for spec in found]
         kinds = candidate.side_outputs
-        if any(k == "none" or k.startswith(LOAD_OUTPUT) for k in kinds) and not any(k.startswith("?") for k in kinds):
+        if any(k in ("none", "topk_weights", "topk_experts") or k.startswith(LOAD_OUTPUT) for k in kinds) \
+                and not any(k.startswith("?") for k in kinds):
             found = [replace(spec, side_outputs=tuple(kinds)) for spec in found]  # what it returns, reproduced
         if candidate.output_bias is not None:  # a bias on the combined output: tried with it first, then without
             bias = TensorSource.param(candidate.output_bias)
@@ -173,7 +174,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
     unknown = [k[1:] for k in candidate.side_outputs if k.startswith("?")]
     if unknown:
         report.reason += (f". It returns {', '.join(unknown)}, which no rule reproduces (moepass reproduces router "
-                          f"logits, per-expert loads and None): compute it outside the block (from the router's recorded logits, "
+                          f"logits, per-expert loads, the top-k weights and experts, and None): compute it outside the block (from the router's recorded logits, "
                           f"say), or leave the block alone with Plan(blocks={{{candidate.path!r}: None}})")
     facts = candidate.router
     if facts is not None and facts.why_not_traced and facts.selection_outputs is None:

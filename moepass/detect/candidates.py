@@ -100,14 +100,17 @@ def _listed(path: str, module: nn.Module, holds_group: Callable[[str, nn.Module]
     `holds_group(entry path, entry)`)."""
     if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 1:
         return None
-    entries = list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
-    if len({type(m) for m in entries}) != 1 or sum(isinstance(m, nn.Linear) for m in entries[0].modules()) < 2:
+    held = [(key, m) for key, m in module._modules.items() if m is not None]
+    if len({type(m) for _, m in held}) > 1:  # entries holding no parameter (a dropout beside the experts) are no experts
+        held = [(key, m) for key, m in held if next(m.parameters(), None) is not None]
+    entries = [m for _, m in held]
+    if not entries or len({type(m) for m in entries}) != 1 \
+            or sum(isinstance(m, nn.Linear) for m in entries[0].modules()) < 2:
         return None
-    if any(holds_group(f"{path}.{key}" if path else key, e) for key, e in zip(module._modules, entries)):
+    if any(holds_group(f"{path}.{key}" if path else key, e) for key, e in held):
         return None  # e.g. a list of decoder layers, each holding an MoE block
-    if isinstance(module, nn.ModuleDict):
-        return _Group(path, "moduledict", len(entries), tuple(module.keys()))
-    return _Group(path, "modulelist", len(entries), tuple(str(i) for i in range(len(entries))))
+    kind = "moduledict" if isinstance(module, nn.ModuleDict) else "modulelist"
+    return _Group(path, kind, len(entries), tuple(key for key, _ in held))
 
 
 def _reaches(module: nn.Module, ids: set[int]) -> bool:
@@ -383,14 +386,15 @@ def recorded_arguments(c: Candidate) -> tuple[tuple[str, ...], list[Any], tuple[
     given or defaulted, the hidden states' shape); None when it passed the hidden states alone (or its call
     was not recorded); or why the call cannot be reproduced (keyword-only or `**kwargs` arguments)."""
     call = c.call
-    if call is None or (len(call.args) <= 1 and not call.kwargs) or not call.args \
-            or not isinstance(call.args[0], torch.Tensor):
+    if call is None or len(call.args) + len(call.kwargs) <= 1:
         return None
     try:
         params = list(inspect.signature(c.module.forward).parameters.values())
         bound = inspect.signature(c.module.forward).bind(*call.args, **call.kwargs)
     except (TypeError, ValueError) as err:
         return f"its recorded call does not match its forward's signature: {err}"
+    if not params or not isinstance(bound.arguments.get(params[0].name), torch.Tensor):
+        return None  # the hidden states (its first parameter, given by position or by name) are not a tensor
     given = [p for p in params if p.name in bound.arguments]
     extra = [p.name for p in given if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     if extra:
@@ -406,7 +410,7 @@ def recorded_arguments(c: Candidate) -> tuple[tuple[str, ...], list[Any], tuple[
         names.append(p.name)
         values.append(bound.arguments.get(p.name, p.default))
     names[0] = "hidden_states"
-    return tuple(names), values, tuple(call.args[0].shape)
+    return tuple(names), values, tuple(values[0].shape)
 
 
 def _probe_value(value: Any) -> Any:
@@ -433,7 +437,7 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
         extras: list[Any] = [token_ids(probe, PROBE_TOKENS, gen) for _ in c.input_names[1:]]
     else:
         c.input_names, values, shape = recorded
-        x = torch.randn(*shape[:-1], c.hidden_dim, generator=gen)
+        x = torch.randn(*shape, generator=gen)  # the hidden states as the model passed them
         extras = [_probe_value(v) for v in values[1:]]
     try:
         c.graph = capture(probe, x, *extras, names=c.input_names)
@@ -461,11 +465,12 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
 def side_outputs(c: Candidate) -> list[str]:
     """What the block returns after its hidden states, each as a `MoESpec.side_outputs` name when it is one
     moepass reproduces ("none"; "expert_load.<dtype>": the selection's count per expert; "router_logits": a
-    [T, E] floating tensor, which the recognisers confirm), else a description starting with "?"."""
+    [T, E] floating tensor; "topk_weights" / "topk_experts": the selection itself, [T, K]; the semantic check
+    confirms each), else a description starting with "?"."""
     out = c.graph.output if c.graph is not None else None
     if not isinstance(out, tuple) or c.selection is None:
         return []
-    R, T = c.num_experts, c.selection.indices.shape[0]
+    R, (T, K) = c.num_experts, c.selection.indices.shape
     load = torch.bincount(c.selection.indices.reshape(-1), minlength=R)
     kinds = []
     for i, v in enumerate(out[1:], start=1):
@@ -475,6 +480,10 @@ def side_outputs(c: Candidate) -> list[str]:
             kinds.append(LOAD_OUTPUT + str(v.dtype).removeprefix("torch."))
         elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == T * R and v.shape[-1] == R:
             kinds.append("router_logits")
+        elif isinstance(v, torch.Tensor) and v.numel() == T * K and v.shape[-1] == K:  # the selection itself
+            same = not v.is_floating_point() and torch.equal(v.reshape(T, K), c.selection.indices)
+            kinds.append("topk_experts" if same else "topk_weights" if v.is_floating_point() else
+                         f"?output {i} ({list(v.shape)} {str(v.dtype).removeprefix('torch.')})")
         else:
             what = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
                 else type(v).__name__

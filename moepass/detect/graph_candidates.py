@@ -157,6 +157,13 @@ def _is_param(node: fx.Node, params: set[str]) -> bool:
     return node.op == "get_attr" and str(node.target) in params
 
 
+def _is_weight(node: fx.Node, params: set[str]) -> bool:
+    """A parameter of >= 2 dims: an expert's weight (a 1-D [E] one read by expert id scales the routing weights,
+    `ExpertsSpec.output_scale`, and is no expert work by itself)."""
+    val = value(node)
+    return _is_param(node, params) and isinstance(val, torch.Tensor) and val.dim() >= 2
+
+
 def _params_in(node: fx.Node, after: set[fx.Node], path: str, params: set[str]) -> list[fx.Node]:
     """The parameters `node` reads through inputs that do not depend on the selection: directly, or through
     calls inside the module at `path` (a weight transposed, viewed as [E, F, D], indexed, cast)."""
@@ -166,7 +173,7 @@ def _params_in(node: fx.Node, after: set[fx.Node], path: str, params: set[str]) 
         if a in seen:
             continue
         seen.add(a)
-        if _is_param(a, params):
+        if _is_weight(a, params):
             found.append(a)
         elif a.op == "call_function" and path in a.meta["stack"]:
             todo.extend(a.all_input_nodes)

@@ -75,11 +75,14 @@ def block_specs(c: Candidate, name: str, experts: ExpertsSpec, routers: list[Rou
                 ) -> list[MoESpec] | str:
     """The MoESpecs of `routers` x `experts` (and its `expert_variants`), with the side outputs the block
     returns (router logits)."""
-    side: tuple[str, ...] = ("router_logits",) if c.outputs == 2 else ()
-    if c.outputs > 2:
-        return f"the block returns {c.outputs} values: only (hidden states[, router logits]) are known"
-    if side and routers and routers[0].logits_from == "selection":
-        return "the block returns a second value, but its router module returns a selection, not logits"
+    read = tuple(c.side_outputs)  # what its outputs after the hidden states look like (`candidates.side_outputs`)
+    side: tuple[str, ...] = read if read and not any(k.startswith("?") for k in read) else \
+        ("router_logits",) if c.outputs == 2 else ()
+    if len(side) + 1 < c.outputs:
+        unknown = [k[1:] for k in read if k.startswith("?")]
+        return f"the block returns {c.outputs} values; {', '.join(unknown) or 'some'} not reproduced"
+    if "router_logits" in side and routers and routers[0].logits_from == "selection":
+        return "the block returns router logits, but its router module returns a selection, not logits"
     fields.setdefault("shared", shared_expert(c))
     fields.setdefault("input_names", c.input_names)
     return [MoESpec(path=c.path, recogniser=name, router=r, experts=x, side_outputs=side, **fields)  # type: ignore[arg-type]

@@ -61,6 +61,9 @@ class Capture:
     output: Any
     calls: list[ModuleCall] = field(default_factory=list)
     input_node: fx.Node | None = None
+    # module path -> the path of an earlier module of the same structure whose calls stand for its own: the
+    # calls inside it ran but were not recorded (`capture(skip=)`); only its module calls were
+    repeats: dict[str, str] = field(default_factory=dict)
 
     def nodes(self, targets: Iterable[Any]) -> list[fx.Node]:
         wanted = tuple(targets)
@@ -99,20 +102,30 @@ def value(node: object) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
+SKIP_DEPTH = 2  # module levels watched below a skipped module: its calls there are recorded (not its torch calls)
+
+
 class _Recorder(TorchFunctionMode):
     """Builds the graph call by call (see the module doc)."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, skip: frozenset[str] = frozenset(), lazy: bool = False):
         super().__init__()
+        self.skip = skip  # module paths whose inner calls run unrecorded
+        self.paused = 0  # > 0 while one of them runs
         self.graph = fx.Graph()
         self.producer: dict[int, fx.Node] = {}
         self.keep: list[Any] = []  # values stay alive: ids are never reused during the capture
         self.stack: list[str] = []
         self.calls: list[ModuleCall] = []
         self.order = 0
+        self.unread: dict[int, tuple[str, torch.Tensor]] = {}  # lazy: tensors whose get_attr node waits for a use
         for name, tensor in [*module.named_parameters(remove_duplicate=False),
                              *module.named_buffers(remove_duplicate=False)]:
-            if id(tensor) not in self.producer:
+            if id(tensor) in self.producer or id(tensor) in self.unread:
+                continue
+            if lazy:
+                self.unread[id(tensor)] = (name, tensor)
+            else:
                 self._register(tensor, self._node("get_attr", name, (), {}, tensor))
 
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, val: Any) -> fx.Node:
@@ -132,12 +145,17 @@ class _Recorder(TorchFunctionMode):
 
     def _arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
+            if id(a) in self.unread:  # a parameter or buffer read for the first time
+                name, tensor = self.unread.pop(id(a))
+                self._register(tensor, self._node("get_attr", name, (), {}, tensor))
             return self.producer.get(id(a), a)  # a tensor made outside the recording: a constant
         return a
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         if not any(isinstance(v, torch.Tensor) for v in tree_flatten(out)[0]):
             return out  # sizes, dtypes, Python numbers: constants of the graph
         node = self._node("call_function", func, tree_map(self._arg, tuple(args)), tree_map(self._arg, kwargs), out)
@@ -151,14 +169,23 @@ class _Recorder(TorchFunctionMode):
         return out
 
     def hooks(self, module: nn.Module) -> list[Any]:
+        """Call-recording hooks on every module, except deep inside a skipped one (`skip`): there only its
+        first SKIP_DEPTH levels are watched (a layer's MoE block, its router and experts), since a hook costs
+        its registration on each of a large model's many modules."""
         handles = []
         for path, sub in module.named_modules():
+            if self.skip and any(path.startswith(r + ".") and path[len(r) + 1:].count(".") >= SKIP_DEPTH
+                                 for r in self.skip):
+                continue
+
             def pre(_m, args, kwargs, path=path):
                 self.calls.append(ModuleCall(path, self.stack[-1] if self.stack else "", args, kwargs))
                 self.stack.append(path)
+                self.paused += path in self.skip
                 return None
 
             def post(_m, args, kwargs, output, path=path):
+                self.paused -= path in self.skip
                 self.stack.pop()
                 call = next(c for c in reversed(self.calls) if c.path == path and c.output is None)
                 call.output = output
@@ -170,14 +197,17 @@ class _Recorder(TorchFunctionMode):
         return handles
 
 
-def capture(module: nn.Module, *inputs: Any, names: tuple[str, ...] = (), kwargs: dict[str, Any] | None = None
-            ) -> Capture:
+def capture(module: nn.Module, *inputs: Any, names: tuple[str, ...] = (), kwargs: dict[str, Any] | None = None,
+            skip: frozenset[str] = frozenset(), lazy: bool = False) -> Capture:
     """Run `module(*inputs, **kwargs)` under no_grad, recording its graph. `module` should be a probe copy (or
     a model in eval mode whose state the caller restores): hooks are added for the call and removed after it,
     nothing else is changed. `names`: the positional inputs' placeholder names (default `input_<i>`); a
-    tensor keyword argument's placeholder is its name; other arguments are constants of the graph."""
+    tensor keyword argument's placeholder is its name; other arguments are constants of the graph. `skip`:
+    module paths whose inner calls run without being recorded (their module calls still are); `lazy`: a
+    parameter's or buffer's `get_attr` node is made at its first use (a whole model holds many more tensors
+    than one forward of its first layers reads), else all of them first, in the module's order."""
     kwargs = kwargs or {}
-    recorder = _Recorder(module)
+    recorder = _Recorder(module, skip, lazy)
     placeholders = [recorder.placeholder(names[i] if i < len(names) else f"input_{i}", x)
                     for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
     placeholders += [recorder.placeholder(name, x) for name, x in kwargs.items() if isinstance(x, torch.Tensor)]

@@ -35,6 +35,7 @@ import torch
 from torch import fx, nn
 
 from moepass.detect.capture import ARGMAX, SORT, TOPK, Capture, ModuleCall, capture, downstream, upstream, value
+from moepass.detect.structure import structural_key
 
 INPUT_TOKENS = (2, 8)  # [B, S] of a synthesized example input
 
@@ -118,11 +119,49 @@ def record_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if any(p.device.type == "meta" for p in model.parameters()):
         return "the model is on the meta device (no values to run a forward on)"
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    repeats = repeated_layers(model)
     try:  # the user's RNG streams are left as they were (a forward may draw: jitter, dropout)
         with _read_only(model), torch.random.fork_rng(devices=devices):
-            return capture(model, *args, kwargs=kwargs or {})
+            cap = capture(model, *args, kwargs=kwargs or {}, skip=frozenset(repeats), lazy=True)
     except Exception as err:  # the user's forward: reported, never raised
         return f"the model's forward failed on the example input: {type(err).__name__}: {err}"
+    cap.repeats = repeats
+    return cap
+
+
+def repeated_layers(model: nn.Module) -> dict[str, str]:
+    """{path: the earlier sibling it repeats} for the entries of every ModuleList / ModuleDict whose structure
+    (`structure.structural_key`) equals an earlier entry's: a deep model's layers, recorded once (their
+    calls inside run unrecorded; `graph_blocks` re-roots what the first one shows)."""
+    repeats: dict[str, str] = {}
+    grouped: list[str] = []  # entries of a container already looked at: containers inside them are not
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or len(container) < 2 \
+                or any(path == g or path.startswith(g + ".") for g in grouped):
+            continue
+        # layers holding containers of their own (a list of experts): an expert list itself is recorded whole,
+        # since an expert the synthesized tokens miss runs no call at all
+        entries = [(f"{path}.{key}" if path else key, child) for key, child in container._modules.items()
+                   if child is not None and any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in child.modules())]
+        grouped += [p for p, _ in entries]
+        first: dict[object, str] = {}
+        for child_path, child in entries:
+            try:
+                shape = structural_key(child)
+            except Exception:  # no key: recorded on its own
+                shape = None
+            if shape is not None and shape in first:
+                repeats[child_path] = first[shape]
+            elif shape is not None:
+                first[shape] = child_path
+    return repeats
+
+
+def _reroot(path: str, old: str, new: str) -> str | None:
+    """`path` below `old` moved below `new`, or None when it is not below `old`."""
+    if path == old:
+        return new
+    return new + path[len(old):] if path.startswith(old + ".") else None
 
 
 def _selections(cap: Capture) -> Iterator[tuple[fx.Node, fx.Node, int]]:
@@ -213,7 +252,18 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
                 block.expert_params = tuple(dict.fromkeys(block.expert_params + experts))
                 block.shapes.update({p: shapes[p] for p in (*experts, *router) if p in shapes})
             break
-    blocks = list(found.values())
+    for repeat, first in cap.repeats.items():  # a repeated layer: what its first shows, at its own paths
+        for block in list(found.values()):
+            path = _reroot(block.path, first, repeat)
+            if path is None or path in found:
+                continue
+            moved = {p: _reroot(p, first, repeat) or p for p in (*block.router_params, *block.expert_params)}
+            found[path] = GraphBlock(path, block.num_experts, tuple(moved[p] for p in block.router_params),
+                                     tuple(moved[p] for p in block.expert_params),
+                                     next((c for c in cap.calls if c.path == path), None),
+                                     {moved.get(p, p): s for p, s in block.shapes.items()})
+    order = {c.path: i for i, c in reversed(list(enumerate(cap.calls)))}  # the order the blocks ran in
+    blocks = sorted(found.values(), key=lambda b: order.get(b.path, len(order)))
     # a block inside another found block is the same MoE seen from a submodule that also selects (nested
     # routing): keep the outermost
     return [b for b in blocks if not any(o.path != b.path and (o.path == "" or b.path.startswith(o.path + "."))

@@ -30,31 +30,21 @@ from samples import hf_hub as H  # noqa: E402
 
 # family -> (verdict it was read under, cause, way out): what reading the family's code found
 CAUSES: dict[str, tuple[str, str, str]] = {
-    "gpt_oss": ("not reported", "the candidate is the fused experts module: its [E, 2F] `gate_up_proj_bias` is taken "
-                "as a router weight (D read as 2F) (candidates.py `_router_weight` ranks a weight beside the fused experts last "
-                "only among one ancestor's weights), so the probe calls `mlp.experts` alone (it needs the routing "
-                "arguments) and the report line names a module that holds no selection",
-                "candidates.py `_grouped`: count every parameter of the fused experts' own module with leading "
-                "dim E (its biases) as the group's (or candidates from the traced graph). Tried in a scratch run: "
-                "the block `mlp` is then the candidate and reaches the semantic check (the biases and interleaved "
-                "gate / up are read), and fails only on its second output, the top-k weights [T, K], which "
-                "MoESpec.side_outputs cannot name (`router_logits` only)"),
-    "openai_privacy_filter": ("not reported", "GPT-OSS's block: the same cause", "as GPT-OSS"),
-    "dbrx": ("not reported", "the experts are 2-D parameters [E*F, D] (`w1`, `v1`, `w2`) viewed as [E, F, D] in "
-             "the forward: no expert group (3-D parameters or a list of expert modules) exists in the module tree",
-             "candidates from the traced graph (a `view(E, F, D)` of a parameter read by the expert loop); the "
-             "experts spec then needs a reshaped TensorSource"),
-    "jetmoe": ("not reported", "each expert projection is its own module holding one 3-D [E, F, D] weight "
-               "(`input_linear`, `output_linear`): an expert group needs >= 2 such parameters in one module; "
-               "its attention is a mixture of attention heads (2 of the 4 routed modules), not an FFN",
-               "candidates from the traced graph, or group 3-D weights with one leading E across sibling modules; "
-               "the attention experts stay out of scope"),
-    "nllb-moe": ("not reported", "the experts container (a ModuleDict subclass) holds a `token_dropout` nn.Dropout "
-                 "beside its E expert modules, so its entries are not all of one type and candidates.py `_listed` "
-                 "finds no expert group",
-                 "in `_listed`, leave parameter-free entries out of the group. Tried in a scratch run: the block "
-                 "is then reported, rejected (its router is called with the padding mask too; its top-2 "
-                 "second-expert policy matches no known rule)"),
+    "openai_privacy_filter": ("rejected", "GPT-OSS's block with a router module that returns (weights, experts) "
+                              "and no logits: the fused-3d hypotheses over it differ by 0.11 in the outputs (not "
+                              "analysed further)", "read its router's rule (its own selection is called as it is)"),
+    "dbrx": ("rejected", "the experts are 2-D parameters [E*F, D] (`w1`, `v1`, `w2`) viewed as [E, F, D] in the "
+             "forward: the recorded forward finds the block and reports the flattened tensors, but no TensorSource "
+             "reads a parameter reshaped", "a reshape in TensorSource (EP can shard dim 0 of [E*F, D] in place; FSEP "
+             "cannot)"),
+    "jetmoe": ("rejected", "its MoE MLP is exact (experts over two sibling modules and an output bias, found from the "
+               "recorded forward); its attention is a mixture of attention heads, called with **kwargs, which "
+               "moepass does not pass through", "attention experts are out of scope of an MoE-block rewrite; leave "
+               "them alone with Plan(blocks=...)"),
+    "nllb-moe": ("rejected", "found (the container's parameter-free `token_dropout` entry is left out of the expert "
+                 "group); its router is called with the padding mask too and its top-2 selection is not one the "
+                 "known rules reproduce (72/72 probe tokens select differently)", "read its router module's "
+                 "selection as it is (logits_from='selection') once the mask passes through"),
     "phimoe": ("rejected", "sparsemixer selection: two rounds of `max` over masked scores with a jitter threshold, "
                "no top-k / argmax the capture recognises",
                "recognise `max(dim=-1)` as a top-1 selection in capture.selection; the router module returns "
@@ -74,9 +64,10 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                             "with weight decay or momentum steps the zero-gradient expert",
                             "leave experts that received no token without a gradient (or document the "
                             "difference); tests/test_hf_families.py's sizes route every expert"),
-    "gemma4_text": ("rejected", "router and experts sit directly in the decoder layer, so the candidate is the whole "
-                    "layer, which the probe cannot call with hidden states alone (it needs position embeddings)",
-                    "candidates from the traced graph (the MoE region inside the layer)"),
+    "gemma4_text": ("rejected", "router and experts sit directly in the decoder layer's own forward, beside its "
+                    "attention: the recorded forward anchors the block at the whole layer, which no MoESpec "
+                    "reproduces (attention inside)", "a region rewrite inside a module (as the torch.compile backend "
+                    "does on Dynamo graphs), or the MoE part moved into a submodule"),
     "diffusion_gemma_text": ("rejected", "Gemma-4's layer: the same cause", "as Gemma-4"),
     "zaya": ("rejected", "the router module is called with the previous layer's router state (an argument other "
              "than the block input and its own tensors), and selects over E + 1 (a skip expert)",

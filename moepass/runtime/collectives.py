@@ -384,13 +384,18 @@ def _equal_bwd(ctx, grad_GS):
 equal_all_to_all.register_autograd(_equal_bwd, setup_context=_equal_setup)
 
 
+# torch 2.13 names it all_gather_single (all_gather_into_tensor warns, deprecated); older releases (a GPU machine's
+# own torch, say) have only the old name
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @torch.library.custom_op("moe_comm::gather_counts", mutates_args=())
 def gather_counts(counts_E: Tensor, group_name: str) -> Tensor:
     """Every rank's counts, stacked: [P, E] (blocking; metadata for FSEP's placement planner)."""
     ranks = _peers(group_name)[1]
     out = counts_E.new_empty(len(ranks) * counts_E.numel())  # flat: what every backend's all_gather accepts
     record_bytes("counts", group_name, [1] * len(ranks), counts_E.numel() * counts_E.element_size())
-    dist.all_gather_into_tensor(out, counts_E.contiguous().view(-1), group=_group(group_name))
+    ALL_GATHER_SINGLE(out, counts_E.contiguous().view(-1), group=_group(group_name))
     return out.view(len(ranks), *counts_E.shape)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import fnmatch
 import logging
 import traceback
 import warnings
@@ -55,6 +57,9 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     if not isinstance(plan, Plan):
         raise PlanError(f"moepass.compile(plan={plan!r}) is invalid: pass a moepass.Plan(...)")
     report = detect(model, example_inputs) if report is None else report
+    unmatched = unmatched_blocks(plan, report)
+    if unmatched is not None:  # before anything is copied: a key that leaves nothing alone is a silent no-op
+        raise PlanError(unmatched)
     plan, _ = resolve_auto(plan, report, model)
     missed = not_rewritten(plan, report)
     if plan.strict and missed:  # before anything is copied or changed
@@ -90,6 +95,22 @@ def not_rewritten(plan: Plan, report: DetectionReport) -> list[tuple[str, str]]:
     the plan names a form for it: the blocks detection rejected (a block `Plan.blocks` maps to None is left
     alone on purpose: not listed)."""
     return [(path, reason) for path, reason in report.rejected if plan.for_block(path) is not None]
+
+
+def unmatched_blocks(plan: Plan, report: DetectionReport) -> str | None:
+    """Why `plan.blocks` is wrong for this model: a key that matches no block detection saw (accepted or
+    rejected), with the nearest real paths; None when every key matches one."""
+    paths = [d.path for d in report.details]
+    for pattern in plan.blocks:
+        if any(p == pattern or fnmatch.fnmatchcase(p, pattern) for p in paths):
+            continue
+        tail = [p for p in paths if p.endswith("." + pattern) or fnmatch.fnmatchcase(p, "*." + pattern)]
+        near = tail[:3] or difflib.get_close_matches(pattern, paths, n=3, cutoff=0.4)
+        hint = f" Did you mean {', '.join(map(repr, near))}?" if near else ""
+        return (f"Plan.blocks[{pattern!r}] matches no MoE block of this model (it has {len(paths)}: "
+                f"{', '.join(map(repr, paths[:4]))}{' ...' if len(paths) > 4 else ''}).{hint} Keys are module paths "
+                f"from the model's root or globs over them (e.g. {'*.' + pattern.rsplit('.', 1)[-1]!r}).")
+    return None
 
 
 def _form_of(plan: Plan, path: str) -> str | None:
@@ -272,6 +293,9 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
             lines.append(f"cost model could not choose a form: {type(err).__name__}: {err}")
             return "\n".join(lines)
     missed = not_rewritten(plan, report)  # what compile would leave as it is: said as compile would say it
+    unmatched = unmatched_blocks(plan, report)
+    if unmatched is not None:
+        lines.append(f"compile would raise PlanError: {unmatched}")
     if plan.strict and missed:
         lines.append(f"compile would raise PlanError (Plan.strict=True): {_missed_message(missed, plan)}")
     elif any(_form_of(plan, path) in DISTRIBUTED_FORMS for path, _ in missed):

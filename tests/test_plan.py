@@ -74,3 +74,24 @@ def test_block_override_is_validated():
 def test_compile_rejects_a_non_plan():
     with pytest.raises(PlanError, match="pass a moepass.Plan"):
         moepass.compile(__import__("torch").nn.Linear(2, 2), {"form": "single"})  # type: ignore[arg-type]
+
+
+def test_blocks_key_matching_no_block_raises_with_the_nearest_paths():
+    """A `Plan.blocks` key that names no detected block would silently leave nothing alone: compile refuses it,
+    naming the key and the real paths (the key written from the block's parent, as on an HF model whose blocks
+    live under `model.`), and explain says compile would raise; a matching key or glob is taken."""
+    import moepass
+    from samples.models import tiny_mixtral
+
+    model = tiny_mixtral(style="loop", vocab_size=64, dim=32, ffn_dim=64, num_experts=8, top_k=2, layers=2, heads=4)
+    report = moepass.detect(model)
+    with pytest.raises(PlanError) as err:
+        moepass.compile(model, Plan(blocks={"mlp": None}), report=report)
+    assert "Plan.blocks['mlp'] matches no MoE block of this model" in str(err.value)
+    assert "Did you mean 'layers.0.mlp', 'layers.1.mlp'?" in str(err.value)
+    assert "compile would raise PlanError: Plan.blocks['mlp']" in moepass.explain(model, Plan(blocks={"mlp": None}),
+                                                                                  report=report, graphs=False)
+    cm = moepass.compile(model, Plan(blocks={"layers.0.mlp": None}), report=report)
+    assert sorted(cm.moepass_info.rewritten) == ["layers.1.mlp"]
+    cm = moepass.compile(model, Plan(blocks={"layers.*.mlp": None}), report=report)
+    assert not cm.moepass_info.rewritten

@@ -668,17 +668,11 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
     for name in spec.side_outputs:
         if name.startswith(LOAD_OUTPUT):  # each expert's load, in the dtype the block returns it in
             dtype = getattr(torch, name.removeprefix(LOAD_OUTPUT))
-            side[name] = b.fn(expert_load, experts_TK, spec.router.num_experts, dtype, name="expert_load_R")
+            load_R = b.fn(dialect.expert_load_ref, experts_TK, spec.router.num_experts, name="expert_load_R")
+            side[name] = b.method("to", load_R, dtype, name="expert_load_as_returned")
     outputs = [out] + [side[name] for name in spec.side_outputs]
     b.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
     return b.graph
-
-
-def expert_load(experts_TK: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
-    """How many of the rows' choices picked each expert, [R] in `dtype` (a side output some blocks return)."""
-    ids = experts_TK.reshape(-1)  # a scatter, not bincount: a fixed [R] shape (fake tensors) and no host sync
-    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids)) \
-        .to(dtype)
 
 
 def build(spec: MoESpec, block: nn.Module) -> MoEGraphModule:

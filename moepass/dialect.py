@@ -314,12 +314,17 @@ def _(selection_bias, experts_TK, rate, training):
     return None
 
 
+def expert_load_ref(experts_TK: Tensor, num_experts: int) -> Tensor:
+    """How many of the rows' choices picked each expert, [R] int64. A scatter, not bincount: a fixed shape (fake
+    tensors trace it) and no host sync."""
+    ids = experts_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def count_load_ref(counter_R: Tensor, experts_TK: Tensor) -> Tensor:
-    """`counter_R` plus how many of the rows' choices picked each expert (a block's own load statistic, e.g. the
-    token counts a training loop reads to balance the experts), as a new tensor in the counter's dtype."""
-    ids = experts_TK.reshape(-1)  # a scatter, not bincount: no host sync
-    load_R = torch.zeros(counter_R.shape[0], dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
-    return counter_R + load_R.to(counter_R.dtype)
+    """`counter_R` plus each expert's load (`expert_load_ref`; a block's own statistic, e.g. the token counts a
+    training loop reads to balance the experts), as a new tensor in the counter's dtype."""
+    return counter_R + expert_load_ref(experts_TK, counter_R.shape[0]).to(counter_R.dtype)
 
 
 @torch.library.custom_op("moe::count_load", mutates_args=("counter_R",))

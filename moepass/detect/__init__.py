@@ -135,6 +135,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
     if candidate.experts_kind == GRAPH:
         report.reason = undescribed(candidate)
         return report
+    observed = observed_fields(candidate)
     for name, recognise in recognisers:
         try:
             found = recognise(candidate)
@@ -144,16 +145,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         if isinstance(found, str):
             reasons.append(f"{name}: {found}")
             continue
-        if candidate.load_counter is not None:  # the block counts its experts' load: every hypothesis keeps it
-            counter = TensorSource.param(candidate.load_counter)
-            found = [replace(spec, load_counter=counter) for spec in found]
-        if candidate.input_names != ("hidden_states",):  # the block's inputs as the model passes them
-            found = [replace(spec, input_names=candidate.input_names, unused_inputs=tuple(candidate.passthrough))
-                     for spec in found]
-        kinds = candidate.side_outputs
-        if any(k in ("none", "topk_weights", "topk_experts") or k.startswith(LOAD_OUTPUT) for k in kinds) \
-                and not any(k.startswith("?") for k in kinds):
-            found = [replace(spec, side_outputs=tuple(kinds)) for spec in found]  # what it returns, reproduced
+        found = [replace(spec, **observed) for spec in found]
         if candidate.output_bias is not None:  # a bias on the combined output: tried with it first, then without
             bias = TensorSource.param(candidate.output_bias)
             found = [replace(spec, output_bias=bias) for spec in found] + found
@@ -184,6 +176,22 @@ def _detect_block(candidate: Candidate) -> BlockReport:
                           f"routing into a submodule that returns (weights, experts) and the rewritten block calls "
                           f"it as it is")
     return report
+
+
+def observed_fields(c: Candidate) -> dict[str, Any]:
+    """MoESpec fields every hypothesis of a block takes from what its capture showed, whichever recogniser
+    made it: its load counter, its inputs as the model passes them, what it returns when moepass reproduces
+    all of it beyond router logits (which the recognisers decide)."""
+    fields: dict[str, Any] = {}
+    if c.load_counter is not None:  # the block counts its experts' load
+        fields["load_counter"] = TensorSource.param(c.load_counter)
+    if c.input_names != ("hidden_states",):
+        fields.update(input_names=c.input_names, unused_inputs=tuple(c.passthrough))
+    kinds = c.side_outputs
+    if any(k in ("none", "topk_weights", "topk_experts") or k.startswith(LOAD_OUTPUT) for k in kinds) \
+            and not any(k.startswith("?") for k in kinds):
+        fields["side_outputs"] = tuple(kinds)
+    return fields
 
 
 def undescribed(c: Candidate) -> str:

@@ -17,6 +17,7 @@ selection over E scores found in that graph is what makes it an MoE block, and t
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +26,6 @@ import torch
 from torch import nn
 
 from moepass.detect.capture import (
-    ARGMAX,
-    SORT,
-    TOPK,
     Capture,
     ModuleCall,
     Selection,
@@ -39,8 +37,9 @@ from moepass.detect.capture import (
     value,
 )
 from moepass.detect.check import probe_copy, token_ids
-from moepass.detect.graph_candidates import GraphBlock, router_weight
-from moepass.detect.router import RouterFacts, read_router
+from moepass.detect.graph_candidates import GraphBlock, router_weight, selections
+from moepass.detect.router import ADD, RouterFacts, read_router
+from moepass.dialect import expert_load_ref
 from moepass.spec import LOAD_OUTPUT, SharedExpertSpec
 
 SPEC_METHOD = "moepass_spec"  # the self-description protocol: module.moepass_spec(path) -> MoESpec
@@ -331,13 +330,7 @@ def _spread_group(block: GraphBlock, path: str) -> _Group | None:
     owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in held}
     if len(held) < 2 or len(owners) < 2:
         return None
-    parts = [o.split(".") for o in owners]
-    common = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    root = ".".join(common) if common else ""
+    root = ".".join(os.path.commonprefix([o.split(".") for o in owners]))
     if not _inside(root, path):
         root = path
     return _Group(root, "fused", E, fused=tuple((_relative(p, root), block.shapes[p]) for p in held))
@@ -389,8 +382,8 @@ def recorded_arguments(c: Candidate) -> tuple[tuple[str, ...], list[Any], tuple[
     if call is None or len(call.args) + len(call.kwargs) <= 1:
         return None
     try:
-        params = list(inspect.signature(c.module.forward).parameters.values())
-        bound = inspect.signature(c.module.forward).bind(*call.args, **call.kwargs)
+        signature = inspect.signature(c.module.forward)
+        params, bound = list(signature.parameters.values()), signature.bind(*call.args, **call.kwargs)
     except (TypeError, ValueError) as err:
         return f"its recorded call does not match its forward's signature: {err}"
     if not params or not isinstance(bound.arguments.get(params[0].name), torch.Tensor):
@@ -471,7 +464,7 @@ def side_outputs(c: Candidate) -> list[str]:
     if not isinstance(out, tuple) or c.selection is None:
         return []
     R, (T, K) = c.num_experts, c.selection.indices.shape
-    load = torch.bincount(c.selection.indices.reshape(-1), minlength=R)
+    load = expert_load_ref(c.selection.indices, R)
     kinds = []
     for i, v in enumerate(out[1:], start=1):
         if v is None:
@@ -491,25 +484,22 @@ def side_outputs(c: Candidate) -> list[str]:
     return kinds
 
 
-ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__iadd__)
-
-
 def output_bias(c: Candidate) -> str | None:
     """A [D] parameter of the block (outside its experts and router) added to a value that depends on the
     selection: a bias on the combined output. None when there is none."""
     if c.graph is None or c.selection is None:
         return None
     after: set = set()  # what depends on any selection over the R scores (the block's last may come late)
-    for node in c.graph.nodes(TOPK + ARGMAX + SORT):
-        scores = value(node.args[0]) if node.args else None
-        if isinstance(scores, torch.Tensor) and scores.dim() and scores.shape[-1] == c.num_experts:
+    for node, _, E in selections(c.graph):
+        if E == c.num_experts:
             after |= downstream(node)
     skip = [p for p in (c.experts_path, c.router_path) if p]
     for node in attrs(c.graph.graph.nodes):
         val, path = value(node), str(node.target)
         if not isinstance(val, nn.Parameter) or tuple(val.shape) != (c.hidden_dim,) or any(_inside(path, p) for p in skip):
             continue
-        if any(u.op == "call_function" and u.target in ADDS and any(a in after for a in u.all_input_nodes)
+        if any(u.op == "call_function" and u.target in (*ADD, torch.Tensor.__iadd__)
+               and any(a in after for a in u.all_input_nodes)
                for u in node.users):
             return path
     return None

@@ -164,7 +164,7 @@ def _reroot(path: str, old: str, new: str) -> str | None:
     return new + path[len(old):] if path.startswith(old + ".") else None
 
 
-def _selections(cap: Capture) -> Iterator[tuple[fx.Node, fx.Node, int]]:
+def selections(cap: Capture) -> Iterator[tuple[fx.Node, fx.Node, int]]:
     """(selection call, its indices node, E) for every top-k / argmax / descending sort over the last dim of
     E >= 2 floating scores."""
     for node in cap.nodes(TOPK + ARGMAX + SORT):
@@ -222,10 +222,14 @@ def _params_in(node: fx.Node, after: set[fx.Node], path: str, params: set[str]) 
 def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
     """The MoE blocks the recorded forward shows (see the module doc), in the order they ran; a block whose
     selection ran several times (a module reused) is reported once, with its first call."""
-    params = {name for name, p in model.named_parameters(remove_duplicate=False) if p.is_floating_point()}
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    named = list(model.named_parameters(remove_duplicate=False))
+    params = {name for name, p in named if p.is_floating_point()}
+    shapes = {name: tuple(p.shape) for name, p in named}
+    first_call: dict[str, ModuleCall] = {}  # each module's first call, in the order the modules ran
+    for call in cap.calls:
+        first_call.setdefault(call.path, call)
     found: dict[str, GraphBlock] = {}
-    for node, indices, E in _selections(cap):
+    for node, indices, E in selections(cap):
         scores = node.args[0]
         assert isinstance(scores, fx.Node)
         before = upstream(scores)
@@ -243,8 +247,7 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
                       for a in n.all_input_nodes if _is_param(a, params)}  # read inside the block
             block = found.get(path)
             if block is None:
-                call = next((c for c in cap.calls if c.path == path), None)
-                found[path] = GraphBlock(path, E, tuple(sorted(router)), experts, call,
+                found[path] = GraphBlock(path, E, tuple(sorted(router)), experts, first_call.get(path),
                                          {p: shapes[p] for p in (*experts, *router) if p in shapes})
             else:  # a later selection of the same block (group-limited: groups first, then experts)
                 block.num_experts = E
@@ -260,9 +263,9 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
             moved = {p: _reroot(p, first, repeat) or p for p in (*block.router_params, *block.expert_params)}
             found[path] = GraphBlock(path, block.num_experts, tuple(moved[p] for p in block.router_params),
                                      tuple(moved[p] for p in block.expert_params),
-                                     next((c for c in cap.calls if c.path == path), None),
+                                     first_call.get(path),
                                      {moved.get(p, p): s for p, s in block.shapes.items()})
-    order = {c.path: i for i, c in reversed(list(enumerate(cap.calls)))}  # the order the blocks ran in
+    order = {path: i for i, path in enumerate(first_call)}  # the order the blocks ran in
     blocks = sorted(found.values(), key=lambda b: order.get(b.path, len(order)))
     # a block inside another found block is the same MoE seen from a submodule that also selects (nested
     # routing): keep the outermost
@@ -273,12 +276,8 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
 def router_weight(block: GraphBlock) -> str | None:
     """The router's weight among the parameters the selection scores read: a 2-D one with E rows (or columns:
     a transposed layout) when there is one, else the largest."""
-    E = block.num_experts
-    shaped = [p for p in block.router_params if len(block_shape(block, p)) == 2 and E in block_shape(block, p)]
+    E, shape = block.num_experts, lambda p: block.shapes.get(p, ())
+    shaped = [p for p in block.router_params if len(shape(p)) == 2 and E in shape(p)]
     if shaped:
-        return sorted(shaped, key=lambda p: block_shape(block, p)[0] != E)[0]
-    return max(block.router_params, key=lambda p: math.prod(block_shape(block, p)), default=None)
-
-
-def block_shape(block: GraphBlock, path: str) -> tuple[int, ...]:
-    return block.shapes.get(path, ())
+        return min(shaped, key=lambda p: shape(p)[0] != E)
+    return max(block.router_params, key=lambda p: math.prod(shape(p)), default=None)

@@ -508,7 +508,7 @@ class FSEPPlacement(nn.Module):
 
     def __init__(self, block: str, config: placement.PlannerConfig, rank: int, planner: str | Planner,
                  table: placement.PlacementTable, restore: RestoreSource | None = None, prefetch_depth: int = 0,
-                 defer_reduction: bool = True):
+                 defer_reduction: bool = True, device: torch.device | str = "cpu"):
         super().__init__()
         self.block, self.config, self.rank, self.planner = block, config, rank, planner
         self.restore = restore  # how to issue this block's restore from outside its graph (a prefetch)
@@ -519,7 +519,8 @@ class FSEPPlacement(nn.Module):
         self._prefetched: Prefetched | None = None
         self.prefetched_restores = 0  # restores of this block an earlier block issued (and this one used)
         self.slot_expert: Tensor
-        self.register_buffer("slot_expert", table.as_tensor("cpu"), persistent=False)
+        # on the experts' device: the route and the restore's gather index the shards with it
+        self.register_buffer("slot_expert", table.as_tensor(device), persistent=False)
         self.history = placement.CountHistory(config.history, config.W, config.E)
         self.step = 0
         self.decisions: list[Installed] = [Installed(0, table.slot_expert, "initial")]
@@ -753,7 +754,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     table = placement.even_table(E, P, C, rpn)
     source = RestoreSource(tuple(params), groups.ep_group.group_name)
     controller = FSEPPlacement(spec.path or "<root>", config, groups.ep_rank, plan.planner, table, source,
-                               plan.prefetch_depth, plan.defer_expert_grads)
+                               plan.prefetch_depth, plan.defer_expert_grads, device)
     effects.modules[CONTROLLER] = controller
     group_name = groups.ep_group.group_name
 

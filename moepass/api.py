@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moepass import determinism
 from moepass.canonical import CANONICAL_PASS, MoEGraphModule
@@ -23,6 +24,7 @@ from moepass.errors import PlanError
 from moepass.module_copy import deepcopy_module, gc_paused, storage_counts, unshare
 from moepass.pipeline import compile_block, copy_expert_weights, finalize
 from moepass.plan import DISTRIBUTED_FORMS, Plan
+from moepass.runtime import optim
 
 log = logging.getLogger("moepass")
 
@@ -79,6 +81,8 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
         object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged
     object.__setattr__(target, "moepass_info", info)
+    if any(isinstance(p, DTensor) for p in target.parameters()):
+        optim.enable_mixed_steps()  # expert DTensors beside plain tensors: foreach/fused optimizer steps work
     distributed = [(path, reason) for path, reason in missed if _form_of(plan, path) in DISTRIBUTED_FORMS]
     if distributed:  # the block trains replicated on every rank: never silently
         warnings.warn(_missed_message(distributed, plan) + " They train as they are, replicated on every rank. Fix "

@@ -1,0 +1,177 @@
+"""Never slower (issue 29, item 8): one MoE block's forward+backward under `moepass.compile(block,
+Plan(form="single"))` against the untouched block, per block kind, at W=1.
+
+    python benchmarks/never_slower.py                        # CPU, the three sample styles (+ HF families: --hf)
+    PYTHONPATH=. python3 benchmarks/never_slower.py --device cuda --dtypes float32,bfloat16   # a GPU: Triton path
+
+The layer case of issue 29: 512 tokens (2 sequences x 256), D=256, F=512, E=8, K=2. Each block is built with
+seed 0; x (seed 1, requires grad) and a fixed random probe of y's shape (seed 2) are shared by both sides;
+loss = (y * probe).sum(). `--hf` adds every Hugging Face family whose tiny block moepass rewrites
+(samples/hf_hub.py), each at the same D/F/E/K where its config takes them.
+
+Method: R rounds; in each, both sides run `--iters` timed forward+backward steps after warm-up, in an order
+that alternates per round (original first on even rounds). A side's round figure is its median step; the
+round's ratio is compiled/original. Reported per case: both medians, the median ratio over rounds and its
+range, the machine load (os.getloadavg) and, on CUDA, the device. CPU: one thread (torch.set_num_threads(1)).
+Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import moepass  # noqa: E402
+from samples.models import SampleConfig, make_moe  # noqa: E402
+
+TOKENS, SEQS, D, F, E, K = 512, 2, 256, 512, 8, 2
+
+
+def sample_cases() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
+    cfg = SampleConfig(dim=D, ffn_dim=F, num_experts=E, top_k=K)
+    for style in ("loop", "fused", "gshard"):
+        yield f"sample {style}", lambda style=style: make_moe(style, cfg)
+
+
+def hf_cases() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
+    """Every HF family whose tiny model moepass rewrites: its first MoE block, taken from the built model."""
+    from samples import hf_hub
+
+    for family in hf_hub.moe_families():
+        def block(family=family) -> nn.Module:
+            model, batch = hf_hub.build(family, seed=0)
+            report = moepass.detect(model, example_inputs=batch)
+            if not report.accepted:
+                raise LookupError("no block accepted")
+            return model.get_submodule(report.accepted[0].path)
+        yield f"hf {family.name}", block
+
+
+def output(y) -> torch.Tensor:
+    return y[0] if isinstance(y, tuple) else y
+
+
+def step(block: nn.Module, x: torch.Tensor, probe: torch.Tensor) -> None:
+    x.grad = None
+    (output(block(x)) * probe).sum().backward()
+
+
+def time_steps(block, x, probe, iters: int, device: torch.device) -> float:
+    """Median seconds of one forward+backward over `iters` steps."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            step(block, x, probe)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            step(block, x, probe)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, rounds: int,
+            iters: int, warmup: int) -> dict:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        original = make().to(device=device, dtype=dtype)
+        compiled = moepass.compile(copy.deepcopy(original), moepass.Plan(form="single"))
+    rewritten = list(compiled.moepass_info.rewritten) if hasattr(compiled, "moepass_info") else []
+    if not rewritten:
+        return {"case": name, "dtype": str(dtype).removeprefix("torch."), "skipped": "moepass rewrote no block"}
+    dim = next(iter(compiled.moepass_info.rewritten.values())).spec.experts.hidden_dim
+    x = torch.randn(SEQS, TOKENS // SEQS, dim, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    x.requires_grad_(True)
+    with torch.no_grad():
+        probe = torch.randn(output(original(x)).shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    for block in (original, compiled):
+        for _ in range(warmup):
+            step(block, x, probe)
+    per_round = []
+    for r in range(rounds):
+        order = [("original", original), ("moepass", compiled)]
+        if r % 2:
+            order.reverse()
+        figures = {label: time_steps(block, x, probe, iters, device) for label, block in order}
+        per_round.append(figures)
+    ratios = [f["moepass"] / f["original"] for f in per_round]
+    lowered = sorted({kernel for gm in compiled.moepass_info.rewritten.values() for h in gm.history
+                      if h["pass"] == "lower" for kernel in (h.get("stats") or {}).get("lowered", [])})
+    return {
+        "case": name, "dtype": str(dtype).removeprefix("torch."), "tokens": TOKENS, "dim": dim,
+        "original_ms": statistics.median(f["original"] for f in per_round) * 1e3,
+        "moepass_ms": statistics.median(f["moepass"] for f in per_round) * 1e3,
+        "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+        "rounds": [{k: v * 1e3 for k, v in f.items()} for f in per_round], "lowered": lowered,
+        "load": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtypes", default="float32", help="comma-separated: float32,bfloat16")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--hf", action="store_true", help="also every Hugging Face family moepass rewrites")
+    parser.add_argument("--only", default="", help="substring of the case names to run")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    cases = list(sample_cases()) + (list(hf_cases()) if args.hf else [])
+    rows = []
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        for name, make in cases:
+            if args.only and args.only not in name:
+                continue
+            try:
+                row = measure(name, make, device, dtype, args.rounds, args.iters, args.warmup)
+            except Exception as err:  # one case's failure is its row, the others still run
+                row = {"case": name, "dtype": str(dtype).removeprefix("torch."),
+                       "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+            rows.append(row)
+            if "ratio" in row:
+                lo, hi = row["ratio_range"]
+                print(f"{name:34s} {row['dtype']:9s} original {row['original_ms']:8.3f} ms  moepass "
+                      f"{row['moepass_ms']:8.3f} ms  ratio {row['ratio']:.3f} [{lo:.3f}, {hi:.3f}]  "
+                      f"load {row['load']:.1f}", flush=True)
+            else:
+                print(f"{name:34s} {row['dtype']:9s} {row.get('skipped') or row.get('error')}", flush=True)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
+            "iters": args.iters, "case": {"tokens": TOKENS, "D": D, "F": F, "E": E, "K": K}}
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    measured = [r for r in rows if "ratio" in r]
+    worst = max(measured, key=lambda r: r["ratio"]) if measured else None
+    print(f"{len(measured)} cases measured; worst ratio {worst['ratio']:.3f} ({worst['case']}, {worst['dtype']})"
+          if worst else "no case measured", f"-> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -148,9 +148,10 @@ def routing_trace(routing: dict[str, Any], case: Case, router: str, assumptions:
     if s is None and target is None:
         note("routing not given: uniform (max/mean 1), static")
         return static(uniform, "uniform")
-    if s is None:
+    if s is None and target is not None:
         s = ep_formulas.zipf_for_imbalance(float(target), T, K, E, case.ep)
         note(f"routing: Zipf s fitted to max/mean {target} at each case's EP degree (from the set-up's routing figure)")
+    assert s is not None  # a figure was given: zipf_s, or max_mean fitted above
     drift = routing.get("drift") or {}
     sigma, rho = float(drift.get("sigma", DRIFT_SIGMA)), float(drift.get("rho", DRIFT_RHO))
     note(f"routing moves: each expert's log-popularity drifts as AR(1) around its Zipf value (std sigma={sigma:g}, "
@@ -652,7 +653,7 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
         placement = locality.Placement(case.E, case.nodes, case.per_node)
     except ValueError as err:
         raise ValueError(f"{case.label} ({plan.system or plan.label}): {err}") from None
-    system = next((s for s in ctx.scenario.get("systems") or [] if s.get("id") == plan.system), {})
+    system: dict[str, Any] = next((s for s in ctx.scenario.get("systems") or [] if s.get("id") == plan.system), {})
     given = system.get("locality_ratio")
     lam = float(given) if given is not None else locality.router_ratio(
         "locmoe" if plan.router == "locmoe" else "switch", placement)
@@ -665,6 +666,12 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
         counts_SE = counts_SE * (skew / mean)
         counts_SE = counts_SE * (case.tokens / counts_SE.sum(axis=1, keepdims=True))
     rows_SR = locality.rows_matrix(placement, counts_SE, capacity)
+    text = (f"locality set-up: each of the E experts on one home node, tokens exchanged over all W ranks "
+            f"(cost_model.locality.Placement; the set-up's expert/model parallel degrees not modelled); LocMoE's "
+            f"locality ratio 1 - {locality.MEASURED_INTER_FACTOR} x (1 - k/E) (our measured inter-node factor, "
+            f"benchmarks/results/locality.json); dropless unless a system gives capacity_factor")
+    if text not in ctx.assumptions:
+        ctx.assumptions.append(text)
     m = ep_formulas.matmuls(case.gated)
     expert = float(fsep_formulas.expert_elements(case.D, case.F, m)) * placement.rank_experts
     replicas = len(placement.hosts(0))

@@ -212,18 +212,22 @@ class PlannedRouting:
 
 
 def planned_routing(counts_WE: Any, hw: Any, *, C: int, ranks_per_node: int, D: int, F: int, gated: bool,
-                    recompute: bool | None = None) -> PlannedRouting:
+                    recompute: bool | None = None, history_HWE: Any = None) -> PlannedRouting:
     """What FSEP does with [W source ranks, E experts] routed rows that repeat every step: the table
     `moepass.runtime.placement.plan` picks from them (summed over its history, as the runtime does; costs
     from `hw`, a `cost_model.presets.Hardware`) and the rows lite routing sends under it. Float counts are
-    rounded per row (`integer_rows`)."""
+    rounded per row (`integer_rows`). `history_HWE`: the earlier steps' counts the planner plans from, when the
+    routing moves (the table is then priced on `counts_WE`, the step after them)."""
     from moepass.runtime.placement import PlannerConfig, device_rows, lite_route_counts, plan
 
     counts = integer_rows(counts_WE)
     W, E = counts.shape
     config = PlannerConfig.from_hardware(hw, E=E, W=W, C=C, ranks_per_node=ranks_per_node, D=D, F=F, gated=gated,
                                          recompute=recompute)
-    decision = plan(counts * config.history, config)  # the same routing on each step of its history
+    # the steps the planner has seen (`history_HWE`, [steps, W, E]: it never sees the step it plans for), else
+    # the same routing on each step of its history
+    seen = counts * config.history if history_HWE is None else sum(integer_rows(h) for h in history_HWE)
+    decision = plan(seen, config)
     rows_SR = device_rows(lite_route_counts(counts, decision.table), C).numpy()
     return PlannedRouting(decision, rows_SR)
 

@@ -25,7 +25,9 @@ PROXY_WIDTH = 4096
 PROXY_ACTIVE_FFN = 2 * 14336  # K * F kept constant across the top-k / granularity sweep
 PROXY_EXPERTS_PER_K = 4  # E = 4K: 8 experts at K = 2
 PROXY_TOP_K = (2, 4, 8)  # granularity x1, x2, x4
-PROXY_LAYERS = 32
+# 16 of the Mixtral's 32 layers: the 32-layer stack holds ~47 B parameters, ~750 GB of Adam state, more than one
+# node of 8 devices holds; 16 layers fit 80 GB per rank with EP over the 8 (stated with the assumption)
+PROXY_LAYERS = 16
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,8 @@ def _model_variants(model: dict[str, Any], assumptions: list[str]) -> list[dict[
         assumptions.append(f"{mid}: hidden = heads x 128 = {model['hidden']} (head width 128 assumed)")
     if model.get("hidden") is None:
         assumptions.append(
-            f"{mid}: sizes not given: Mixtral-8x7B-like layer (USERS.md proxy shapes: D {PROXY_WIDTH}, SwiGLU, "
-            f"{PROXY_LAYERS} layers) at top-k {', '.join(map(str, PROXY_TOP_K))} with fine-grained experts: "
+            f"{mid}: sizes not given: Mixtral-8x7B-like layer (USERS.md proxy shapes: D {PROXY_WIDTH}, SwiGLU; "
+            f"{PROXY_LAYERS} layers: the Mixtral's 32 need ~750 GB of Adam state, more than one node) at top-k {', '.join(map(str, PROXY_TOP_K))} with fine-grained experts: "
             f"E = {PROXY_EXPERTS_PER_K}K, F = {PROXY_ACTIVE_FFN}/K (equal active and total parameters)"
         )
         return [

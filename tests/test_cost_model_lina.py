@@ -99,8 +99,10 @@ def _grid(case: Case, hw, counts: np.ndarray, micro_op: float, packings) -> dict
 
 def _counts(case: Case, max_mean: float | None) -> np.ndarray:
     """The routed rows the simulator prices (`simulate`'s reading of the set-up's routing)."""
-    s = 0.0 if max_mean is None else cm.zipf_for_imbalance(max_mean, case.tokens, case.K, case.E, case.ep)
-    return cm.zipf_counts(case.tokens, case.K, case.E, case.ep, s)
+    from cost_model.systems import routing_trace
+
+    routing = {} if max_mean is None else {"max_mean": max_mean}  # skewed: the drifting process's priced step
+    return routing_trace(routing, case, "learned", []).current[: case.ep]
 
 
 def _regrets(scenario, max_mean: float | None = None) -> list[tuple[str, float, tuple[int, int], tuple[int, int]]]:

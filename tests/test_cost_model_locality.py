@@ -291,8 +291,8 @@ def test_three_distinct_systems(simulated):
         hash_, switch, loc = (by[(case.label, s)] for s in ("hash-router", "switch-router", "locmoe"))
         assert hash_.modelled and switch.modelled and loc.modelled and loc.form == "locality"
         assert (hash_.plan["router"], switch.plan["router"], loc.plan["router"]) == ("hash", "switch", "locmoe")
-        # hash = switch in expectation: the same rows, the same figures
-        assert hash_.step_s == switch.step_s and hash_.breakdown == switch.breakdown
+        # hash: uniform, no gate; switch: the gate GEMM and the measured skew (systems.MEASURED_SWITCH_MAX_MEAN)
+        assert hash_.step_s < switch.step_s and hash_.breakdown["imbalance"] < switch.breakdown["imbalance"]
         placement = Placement(case.E, case.nodes, case.per_node)
         per_step = 2 * 2 * case.layers  # (dispatch + combine) x (forward + backward)
         for p, router in ((switch, "switch"), (loc, "locmoe")):
@@ -300,25 +300,27 @@ def test_three_distinct_systems(simulated):
             assert p.breakdown["locality_ratio"] == lam
             f = rank_bytes(placement, case.tokens, case.D, v["b"], lam)
             if not placement.nodes_gt_experts:  # every rank alike: the formula of one rank
-                assert p.breakdown["inter_node_bytes"] == pytest.approx(per_step * f["hosting"].sent_inter, rel=1e-12)
-                assert p.breakdown["intra_node_bytes"] == pytest.approx(per_step * f["hosting"].sent_intra, rel=1e-12)
+                # the learned routers' measured skew over the experts moves rows between experts: within 2 %
+                assert p.breakdown["inter_node_bytes"] == pytest.approx(per_step * f["hosting"].sent_inter, rel=2e-2)
+                assert p.breakdown["intra_node_bytes"] == pytest.approx(per_step * f["hosting"].sent_intra, rel=2e-2)
             else:  # E nodes of hosting ranks, N - E of expert-less ones
                 h, x = f["hosting"], f["expert-less"]
                 mean = per_step / 2 * (case.E * (h.sent_inter + h.recv_inter) + (case.nodes - case.E) * x.sent_inter)
-                assert p.breakdown["inter_node_bytes"] == pytest.approx(mean / case.nodes, rel=1e-12)
+                assert p.breakdown["inter_node_bytes"] == pytest.approx(mean / case.nodes, rel=2e-2)
                 assert p.breakdown["inter_node_bytes_expertless"] == per_step / 2 * x.sent_inter
         gain = loc.breakdown["inter_node_bytes"] / switch.breakdown["inter_node_bytes"]
         if not placement.nodes_gt_experts:
-            assert gain == pytest.approx(MEASURED_INTER_FACTOR, rel=1e-12)
+            assert gain == pytest.approx(MEASURED_INTER_FACTOR, rel=2e-2)
         else:  # the expert-less nodes gain nothing: their ranks' bytes are the same under every router
             assert loc.breakdown["inter_node_bytes_expertless"] == switch.breakdown["inter_node_bytes_expertless"]
             # per rank, sent + received in T*D*b: an expert's node 2(1 - lam) + (N - E)/E, an expert-less one 1;
             # so the cluster's mean is [2E(1 - lam) + 2(N - E)] / N, with 1 - lam = f (1 - 1/E) under LocMoE
             k, extra = 1 / case.E, case.nodes - case.E
             expected = (case.E * MEASURED_INTER_FACTOR * (1 - k) + extra) / (case.E * (1 - k) + extra)
-            assert gain == pytest.approx(expected, rel=1e-12) and gain > MEASURED_INTER_FACTOR
+            assert gain == pytest.approx(expected, rel=2e-2) and gain > MEASURED_INTER_FACTOR * 0.98
         assert loc.step_s < switch.step_s and loc.breakdown["exposed_a2a"] < switch.breakdown["exposed_a2a"]
-        assert loc.breakdown["expert_compute"] == pytest.approx(switch.breakdown["expert_compute"], rel=1e-12)
+        # both learned routers carry the measured skew: their busiest device computes more than the hash router's
+        assert min(loc.breakdown["expert_compute"], switch.breakdown["expert_compute"]) > hash_.breakdown["expert_compute"]
 
 
 def test_table_names_the_three_systems_and_nodes_gt_experts(simulated):
@@ -346,7 +348,7 @@ def test_capacity_from_the_scenario_system(simulated):
         p = capped[system]
         assert p.plan["cap"] == C
         f = rank_bytes(placement, case.tokens, case.D, b, router_ratio(router, placement), C)["hosting"]
-        assert p.breakdown["inter_node_bytes"] == pytest.approx(4 * case.layers * f.sent_inter, rel=1e-12)
+        assert p.breakdown["inter_node_bytes"] == pytest.approx(4 * case.layers * f.sent_inter, rel=2e-2)  # skew
         dropless = next(q for q in simulated.predictions if q.system == system and q.case == case.label)
         clipped = {key: p.breakdown[key] < dropless.breakdown[key] for key in ("inter_node_bytes", "intra_node_bytes")}
         # the switch sends T/16 = 512 rows to every expert: clipped everywhere; LocMoE sends (1 - lam) T / 14 ~ 167
@@ -366,5 +368,5 @@ def test_locality_ratio_given_by_the_scenario():
     case = cases(SCENARIO).cases[0]
     f = rank_bytes(Placement(16, 8, 8), case.tokens, case.D, 2, 0.4)["hosting"]
     assert switch.breakdown["locality_ratio"] == 0.4
-    assert switch.breakdown["inter_node_bytes"] == pytest.approx(4 * case.layers * f.sent_inter, rel=1e-12)
+    assert switch.breakdown["inter_node_bytes"] == pytest.approx(4 * case.layers * f.sent_inter, rel=2e-2)
     assert "switch-router (switch): locality ratio 0.4 (the set-up's)" in result.table()

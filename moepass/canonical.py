@@ -638,6 +638,9 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         scale_TK = b.fn(operator.getitem, scale_R, experts_TK, name="output_scale_TK")
         weights_TK = b.fn(operator.mul, weights_TK, scale_TK, name="scaled_weights_TK")
 
+    if r.logits_from == "selection" and r.selection_scale != 1.0:  # the block scales its router module's weights
+        weights_TK = b.fn(operator.mul, weights_TK, r.selection_scale, name="selection_scaled_weights_TK")
+
     if selection_bias is not None and r.bias_update_rate > 0:  # aux-loss-free balancing, train mode only
         b.fn(dialect.UPDATE_SELECTION_BIAS, selection_bias, experts_TK, r.bias_update_rate, b.attr("training"),
              name="update_selection_bias")

@@ -13,6 +13,7 @@ of width h, so every token is H sub-tokens of width h, each routed among its own
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -121,6 +122,9 @@ class RouterSpec:
     # logits_from="selection": whether the module's selection matched the known rule the fields above name
     # (on the detection probe: a description for reports and the cost model; the graph runs the module)
     known_kind: bool = True
+    # logits_from="selection": a constant the block scales the module's weights by before combining them (or,
+    # the same by linearity, its combined output: `out * K` after a router that returned softmax / K)
+    selection_scale: float = 1.0
     # logits_from="traced": the block's own router code up to its logits, traced from its forward (an
     # fx.GraphModule holding no tensor: called on the hidden states, then the block tensors `module_args`
     # names); the fields above say what follows the logits (score function, selection, renormalisation)
@@ -158,6 +162,9 @@ class RouterSpec:
             )
         if self.jitter_eps < 0:
             raise PlanError(f"{where}.jitter_eps={self.jitter_eps} is invalid: use a value >= 0.")
+        if not math.isfinite(self.selection_scale) or self.selection_scale == 0:
+            raise PlanError(f"{where}.selection_scale={self.selection_scale} is invalid: use a finite, non-zero "
+                            f"constant (1.0: the module's weights as they are).")
         if self.bias_update_rate < 0:
             raise PlanError(f"{where}.bias_update_rate={self.bias_update_rate} is invalid: use a rate >= 0.")
         if self.bias_update_rate > 0 and self.selection_bias is None:

@@ -249,6 +249,17 @@ def test_detect_leaves_the_model_and_rng_alone():
         assert torch.equal(v, before[k]), k
 
 
+def test_example_inputs_as_a_batch_mapping_are_keyword_arguments():
+    """A tokenizer's batch, as users hold it: recorded as `model(**batch)`, not as one positional argument."""
+    torch.manual_seed(0)
+    model = LM(SpreadExperts)
+    batch = {"ids_BS": _ids(4), "mask_BS": torch.ones(2, 6, dtype=torch.bool)}
+    blocks, note = recorded_blocks(model, batch, None)
+    assert note == "forward recorded on the example input" and [b.path for b in blocks] == ["layers.0.moe", "layers.1.moe"]
+    report = moepass.detect(model, example_inputs=batch)
+    assert [b.path for b in report.blocks] == ["layers.0.moe", "layers.1.moe"], report.summary()
+
+
 @pytest.mark.parametrize("inputs", [None, "meta"])
 def test_unrecordable_model_falls_back_to_structure(inputs):
     if inputs == "meta":

@@ -21,14 +21,16 @@ from samples import hf_hub as H  # noqa: E402
 # selection bias held as a buffer), cohere2_moe (softmax over the top-k logits), laguna (a selection bias read
 # through a dtype cast; a constant scaling the combined output), step3p5 (an overridden `_apply_gate`), beam and
 # minimax_m3_vl_text (both of the last two),
-# nemotron_h (a parameter-free module called on the tokens is no shared expert).
+# nemotron_h (a parameter-free module called on the tokens is no shared expert), phimoe (sparsemixer: rounds of
+# `max`, its router module's own selection called as it is), openai_privacy_filter (a router module returning
+# softmax / K, the block's output times K: `RouterSpec.selection_scale`).
 EXACT = (
     "afmoe", "aria_text", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2_text", "deepseek_v2",
     "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
     "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
     "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear",
     "kolibri1", "laguna", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
-    "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "olmoe", "qwen2_moe", "qwen3_5_moe_text",
+    "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "olmoe", "openai_privacy_filter", "phimoe", "qwen2_moe", "qwen3_5_moe_text",
     "qwen3_moe", "qwen3_next", "qwen3_omni_moe_text", "qwen3_vl_moe_text", "solar_open", "step3p5",
     "unlimited_ocr_text",
 )

@@ -12,7 +12,7 @@ a copy given seeded random values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -210,7 +210,8 @@ def detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[st
     """Detect the MoE blocks of `model` (read-only). A block structurally identical to one already checked
     (`moepass.detect.structure`) gets that block's verdict, its spec re-rooted at its own path.
 
-    `example_inputs` (a tensor or a tuple of the model's positional arguments) and `example_kwargs`: one
+    `example_inputs` (a tensor, a tuple of the model's positional arguments, or a mapping of its keyword
+    arguments: a tokenizer's batch, called as `model(**batch)`) and `example_kwargs`: one
     input the model is called with, to record its forward (`graph_candidates`): where selections drive
     experts anchors each block and reports blocks the structure does not show. Without them an input is
     synthesized when the model starts with an embedding or a linear layer (the report says which), else
@@ -233,6 +234,9 @@ def recorded_blocks(model: nn.Module, example_inputs: Any, example_kwargs: dict[
             return [], f"forward not recorded: {made}"
         args, how = made
         note = f"forward recorded on a synthesized input ({how}; pass example_inputs for the model's own)"
+    elif isinstance(example_inputs, Mapping):  # a batch as a tokenizer / data collator gives it: model(**batch)
+        args, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
+        note = "forward recorded on the example input"
     else:
         args = example_inputs if isinstance(example_inputs, tuple) else () if example_inputs is None \
             else (example_inputs,)

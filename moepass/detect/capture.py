@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 TOPK = (torch.topk, torch.Tensor.topk)
 ARGMAX = (torch.argmax, torch.Tensor.argmax)
 SORT = (torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort)  # descending, then the first k
+MAX = (torch.max, torch.Tensor.max)  # over a dim: (values, indices), a top-1 selection (sparsemixer's rounds)
 LINEAR = (torch.nn.functional.linear,)
 
 
@@ -285,16 +286,21 @@ def lookup_selection(cap: Capture, num_experts: int) -> Selection | None:
 
 
 def selection(cap: Capture, num_experts: int) -> Selection | None:
-    """The last top-k / argmax / sort-then-slice over the last dim of E scores (the block's final selection),
+    """The last top-k / argmax / max / sort-then-slice over the last dim of E scores (the block's final selection),
     or else a lookup by token ids (`lookup_selection`), or None."""
     found = None
-    for node in cap.nodes(TOPK + ARGMAX + SORT):
+    for node in cap.nodes(TOPK + ARGMAX + SORT + MAX):
         scores = node.args[0] if node.args else None
         val = value(scores)
         if not isinstance(scores, fx.Node) or not isinstance(val, torch.Tensor) or val.dim() < 1 \
                 or val.shape[-1] != num_experts or not val.is_floating_point():
             continue
-        if node.target in SORT:
+        if node.target in MAX:
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+            if isinstance(dim, int) and dim in (-1, val.dim() - 1) and 1 in items:
+                found = Selection(node, scores, 1, value(node)[1].reshape(-1, 1), items.get(0))
+        elif node.target in SORT:
             found = _sort_selection(node, scores, val) or found
         elif node.target in TOPK:
             k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")

@@ -136,13 +136,24 @@ def _module_selection(cap: Capture, facts: RouterFacts, sel: Selection) -> None:
     out = call.output if call is not None else None
     if call is None or not isinstance(out, (tuple, list)):
         return
-    K = facts.top_k
-    experts = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and not v.is_floating_point()
-                    and v.numel() == sel.indices.numel() and torch.equal(v.reshape(-1, K), sel.indices)), None)
+    T = sel.indices.shape[0]
+
+    def holds_selection(v: Any) -> bool:
+        """[T, k >= K] expert ids holding every token's selected experts: the selection itself, or the union of
+        several rounds (a router that selects one expert per round, e.g. sparsemixer's)."""
+        if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.dtype == torch.bool or not v.numel() \
+                or v.numel() % T or v.numel() // T < sel.k:
+            return False
+        rows = v.reshape(T, -1)
+        return bool((rows.unsqueeze(-1) == sel.indices.unsqueeze(1)).any(1).all())
+
+    experts = next((i for i, v in enumerate(out) if holds_selection(v)), None)
+    K = out[experts].numel() // T if experts is not None else facts.top_k
     weights = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                    and v.numel() == sel.indices.numel()), None)
+                    and v.numel() == T * K), None)
     if experts is None or weights is None:
         return
+    facts.top_k = K
     found = module_call(cap, facts.module)
     if isinstance(found, str):
         facts.why_not_module = found
@@ -352,8 +363,9 @@ def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | st
     """RouterSpecs to try for a block, best guess first: the user's router module when it selects itself,
     else the known rules over the logits of its [E, D] weight."""
     found = module_router(cap, facts)
-    if found is not None:
-        return [found]
+    if found is not None:  # a constant after the module's weights (on them or on the output): tried first
+        scaled = [dataclasses.replace(found, selection_scale=s) for s in dict.fromkeys(facts.scales) if s != 1]
+        return scaled + [found]
     if facts.weight is None:
         return (f"no [E={facts.num_experts}, D] weight feeds the selection scores"
                 + (f" ({facts.why_not_module})" if facts.why_not_module else ""))

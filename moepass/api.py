@@ -25,6 +25,7 @@ from moepass.module_copy import deepcopy_module, gc_paused, storage_counts, unsh
 from moepass.pipeline import compile_block, copy_expert_weights, finalize
 from moepass.plan import DISTRIBUTED_FORMS, Plan
 from moepass.runtime import optim
+from moepass.runtime.topology import Topology
 
 log = logging.getLogger("moepass")
 
@@ -214,7 +215,7 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
                         "pass it, or name a form explicitly.")
     from cost_model.search import BlockShape, dense_params_of, search
 
-    topology = plan.topology if plan.topology is not None else _default_topology()
+    topology = plan.topology if plan.topology is not None else default_topology()
     slots = None if plan.slots_per_device is None else (plan.slots_per_device,)
     tokens = plan.batch[0] * plan.batch[1]
     dense = dense_params_of(model, [BlockShape.of(spec, tokens) for spec in report.blocks]) if model is not None else None
@@ -231,13 +232,11 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
     return plan.replace(**chosen), result
 
 
-def _default_topology() -> tuple[int, int]:
-    """(nodes, ranks per node) from torchrun's environment, or one rank."""
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return max(1, world // max(per_node, 1)), per_node
+def default_topology() -> tuple[int, int]:
+    """(nodes, ranks per node) by the one rule the rewrites use (`Topology.from_env`): torchrun's environment,
+    else the initialised process group as one node (under mp.spawn there is no WORLD_SIZE), else one rank."""
+    topology = Topology.from_env()
+    return topology.nodes, topology.ranks_per_node
 
 
 @contextlib.contextmanager

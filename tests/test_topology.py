@@ -87,3 +87,18 @@ def test_ep_groups_dp_x_ep():
 def test_ep_size_must_divide_world():
     msg = pool(2).run(case_bad_ep_size)[0]
     assert msg is not None and "Plan.ep_size=3" in msg and "divide" in msg
+
+
+def case_auto_world(rank, world):
+    """form="auto" prices the ranks that run: the initialised group when no torchrun variables are set."""
+    from moepass.api import default_topology
+
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE") if k in os.environ}
+    try:
+        return default_topology()
+    finally:
+        os.environ.update(saved)
+
+
+def test_auto_prices_the_initialised_world_under_spawn():
+    assert pool(2).run(case_auto_world) == [(1, 2), (1, 2)]

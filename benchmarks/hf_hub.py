@@ -30,9 +30,6 @@ from samples import hf_hub as H  # noqa: E402
 
 # family -> (verdict it was read under, cause, way out): what reading the family's code found
 CAUSES: dict[str, tuple[str, str, str]] = {
-    "openai_privacy_filter": ("rejected", "GPT-OSS's block with a router module that returns (weights, experts) "
-                              "and no logits: the fused-3d hypotheses over it differ by 0.11 in the outputs (not "
-                              "analysed further)", "read its router's rule (its own selection is called as it is)"),
     "dbrx": ("rejected", "the experts are 2-D parameters [E*F, D] (`w1`, `v1`, `w2`) viewed as [E, F, D] in the "
              "forward: the recorded forward finds the block and reports the flattened tensors, but no TensorSource "
              "reads a parameter reshaped", "a reshape in TensorSource (EP can shard dim 0 of [E*F, D] in place; FSEP "
@@ -45,11 +42,6 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                  "group); its router is called with the padding mask too and its top-2 selection is not one the "
                  "known rules reproduce (72/72 probe tokens select differently)", "read its router module's "
                  "selection as it is (logits_from='selection') once the mask passes through"),
-    "phimoe": ("rejected", "sparsemixer selection: two rounds of `max` over masked scores with a jitter threshold, "
-               "no top-k / argmax the capture recognises",
-               "recognise `max(dim=-1)` as a top-1 selection in capture.selection; the router module returns "
-               "(weights, experts), so logits_from='selection' would call it as it is; or give the block a "
-               "`moepass_spec(path)`"),
     "llama4_text": ("rejected", "the router score (sigmoid of the top-k logits) multiplies each expert's *input* "
                     "(`routed_in * router_scores`), and the block returns ([T, D], logits): no MoESpec field "
                     "describes input-side weighting",

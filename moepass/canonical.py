@@ -666,6 +666,8 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         out_TD = b.fn(operator.add, out_TD, shared_TD, name="out_plus_shared_TD")
 
     out = b.method("view_as", out_TD, inputs[0], name="out")
+    if spec.output_module is not None:  # the block's last call, on what it returns (a norm), as it is
+        out = b.module(spec.output_module, out, name="out_post")
     side: dict[str, Any] = {"router_logits": logits_TE if router_logits is None else router_logits, "none": None,
                             **selected}
     for name in spec.side_outputs:

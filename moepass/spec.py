@@ -363,6 +363,9 @@ class MoESpec:
     load_counter: TensorSource | None = None
     # a [D] tensor the block adds to the routed experts' combined output (a bias outside the experts)
     output_bias: TensorSource | None = None
+    # a submodule of the block called last, on the output after the shared experts, as it is (a norm the block
+    # applies to what it returns)
+    output_module: str | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -493,6 +496,8 @@ class MoESpec:
             parts.append(f"counts load in {'.'.join(self.load_counter.paths)}")
         if self.output_bias is not None:
             parts.append(f"output bias {'.'.join(self.output_bias.paths)}")
+        if self.output_module is not None:
+            parts.append(f"then {self.output_module}")
         if self.capacity is not None:
             c = self.capacity
             parts.append(

@@ -87,6 +87,19 @@ class ReturnsMore(SpreadExperts):
         return out, E * (load_E.float() / e_TK.numel() * probs_E).sum()  # a switch-style aux loss
 
 
+class PostNorm(SpreadExperts):
+    """A block that normalises what it returns (its last call: a norm on the combined output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.post_norm = nn.LayerNorm(D)
+        with torch.no_grad():
+            self.post_norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x_BSD, mask_BS=None):
+        return self.post_norm(super().forward(x_BSD, mask_BS))
+
+
 class Layer(nn.Module):
     def __init__(self, moe: nn.Module, pass_mask: bool, kw_only: bool = False):
         super().__init__()
@@ -307,7 +320,7 @@ def case_ep(rank, world, extra):
 
     torch.manual_seed(0)
     ReturnsMore.extra = extra
-    model = LM(ReturnsMore, pass_mask=True)
+    model = LM(PostNorm if extra == "post_norm" else ReturnsMore, pass_mask=True)
     cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="ep"), example_inputs=(_ids(),))
     assert sorted(cm.moepass_info.rewritten) == ["layers.0.moe", "layers.1.moe"]
     ids = torch.randint(0, V, (2 * world, 6), generator=torch.Generator().manual_seed(7))
@@ -331,8 +344,17 @@ def case_ep(rank, world, extra):
     return True
 
 
+def test_norm_on_the_returned_output_is_called_last():
+    torch.manual_seed(0)
+    model = LM(PostNorm)
+    report = moepass.detect(model)
+    assert [b.output_module for b in report.blocks] == ["post_norm", "post_norm"], report.summary()
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    _assert_exact(model, cm, _ids(2))
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("extra", ["none", "load"])
+@pytest.mark.parametrize("extra", ["none", "load", "post_norm"])
 def test_framework_style_block_exact_under_ep_w2(extra):
     import os
     import sys

@@ -149,6 +149,8 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         if candidate.output_bias is not None:  # a bias on the combined output: tried with it first, then without
             bias = TensorSource.param(candidate.output_bias)
             found = [replace(spec, output_bias=bias) for spec in found] + found
+        if candidate.output_module is not None:  # a module called last on the output: tried with it first
+            found = [replace(spec, output_module=candidate.output_module) for spec in found] + found
         try:
             winner, tried = semantic_check(candidate.module, found, passthrough=candidate.passthrough,
                                            shape=candidate.probe_shape)

@@ -67,6 +67,7 @@ class Candidate:
     input_names: tuple[str, ...] = ("hidden_states",)  # the hidden states, then further inputs (token ids)
     load_counter: str | None = None  # an [R] buffer a train-mode forward adds each expert's load to (`load_counter`)
     output_bias: str | None = None  # a [D] parameter added to the combined output (`output_bias`)
+    output_module: str | None = None  # a submodule called last, on what the block returns (`output_module`)
     side_outputs: list[str] = field(default_factory=list)  # what it returns after the hidden states (`side_outputs`)
     call: ModuleCall | None = None  # the call the model made to it, when its forward was recorded
     # inputs after the hidden states that its selection does not read, by name: their recorded values, passed to
@@ -451,6 +452,7 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     c.outputs = len(out) if isinstance(out, tuple) else 1
     c.load_counter = load_counter(probe, (x, *extras), c.num_experts, c.selection.k)
     c.output_bias = output_bias(c)
+    c.output_module = output_module(c)
     c.side_outputs = side_outputs(c)
     return None
 
@@ -503,6 +505,26 @@ def output_bias(c: Candidate) -> str | None:
                for u in node.users):
             return path
     return None
+
+
+def output_module(c: Candidate) -> str | None:
+    """A submodule with parameters (outside the experts and the router) that the block calls last and whose output
+    is what the block returns, called on something that depends on the selection: a norm on the output (`MoESpec.
+    output_module`). None when there is none."""
+    if c.graph is None or c.selection is None:
+        return None
+    out = c.graph.output[0] if isinstance(c.graph.output, tuple) else c.graph.output
+    top = [call for call in c.graph.calls if call.parent == "" and call.path]
+    if not top or top[-1].output is not out or not top[-1].args:
+        return None
+    path = top[-1].path
+    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None) if p]
+    if any(_inside(path, p) or _inside(p, path) for p in skip) or not any(True for _ in
+                                                                       c.module.get_submodule(path).parameters()):
+        return None
+    arg = top[-1].args[0]
+    after = downstream(c.selection.node)
+    return path if any(value(n) is arg for n in after) else None
 
 
 def load_counter(probe: nn.Module, inputs: tuple[Any, ...], R: int, K: int) -> str | None:
@@ -582,7 +604,7 @@ def shared_expert(c: Candidate) -> SharedExpertSpec | None:
         return None
     x = c.graph.input_node.meta["val"]
     T, D = x.numel() // x.shape[-1], x.shape[-1]
-    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None) if p]
+    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None, c.output_module) if p]
     shared = gate = None
     for call in c.graph.calls:
         if call.parent != "" or call.path == "" or not call.args or any(

@@ -529,8 +529,10 @@ def _predict_fsep(system: dict[str, Any], case: Case, hw: Hardware, sc: dict[str
     W, m = case.nodes * case.per_node, ep_formulas.matmuls(case.gated)
     C = _slots(sc, case, assumptions)
     depth = _prefetch_depth(system)
-    routed = fsep_formulas.planned_routing(counts_SE[np.arange(W) % len(counts_SE)], hw, C=C,
-                                           ranks_per_node=case.per_node, D=case.D, F=case.F, gated=case.gated)
+    from moepass.runtime.placement import planned_routing
+
+    routed = planned_routing(counts_SE[np.arange(W) % len(counts_SE)], hw, C=C, ranks_per_node=case.per_node,
+                             D=case.D, F=case.F, gated=case.gated)
     decision, rows_SR = routed.decision, routed.rows_SR
     S_e = fsep_formulas.expert_elements(case.D, case.F, m)
 

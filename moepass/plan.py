@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cost_model.presets import PRESET_NAMES, Hardware, is_profile_path
-from cost_model.schedule import MICRO_OP_BYTES
+from cost_model.presets import MICRO_OP_BYTES, PRESET_NAMES, Hardware, is_profile_path
 from moepass.errors import PlanError, nearest
 
 FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")

@@ -42,8 +42,9 @@ from moepass.errors import PlanError
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import grad_scale
-from moepass.rewrite.experts import ExpertLayout, as_dtensor, expert_grad_hook, local_shard, shard_experts
+from moepass.rewrite.experts import as_dtensor, expert_grad_hook, local_shard, shard_experts
 from moepass.runtime import collectives as comm
+from moepass.runtime.layout import ExpertLayout
 from moepass.runtime.topology import ep_groups
 
 PASS = "hp"
@@ -118,10 +119,7 @@ UPDATE_SELECTION_BIAS_OVER_GROUP = torch.ops.moe_hp.update_selection_bias_over_g
 
 def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The HP pass: shard the heads over the group, exchange sub-tokens before routing (see module doc)."""
-    if plan.head_ep_size > 1:  # EP inside each head group
-        from moepass.rewrite.hp_ep import rewrite_hp_ep
-
-        return rewrite_hp_ep(gm, plan)
+    assert plan.head_ep_size == 1, "HP with EP inside is moepass.rewrite.hp_ep's pass (pipeline.REWRITES)"
     spec = gm.spec
     if spec.heads is None:
         raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; block {spec.path or '<root>'} has no "

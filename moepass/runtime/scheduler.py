@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moepass.dialect import WGRAD_SINK, WeightGradSink
+from moepass.runtime.layout import expert_layouts, local_part
 
 A2A = "all_to_all"
 ALL_REDUCE = "all_reduce"
@@ -458,20 +459,11 @@ def replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def expert_replica_parameters(model: nn.Module) -> dict[str, dist.ProcessGroup]:
     """Expert parameters several data-parallel replicas hold (packing, ep_size < world) -> the group of
     their replicas: their gradients are summed over it (the 1/W is already in them, `exchange.grad_scale`)."""
-    from moepass.rewrite.experts import expert_layouts
-
     out = {}
     for path, layout in expert_layouts(model):
         if layout.groups.dp_size > 1:
             out.update({f"{path}.{n}" if path else n: layout.groups.dp_group for n in layout.expert_param_names()})
     return out
-
-
-def _local(t: Tensor) -> Tensor:
-    """This rank's part of a (possibly DTensor) parameter or gradient."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass(frozen=True)
@@ -525,7 +517,7 @@ class GradientSync:
         self._slots, self._ops = {}, []
         for index, p in enumerate(self._params):
             per = max(1, self.scheduler.micro_op_bytes // p.element_size())  # as `cut` splits
-            count = -(-_local(p).numel() // per)
+            count = -(-local_part(p).numel() // per)
             self._slots[index] = [self.scheduler.placeholder(self._reduced[index].group) for _ in range(count)]
             self._ops += self._slots[index]
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -537,7 +529,7 @@ class GradientSync:
         if not self._slots.get(index) or p.grad is None:
             return
         slots = self._slots.pop(index)
-        for op, piece in zip(slots, self.scheduler.cut(_local(p.grad).view(-1))):
+        for op, piece in zip(slots, self.scheduler.cut(local_part(p.grad).view(-1))):
             self.scheduler.fill(op, piece)
 
     def _finish(self) -> None:

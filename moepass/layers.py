@@ -36,8 +36,8 @@ LAYERS = (
           "cost formulas (sympy / numbers), the scenario files, the timeline"),
     Layer("runtime", ("moepass.runtime.*",), ("core", "cost"),
           "what the rewritten graphs call at run time: process groups, collectives, expert layouts, the FSEP "
-          "placement controller and its planner (priced by the cost formulas), the locality ops, the priority "
-          "scheduler"),
+          "placement controller and its planner (priced by the cost formulas), the HP and locality ops, the "
+          "priority scheduler"),
     Layer("passes",
           ("moepass.detect.*", "moepass.canonical", "moepass.passes", "moepass.pipeline", "moepass.rewrite.*",
            "moepass.schedule", "moepass.lower", "moepass.verify"),

@@ -18,12 +18,12 @@ Q_intra / Q_inter the rows sent within / across nodes (summed over sources) and 
 
 Restore: every rank sends every device the r-th 1/W slice of each of the C experts it computes: C*S_e/W
 elements per pair, forward (weights) and backward (weights again, then the gradient slices back). The
-gradient slices' exchange is deferred (`moepass.rewrite.fsep.DeferredReductions`): issued after a layer's
+gradient slices' exchange is deferred (`moepass.runtime.fsep.DeferredReductions`): issued after a layer's
 backward expert compute, completed when the next (earlier) layer's is issued, so it runs under that layer's
 backward; only the first FSEP block's (the backward's last) is waited at once (`deferred_grad_time`).
 
-What the planner makes of a routing (`planned_routing`: its table and the routed rows under it) and one
-FSEP layer's step terms in `cost_model.ep.LayerTerms` (`fsep_layer`) are what the plan search
+What the planner makes of a routing (`moepass.runtime.placement.planned_routing`: its table and the routed
+rows under it) and one FSEP layer's step terms in `cost_model.ep.LayerTerms` (`fsep_layer`) are what the plan search
 (`cost_model.search`) prices FSEP with next to EP; the simulator (`cost_model.simulate`) lays the same
 routed rows and restores on its timeline.
 
@@ -32,7 +32,6 @@ Shape legend: S source ranks, R destination devices (numpy arrays or torch tenso
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -176,60 +175,6 @@ def integer_rows(counts_SE: Any) -> np.ndarray:
     for i, k in enumerate(short):
         out[i, order[i, :k]] += 1
     return out.astype(np.int64)
-
-
-@dataclass(frozen=True)
-class PlannedRouting:
-    """The planner's decision for a steady routing and the rows lite routing sends under its table.
-
-    decision: `moepass.runtime.placement.Decision` (table, candidate, max/mean vs plain EP's);
-    rows_SR: [W, W] int64 rows source rank i sends to device k (own-device rows on the diagonal).
-    """
-
-    decision: Any
-    rows_SR: np.ndarray
-
-    @property
-    def mean_rows(self) -> float:
-        """Routed rows per rank (T*K*phi: the FFN rows): the mean a device computes."""
-        return float(self.rows_SR.sum()) / self.rows_SR.shape[0]
-
-    @property
-    def max_over_mean(self) -> float:
-        """The busiest device's rows over the mean (1.0 when nothing is routed)."""
-        mean = self.mean_rows
-        return float(self.rows_SR.sum(axis=0).max()) / mean if mean > 0 else 1.0
-
-    def busiest_a2a_rows(self, ranks_per_node: int, B_intra: float, B_inter: float) -> tuple[float, float]:
-        """(intra-node, inter-node) rows of the token all-to-all's slowest rank and direction (sending the
-        dispatch or receiving it; the combine is its transpose), over the mean routed rows per rank."""
-        a2a = ep_formulas.exact_a2a(self.rows_SR, 1, 1, ranks_per_node)
-        mean = self.mean_rows or 1.0
-        ends = [(a2a.sent_intra, a2a.sent_inter), (a2a.recv_intra, a2a.recv_inter)]
-        intra, inter = max(((float(i[k]), float(o[k])) for i, o in ends for k in range(len(i))),
-                           key=lambda io: io[0] / B_intra + io[1] / B_inter)
-        return intra / mean, inter / mean
-
-
-def planned_routing(counts_WE: Any, hw: Any, *, C: int, ranks_per_node: int, D: int, F: int, gated: bool,
-                    recompute: bool | None = None, history_HWE: Any = None) -> PlannedRouting:
-    """What FSEP does with [W source ranks, E experts] routed rows that repeat every step: the table
-    `moepass.runtime.placement.plan` picks from them (summed over its history, as the runtime does; costs
-    from `hw`, a `cost_model.presets.Hardware`) and the rows lite routing sends under it. Float counts are
-    rounded per row (`integer_rows`). `history_HWE`: the earlier steps' counts the planner plans from, when the
-    routing moves (the table is then priced on `counts_WE`, the step after them)."""
-    from moepass.runtime.placement import PlannerConfig, device_rows, lite_route_counts, plan
-
-    counts = integer_rows(counts_WE)
-    W, E = counts.shape
-    config = PlannerConfig.from_hardware(hw, E=E, W=W, C=C, ranks_per_node=ranks_per_node, D=D, F=F, gated=gated,
-                                         recompute=recompute)
-    # the steps the planner has seen (`history_HWE`, [steps, W, E]: it never sees the step it plans for), else
-    # the same routing on each step of its history
-    seen = counts * config.history if history_HWE is None else sum(integer_rows(h) for h in history_HWE)
-    decision = plan(seen, config)
-    rows_SR = device_rows(lite_route_counts(counts, decision.table), C).numpy()
-    return PlannedRouting(decision, rows_SR)
 
 
 # ---- one layer, one plan ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 DEFAULT_PROFILE = Path(os.path.expanduser("~/.cache/moepass/profile.json"))
 NVLINK_EFFICIENCY = 216.3 / 300.0  # LAER-MoE profiled A100 NVLink, over the 300 GB/s per-direction peak
 IB_EFFICIENCY = 88.95 / 100.0  # LAER-MoE profiled 800 Gb/s InfiniBand (100 GB/s)
+MICRO_OP_BYTES = 30 * 2**20  # the all-reduce unit under "priority" (cost_model.schedule); Plan.micro_op_bytes's default
 
 
 _NOT_MODELLED = "not modelled: host overheads assumed hidden behind GPU kernels"

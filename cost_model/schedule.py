@@ -50,7 +50,6 @@ from cost_model.symbols import sceil, smax, smin, spositive
 DEFAULT_CHUNKS = (1, 2, 4, 8, 16, 32)
 POLICIES = ("fair", "priority")  # how the all-to-all and the gradient all-reduce share a link
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25: the all-reduce unit under "fair"
-MICRO_OP_BYTES = 30 * 2**20  # the all-reduce unit under "priority"; also Plan.micro_op_bytes's default
 
 
 def pipeline_time(n, transfer, compute, alpha):

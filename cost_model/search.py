@@ -22,7 +22,7 @@ divisor of W that divides E). EP pays it on the busiest rank; at another degree 
 the same Zipf popularity placed on its ranks sets the rho (`ep_imbalance`). FSEP is priced on the model
 the runtime uses: [W, E] counts whose plain-EP max/mean is `imbalance` (Zipf popularity,
 `cost_model.ep.zipf_for_imbalance`, fitted at the planner's reference EP degree: the largest divisor of W
-that divides E), handed to the runtime's planner (`cost_model.fsep.planned_routing`); its table's
+that divides E), handed to the runtime's planner (`moepass.runtime.placement.planned_routing`); its table's
 max/mean sets FSEP's compute and the rows lite routing sends set its all-to-all
 (`cost_model.fsep.fsep_layer`). FSEP is priced for dropless blocks only.
 
@@ -78,9 +78,9 @@ from cost_model.ep import (
     zipf_for_imbalance,
 )
 from cost_model.ep import imbalance as ep_rows_imbalance
-from cost_model.presets import Hardware, resolve_hardware
+from cost_model.presets import MICRO_OP_BYTES, Hardware, resolve_hardware
 from cost_model.scenarios import cases
-from cost_model.schedule import DDP_BUCKET_BYTES, DEFAULT_CHUNKS, MICRO_OP_BYTES, POLICIES
+from cost_model.schedule import DDP_BUCKET_BYTES, DEFAULT_CHUNKS, POLICIES
 
 CAPACITY_FACTORS: tuple[float | None, ...] = (None, 1.0, 1.25, 2.0)
 PACKINGS = (1, 2, 4)
@@ -141,7 +141,7 @@ class BlockShape:
 
 @dataclass(frozen=True)
 class Routed:
-    """What FSEP's planner makes of the search's routing for one block (`cost_model.fsep.planned_routing`)."""
+    """What FSEP's planner makes of the search's routing for one block (`moepass.runtime.placement.planned_routing`)."""
 
     rho: float  # the busiest device's rows over the mean under the planner's table
     a2a_rows: tuple[float, float]  # (intra, inter) rows of the token all-to-all's slowest rank, over T*K*phi
@@ -568,9 +568,11 @@ def ep_imbalance(shape: BlockShape, T: int, W: int, ep: int, imbalance: float) -
 def _routed(shape: BlockShape, hw: Hardware, T: int, W: int, G: int, C: int, imbalance: float,
             recompute: bool | None) -> Routed:
     """The planner's table for this block's skewed counts and what it leaves: FSEP's max/mean and token bytes."""
+    from moepass.runtime.placement import planned_routing
+
     counts = skewed_counts(T, shape.K, shape.E, W, imbalance, shape.ffn_fraction)
-    routed = fsep_formulas.planned_routing(counts, hw, C=C, ranks_per_node=G, D=shape.D, F=shape.F,
-                                           gated=shape.m == 3, recompute=recompute)
+    routed = planned_routing(counts, hw, C=C, ranks_per_node=G, D=shape.D, F=shape.F, gated=shape.m == 3,
+                             recompute=recompute)
     v = hw.values()
     a2a_rows = routed.busiest_a2a_rows(G, v["B_intra"], v["B_inter"])
     return Routed(routed.max_over_mean, a2a_rows, routed.decision.ep_max_over_mean, routed.decision.candidate)

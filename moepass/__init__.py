@@ -21,9 +21,9 @@ from moepass.detect import DetectionReport, detect, register_recogniser
 from moepass.errors import DetectionError, MoepassError, PlanError
 from moepass.inspect import diff, draw, set_debug
 from moepass.plan import Plan
-from moepass.rewrite.locality import aux_loss
 from moepass.runtime import DataParallel, GradientSync, Topology, comm_stats, reset_comm_stats
 from moepass.runtime.grads import clip_grad_norm_
+from moepass.runtime.locality import aux_loss
 from moepass.spec import CapacitySpec, ExpertsSpec, HeadsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 from moepass.verify import VerificationError, verify
 

@@ -77,7 +77,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     with gc_paused():  # thousands of modules and graph nodes are made: no collection walks them meanwhile
         target = rewrite_blocks(model, plan, report, info, inplace)
     if plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1:
-        from moepass.runtime.scheduler import GradientSync  # every rank compiles in the same order: a collective
+        from moepass.runtime.grad_sync import GradientSync  # every rank compiles in the same order: a collective
 
         sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
         object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged

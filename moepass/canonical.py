@@ -63,7 +63,7 @@ from moepass.spec import (
 )
 
 if TYPE_CHECKING:
-    from moepass.rewrite.experts import ExpertLayout
+    from moepass.runtime.layout import ExpertLayout
 
 CANONICAL_PASS = "canonical"
 
@@ -73,7 +73,7 @@ class MoEGraphModule(fx.GraphModule):
 
     `spec` is the block's MoESpec, `form` the parallel form of the graph, `history` the passes that
     produced it (name, seconds, counts), `layout` where its experts live when a distributed form
-    placed them (a `moepass.rewrite.experts.ExpertLayout`: `EPLayout`, `FSEPLayout`; None for the single
+    placed them (a `moepass.runtime.layout.ExpertLayout`: `EPLayout`, `FSEPLayout`; None for the single
     form). Every form fills `layout` the same way; checkpoints, gradients and the schedule read it here.
     """
 

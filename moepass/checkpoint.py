@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from moepass.rewrite.experts import ExpertLayout, expert_layouts
+from moepass.runtime.layout import ExpertLayout, expert_layouts
 from moepass.runtime.topology import HeadEPGroups
 
 Index = slice | tuple[slice, ...] | None  # where in the original tensor a local value lies

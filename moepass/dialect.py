@@ -109,11 +109,19 @@ def update_selection_bias_ref(selection_bias: Tensor, experts_TK: Tensor, rate: 
     E = selection_bias.shape[-1]
     H = selection_bias.numel() // E
     rows, K = experts_TK.shape
-    heads_TH1 = torch.arange(H, device=experts_TK.device).view(1, H, 1) * E
-    ids_N = (experts_TK.reshape(rows // H, H, K) + heads_TH1).reshape(-1)  # head-major global expert ids
-    load_HE = torch.bincount(ids_N, minlength=H * E).view(selection_bias.shape).to(selection_bias.dtype)
+    load_HE = head_load_ref(experts_TK, H, E).view(selection_bias.shape).to(selection_bias.dtype)
     mean = (rows // H) * K / E
     return selection_bias + rate * torch.sign(mean - load_HE)
+
+
+def head_load_ref(experts_TK: Tensor, num_heads: int, experts_per_head: int) -> Tensor:
+    """[num_heads, E] int64: how many of the rows' K choices picked each expert of each head (rows token-major,
+    head-minor: row t*H + j belongs to head j; head j's expert e is global expert j*E + e)."""
+    rows, K = experts_TK.shape
+    H, E = num_heads, experts_per_head
+    heads_TH1 = torch.arange(H, device=experts_TK.device).view(1, H, 1) * E
+    ids_N = (experts_TK.reshape(rows // H, H, K) + heads_TH1).reshape(-1)  # head-major global expert ids
+    return torch.bincount(ids_N, minlength=H * E).view(H, E)
 
 
 def capacity_keep_ref(

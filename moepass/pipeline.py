@@ -31,7 +31,7 @@ from moepass.envflags import flag
 from moepass.errors import PlanError
 from moepass.passes import Pass, PassResult, apply_effects
 from moepass.plan import Plan
-from moepass.rewrite import ep, experts, fsep, hp, latent, locality
+from moepass.rewrite import ep, experts, fsep, hp, hp_ep, latent, locality
 from moepass.spec import MoESpec
 
 log = logging.getLogger("moepass")
@@ -71,11 +71,17 @@ def expert_recompute(gm: MoEGraphModule, plan: Plan) -> PassResult:
     return PassResult(gm, changed=bool(nodes), stats={"expert_ffn_recompute": len(nodes)})
 
 
+def _rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
+    """HP: the heads over the group (`rewrite.hp`), or with EP inside each head group when
+    Plan.head_ep_size > 1 (`rewrite.hp_ep`)."""
+    return hp_ep.rewrite_hp_ep(gm, plan) if plan.head_ep_size > 1 else hp.rewrite_hp(gm, plan)
+
+
 REWRITES: dict[str, Pass] = {  # one pass per parallel form
     "single": _rewrite_single,
     "ep": ep.rewrite_ep,
     "fsep": fsep.rewrite_fsep,
-    "hp": hp.rewrite_hp,
+    "hp": _rewrite_hp,
     "locality": locality.rewrite_locality,
 }
 

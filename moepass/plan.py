@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cost_model.presets import PRESET_NAMES, Hardware, is_profile_path
-from cost_model.schedule import MICRO_OP_BYTES
+from cost_model.presets import MICRO_OP_BYTES, PRESET_NAMES, Hardware, is_profile_path
 from moepass.errors import PlanError, nearest
 
 FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")
@@ -65,7 +64,7 @@ class Plan:
     deterministic: bool = False
     # gradient synchronisation over the ranks: "none" (yours: DDP / FSDP2 for the dense gradients; replicated
     # experts summed by a blocking gradient hook) or "scheduler" (compile installs the priority scheduler,
-    # runtime.scheduler.GradientSync: dense gradients averaged and expert-replica gradients summed as micro-ops of
+    # runtime.grad_sync.GradientSync: dense gradients averaged and expert-replica gradients summed as micro-ops of
     # <= micro_op_bytes, launched only while no all-to-all is queued or running; do not also wrap it in DDP)
     grad_sync: str = "none"
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations

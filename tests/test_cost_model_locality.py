@@ -3,7 +3,7 @@
 (a) The capacity floor of Theorem 1 equals a direct numerical integration of the two caps |cos theta| >= delta
     over the sphere S^{D-1} (mpmath.quad of sin^{D-2}, not the incomplete beta), the closed forms at D = 2
     and 3, a Monte-Carlo count at small D, and the same from delta measured on tokens as the runtime
-    measures it (`moepass.rewrite.locality.measured_delta`); the capacity never below the floor.
+    measures it (`moepass.runtime.locality.measured_delta`); the capacity never below the floor.
 (b) The inter/intra-node byte formulas against bytes counted by hand from explicit token -> expert tables
     with a known locality ratio (hand-written placements, nodes > experts included), dropless and with
     capacity, and against the simulator's path (`rows_matrix` + `cost_model.ep.exact_a2a`).
@@ -43,7 +43,7 @@ from cost_model.locality import (
     uniform_ratio,
 )
 from cost_model.scenarios import cases
-from moepass.rewrite.locality import grap_gate, grap_logits, locality_route, measured_delta
+from moepass.runtime.locality import grap_gate, grap_logits, locality_route, measured_delta
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = simulate.SCENARIO_DIR / "locmoe_locality.json"

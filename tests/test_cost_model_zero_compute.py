@@ -44,7 +44,7 @@ from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_cm  # noqa: E402
 from cost_model import schedule, simulate  # noqa: E402
 from cost_model import symbols as S  # noqa: E402
-from cost_model.presets import A100, H100  # noqa: E402
+from cost_model.presets import A100, H100, MICRO_OP_BYTES  # noqa: E402
 from cost_model.scenarios import Case  # noqa: E402
 from cost_model.search import ZERO_COMPUTE_REFUSED, BlockShape, search, skewed_counts  # noqa: E402
 from moepass.spec import MoESpec  # noqa: E402
@@ -284,7 +284,7 @@ def test_lina_choice_on_the_ffn_rows_is_the_timeline_best(name):
     hw, nodes, per_node, D_, F_, gated, Z_, tokens = LINA_CASES[name]
     case = _case(8, D_, F_, gated, 8, nodes, per_node, tokens)
     phi = 8 / (8 + Z_)
-    micro_op = schedule.MICRO_OP_BYTES
+    micro_op = MICRO_OP_BYTES
     counts = cm.zipf_counts(tokens, 2, 8, case.ep, 0.0) * phi
     steps = {}  # the timeline's step of every (chunks, packing) the search may pick
     for P in (1, 2, 4):

@@ -398,8 +398,8 @@ def case_fsdp(rank, world, style):
     from torch.distributed.tensor import DTensor
 
     import moepass
-    from moepass.rewrite.experts import expert_parameter_names
     from moepass.runtime.grads import clip_grad_norm_
+    from moepass.runtime.layout import expert_parameter_names
     from samples.models import tiny_mixtral
 
     torch.manual_seed(0)

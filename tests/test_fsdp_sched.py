@@ -90,16 +90,16 @@ def local(t):
 def case_fsdp(rank, world, mode):
     """mode "plain": FSDP's own comms; "priority": schedule_fsdp; "plan": schedule_fsdp on the scheduler of
     Plan(grad_sync="scheduler"); "log_only": the same micro-ops through a scheduler with the rule off. Per step: output, loss, every local gradient; then the parameters."""
-    from moepass.runtime import events, scheduler
+    from moepass.runtime import events, grad_sync, scheduler
 
     cm = sharded_model(world, "scheduler" if mode == "plan" else "none")
     sched = None
     if mode == "plan":  # the scheduler moepass.compile installed for Plan(grad_sync="scheduler")
-        sched = scheduler.schedule_fsdp(cm)
+        sched = grad_sync.schedule_fsdp(cm)
         assert sched is cm.moepass_grad_sync.scheduler
     elif mode != "plain":
         sched = scheduler.PriorityScheduler(MICRO_OP_BYTES, enabled=mode == "priority")
-        scheduler.schedule_fsdp(cm, sched)
+        grad_sync.schedule_fsdp(cm, sched)
     opt = torch.optim.Adam(cm.parameters(), lr=1e-2)
     log = events.EventLog(rank).start()
     delay = DelayCombine(0.05)
@@ -160,7 +160,7 @@ def test_fsdp_log_only_control_launches_during_a2a():
 
 
 def test_micro_op_columns():
-    from moepass.runtime.scheduler import micro_op_columns
+    from moepass.runtime.grad_sync import micro_op_columns
 
     # W=2 fp32, 16-byte micro-ops: 2 columns of both blocks per micro-op, the last one shorter
     assert micro_op_columns(2, 5, 4, 16) == [(0, 2), (2, 4), (4, 5)]
@@ -209,7 +209,7 @@ def test_on_completion_waits_for_the_work_not_its_enqueue_future():
 
 
 def test_schedule_fsdp_without_fully_shard_says_so():
-    from moepass.runtime.scheduler import schedule_fsdp
+    from moepass.runtime.grad_sync import schedule_fsdp
 
     with pytest.raises(ValueError, match=r"schedule_fsdp: Linear has no fully_shard module: call "
                                          r"torch.distributed.fsdp.fully_shard on its dense parts first"):

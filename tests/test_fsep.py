@@ -64,7 +64,7 @@ def lite_route_reference(experts, table, rank, ranks_per_node, slots, E):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_route_to_slots_matches_the_rule(seed):
-    from moepass.rewrite.fsep import route_to_slots
+    from moepass.runtime.fsep_ops import route_to_slots
 
     gen = torch.Generator().manual_seed(seed)
     E, P, C, rpn = 6, 4, 3, 2
@@ -78,7 +78,7 @@ def test_route_to_slots_matches_the_rule(seed):
 
 
 def test_route_to_slots_splits_evenly_over_replicas():
-    from moepass.rewrite.fsep import route_to_slots
+    from moepass.runtime.fsep_ops import route_to_slots
 
     table = torch.tensor([0, 1, 0, 2])  # expert 0 in slots 0 (device 0) and 2 (device 1); one node
     experts = torch.zeros(10, 1, dtype=torch.int64)
@@ -342,8 +342,9 @@ def test_fake_pg_world_64_graph_table_and_bytes():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import moepass
-    from moepass.rewrite.fsep import controllers, restore_issue, restore_prefetch
+    from moepass.rewrite.fsep import controllers
     from moepass.runtime import collectives as comm
+    from moepass.runtime.fsep import restore_issue, restore_prefetch
     from samples.models import tiny_mixtral
 
     world, rank, E, C, D, F = 64, 13, 32, 2, 64, 64

@@ -67,8 +67,8 @@ def test_fake_pg_graph_groups_and_bytes(world, rank, G, P, nodes):
     import moepass
     from cost_model import hp as formulas
     from moepass import dialect
-    from moepass.rewrite.hp_ep import UPDATE_SELECTION_BIAS_OVER_GROUP
     from moepass.runtime import collectives as comm
+    from moepass.runtime.hp import UPDATE_SELECTION_BIAS_OVER_GROUP
     from moepass.runtime.topology import group_info
 
     H, h, E, D, B, S = 8, 8, 8, 64, 2, 5
@@ -343,8 +343,8 @@ def test_fake_pg_data_parallel_replicas_groups_and_placements():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import moepass
-    from moepass.rewrite.hp_ep import UPDATE_SELECTION_BIAS_OVER_GROUP
     from moepass.runtime import collectives as comm
+    from moepass.runtime.hp import UPDATE_SELECTION_BIAS_OVER_GROUP
     from moepass.runtime.topology import group_info
 
     rank = 13  # (dp 1, hp 1, ep 1)

@@ -191,7 +191,7 @@ def case_expert_replicas(rank, world):
     GradientSync(expert_replicas=True): dense gradients averaged, expert gradients summed by the priority
     scheduler) vs Plan(grad_sync="none") (the block's blocking gradient hook; dense: a plain all-reduce)."""
     import moepass
-    from moepass.runtime import events, scheduler
+    from moepass.runtime import events, grad_sync
     from moepass.runtime.grads import all_reduce_replicated_grads
     from samples.models import tiny_mixtral
 
@@ -210,7 +210,7 @@ def case_expert_replicas(rank, world):
     ref.loss(tok).backward()  # expert replicas: the blocking hook; dense: a plain all-reduce
     all_reduce_replicated_grads(ref)
     cm = compiled("scheduler")  # compile installs GradientSync on cm's parameters and leaves the hook out
-    experts = scheduler.expert_replica_parameters(cm)
+    experts = grad_sync.expert_replica_parameters(cm)
     assert all(not cm.get_parameter(name)._backward_hooks for name in experts)
     sync = cm.moepass_grad_sync
     log = events.EventLog(rank).start()

@@ -139,7 +139,7 @@ def lm_tokens(world, rank, step):
 
 
 def _replicated_grads(cm):
-    from moepass.runtime.scheduler import replicated_parameters
+    from moepass.runtime.grad_sync import replicated_parameters
 
     return {n: p.grad.clone() for n, p in replicated_parameters(cm)}
 
@@ -162,13 +162,13 @@ def case_priority(rank, world, mode, steps=2, sleeps=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import moepass
-    from moepass.runtime import events, scheduler
+    from moepass.runtime import events, grad_sync, scheduler
 
     _, cm = _lm_setup(world)
     if mode == "priority":
         wrapped = moepass.DataParallel(cm)
         n_ops = len(wrapped.scheduler.cut(torch.empty(sum(p.numel() for _, p in
-                                                          scheduler.replicated_parameters(cm)))))
+                                                          grad_sync.replicated_parameters(cm)))))
     else:
         wrapped = DDP(cm, bucket_cap_mb=MICRO_OP_BYTES / 2**20)
         n_ops = None
@@ -176,7 +176,7 @@ def case_priority(rank, world, mode, steps=2, sleeps=False):
             wrapped.register_comm_hook(None, events.ddp_logging_hook)
         else:
             state = scheduler.PriorityScheduler(MICRO_OP_BYTES)
-            wrapped.register_comm_hook(state, scheduler.priority_hook)
+            wrapped.register_comm_hook(state, grad_sync.priority_hook)
     rng = random.Random(rank * 7919)
     if sleeps:
         for module in cm.modules():
@@ -217,7 +217,7 @@ def case_priority(rank, world, mode, steps=2, sleeps=False):
 
 def per_tensor_micro_ops(cm, world):
     """Registry byte counts of Lina's micro-ops: every replicated gradient cut on its own."""
-    from moepass.runtime.scheduler import replicated_parameters
+    from moepass.runtime.grad_sync import replicated_parameters
 
     sizes = []
     for _, p in replicated_parameters(cm):

@@ -1,5 +1,5 @@
-"""The seams between first-party packages: no private (underscore) name used across packages, no
-import cycle between first-party modules.
+"""The seams between first-party packages: no private (underscore) name used across packages. (The
+layers and import cycles, counting every import: tests/test_layers.py.)
 
 Packages: moepass, lowering, cost_model, samples, benchmarks, tests. A private name may be used inside
 its own package; another package gets a public name (promote what two packages share into a public
@@ -86,59 +86,3 @@ def test_the_check_sees_a_private_import(tmp_path, monkeypatch):
         fake.unlink()
     assert any("imports moepass.dialect._route_bwd" in f for f in found)
     assert any("uses moepass.checkpoint._plain" in f for f in found)
-
-
-def import_graph() -> dict[str, set[str]]:
-    all_sources = sources()
-    graph: dict[str, set[str]] = {m: set() for m in all_sources}
-    for module, (_, tree) in all_sources.items():
-        for node in tree.body:  # module-level imports: the ones that run when the module is imported
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
-            for target, name, _, _ in imports(ast.Module(body=[node], type_ignores=[]), module):
-                for candidate in (f"{target}.{name}" if name else None, target):
-                    if candidate in all_sources and candidate != module:
-                        graph[module].add(candidate)
-                        break
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_no_import_cycle_between_first_party_modules():
-    # a package's __init__ re-exporting its modules is not a cycle of design: drop package -> child edges
-    graph = {m: {t for t in targets if not t.startswith(m + ".")} for m, targets in import_graph().items()}
-    assert cycles(graph) == []
-
-
-def test_the_cycle_finder_finds_a_cycle():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -59,7 +59,8 @@ from moepass.errors import PlanError
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite import exchange
-from moepass.rewrite.experts import ExpertLayout, local_shard, shard_experts
+from moepass.rewrite.experts import local_shard, shard_experts
+from moepass.runtime.layout import ExpertLayout
 from moepass.runtime.topology import EPGroups, ep_groups
 from moepass.spec import CapacitySpec, MoESpec, TensorSource
 

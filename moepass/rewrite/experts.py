@@ -1,4 +1,5 @@
-"""Expert parameters under a distributed form (EP, FSEP): one layout record, one way to shard.
+"""Expert parameters under a distributed form (EP, FSEP): one way to shard, recorded in the block's
+`moepass.runtime.layout.ExpertLayout`.
 
 Both forms keep each expert weight as a DTensor on the ("dp", "ep") mesh with placements
 (Replicate(), Shard(d)) of the canonical `[E, ...]` tensor, so names and logical shapes are the
@@ -16,8 +17,7 @@ originals are removed; `moepass.logical_state_dict` names them back. Everything 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -27,33 +27,14 @@ from moepass.canonical import MoEGraphModule
 from moepass.errors import PlanError
 from moepass.passes import Effects
 from moepass.runtime import collectives as comm
+from moepass.runtime.layout import ExpertLayout, expert_parameter_names, local_part
 from moepass.runtime.topology import EPGroups
 from moepass.spec import MoESpec
 
 
-@dataclass
-class ExpertLayout:
-    """Where the expert parameters of one rewritten block live. Names are relative to the block."""
-
-    num_experts: int
-    groups: EPGroups
-    shard_dim: int  # the dim of the canonical [E, ...] tensors the group shards (EP 0, FSEP 1)
-    sharded: list[str] = field(default_factory=list)  # parameters sharded in place (original names)
-    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)  # <form>_<role> -> per-expert paths
-
-    def expert_param_names(self) -> list[str]:
-        return [*self.sharded, *self.stacked]
-
-    def describe(self, gm: nn.Module) -> list[str]:
-        """Lines for `moepass.explain`: where the experts live (each form adds what it places)."""
-        g = self.groups
-        return [f"experts: {self.num_experts}, sharded on dim {self.shard_dim} over {g.ep_size} ranks "
-                f"(x{g.dp_size} data-parallel replicas); parameters: {self.expert_param_names()}"]
-
-
 def local_shard(param: Tensor) -> Tensor:
-    """This rank's shard of an expert parameter (differentiable; no communication)."""
-    return param.to_local() if isinstance(param, DTensor) else param
+    """Graph node: this rank's shard of an expert parameter (`moepass.runtime.layout.local_part`)."""
+    return local_part(param)
 
 
 def as_dtensor(local: Tensor, groups: EPGroups, shard_dim: int, requires_grad: bool) -> nn.Parameter:
@@ -150,19 +131,6 @@ def expert_grad_hook(groups: EPGroups) -> Callable[[Tensor], Tensor]:
         return local
 
     return hook
-
-
-def expert_layouts(model: nn.Module) -> Iterator[tuple[str, ExpertLayout]]:
-    """(block path, layout) of every rewritten block of `model` whose experts a distributed form placed."""
-    for path, module in model.named_modules():
-        layout = module.layout if isinstance(module, MoEGraphModule) else None
-        if isinstance(layout, ExpertLayout):
-            yield path, layout
-
-
-def expert_parameter_names(model: nn.Module) -> list[str]:
-    """Fully qualified names of every sharded expert parameter in `model`."""
-    return [f"{path}.{n}" if path else n for path, layout in expert_layouts(model) for n in layout.expert_param_names()]
 
 
 def finalize_model(model: nn.Module) -> None:

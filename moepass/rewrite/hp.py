@@ -30,11 +30,7 @@ w_out hold each rank's local gradient, averaged by DDP or `all_reduce_replicated
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
-from torch import Tensor, fx, nn
+from torch import fx
 
 from moepass import canonical
 from moepass.canonical import GraphBuilder, MoEGraphModule
@@ -42,37 +38,12 @@ from moepass.errors import PlanError
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import grad_scale
-from moepass.rewrite.experts import ExpertLayout, as_dtensor, expert_grad_hook, local_shard, shard_experts
+from moepass.rewrite.experts import as_dtensor, expert_grad_hook, local_shard, shard_experts
 from moepass.runtime import collectives as comm
+from moepass.runtime.hp import UPDATE_SELECTION_BIAS_OVER_GROUP, HPLayout, heads_to_tokens, tokens_to_heads
 from moepass.runtime.topology import ep_groups
 
 PASS = "hp"
-
-
-@dataclass
-class HPLayout(ExpertLayout):
-    """HP's layout: this rank computes heads [first_head, first_head + local_heads) (experts and routers)."""
-
-    heads: int = 0
-    local_heads: int = 0
-    first_head: int = 0
-
-    def describe(self, gm: nn.Module) -> list[str]:
-        last = self.first_head + self.local_heads - 1
-        return [*super().describe(gm), f"heads {self.first_head}..{last} of {self.heads} on this rank (routers, "
-                f"selection bias and experts of those heads)"]
-
-
-def tokens_to_heads(z_TQ: torch.Tensor, peers: int) -> torch.Tensor:
-    """[T, Q] -> [P*T, Q/P]: block p holds this rank's tokens' sub-tokens for peer p's heads."""
-    T, Q = z_TQ.shape
-    return z_TQ.view(T, peers, Q // peers).transpose(0, 1).reshape(peers * T, Q // peers)
-
-
-def heads_to_tokens(y_RQl: torch.Tensor, peers: int) -> torch.Tensor:
-    """[P*T, Q/P] (block p: peer p's heads of this rank's tokens) -> [T, Q], heads in order."""
-    R, Ql = y_RQl.shape
-    return y_RQl.view(peers, R // peers, Ql).transpose(0, 1).reshape(R // peers, peers * Ql)
 
 
 def _node(graph: fx.Graph, name: str) -> fx.Node:
@@ -82,46 +53,12 @@ def _node(graph: fx.Graph, name: str) -> fx.Node:
     raise ValueError(f"HP rewrite expects a node {name!r} in the canonical Multi-Head LatentMoE graph")
 
 
-def head_load(experts_GK: Tensor, num_heads: int, experts_per_head: int) -> Tensor:
-    """[num_heads, E] int64: how many of the rows' K choices picked each expert (rows token-major, head-minor)."""
-    ids_N = canonical.head_expert_ids(experts_GK, num_heads, experts_per_head).reshape(-1)
-    return torch.bincount(ids_N, minlength=num_heads * experts_per_head).view(num_heads, experts_per_head)
 
-
-@torch.library.custom_op("moe_hp::update_selection_bias_over_group", mutates_args=("selection_bias",))
-def update_selection_bias_over_group(selection_bias: Tensor, experts_GK: Tensor, rate: float, training: bool,
-                                     group_name: str) -> None:
-    """`moe.update_selection_bias` for heads whose sub-tokens are spread over the ranks of `group_name`:
-    in train mode, the load is summed over the group (a blocking all-reduce of Hl*E counts, kind
-    "bias_load") and compared with the group's mean, so every rank makes the single-device block's
-    update on the concatenated batch; in eval mode nothing (no communication)."""
-    if not training:
-        return
-    with torch.no_grad():
-        Hl, E = selection_bias.shape
-        rows, K = experts_GK.shape
-        load_HE = head_load(experts_GK, Hl, E)
-        group = comm.process_group(group_name)
-        peers = dist.get_world_size(group)
-        comm.all_reduce_sum_(load_HE, group, kind="bias_load")
-        mean = peers * (rows // Hl) * K / E
-        selection_bias.copy_(selection_bias + rate * torch.sign(mean - load_HE.to(selection_bias.dtype)))
-
-
-@update_selection_bias_over_group.register_fake
-def _(selection_bias, experts_GK, rate, training, group_name):
-    return None
-
-
-UPDATE_SELECTION_BIAS_OVER_GROUP = torch.ops.moe_hp.update_selection_bias_over_group.default
 
 
 def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The HP pass: shard the heads over the group, exchange sub-tokens before routing (see module doc)."""
-    if plan.head_ep_size > 1:  # EP inside each head group
-        from moepass.rewrite.hp_ep import rewrite_hp_ep
-
-        return rewrite_hp_ep(gm, plan)
+    assert plan.head_ep_size == 1, "HP with EP inside is moepass.rewrite.hp_ep's pass (pipeline.REWRITES)"
     spec = gm.spec
     if spec.heads is None:
         raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; block {spec.path or '<root>'} has no "

@@ -56,8 +56,8 @@ from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import grad_scale, insert_exchange, only
 from moepass.rewrite.experts import local_shard, shard_experts
-from moepass.rewrite.hp import UPDATE_SELECTION_BIAS_OVER_GROUP, HPLayout, heads_to_tokens, tokens_to_heads
 from moepass.runtime import collectives as comm
+from moepass.runtime.hp import UPDATE_SELECTION_BIAS_OVER_GROUP, HPLayout, heads_to_tokens, tokens_to_heads
 from moepass.runtime.topology import HeadEPGroups, head_ep_groups
 
 PASS = "hp"

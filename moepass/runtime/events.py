@@ -12,7 +12,7 @@ polled on NCCL, i.e. the backend's own completion, not a scheduler decision), wa
 unneeded, from start to waited, so compute that ran in that window overlapped it (`in_flight_during`). Categories: "all_to_all" (every moe_comm all-to-all: counts,
 dispatch, combine and their backward) and "all_reduce", the low-priority class (gradient micro-ops,
 DDP buckets through `ddp_logging_hook`, FSDP2's "fsdp_all_gather" / "fsdp_reduce_scatter" micro-ops
-through `scheduler.schedule_fsdp`). Compute regions: expert compute per chunk from the `moe_sched.mark` nodes the
+through `grad_sync.schedule_fsdp`). Compute regions: expert compute per chunk from the `moe_sched.mark` nodes the
 schedule pass places around `moe.expert_ffn` ("expert_in" / "expert_out"), forward and backward
 ("expert_bwd" is the input gradient only where the weight gradients are deferred), the deferred expert
 weight-gradient GEMMs ("expert_wgrad", from `moe_sched.defer_wgrad`'s backward, Lancet); plus

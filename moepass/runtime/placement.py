@@ -1,6 +1,6 @@
 """FSEP placement: which experts each device computes, how tokens reach them, and the planner choosing both.
 
-Terms (the contract with `moepass.rewrite.fsep`):
+Terms (the contract with `moepass.runtime.fsep_ops` and `moepass.rewrite.fsep`):
 
 - W devices (ranks), node(n) = n // ranks_per_node; C slots per device; global slot g = n*C + c.
 - A placement table `slot_expert` [W*C]: the expert each slot hosts. Valid iff every one of the E experts
@@ -9,7 +9,9 @@ Terms (the contract with `moepass.rewrite.fsep`):
   g; Local = those on node(i); Pref = Local if non-empty else R_e; m = len(Pref). Row j (0 <= j < n_ie)
   goes to Pref[(j*m) // n_ie], so Pref[q] receives ceil((q+1)*n/m) - ceil(q*n/m) rows (`lite_route_counts`).
 - The planner (`plan`) prices two candidate tables on counts summed over the last `history` steps
-  (`CountHistory`) with `cost_model.fsep.planner_cost` and keeps the cheaper.
+  (`CountHistory`) with `cost_model.fsep.planner_cost` and keeps the cheaper. `planned_routing`: what it
+  makes of a routing that repeats every step (its table and the rows lite routing sends), which the plan
+  search and the simulator price FSEP with.
 
 Determinism: every rank runs `plan` on identical counts and must get the identical table. Everything
 that decides is exact: counts are int64, load-per-replica orderings use an exact integer key
@@ -30,8 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from cost_model import ep as ep_cost
 from cost_model import fsep as fsep_cost
 
 CANDIDATES = ("even", "proportional")  # pricing order; on equal cost the earlier one is kept
@@ -517,8 +521,61 @@ def plan(counts_WE: Any, config: PlannerConfig) -> Decision:
                     time.perf_counter() - start)
 
 
+# ---- what the planner makes of a steady routing (the plan search and the simulator price FSEP with it) -----
+
+
+@dataclass(frozen=True)
+class PlannedRouting:
+    """The planner's decision for a steady routing and the rows lite routing sends under its table.
+
+    decision: the planner's `Decision` (table, candidate, max/mean vs plain EP's);
+    rows_SR: [W, W] int64 rows source rank i sends to device k (own-device rows on the diagonal).
+    """
+
+    decision: Decision
+    rows_SR: np.ndarray
+
+    @property
+    def mean_rows(self) -> float:
+        """Routed rows per rank (T*K*phi: the FFN rows): the mean a device computes."""
+        return float(self.rows_SR.sum()) / self.rows_SR.shape[0]
+
+    @property
+    def max_over_mean(self) -> float:
+        """The busiest device's rows over the mean (1.0 when nothing is routed)."""
+        mean = self.mean_rows
+        return float(self.rows_SR.sum(axis=0).max()) / mean if mean > 0 else 1.0
+
+    def busiest_a2a_rows(self, ranks_per_node: int, B_intra: float, B_inter: float) -> tuple[float, float]:
+        """(intra-node, inter-node) rows of the token all-to-all's slowest rank and direction (sending the
+        dispatch or receiving it; the combine is its transpose), over the mean routed rows per rank."""
+        a2a = ep_cost.exact_a2a(self.rows_SR, 1, 1, ranks_per_node)
+        mean = self.mean_rows or 1.0
+        ends = [(a2a.sent_intra, a2a.sent_inter), (a2a.recv_intra, a2a.recv_inter)]
+        intra, inter = max(((float(i[k]), float(o[k])) for i, o in ends for k in range(len(i))),
+                           key=lambda io: io[0] / B_intra + io[1] / B_inter)
+        return intra / mean, inter / mean
+
+
+def planned_routing(counts_WE: Any, hw: Any, *, C: int, ranks_per_node: int, D: int, F: int, gated: bool,
+                    recompute: bool | None = None, history_HWE: Any = None) -> PlannedRouting:
+    """What FSEP does with [W source ranks, E experts] routed rows: the table `plan` picks from them (summed
+    over its history, as the runtime does; costs from `hw`, a `cost_model.presets.Hardware`) and the rows lite
+    routing sends under it. Float counts are rounded per row (`cost_model.fsep.integer_rows`). `history_HWE`:
+    the earlier steps' counts the planner plans from, when the routing moves (the table is then priced on
+    `counts_WE`, the step after them); without it the same routing repeats on each step of its history."""
+    counts = fsep_cost.integer_rows(counts_WE)
+    W, E = counts.shape
+    config = PlannerConfig.from_hardware(hw, E=E, W=W, C=C, ranks_per_node=ranks_per_node, D=D, F=F, gated=gated,
+                                         recompute=recompute)
+    seen = counts * config.history if history_HWE is None else sum(fsep_cost.integer_rows(h) for h in history_HWE)
+    decision = plan(seen, config)
+    rows_SR = device_rows(lite_route_counts(counts, decision.table), C).numpy()
+    return PlannedRouting(decision, rows_SR)
+
+
 __all__ = [
-    "CANDIDATES", "CountHistory", "Decision", "PlacementTable", "PlannerConfig", "candidate_tables", "device_loads",
-    "device_rows", "even_replicas", "even_table", "lite_route_counts", "max_over_mean", "place", "plan",
-    "proportional_replicas", "route_totals", "table_cost",
+    "CANDIDATES", "CountHistory", "Decision", "PlacementTable", "PlannedRouting", "PlannerConfig", "candidate_tables",
+    "device_loads", "device_rows", "even_replicas", "even_table", "lite_route_counts", "max_over_mean", "place", "plan",
+    "planned_routing", "proportional_replicas", "route_totals", "table_cost",
 ]

@@ -200,9 +200,8 @@ class Candidate:
                 "heads": self.latent[0].heads,
                 "head_dim": dims.pop() if len(dims) == 1 else None,
                 "capacity_factor": None,
-                "a2a_chunks": 1,
                 "packing": 1,
-            }
+            }  # no a2a_chunks: HP's exchange is not chunked (Plan refuses the field under form="hp")
         return {
             "form": "ep",
             "ep_size": self.ep_size,

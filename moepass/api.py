@@ -67,6 +67,10 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
                         "block (moepass.explain(model, plan) shows each check), leave it alone explicitly with "
                         f"Plan(blocks={{{missed[0][0]!r}: None}}), or pass strict=False to train it as it is.")
     _needs_process_group(plan, report)
+    if plan.grad_sync == "scheduler" and not (dist.is_initialized() and dist.get_world_size() > 1):
+        raise PlanError("Plan.grad_sync='scheduler' has no effect on one process: it synchronises gradients over "
+                        "the ranks of an initialised process group of more than one rank. Leave it 'none', or "
+                        "compile on every rank under torchrun (init_process_group first).")
     _meta_needs_single(plan, report, model)
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
@@ -200,9 +204,9 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
     (`Plan(grad_sync="scheduler")`: priority, micro-ops of `Plan.micro_op_bytes`; otherwise DDP's fair
     sharing), with `model`'s dense parameters (all but the detected experts, embeddings included; without
     a model, the attention projections). A `Plan.slots_per_device` given with form="auto" is the only C the search
-    prices for FSEP; the FSEP-only fields are reset when another form wins (they would be rejected).
-    auto never picks a math-changing form (HP, capacity on a dropless block: DESIGN.md, only by name):
-    HP is priced with `Plan.heads` / `Plan.head_dim` and shown, and those HP-only fields are reset."""
+    prices for FSEP. auto never picks a math-changing form (HP, capacity on a dropless block: DESIGN.md, only by
+    name): HP is priced with `Plan.heads` / `Plan.head_dim` and shown. Every field that does not act under the
+    chosen form (`moepass.plan.ACTS_UNDER`: the FSEP fields when EP wins, ...) is put back at its default."""
     if plan.form != "auto":
         return plan, None
     if plan.batch is None:
@@ -220,11 +224,7 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
                      micro_op_bytes=plan.micro_op_bytes)
               if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
-    if chosen["form"] != "fsep":
-        chosen = {"slots_per_device": None, "planner": "auto", **chosen}
-    if chosen["form"] != "hp":
-        chosen = {"heads": None, "head_dim": None, **chosen}
-    return plan.replace(**chosen), result
+    return plan.as_form(**chosen), result  # the fields that do not act under the chosen form back at their defaults
 
 
 def _default_topology() -> tuple[int, int]:

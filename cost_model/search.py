@@ -270,6 +270,10 @@ class SearchResult:
     def to_plan_kwargs(self) -> dict[str, Any]:
         return self.best.plan_kwargs()
 
+    def __str__(self) -> str:
+        """`print(moepass.search(...))`: the ranked table (`table()`), not the dataclass's repr."""
+        return self.table()
+
     def table(self, limit: int = 12) -> str:
         head = (
             f"plans for W={self.world_size} ({self.nodes} node(s) x {self.ranks_per_node}), T={self.tokens} "

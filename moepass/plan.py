@@ -96,7 +96,9 @@ class Plan:
     # FSEP: leave each layer's expert-gradient exchange in flight under the earlier layer's backward (its send and
     # receive buffers, 2*C*S elements, alive one layer longer); False: wait for it in the layer's own backward
     defer_expert_grads: bool = True
-    heads: int | None = None  # HP: latent heads H of the converted Multi-Head LatentMoE; None: the world size
+    # HP: latent heads H of the converted Multi-Head LatentMoE; None: the smallest multiple of the head-group count
+    # (the block's ranks / head_ep_size) that is >= 4 (moepass.rewrite.latent.latent_shape)
+    heads: int | None = None
     head_dim: int | None = None  # HP: width h of a head; None: hidden // heads
     # HP with EP inside: the ep_size ranks of a block (its model-parallel group) form ep_size/head_ep_size head
     # groups (heads sharded over them) of head_ep_size ranks (a group's experts sharded over them); 1: pure HP

@@ -143,3 +143,18 @@ def test_cli_prints_a_ranked_table_per_case(results):
         full = result.table(limit=len(result.ranked))  # every FSEP row, named by its C and chunks
         fsep_rows = re.findall(r"^\d+ +fsep C=(\d) n=(\d+) ", full, flags=re.M)
         assert sorted((int(C), int(n)) for C, n in fsep_rows) == sorted((C, n) for C in (1, 2, 3) for n in CHUNKS)
+
+
+def test_print_of_a_search_result_is_its_table(results, capsys):
+    """`print(moepass.search(...))` prints the ranked table (what `python -m moepass search` prints), not the
+    dataclass's repr; repr stays the dataclass's."""
+    import moepass
+    from samples.models import tiny_mixtral
+
+    _, result = results[0]
+    assert str(result) == result.table()
+    found = moepass.search(tiny_mixtral(), (1, 4), (2, 512))
+    print(found)
+    out = capsys.readouterr().out
+    assert out.startswith("plans for W=4 (1 node(s) x 4), T=1024 tokens/rank") and "SearchResult(" not in out
+    assert f"best: {found.best.label}" in out and repr(found).startswith("SearchResult(")

@@ -177,3 +177,14 @@ def test_form_auto_keeps_only_the_fields_that_act_under_the_chosen_form():
     assert (ep.topology, ep.batch, ep.hardware, ep.ep_size, ep.a2a_chunks, ep.keep_restored) == (
         moepass.Topology(1, 4), (2, 8), "h100", 4, 2, False)
     assert plan.as_form("fsep").keep_restored is True
+
+
+@pytest.mark.parametrize("world,heads", [(1, 4), (2, 4), (3, 6), (4, 4), (5, 5), (8, 8)])
+def test_heads_default_is_the_smallest_multiple_of_the_head_groups_from_4(world, heads):
+    """Plan.heads=None, as its comment says: the smallest multiple of the head groups (world / head_ep_size) that is
+    >= 4 (not the world size)."""
+    from moepass.rewrite.latent import latent_shape
+    from samples.models import LoopMoE
+
+    spec = moepass.detect(LoopMoE(120, 64, num_experts=4, top_k=2)).blocks[0]
+    assert latent_shape(spec, Plan(form="hp"), world).heads == heads

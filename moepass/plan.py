@@ -26,7 +26,6 @@ DEFAULT_MICRO_OP_BYTES = MICRO_OP_BYTES  # one figure for the runtime and the co
 DEFAULT_PREFETCH_DEPTH = 2
 GATES = ("grap", "learned")  # form="locality": the top-1 router's gate
 DEFAULT_ALPHA = 0.01  # form="locality": the balance-loss weight (LocMoE, Switch)
-ALL_FORMS = FORMS
 
 # Which forms each field acts under, and what it does there: the one rule for "a field that does nothing".
 # A field set away from its default under a form not listed raises PlanError naming the field, the value and
@@ -35,7 +34,7 @@ ALL_FORMS = FORMS
 # cost model reads the field or the form it picks keeps it (the FSEP fields when FSEP wins); the fields the
 # search chooses itself (ep_size, capacity_factor, a2a_chunks, packing) are not: form="auto" would overwrite them.
 ACTS_UNDER: dict[str, tuple[tuple[str, ...], str]] = {
-    "form": (ALL_FORMS, "the parallel form"),
+    "form": (FORMS, "the parallel form"),
     "ep_size": (DISTRIBUTED_FORMS, "it sets the EP degree of the distributed forms ('ep', 'fsep', 'hp', "
                                    "'locality'), with data parallel over the rest; form='auto' picks its own"),
     "topology": ((*DISTRIBUTED_FORMS, "auto"), "it groups the ranks of the distributed forms ('ep', 'fsep', 'hp', "
@@ -47,7 +46,7 @@ ACTS_UNDER: dict[str, tuple[tuple[str, ...], str]] = {
                                    "micro-ops (form='auto' picks its own)"),
     "hierarchical_a2a": (("ep", "locality"), "it splits the token all-to-all of form='ep' and form='locality' "
                                              "into an intra-node and an inter-node stage"),
-    "micro_op_bytes": (ALL_FORMS, "the gradient all-reduce micro-op size"),
+    "micro_op_bytes": (FORMS, "the gradient all-reduce micro-op size"),
     "packing": (("ep",), "it hosts k times the experts per device under form='ep' (form='auto' picks its own)"),
     "slots_per_device": (("fsep", "auto"), "it sizes the expert slots of FSEP"),
     "planner": (("fsep", "auto"), "it places the expert slots of FSEP"),
@@ -61,16 +60,16 @@ ACTS_UNDER: dict[str, tuple[tuple[str, ...], str]] = {
     "gate": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
     "mu": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
     "alpha": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
-    "lowering": (ALL_FORMS, "the kernels the lower pass uses"),
-    "deterministic": (ALL_FORMS, "process-wide determinism"),
-    "grad_sync": (ALL_FORMS, "the gradient synchronisation over the ranks"),
-    "expert_recompute": (ALL_FORMS, "the expert FFN's backward"),
-    "blocks": (ALL_FORMS, "per-block overrides"),
+    "lowering": (FORMS, "the kernels the lower pass uses"),
+    "deterministic": (FORMS, "process-wide determinism"),
+    "grad_sync": (FORMS, "the gradient synchronisation over the ranks"),
+    "expert_recompute": (FORMS, "the expert FFN's backward"),
+    "blocks": (FORMS, "per-block overrides"),
     "batch": (("ep", "fsep", "auto"), "it gives the cost model the tokens per rank: form='auto', and "
                                       "a2a_chunks='auto' / packing='auto' under form='ep' and 'fsep'"),
     "hardware": (("ep", "fsep", "auto"), "the cost model prices with it: form='auto', and a2a_chunks='auto' / "
                                          "packing='auto' / FSEP's planner under form='ep' and 'fsep'"),
-    "strict": (ALL_FORMS, "whether a block compile leaves as it is is an error"),
+    "strict": (FORMS, "refuses blocks compile would leave as they are"),
 }
 
 

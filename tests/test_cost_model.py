@@ -364,14 +364,14 @@ def test_fsep_wins_under_strong_skew():
     assert best.step < 0.6 * ep_step
     assert "planner max/mean" in result.table() and f"best: {best.label}" in result.table()
     assert float(result.expression_substituted.subs(S.T, T)) == pytest.approx(best.step, rel=1e-3)
-    # the winner as a Plan: directly, and as form="auto" resolves it (packing="auto" is reset to 1)
+    # the winner as a Plan: directly, and as form="auto" resolves it (Plan.as_form: batch and hardware kept)
     kwargs = result.to_plan_kwargs()
     assert kwargs == {"form": "fsep", "ep_size": W, "slots_per_device": best.slots, "capacity_factor": None,
                       "a2a_chunks": best.a2a_chunks, "packing": 1}
     plan = Plan(**kwargs)
     assert (plan.form, plan.slots_per_device, plan.ep_size) == ("fsep", best.slots, W)
-    auto = Plan(form="auto", batch=(2, 4096), packing="auto", hardware="a100").replace(**kwargs)
-    assert auto.form == "fsep" and auto.packing == 1 and auto.planner == "auto"
+    auto = Plan(form="auto", batch=(2, 4096), hardware="a100").as_form(**kwargs)
+    assert auto.form == "fsep" and auto.packing == 1 and auto.planner == "auto" and auto.hardware == "a100"
 
 
 def test_fsep_candidates_need_a_slot_for_every_expert():

@@ -436,15 +436,24 @@ def calibrate(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cost_model.calibrate", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The calibration's options, on its own parser and on `moepass calibrate`'s."""
     parser.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help=f"profile path (default {DEFAULT_PROFILE})")
     parser.add_argument("--quick", action="store_true", help="3 message sizes, 3 matmul sizes, few repetitions")
     parser.add_argument("--reps", type=int, default=20, help="all_to_all repetitions per size (fewer for large sizes)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck worker is an error")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--no-host", action="store_true", help="skip the EP-layer host-overhead benchmarks")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cost_model.calibrate", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Calibrate as `args` (from `add_arguments`) say; write the profile; the exit status."""
     try:
         profile = calibrate(
             sizes=QUICK_SIZES if args.quick else FULL_SIZES,

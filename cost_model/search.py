@@ -201,9 +201,8 @@ class Candidate:
                 "heads": self.latent[0].heads,
                 "head_dim": dims.pop() if len(dims) == 1 else None,
                 "capacity_factor": None,
-                "a2a_chunks": 1,
                 "packing": 1,
-            }
+            }  # no a2a_chunks: HP's exchange is not chunked (Plan refuses the field under form="hp")
         return {
             "form": "ep",
             "ep_size": self.ep_size,
@@ -271,6 +270,10 @@ class SearchResult:
 
     def to_plan_kwargs(self) -> dict[str, Any]:
         return self.best.plan_kwargs()
+
+    def __str__(self) -> str:
+        """`print(moepass.search(...))`: the ranked table (`table()`), not the dataclass's repr."""
+        return self.table()
 
     def table(self, limit: int = 12) -> str:
         head = (

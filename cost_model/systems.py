@@ -56,7 +56,6 @@ from cost_model.presets import Hardware
 from cost_model.scenarios import Case
 from cost_model.schedule import DDP_BUCKET_BYTES
 from cost_model.timeline import Timeline
-from moepass.runtime.placement import planned_routing
 
 # The switch router's per-device max/mean rows measured in this project's own training run
 # (benchmarks/results/locality.json, by_data.iid.per_system.switch: top-1 learned gate with aux loss 0.01,
@@ -528,6 +527,8 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
         C = int(plan.slots or 1)
         key = (C, trace.description)
         if key not in ctx.routed:
+            from moepass.runtime.placement import planned_routing  # moepass's package imports cost_model.search
+
             ctx.routed[key] = planned_routing(counts, hw, C=C, ranks_per_node=case.per_node, D=case.D,
                                                             F=case.F, gated=case.gated, history_HWE=trace.history)
         routed = ctx.routed[key]

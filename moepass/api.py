@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import fnmatch
 import logging
+import re
 import traceback
 import warnings
 from collections import Counter
@@ -70,6 +71,10 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
                         "block (moepass.explain(model, plan) shows each check), leave it alone explicitly with "
                         f"Plan(blocks={{{missed[0][0]!r}: None}}), or pass strict=False to train it as it is.")
     _needs_process_group(plan, report)
+    if plan.grad_sync == "scheduler" and not (dist.is_initialized() and dist.get_world_size() > 1):
+        raise PlanError("Plan.grad_sync='scheduler' has no effect on one process: it synchronises gradients over "
+                        "the ranks of an initialised process group of more than one rank. Leave it 'none', or "
+                        "compile on every rank under torchrun (init_process_group first).")
     _meta_needs_single(plan, report, model)
     if plan.deterministic:
         determinism.enable()  # before any block is built: kernels specialise on it
@@ -84,6 +89,16 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
     object.__setattr__(target, "moepass_info", info)
     if any(isinstance(p, DTensor) for p in target.parameters()):
         optim.enable_mixed_steps()  # expert DTensors beside plain tensors: foreach/fused optimizer steps work
+    changed = [(path, record["stats"]) for path, gm in info.rewritten.items() for record in gm.history
+               if "math" in (record.get("stats") or {})]  # the conversion records of a math-changing form
+    if changed:  # asked for by name, but never unsaid: the trained model computes something else
+        how: dict[str, list[str]] = {}  # identical conversions (a deep model's layers) said once
+        for path, stats in changed:
+            how.setdefault(stats["math"] + (f", {stats['latent']}" if "latent" in stats else ""), []).append(path)
+        blocks = "; ".join(f"{', '.join(repr(p or '<root>') for p in paths)}: {text}" for text, paths in how.items())
+        warnings.warn(f"moepass.compile changed the math of {len(changed)} block(s), as the plan names: {blocks}. "
+                      f"Their outputs and gradients are not the original model's; moepass.explain(model, plan) shows "
+                      f"each conversion.", UserWarning, stacklevel=2)
     distributed = [(path, reason) for path, reason in missed if _form_of(plan, path) in DISTRIBUTED_FORMS]
     if distributed:  # the block trains replicated on every rank: never silently
         warnings.warn(_missed_message(distributed, plan) + " They train as they are, replicated on every rank. Fix "
@@ -205,9 +220,9 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
     (`Plan(grad_sync="scheduler")`: priority, micro-ops of `Plan.micro_op_bytes`; otherwise DDP's fair
     sharing), with `model`'s dense parameters (all but the detected experts, embeddings included; without
     a model, the attention projections). A `Plan.slots_per_device` given with form="auto" is the only C the search
-    prices for FSEP; the FSEP-only fields are reset when another form wins (they would be rejected).
-    auto never picks a math-changing form (HP, capacity on a dropless block: DESIGN.md, only by name):
-    HP is priced with `Plan.heads` / `Plan.head_dim` and shown, and those HP-only fields are reset."""
+    prices for FSEP. auto never picks a math-changing form (HP, capacity on a dropless block: DESIGN.md, only by
+    name): HP is priced with `Plan.heads` / `Plan.head_dim` and shown. Every field that does not act under the
+    chosen form (`moepass.plan.ACTS_UNDER`: the FSEP fields when EP wins, ...) is put back at its default."""
     if plan.form != "auto":
         return plan, None
     if plan.batch is None:
@@ -225,11 +240,7 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
                      micro_op_bytes=plan.micro_op_bytes)
               if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
-    if chosen["form"] != "fsep":
-        chosen = {"slots_per_device": None, "planner": "auto", **chosen}
-    if chosen["form"] != "hp":
-        chosen = {"heads": None, "head_dim": None, **chosen}
-    return plan.replace(**chosen), result
+    return plan.as_form(**chosen), result  # the fields that do not act under the chosen form back at their defaults
 
 
 def default_topology() -> tuple[int, int]:
@@ -303,46 +314,79 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
         lines.append(f"compile would raise PlanError (Plan.strict=True): {_missed_message(missed, plan)}")
     elif any(_form_of(plan, path) in DISTRIBUTED_FORMS for path, _ in missed):
         lines.append(f"compile would warn: {_missed_message(missed, plan)}")
+    sections: dict[tuple[str, ...], list[Any]] = {}  # a block's section (its own path masked) -> its blocks
     for detail in report.details:
-        if not detail.accepted or detail.spec is None:
-            continue
-        lines.append("")
-        lines.append(f"== {detail.path or '<root>'} ({detail.module_type}) ==")
-        lines.append(f"recogniser: {detail.recogniser}")
-        lines.append(f"spec: {detail.spec.summary()}")
-        if detail.spec.router.logits_from == "traced":  # an unknown router: its own code, then the known rule
-            lines.append("router region, traced from the block's forward up to the logits (then the known "
-                         "selection the spec names):")
-            lines.append(detail.spec.router.traced.code.strip())
-        if detail.check is not None:
-            lines.append(f"semantic check: {detail.check.describe()}")
-        block_plan = plan.for_block(detail.spec.path)
-        if block_plan is None:
-            lines.append("plan: left alone (Plan.blocks)")
-            continue
-        try:
-            original = model.get_submodule(detail.spec.path) if detail.spec.path else model
-            memo: dict[int, Any] = {}  # the block copied as compile copies it: each expert weight once at most
-            copy_expert_weights(detail.spec, original, block_plan, memo, storage_counts(original))
-            block = deepcopy_module(original, memo)
-            with _world_for(block_plan) as note:
-                if note:
-                    lines.append(note)
-                gm = compile_block(detail.spec, block, block_plan)
-            for record in gm.history:
-                if record["pass"] == CANONICAL_PASS:
-                    continue
-                lines.append(f"pass {record['pass']}: {'changed' if record.get('changed') else 'unchanged'} "
-                             f"{record.get('stats') or ''}".rstrip())
-            if gm.layout is not None:
-                lines += gm.layout.describe(gm)
-            if graphs:
-                lines.append(gm.print_readable(print_output=False).rstrip())
-            if sources:
-                from moepass.lower import sources as lowered_sources
-
-                for name, family, text in lowered_sources(gm):
-                    lines.append(f"-- generated Triton source of node {name} ({family}) --\n{text.rstrip()}")
-        except Exception as err:
-            lines.append(f"compile of this block would fail: {type(err).__name__}: {err}")
+        if detail.accepted and detail.spec is not None:
+            body = _block_section(model, detail, plan, graphs, sources)
+            sections.setdefault(_fold_key(detail, body), []).append((detail, body))
+    for same in sections.values():  # identical blocks (a deep model's layers): the first in full, the rest folded
+        first, body = same[0]
+        lines += ["", f"== {first.path or '<root>'} ({first.module_type}) =="] + body
+        if len(same) > 1:
+            errors = [d.check.max_error for d, _ in same[1:] if d.check is not None]
+            checked = f"; semantic check accepted on each, max error {max(errors):.2e}" if errors else ""
+            lines.append(f"== {_span([d.path for d, _ in same[1:]])}: same as {first.path or '<root>'} "
+                         f"({len(same) - 1} block(s){checked}) ==")
     return "\n".join(lines)
+
+
+def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sources: bool) -> list[str]:
+    """`explain`'s lines for one accepted block: recogniser, spec, check, plan, passes, graph (never raises)."""
+    lines = [f"recogniser: {detail.recogniser}", f"spec: {detail.spec.summary()}"]
+    if detail.spec.router.logits_from == "traced":  # an unknown router: its own code, then the known rule
+        lines.append("router region, traced from the block's forward up to the logits (then the known "
+                     "selection the spec names):")
+        lines.append(detail.spec.router.traced.code.strip())
+    if detail.check is not None:
+        lines.append(f"semantic check: {detail.check.describe()}")
+    block_plan = plan.for_block(detail.spec.path)
+    if block_plan is None:
+        return lines + ["plan: left alone (Plan.blocks)"]
+    try:
+        original = model.get_submodule(detail.spec.path) if detail.spec.path else model
+        memo: dict[int, Any] = {}  # the block copied as compile copies it: each expert weight once at most
+        copy_expert_weights(detail.spec, original, block_plan, memo, storage_counts(original))
+        block = deepcopy_module(original, memo)
+        with _world_for(block_plan) as note:
+            if note:
+                lines.append(note)
+            gm = compile_block(detail.spec, block, block_plan)
+        for record in gm.history:
+            if record["pass"] == CANONICAL_PASS:
+                continue
+            lines.append(f"pass {record['pass']}: {'changed' if record.get('changed') else 'unchanged'} "
+                         f"{record.get('stats') or ''}".rstrip())
+        if gm.layout is not None:
+            lines += gm.layout.describe(gm)
+        if graphs:
+            lines.append(gm.print_readable(print_output=False).rstrip())
+        if sources:
+            from moepass.lower import sources as lowered_sources
+
+            for name, family, text in lowered_sources(gm):
+                lines.append(f"-- generated Triton source of node {name} ({family}) --\n{text.rstrip()}")
+    except Exception as err:
+        lines.append(f"compile of this block would fail: {type(err).__name__}: {err}")
+    return lines
+
+
+def _fold_key(detail: Any, body: list[str]) -> tuple[str, ...]:
+    """What makes two blocks' sections the same: their lines with the block's own path and the check's measured
+    error masked (different weights, the same structure, recogniser, spec, plan, passes and graph)."""
+    path = detail.path or "<root>"
+    masked = [re.sub(r"max error [0-9.e+-]+", "max error <err>", line.replace(path, "<block>")) for line in body]
+    return (detail.module_type, *masked)
+
+
+def _span(paths: list[str]) -> str:
+    """Block paths said briefly: 'layers.{1-15}.mlp' when they differ in one numbered component (a run, or a
+    list of numbers), else the paths (the first and last of more than three)."""
+    parts = [p.split(".") for p in paths]
+    if len(paths) > 1 and len({len(p) for p in parts}) == 1:
+        differ = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+        if len(differ) == 1 and all(p[differ[0]].isdigit() for p in parts):
+            at, numbers = differ[0], [int(p[differ[0]]) for p in parts]
+            run = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+            inner = f"{numbers[0]}-{numbers[-1]}" if run else ",".join(map(str, numbers))
+            return ".".join(parts[0][:at] + ["{" + inner + "}"] + parts[0][at + 1:])
+    return ", ".join(paths) if len(paths) <= 3 else f"{paths[0]}, ..., {paths[-1]}"

@@ -1,21 +1,69 @@
-"""`python -m moepass {demo, explain, search, calibrate, bench, selfcheck}`."""
+"""`python -m moepass {demo, explain, search, calibrate, bench, selfcheck}` (the `moepass` console script is the same).
+
+Bad input (a target that does not import, a builder that raises or returns no model, an invalid --form) ends
+with one line on stderr naming what was wrong and the fix, and exit status 1 (argparse's own usage errors: 2);
+`MOEPASS_DEBUG=1` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 import torch
 
+from moepass.envflags import flag
+from moepass.errors import MoepassError, nearest
+from moepass.plan import FORMS
 
-def _load(target: str):
-    """`pkg.module:callable` → the object the callable returns (a model)."""
+
+def load_model(target: str, command: str) -> torch.nn.Module:
+    """`pkg.module:callable` -> the model the callable returns (or the nn.Module the name holds), the module
+    imported from the current directory first, as `python -m` imports (a console script's sys.path[0] is its
+    own bin folder). SystemExit with one line naming what went wrong and the fix."""
+    where = f"moepass {command}"
     module_name, _, attr = target.partition(":")
-    if not attr:
-        raise SystemExit(f"moepass: {target!r} is not of the form module:callable (e.g. samples.models:tiny_mixtral)")
-    obj = getattr(importlib.import_module(module_name), attr)
-    return obj() if callable(obj) and not isinstance(obj, torch.nn.Module) else obj
+    if not module_name or not attr:
+        raise SystemExit(f"{where}: {target!r} is not of the form module:callable (e.g. samples.models:tiny_mixtral)")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        _debug(err)
+        if err.name is not None and (module_name + ".").startswith(err.name + "."):
+            raise SystemExit(f"{where}: no module {module_name!r} in the current directory ({cwd}) or on "
+                             f"PYTHONPATH: run from the folder that holds it, or add that folder to PYTHONPATH"
+                             ) from None
+        raise SystemExit(f"{where}: importing {module_name!r} raised ModuleNotFoundError: {err} (install it)"
+                         ) from None
+    except Exception as err:
+        _debug(err)
+        raise SystemExit(f"{where}: importing {module_name!r} raised {type(err).__name__}: {err}") from None
+    if not hasattr(module, attr):
+        names = [n for n in dir(module) if not n.startswith("_")]
+        raise SystemExit(f"{where}: module {module_name!r} has no {attr!r}.{nearest(attr, names)}")
+    obj = getattr(module, attr)
+    if callable(obj) and not isinstance(obj, torch.nn.Module):
+        try:
+            obj = obj()
+        except Exception as err:
+            _debug(err)
+            raise SystemExit(f"{where}: {target}() raised {type(err).__name__}: {err} (fix the builder; "
+                             f"MOEPASS_DEBUG=1 shows the traceback)") from None
+    if not isinstance(obj, torch.nn.Module):
+        raise SystemExit(f"{where}: {target} gave a {type(obj).__name__}, not a torch.nn.Module: name a callable "
+                         f"that returns the model (taking no arguments), or a module-level model")
+    return obj
+
+
+def _debug(err: BaseException) -> None:
+    """Under MOEPASS_DEBUG=1 the error itself propagates, with its traceback (else the caller's one line)."""
+    if flag("MOEPASS_DEBUG"):
+        raise err
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -33,7 +81,8 @@ def demo(args: argparse.Namespace) -> int:
 def explain(args: argparse.Namespace) -> int:
     import moepass
 
-    print(moepass.explain(_load(args.target), moepass.Plan(form=args.form)))
+    plan = moepass.Plan(form=args.form)  # a misspelt form: PlanError naming the nearest (main prints it)
+    print(moepass.explain(load_model(args.target, "explain"), plan))
     return 0
 
 
@@ -56,16 +105,16 @@ def search(args: argparse.Namespace) -> int:
         return 0
     if args.target is None:
         raise SystemExit("moepass search: give a model (module:callable) or --scenario FILE")
-    result = moepass.search(_load(args.target), (args.nodes, args.ranks_per_node), (args.batch, args.seq),
+    result = moepass.search(load_model(args.target, "search"), (args.nodes, args.ranks_per_node), (args.batch, args.seq),
                             profile=args.profile)
     print(result.table(limit=args.limit))
     return 0
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from cost_model.calibrate import main as calibrate_main
+    from cost_model.calibrate import run
 
-    return calibrate_main(args.rest)
+    return run(args)
 
 
 def bench_module():
@@ -158,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=demo)
     p = sub.add_parser("explain", help="report what moepass would do to a model")
     p.add_argument("target", help="module:callable returning an nn.Module, e.g. samples.models:tiny_mixtral")
-    p.add_argument("--form", default="single")
+    p.add_argument("--form", default="single", help=f"the plan's form: {', '.join(FORMS)} (default single)")
     p.set_defaults(fn=explain)
     p = sub.add_parser("search", help="rank plans with the cost model")
     p.add_argument("target", nargs="?", help="module:callable returning an nn.Module")
@@ -170,8 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="a100 | h100 | ascend910a | a calibration JSON (default: this machine)")
     p.add_argument("--limit", type=int, default=12)
     p.set_defaults(fn=search)
+    from cost_model.calibrate import add_arguments as calibrate_arguments
+
     p = sub.add_parser("calibrate", help="measure this machine (gloo all-to-all, matmul) into a JSON profile")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for cost_model.calibrate")
+    calibrate_arguments(p)
     p.set_defaults(fn=calibrate)
     p = sub.add_parser("bench", help="run the benchmarks (each its own process) and write one report")
     p.add_argument("names", nargs="*", help="benchmarks to run (see benchmarks/bench_all.py); or --all")
@@ -194,7 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except MoepassError as err:  # bad input (an invalid --form, a plan the model refuses): its one-line message
+        _debug(err)
+        raise SystemExit(f"moepass {args.command}: {err}") from None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Looking at rewritten graphs: `diff`, `draw`, `set_debug`.
 
-    print(moepass.diff(block, cm.layers[0].mlp))     # original block (traced) vs its dialect graph
+    print(moepass.diff(block, cm.layers[0].mlp))     # original block (traced or recorded) vs its dialect graph
     moepass.draw(cm, "model.svg")                    # every rewritten block, nodes coloured by pass
     moepass.set_debug(True)                          # log each pass with its time and counts
 
@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from moepass.detect.graph_candidates import record_model, synthesize_inputs
 from moepass.envflags import flag
+from moepass.spec import MoESpec
 
 log = logging.getLogger("moepass")
 
@@ -90,54 +92,57 @@ def node_line(node: fx.Node) -> str:
     return f"{node.name} = {prefix}{_target(node)}({args})"
 
 
-def _as_graph(obj: fx.GraphModule | fx.Graph | nn.Module, example_inputs: Iterable[Any] | None) -> fx.Graph:
+def _as_graph(obj: fx.GraphModule | fx.Graph | nn.Module, example_inputs: Iterable[Any] | None,
+              other: object) -> tuple[fx.Graph, str | None]:
+    """The graph of one side of `diff`, and how it was made when it had to be recorded (else None)."""
     if isinstance(obj, fx.Graph):
-        return obj
+        return obj, None
     if isinstance(obj, fx.GraphModule):
-        return obj.graph
-    if isinstance(obj, nn.Module):
-        try:
-            return fx.symbolic_trace(obj).graph
-        except Exception as err:
-            if example_inputs is None:
-                raise ValueError(
-                    f"moepass.diff: {type(obj).__name__} does not trace with torch.fx ({type(err).__name__}: {err}); "
-                    f"pass example_inputs=(x,) to capture it with Dynamo instead"
-                ) from err
-            return capture(obj, *example_inputs).graph
-    raise ValueError(f"moepass.diff: expected a GraphModule, fx.Graph or nn.Module, got {type(obj).__name__}")
+        return obj.graph, None
+    if not isinstance(obj, nn.Module):
+        raise ValueError(f"moepass.diff: expected a GraphModule, fx.Graph or nn.Module, got {type(obj).__name__}")
+    try:
+        return fx.symbolic_trace(obj).graph, None
+    except Exception:  # data-dependent control flow (a loop over experts), a Hugging Face block: recorded instead
+        pass
+    inputs, how = _inputs_for(obj, example_inputs, other)
+    recorded = record_model(obj, inputs)
+    if isinstance(recorded, str):
+        raise ValueError(f"moepass.diff: {type(obj).__name__} does not trace with torch.fx and could not be recorded "
+                         f"on {how}: {recorded}; pass example_inputs=(x,), the block's own arguments")
+    return recorded.graph, f"recorded on {how}: the torch calls it made, loops unrolled for that input"
 
 
-def capture(module: nn.Module, *inputs: Any) -> fx.GraphModule:
-    """The Dynamo graph of `module(*inputs)` (the module is run, not changed).
-
-    With graph breaks Dynamo makes several graphs: the largest is returned and
-    `gm.meta["moepass_graphs"]` says how many there were.
-    """
-    graphs: list[fx.GraphModule] = []
-
-    def keep(gm: fx.GraphModule, _example_inputs: list[Any]) -> Any:
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(module, backend=keep)(*inputs)
-    torch._dynamo.reset()
-    if not graphs:
-        raise ValueError(f"moepass.capture: Dynamo produced no graph for {type(module).__name__}")
-    largest = max(graphs, key=lambda g: len(g.graph.nodes))
-    largest.meta["moepass_graphs"] = len(graphs)
-    return largest
+def _inputs_for(module: nn.Module, example_inputs: Iterable[Any] | None, other: object) -> tuple[tuple[Any, ...], str]:
+    """The arguments to record `module` on: `example_inputs`; else hidden states [2, 8, D] when the other side is a
+    rewritten block (D: its spec's model width), in the module's dtype and device; else what detection would
+    synthesize for it."""
+    if example_inputs is not None:
+        return tuple(example_inputs), "example_inputs"
+    spec = getattr(other, "spec", None)
+    if isinstance(spec, MoESpec):
+        weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+        x = torch.randn(2, 8, spec.model_dim, generator=torch.Generator().manual_seed(0))
+        if weight is not None and weight.device.type != "meta":
+            x = x.to(device=weight.device, dtype=weight.dtype)
+        return (x,), f"hidden states [2, 8, {spec.model_dim}] (the rewritten block's width)"
+    synthesized = synthesize_inputs(module)
+    if isinstance(synthesized, str):
+        raise ValueError(f"moepass.diff: {type(module).__name__} does not trace with torch.fx and {synthesized}")
+    return synthesized
 
 
 def diff(before: fx.GraphModule | fx.Graph | nn.Module, after: fx.GraphModule | fx.Graph | nn.Module,
          example_inputs: Iterable[Any] | None = None, context: int = 2) -> str:
     """A readable unified diff of two graphs, one node per line, with a summary of ops added/removed.
 
-    `before`/`after` may be GraphModules, fx Graphs, or modules: a module is traced with torch.fx, or
-    captured with Dynamo on `example_inputs` (Hugging Face blocks do not trace with FX).
+    `before`/`after` may be GraphModules, fx Graphs, or modules: a module is traced with torch.fx, or, where
+    fx cannot trace it (Hugging Face blocks, loops over experts), its forward is recorded as detection records
+    it (`moepass.detect.capture`: every torch call, with parameters by their paths) on `example_inputs`, or
+    without them on hidden states of the rewritten block's width (`diff(block, cm_block)`).
     """
-    graphs = [_as_graph(g, example_inputs) for g in (before, after)]
+    made = [_as_graph(g, example_inputs, other) for g, other in ((before, after), (after, before))]
+    graphs = [graph for graph, _ in made]
     old, new = ([node_line(n) for n in g.nodes] for g in graphs)
     old_ops, new_ops = (_op_counts(g) for g in graphs)
     removed = {k: v - new_ops.get(k, 0) for k, v in old_ops.items() if v > new_ops.get(k, 0)}
@@ -145,10 +150,7 @@ def diff(before: fx.GraphModule | fx.Graph | nn.Module, after: fx.GraphModule | 
     lines = [f"graph diff: {len(old)} -> {len(new)} nodes",
              "  removed: " + (", ".join(f"{k} x{v}" for k, v in sorted(removed.items())) or "nothing"),
              "  added:   " + (", ".join(f"{k} x{v}" for k, v in sorted(added.items())) or "nothing")]
-    for side, g in zip(("before", "after"), graphs):
-        count = getattr(g.owning_module, "meta", {}).get("moepass_graphs", 1) if g.owning_module else 1
-        if count > 1:
-            lines.append(f"  note: {side} was captured by Dynamo as {count} graphs (graph breaks); the largest is shown")
+    lines += [f"  note: {side} {how}" for side, (_, how) in zip(("before", "after"), made) if how]
     body = list(difflib.unified_diff(old, new, "before", "after", n=context, lineterm=""))
     return "\n".join(lines + (body or ["(same nodes)"]))
 
@@ -214,7 +216,12 @@ def _graphs_of(obj: nn.Module | fx.GraphModule) -> list[tuple[str, fx.GraphModul
 
 def to_dot(obj: nn.Module | fx.GraphModule, annotate: CommAnnotator | None = None) -> Any:
     """A pydot graph: one cluster per graph module, nodes coloured by the pass that made them."""
-    import pydot
+    try:
+        import pydot
+    except ImportError:
+        raise ImportError("moepass.draw needs pydot, which is not installed: pip install pydot (or pip install "
+                          "'moepass[draw]'); rendering .svg/.png also needs graphviz's `dot` (apt-get install "
+                          "graphviz), a .dot file does not") from None
 
     dot = pydot.Dot("moepass", graph_type="digraph", rankdir="TB", fontname="Helvetica")
     colours = dict(PASS_COLOURS)
@@ -251,8 +258,8 @@ def to_dot(obj: nn.Module | fx.GraphModule, annotate: CommAnnotator | None = Non
 def draw(obj: nn.Module | fx.GraphModule, path: str, annotate: CommAnnotator | None = None) -> str:
     """Write the graph(s) of `obj` to `path`; the format comes from the suffix (.svg, .png, .pdf, .dot).
 
-    Rendering needs graphviz's `dot` (Debian: `apt-get install graphviz`); `.dot` is written without it.
-    Returns the path written.
+    Needs pydot (`pip install pydot`, or the `moepass[draw]` extra); rendering needs graphviz's `dot` (Debian:
+    `apt-get install graphviz`), `.dot` is written without it. Returns the path written.
     """
     dot = to_dot(obj, annotate)
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "svg"

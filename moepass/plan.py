@@ -26,6 +26,51 @@ DEFAULT_PREFETCH_DEPTH = 2
 GATES = ("grap", "learned")  # form="locality": the top-1 router's gate
 DEFAULT_ALPHA = 0.01  # form="locality": the balance-loss weight (LocMoE, Switch)
 
+# Which forms each field acts under, and what it does there: the one rule for "a field that does nothing".
+# A field set away from its default under a form not listed raises PlanError naming the field, the value and
+# the form (Plan validation, `_inert_fields`); under Plan.blocks a field the whole plan sets acts in the blocks
+# whose form it acts under and is at its default in the others (`Plan.for_block`). "auto" is listed where the
+# cost model reads the field or the form it picks keeps it (the FSEP fields when FSEP wins); the fields the
+# search chooses itself (ep_size, capacity_factor, a2a_chunks, packing) are not: form="auto" would overwrite them.
+ACTS_UNDER: dict[str, tuple[tuple[str, ...], str]] = {
+    "form": (FORMS, "the parallel form"),
+    "ep_size": (DISTRIBUTED_FORMS, "it sets the EP degree of the distributed forms ('ep', 'fsep', 'hp', "
+                                   "'locality'), with data parallel over the rest; form='auto' picks its own"),
+    "topology": ((*DISTRIBUTED_FORMS, "auto"), "it groups the ranks of the distributed forms ('ep', 'fsep', 'hp', "
+                                               "'locality') into nodes, and form='auto' prices with it"),
+    "capacity_factor": (("ep", "fsep", "locality"), "it caps the tokens each expert takes under form='ep', 'fsep' "
+                                                    "and 'locality' (form='single' keeps the model's own routing, "
+                                                    "dropless or its own capacity; form='auto' picks its own)"),
+    "a2a_chunks": (("ep", "fsep"), "it splits the token all-to-all of form='ep' and form='fsep' into pipelined "
+                                   "micro-ops (form='auto' picks its own)"),
+    "hierarchical_a2a": (("ep", "locality"), "it splits the token all-to-all of form='ep' and form='locality' "
+                                             "into an intra-node and an inter-node stage"),
+    "micro_op_bytes": (FORMS, "the gradient all-reduce micro-op size"),
+    "packing": (("ep",), "it hosts k times the experts per device under form='ep' (form='auto' picks its own)"),
+    "slots_per_device": (("fsep", "auto"), "it sizes the expert slots of FSEP"),
+    "planner": (("fsep", "auto"), "it places the expert slots of FSEP"),
+    "keep_restored": (("fsep", "auto"), "it keeps FSEP's restored experts for the backward"),
+    "prefetch_depth": (("fsep", "auto"), "it prefetches FSEP's expert restores"),
+    "defer_expert_grads": (("fsep", "auto"), "it makes FSEP wait for its expert-gradient exchange in each "
+                                             "layer's backward"),
+    "heads": (("hp", "auto"), "it shapes the Multi-Head LatentMoE of form='hp'"),
+    "head_dim": (("hp", "auto"), "it shapes the Multi-Head LatentMoE of form='hp'"),
+    "head_ep_size": (("hp",), "it puts expert parallel inside the head groups of form='hp'"),
+    "gate": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
+    "mu": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
+    "alpha": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
+    "lowering": (FORMS, "the kernels the lower pass uses"),
+    "deterministic": (FORMS, "process-wide determinism"),
+    "grad_sync": (FORMS, "the gradient synchronisation over the ranks"),
+    "expert_recompute": (FORMS, "the expert FFN's backward"),
+    "blocks": (FORMS, "per-block overrides"),
+    "batch": (("ep", "fsep", "auto"), "it gives the cost model the tokens per rank: form='auto', and "
+                                      "a2a_chunks='auto' / packing='auto' under form='ep' and 'fsep'"),
+    "hardware": (("ep", "fsep", "auto"), "the cost model prices with it: form='auto', and a2a_chunks='auto' / "
+                                         "packing='auto' / FSEP's planner under form='ep' and 'fsep'"),
+    "strict": (FORMS, "refuses blocks compile would leave as they are"),
+}
+
 
 @dataclass(frozen=True, init=False)
 class Plan:
@@ -49,7 +94,9 @@ class Plan:
     # FSEP: leave each layer's expert-gradient exchange in flight under the earlier layer's backward (its send and
     # receive buffers, 2*C*S elements, alive one layer longer); False: wait for it in the layer's own backward
     defer_expert_grads: bool = True
-    heads: int | None = None  # HP: latent heads H of the converted Multi-Head LatentMoE; None: the world size
+    # HP: latent heads H of the converted Multi-Head LatentMoE; None: the smallest multiple of the head-group count
+    # (the block's ranks / head_ep_size) that is >= 4 (moepass.rewrite.latent.latent_shape)
+    heads: int | None = None
     head_dim: int | None = None  # HP: width h of a head; None: hidden // heads
     # HP with EP inside: the ep_size ranks of a block (its model-parallel group) form ep_size/head_ep_size head
     # groups (heads sharded over them) of head_ep_size ranks (a group's experts sharded over them); 1: pure HP
@@ -127,15 +174,9 @@ class Plan:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise PlanError(f"Plan.{name}={value!r} is invalid: use a positive int, or None for the default.")
-            if value is not None and self.form not in ("hp", "auto"):
-                raise PlanError(f"Plan.{name}={value!r} has no effect with form={self.form!r}: it shapes the "
-                                f"Multi-Head LatentMoE of form='hp'. Use form='hp', or leave it None.")
         if isinstance(self.head_ep_size, bool) or not isinstance(self.head_ep_size, int) or self.head_ep_size < 1:
             raise PlanError(f"Plan.head_ep_size={self.head_ep_size!r} is invalid: use a positive int dividing ep_size "
                             f"(1: pure head parallel).")
-        if self.head_ep_size != 1 and self.form != "hp":
-            raise PlanError(f"Plan.head_ep_size={self.head_ep_size!r} has no effect with form={self.form!r}: it puts "
-                            f"expert parallel inside the head groups of form='hp'. Use form='hp', or leave it 1.")
         if self.head_ep_size != 1 and self.ep_size is not None and self.ep_size % self.head_ep_size:
             raise PlanError(f"Plan.head_ep_size={self.head_ep_size} is invalid with Plan.ep_size={self.ep_size}: the "
                             f"ep_size ranks of a block must split into head groups of head_ep_size ranks; use a "
@@ -145,8 +186,8 @@ class Plan:
                 raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")
         _locality(self)
         _hierarchical(self)
-        _form_only_fields(self)
         _hardware(self.hardware)
+        _inert_fields(self)
         for pattern, override in self.blocks.items():
             if override is None:
                 continue
@@ -161,13 +202,28 @@ class Plan:
                                     f"to the whole model (determinism is process-wide, gradient synchronisation "
                                     f"model-wide, strictness covers every block compile may leave); set "
                                     f"Plan({name}=...) on the whole plan, not per block.")
-            Plan(**{**self._as_dict(exclude=("blocks",)), **override})  # validates the override
+            try:
+                self._block_plan(override)  # validates the override
+            except PlanError as err:
+                raise PlanError(f"Plan.blocks[{pattern!r}]: {err}") from None
 
     def _as_dict(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in exclude}
 
     def replace(self, **changes: Any) -> Plan:
         return Plan(**{**self._as_dict(), **changes})
+
+    def as_form(self, form: str, **changes: Any) -> Plan:
+        """This plan under another form (form="auto"'s choice): `changes` applied, then every field that does not
+        act under `form` (`ACTS_UNDER`) put back at its default: it was set for the forms the search weighed."""
+        values = {**self._as_dict(), **changes, "form": form}
+        return Plan(**_acting(values, form))
+
+    def _block_plan(self, override: dict[str, Any]) -> Plan:
+        """A block's plan: the whole plan's fields that act under the block's form, then the override (whose own
+        fields must act under that form: validated as any Plan)."""
+        form = override.get("form", self.form)
+        return Plan(**{**_acting(self._as_dict(exclude=("blocks",)), form), **override})
 
     @property
     def changes_math(self) -> bool:
@@ -185,7 +241,7 @@ class Plan:
         override = self.blocks[best]
         if override is None:
             return None
-        return Plan(**{**self._as_dict(exclude=("blocks",)), **override})
+        return self._block_plan(override)
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -194,7 +250,7 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 
 
 def _locality(plan: Plan) -> None:
-    """gate / mu / alpha: valid values, and only with form="locality" (elsewhere they would do nothing)."""
+    """gate / mu / alpha: valid values; mu required with form="locality" (elsewhere they do nothing: `ACTS_UNDER`)."""
     _choice("gate", plan.gate, GATES)
     for name, what in (("mu", "locality loss mu*KL(D_current || D_local)"), ("alpha", "balance loss")):
         value = getattr(plan, name)
@@ -208,30 +264,17 @@ def _locality(plan: Plan) -> None:
             raise PlanError("Plan(form='locality') needs mu=<float >= 0>, the weight of the locality loss "
                             "mu*KL(D_current || D_local); mu=0 gives the plain top-1 router with the balance loss "
                             "only (a switch router).")
-        if plan.packing != 1:
-            raise PlanError(f"Plan.packing={plan.packing!r} has no effect with form='locality': its experts are "
-                            f"placed E/P per rank as EP places them. Leave packing at 1.")
-        return
-    for name, default in (("gate", "learned"), ("mu", None), ("alpha", DEFAULT_ALPHA)):
-        if getattr(plan, name) != default:
-            raise PlanError(f"Plan.{name}={getattr(plan, name)!r} has no effect with form={plan.form!r}: gate, mu "
-                            f"and alpha configure the routing of form='locality'. Use form='locality', or leave "
-                            f"{name} at its default ({default!r}).")
 
 
 def _hierarchical(plan: Plan) -> None:
     """hierarchical_a2a: a bool; True only where it changes something (refused, never a silent no-op): the
-    token exchange of form ep / locality, on a topology of >= 2 nodes of >= 2 ranks, not chunked. Whether
+    token exchange of form ep / locality (`ACTS_UNDER`), on a topology of >= 2 nodes of >= 2 ranks, not chunked. Whether
     the EP group spans >= 2 whole nodes is checked at compile (`moepass.runtime.topology.node_groups`)."""
     value = plan.hierarchical_a2a
     if not isinstance(value, bool):
         raise PlanError(f"Plan.hierarchical_a2a={value!r} is invalid: use True or False.")
-    if not value:
+    if not value or plan.form not in ACTS_UNDER["hierarchical_a2a"][0]:  # the latter: refused by `_inert_fields`
         return
-    if plan.form not in ("ep", "locality"):
-        raise PlanError(f"Plan.hierarchical_a2a=True has no effect with form={plan.form!r}: it splits the token "
-                        f"all-to-all of form='ep' and form='locality' into an intra-node and an inter-node stage. "
-                        f"Use one of those forms, or leave it False.")
     topology = plan.topology
     if topology is not None and (topology.nodes < 2 or topology.ranks_per_node < 2):
         raise PlanError(f"Plan.hierarchical_a2a=True is invalid with Plan.topology=Topology(nodes={topology.nodes}, "
@@ -244,28 +287,34 @@ def _hierarchical(plan: Plan) -> None:
                         f"hierarchical_a2a=False.")
 
 
-def _form_only_fields(plan: Plan) -> None:
-    """Fields that only one form reads: setting one with another form is an error, not a no-op."""
-    if plan.slots_per_device is not None and plan.form not in ("fsep", "auto"):
-        raise PlanError(f"Plan.slots_per_device={plan.slots_per_device!r} has no effect with form={plan.form!r}: it "
-                        f"sizes the expert slots of FSEP. Use form='fsep', or leave it None; to host more experts "
-                        f"per device under EP use packing=k.")
-    if plan.form == "fsep" and plan.packing != 1:
-        raise PlanError(f"Plan.packing={plan.packing!r} has no effect with form='fsep': FSEP replicates experts "
-                        f"itself (slots_per_device, planner). Leave packing at 1, or use form='ep'.")
-    if plan.prefetch_depth != DEFAULT_PREFETCH_DEPTH and plan.form not in ("fsep", "auto"):
-        raise PlanError(f"Plan.prefetch_depth={plan.prefetch_depth!r} has no effect with form={plan.form!r}: it "
-                        f"prefetches FSEP's expert restores. Use form='fsep', or leave it at "
-                        f"{DEFAULT_PREFETCH_DEPTH}.")
-    if plan.keep_restored and plan.form not in ("fsep", "auto"):
-        raise PlanError(f"Plan.keep_restored=True has no effect with form={plan.form!r}: it keeps FSEP's restored "
-                        f"experts for the backward. Use form='fsep', or leave it False.")
-    if plan.defer_expert_grads is False and plan.form not in ("fsep", "auto"):
-        raise PlanError(f"Plan.defer_expert_grads=False has no effect with form={plan.form!r}: it makes FSEP wait for "
-                        f"its expert-gradient exchange in each layer's backward. Use form='fsep', or leave it True.")
-    if plan.planner != "auto" and plan.form not in ("fsep", "auto"):
-        raise PlanError(f"Plan.planner={plan.planner!r} has no effect with form={plan.form!r}: it places the expert "
-                        f"slots of FSEP. Use form='fsep', or leave it 'auto'.")
+def _forms_used(plan: Plan) -> list[str]:
+    """The plan's form, then the other forms its Plan.blocks overrides name."""
+    forms = [plan.form]
+    for override in plan.blocks.values():
+        if isinstance(override, dict) and override.get("form", plan.form) not in forms:
+            forms.append(override.get("form", plan.form))
+    return forms
+
+
+def _inert_fields(plan: Plan) -> None:
+    """Every field set away from its default must act under a form the plan uses (`ACTS_UNDER`); else PlanError
+    naming the field, the value, the form and what the field does."""
+    forms = _forms_used(plan)
+    for f in fields(plan):
+        value = getattr(plan, f.name)
+        acts, does = ACTS_UNDER[f.name]
+        if value == f.default or any(form in acts for form in forms):
+            continue
+        named = [form for form in acts if form != "auto"] or list(acts)
+        use = f"form={named[0]!r}" if len(named) == 1 else "one of those forms"
+        others = f" (nor with the forms Plan.blocks names: {', '.join(map(repr, forms[1:]))})" if forms[1:] else ""
+        raise PlanError(f"Plan.{f.name}={value!r} has no effect with form={plan.form!r}{others}: {does}. Use {use}, "
+                        f"or leave it {f.default!r}.")
+
+
+def _acting(values: dict[str, Any], form: str) -> dict[str, Any]:
+    """`values` (Plan fields by name) with every field that does not act under `form` left out (its default)."""
+    return {name: value for name, value in values.items() if form in ACTS_UNDER[name][0]}
 
 
 def _hardware(value: object) -> None:

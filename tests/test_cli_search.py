@@ -81,3 +81,17 @@ def test_cli_prints_a_ranked_table_per_case(results):
         assert f"... {len(result.ranked) - 3} more" in table
         assert f"best: {result.best.plan.label}" in table, (label, table)
         assert "hierarchical_a2a: " in table  # a form not searched says why
+
+
+
+def test_print_of_a_search_result_is_its_table(capsys):
+    """`print(moepass.search(...))` prints the ranked table, not the dataclass's repr; repr stays the dataclass's."""
+    import moepass
+    from samples.models import tiny_mixtral
+
+    found = moepass.search(tiny_mixtral(), (1, 4), (2, 512))
+    assert str(found) == found.table()
+    print(found)
+    out = capsys.readouterr().out
+    assert out.startswith("plans for W=4 (1 node(s) x 4), T=1024 tokens/rank") and "SearchResult(" not in out
+    assert f"best: {found.best.label}" in out and repr(found).startswith("SearchResult(")

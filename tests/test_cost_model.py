@@ -364,14 +364,14 @@ def test_fsep_wins_under_strong_skew():
     assert best.step < 0.6 * ep_step
     assert "planner max/mean" in result.table() and f"best: {best.label}" in result.table()
     assert float(result.expression_substituted.subs(S.T, T)) == pytest.approx(best.step, rel=1e-3)
-    # the winner as a Plan: directly, and as form="auto" resolves it (packing="auto" is reset to 1)
+    # the winner as a Plan: directly, and as form="auto" resolves it (Plan.as_form: batch and hardware kept)
     kwargs = result.to_plan_kwargs()
     assert kwargs == {"form": "fsep", "ep_size": W, "slots_per_device": best.slots, "capacity_factor": None,
                       "a2a_chunks": best.a2a_chunks, "packing": 1}
     plan = Plan(**kwargs)
     assert (plan.form, plan.slots_per_device, plan.ep_size) == ("fsep", best.slots, W)
-    auto = Plan(form="auto", batch=(2, 4096), packing="auto", hardware="a100").replace(**kwargs)
-    assert auto.form == "fsep" and auto.packing == 1 and auto.planner == "auto"
+    auto = Plan(form="auto", batch=(2, 4096), hardware="a100").as_form(**kwargs)
+    assert auto.form == "fsep" and auto.packing == 1 and auto.planner == "auto" and auto.hardware == "a100"
 
 
 def test_fsep_candidates_need_a_slot_for_every_expert():
@@ -405,7 +405,7 @@ def test_form_auto_picks_fsep_when_only_its_shards_fit():
     from moepass.runtime.topology import Topology
 
     report = SimpleNamespace(blocks=[spec(8, 2, 4096, 14336)] * 32)
-    auto = Plan(form="auto", batch=(1, 1024), topology=Topology(2, 8), hardware="a100", packing="auto")
+    auto = Plan(form="auto", batch=(1, 1024), topology=Topology(2, 8), hardware="a100")
     plan, result = resolve_auto(auto, report)
     assert not any(c.feasible for c in result.ranked if c.form in ("ep", "single"))
     assert (plan.form, plan.ep_size, plan.slots_per_device, plan.packing) == ("fsep", 16, result.best.slots, 1)
@@ -587,12 +587,11 @@ def test_hp_winner_builds_a_valid_plan_and_its_formula():
     best = result.best
     assert best.form == "hp" and best.ep_size == 8 and best.math_changing
     kwargs = result.to_plan_kwargs()
-    assert kwargs == {"form": "hp", "ep_size": 8, "heads": 8, "head_dim": 512, "capacity_factor": None,
-                      "a2a_chunks": 1, "packing": 1}
+    assert kwargs == {"form": "hp", "ep_size": 8, "heads": 8, "head_dim": 512, "capacity_factor": None, "packing": 1}
     plan = Plan(**kwargs)
     assert plan.form == "hp" and plan.changes_math and (plan.heads, plan.head_dim) == (8, 512)
     assert latent_shape(blocks[0], plan, 8) == best.latent[0]  # the conversion the pipeline will make
-    auto = Plan(form="auto", batch=(1, T), packing="auto", hardware="h100").replace(**kwargs)
+    auto = Plan(form="auto", batch=(1, T), hardware="h100").as_form(**kwargs)
     assert auto.form == "hp" and auto.heads == 8
     assert float(result.expression_substituted.subs(S.T, T)) == pytest.approx(best.step, rel=1e-3)
     assert {S.H, S.h, S.K, S.T} <= result.expression.free_symbols

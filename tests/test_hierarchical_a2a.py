@@ -561,7 +561,7 @@ def test_plan_errors(kwargs, message):
 
 def test_plan_accepts_ep_and_locality():
     assert moepass.Plan(form="ep", topology=moepass.Topology(2, 2), hierarchical_a2a=True).hierarchical_a2a
-    assert moepass.Plan(form="locality", mu=0.1, hierarchical_a2a=True, a2a_chunks=1).hierarchical_a2a
+    assert moepass.Plan(form="locality", mu=0.1, hierarchical_a2a=True).hierarchical_a2a  # a2a_chunks: ep, fsep only
 
 
 COMPILE_ERRORS = [  # (world, nodes, ep_size): the EP group's geometry is only known at compile

@@ -49,13 +49,15 @@ def test_diff_of_block_and_its_rewritten_graph(sample):
     assert moepass.diff(cm.layers[0].mlp, cm.layers[0].mlp).endswith("(same nodes)")
 
 
-def test_diff_of_a_block_fx_cannot_trace_uses_dynamo():
-    block = LoopMoE(16, 32, num_experts=4, top_k=2)  # data-dependent `if`: torch.fx cannot trace it
-    with pytest.raises(ValueError, match="example_inputs"):
-        moepass.diff(block, moepass.compile(block))
+def test_diff_of_a_block_fx_cannot_trace_records_its_forward():
+    """A loop over experts (a data-dependent `if`) does not trace with torch.fx: its forward is recorded as detection
+    records it, whole (no Dynamo fragments), on hidden states of the rewritten block's width or on example_inputs."""
+    block = LoopMoE(16, 32, num_experts=4, top_k=2)
+    text = moepass.diff(block, moepass.compile(block))
+    assert "moe.expert_ffn.default x1" in text and "linear x12" in text.splitlines()[1]  # 4 experts x 3 linears
+    assert "note: before recorded on hidden states [2, 8, 16] (the rewritten block's width)" in text
     text = moepass.diff(block, moepass.compile(block), example_inputs=(torch.randn(2, 3, 16),))
-    assert "moe.expert_ffn.default x1" in text
-    assert "captured by Dynamo as" in text and "graph breaks" in text
+    assert "note: before recorded on example_inputs" in text and "moe.route.default x1" in text
 
 
 def test_draw_svg_is_xml_and_png_renders(sample, tmp_path):

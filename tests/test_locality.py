@@ -468,17 +468,17 @@ def test_plan_errors():
          "Plan(form='locality') needs mu=<float >= 0>, the weight of the locality loss mu*KL(D_current || "
          "D_local); mu=0 gives the plain top-1 router with the balance loss only (a switch router)."),
         (dict(form="locality", mu=0.1, packing=2),
-         "Plan.packing=2 has no effect with form='locality': its experts are placed E/P per rank as EP places them. "
-         "Leave packing at 1."),
+         "Plan.packing=2 has no effect with form='locality': it hosts k times the experts per device under "
+         "form='ep' (form='auto' picks its own). Use form='ep', or leave it 1."),
         (dict(form="ep", mu=0.1),
          "Plan.mu=0.1 has no effect with form='ep': gate, mu and alpha configure the routing of form='locality'. "
-         "Use form='locality', or leave mu at its default (None)."),
+         "Use form='locality', or leave it None."),
         (dict(form="single", gate="grap"),
          "Plan.gate='grap' has no effect with form='single': gate, mu and alpha configure the routing of "
-         "form='locality'. Use form='locality', or leave gate at its default ('learned')."),
+         "form='locality'. Use form='locality', or leave it 'learned'."),
         (dict(form="fsep", alpha=0.02),
          "Plan.alpha=0.02 has no effect with form='fsep': gate, mu and alpha configure the routing of "
-         "form='locality'. Use form='locality', or leave alpha at its default (0.01)."),
+         "form='locality'. Use form='locality', or leave it 0.01."),
     ]
     for kwargs, message in cases:
         with pytest.raises(PlanError) as err:

@@ -11,7 +11,8 @@ The pool itself is `moepass.runtime.workers.Pool` (selfcheck runs its steps on i
 module-level function; ranks import it by module name (the tests directory and the repo root are on
 their sys.path). If a case raises on any rank, `run` raises `CaseError` with every failing rank's
 traceback. A case that does not finish within `timeout` seconds makes the pool broken: it is killed
-and the next `pool(W)` starts a fresh one (so one hang cannot hang the session).
+and the next `pool(W)` starts a fresh one (so one hang cannot hang the session); its `TimeoutError` holds
+every hung rank's Python stacks (faulthandler, asked for by SIGUSR1 before the kill).
 
 Workers: torch.set_num_threads(1); gloo with a 60 s default timeout; env MOEPASS_CHECK_COLLECTIVES=1
 and MOEPASS_VERIFY=1. `shutdown()` (registered with atexit; call it from a session fixture too)

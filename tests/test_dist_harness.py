@@ -1,0 +1,51 @@
+"""The distributed-test harness (`moepass.runtime.workers.Pool`): a case that hangs makes `run` raise
+`TimeoutError` holding every hung rank's Python stacks (faulthandler on SIGUSR1, sent before the kill),
+also for a rank blocked inside a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _dist import Pool  # noqa: E402
+
+from moepass.runtime import workers  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+
+def stuck_in_a_named_function() -> None:
+    time.sleep(600)
+
+
+def case_hang(rank: int, world: int) -> None:
+    """Rank 1 sleeps in a named function; rank 0 waits for it in a barrier (blocked in C code)."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        stuck_in_a_named_function()
+    dist.barrier()
+
+
+@pytest.mark.skipif(workers.DUMP_SIGNAL is None, reason="no SIGUSR1 on this platform")
+def test_a_hung_case_reports_every_ranks_stack():
+    victim = Pool(2)
+    try:
+        with pytest.raises(TimeoutError) as info:
+            victim.run(case_hang, timeout=5)
+        assert victim.broken
+    finally:
+        victim.kill()
+    message = str(info.value)
+    assert "did not finish on ranks [0, 1] within 5 s" in message, message
+    rank0, rank1 = message.split("--- rank 1")
+    assert "--- rank 0" in rank0 and "in case_hang" in rank0 and "barrier" in rank0, message
+    assert "in stuck_in_a_named_function" in rank1 and "test_dist_harness.py" in rank1, message
+    assert not any(p.is_alive() for p in victim.procs) and not os.path.exists(victim.stacks_dir)
+    for q in (victim.results, *victim.tasks):
+        q.close()

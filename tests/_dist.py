@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 
 from moepass.runtime import workers
 from moepass.runtime.workers import CaseError
@@ -32,7 +33,14 @@ REPO_DIR = os.path.dirname(TESTS_DIR)
 WORKER_ENV = {"MOEPASS_CHECK_COLLECTIVES": "1", "MOEPASS_VERIFY": "1", "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
-__all__ = ["CaseError", "Pool", "pool", "shutdown"]
+__all__ = ["CaseError", "OWN_MODULES", "Pool", "pool", "shutdown"]
+
+# A DeprecationWarning or FutureWarning raised from moepass's own modules is an error, in the ranks as in the
+# pytest process (pyproject.toml's filterwarnings, the same regex): spawned ranks do not see pytest's
+# filters, and every test module that holds a case imports this one, so the ranks install them here.
+OWN_MODULES = r"(moepass|lowering|cost_model|samples)(\.|$)"
+for _category in (DeprecationWarning, FutureWarning):
+    warnings.filterwarnings("error", category=_category, module=OWN_MODULES)
 
 
 class Pool(workers.Pool):

@@ -12,11 +12,17 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import Pool  # noqa: E402
+from _dist import Pool, shutdown  # noqa: E402
 
 from moepass.runtime import workers  # noqa: E402
 
 pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pools():
+    yield
+    shutdown()
 
 
 def stuck_in_a_named_function() -> None:
@@ -49,3 +55,35 @@ def test_a_hung_case_reports_every_ranks_stack():
     assert not any(p.is_alive() for p in victim.procs) and not os.path.exists(victim.stacks_dir)
     for q in (victim.results, *victim.tasks):
         q.close()
+
+
+def warn_from(module: str, category: type[Warning]) -> None:
+    """A warning attributed to `module` (as one raised by a deprecated API that `module` calls)."""
+    import warnings
+
+    warnings.warn_explicit("a deprecated API", category, filename=f"{module.replace('.', '/')}.py", lineno=1,
+                           module=module)
+
+
+def case_warn(rank: int, world: int, module: str, category_name: str) -> str:
+    warn_from(module, {"FutureWarning": FutureWarning, "DeprecationWarning": DeprecationWarning}[category_name])
+    return "no error"
+
+
+@pytest.mark.parametrize("category", [FutureWarning, DeprecationWarning])
+@pytest.mark.parametrize("module", ["moepass.runtime.collectives", "lowering.codegen", "cost_model.fsep",
+                                    "samples.models"])
+def test_a_deprecation_in_our_own_modules_is_an_error_here(module, category):
+    with pytest.raises(category, match="a deprecated API"):
+        warn_from(module, category)
+
+
+def test_a_deprecation_in_our_own_modules_is_an_error_in_the_ranks():
+    from _dist import CaseError, pool
+
+    with pytest.raises(CaseError, match=r"(?s)rank 0.*FutureWarning: a deprecated API.*rank 1"):
+        pool(2).run(case_warn, "moepass.runtime.collectives", "FutureWarning")
+    with pytest.raises(CaseError, match=r"DeprecationWarning: a deprecated API"):
+        pool(2).run(case_warn, "lowering.codegen", "DeprecationWarning")
+    # another library's warning (not ours to fix) is not turned into an error
+    assert pool(2).run(case_warn, "transformers.utils", "FutureWarning") == ["no error"] * 2

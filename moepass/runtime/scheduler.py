@@ -618,6 +618,11 @@ priority_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch
 # Way 3: FSDP2 (`fully_shard`): its all-gather and reduce-scatter as micro-ops under the rule.
 # ----------------------------------------------------------------------------------------------
 #
+# torch 2.13's names of the single-tensor all-gather / reduce-scatter (the old ones warn, deprecated); older
+# releases (a GPU machine's torch 2.11, say) have only the old ones
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # FSDP2 has no hook that delays its collectives: `foreach_reduce` / `foreach_all_gather` call their
 # `Comm` object synchronously and read the output on the same stream right after. Its documented
 # seam is that object: `FSDPModule.set_custom_reduce_scatter` / `set_custom_all_gather`. The two
@@ -666,7 +671,7 @@ class FSDPReduceScatter(_SchedulerComm):
             nbytes = (world - 1) * (b - a) * output_tensor.element_size()
             self.scheduler.launch_now(
                 "fsdp_reduce_scatter", group, nbytes,
-                functools.partial(dist.reduce_scatter_single, piece_out, piece_in, op=op, group=group, async_op=True),
+                functools.partial(REDUCE_SCATTER_SINGLE, piece_out, piece_in, op=op, group=group, async_op=True),
             ).wait()
 
 
@@ -686,7 +691,7 @@ class FSDPAllGather(_SchedulerComm):
             nbytes = (world - 1) * (b - a) * input_tensor.element_size()
             self.scheduler.launch_now(
                 "fsdp_all_gather", group, nbytes,
-                functools.partial(dist.all_gather_single, piece_out, input_tensor[a:b], group=group, async_op=True),
+                functools.partial(ALL_GATHER_SINGLE, piece_out, input_tensor[a:b], group=group, async_op=True),
             ).wait()
             if not whole:
                 out_WN[:, a:b].copy_(piece_out.view(world, b - a))

@@ -55,6 +55,7 @@ bf16 store so interpreted and compiled kernels agree with torch bit for bit.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -64,6 +65,7 @@ import json
 import linecache
 import os
 import re
+import shutil
 import stat
 import string
 import subprocess
@@ -208,6 +210,7 @@ def cache_dir() -> Path:
     except OSError:
         if _FALLBACK_DIR is None:
             _FALLBACK_DIR = Path(tempfile.mkdtemp(prefix="moepass-kernels-"))
+            atexit.register(shutil.rmtree, _FALLBACK_DIR, ignore_errors=True)  # nothing reuses it after this process
         return _FALLBACK_DIR
 
 

@@ -1,6 +1,7 @@
 """The distributed-test harness (`moepass.runtime.workers.Pool`): a case that hangs makes `run` raise
 `TimeoutError` holding every hung rank's Python stacks (faulthandler on SIGUSR1, sent before the kill),
-also for a rank blocked inside a collective.
+also for a rank blocked inside a collective; a result that cannot be sent is an error at once, not a
+rank that looks hung; deprecated APIs called from moepass's modules are errors, also in the ranks.
 """
 
 from __future__ import annotations
@@ -55,6 +56,39 @@ def test_a_hung_case_reports_every_ranks_stack():
     assert not any(p.is_alive() for p in victim.procs) and not os.path.exists(victim.stacks_dir)
     for q in (victim.results, *victim.tasks):
         q.close()
+
+
+def case_unsendable(rank: int, world: int) -> object:
+    """Rank 0 returns what pickle refuses (a lock); rank 1 a tensor (sent by value)."""
+    import threading
+
+    import torch
+
+    return threading.Lock() if rank == 0 else torch.arange(3.0)
+
+
+def test_a_result_that_cannot_be_sent_is_an_error_not_a_hang():
+    from _dist import CaseError, pool
+
+    start = time.monotonic()
+    with pytest.raises(CaseError, match=r"(?s)rank 0.*pickle.dumps\(value\).*cannot pickle '_thread.lock'"):
+        pool(2).run(case_unsendable, timeout=60)
+    assert time.monotonic() - start < 30  # reported when the case returns, not at the timeout
+    with pytest.raises(TypeError, match="cannot pickle"):  # an argument that cannot be sent raises here
+        pool(2).run(case_unsendable, threading_lock())
+    import torch
+
+    assert pool(2).run(case_echo, torch.arange(4.0))[1].tolist() == [0.0, 1.0, 2.0, 3.0]  # the pool still serves
+
+
+def threading_lock():
+    import threading
+
+    return threading.Lock()
+
+
+def case_echo(rank: int, world: int, value: object) -> object:
+    return value
 
 
 def warn_from(module: str, category: type[Warning]) -> None:

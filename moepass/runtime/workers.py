@@ -7,7 +7,9 @@ cases (`tests/_dist.py`) and `python -m moepass selfcheck`'s training steps and 
     pool.close()
 
 A case is a module-level function; ranks import it by module name (`paths` are put on their sys.path).
-If a case raises on any rank, `run` raises `CaseError` with every failing rank's traceback. A case that
+If a case raises on any rank, `run` raises `CaseError` with every failing rank's traceback; so does a
+return value that cannot be pickled (arguments and results are pickled by value in the sending process's own
+thread, tensors included: nothing travels through shared-memory file descriptors). A case that
 does not finish within `timeout` seconds makes the pool broken: it is killed (so one hang cannot hang the
 caller), and `run` raises `TimeoutError` holding every live rank's Python stacks (all threads): before
 killing, the pool sends each rank SIGUSR1, on which `faulthandler` writes them to a per-rank file; start a
@@ -24,6 +26,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -76,20 +79,27 @@ def worker(rank: int, world: int, port: int, backend: str, env: dict[str, str], 
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
     except BaseException:
-        results.put((rank, "ready", False, traceback.format_exc()))
+        results.put((rank, "ready", False, pickle.dumps(traceback.format_exc())))
         return
-    results.put((rank, "ready", True, None))
+    results.put((rank, "ready", True, pickle.dumps(None)))
     while True:
         task = tasks.get()
         if task is None:
             break
-        case_id, module, name, args, kwargs = task
+        case_id, module, name, payload = task
         try:
+            args, kwargs = pickle.loads(payload)
             fn = getattr(importlib.import_module(module), name)
             torch.manual_seed(0)
-            results.put((rank, case_id, True, fn(rank, world, *args, **kwargs)))
+            value = fn(rank, world, *args, **kwargs)
+            # pickled here, by value: a return value that cannot be sent raises in this try and is reported. Left
+            # to the queue's feeder thread (tensors through shared-memory file descriptors), a pickling error
+            # (an unpicklable object, no file descriptor or /dev/shm left) is printed there and the result lost:
+            # the case then looks hung on this rank until the parent's timeout, with no collective at fault
+            reply = (rank, case_id, True, pickle.dumps(value))
         except BaseException:  # report, keep serving
-            results.put((rank, case_id, False, traceback.format_exc()))
+            reply = (rank, case_id, False, pickle.dumps(traceback.format_exc()))
+        results.put(reply)
     try:
         dist.barrier()
     finally:
@@ -144,7 +154,7 @@ class Pool:
                 raise TimeoutError(f"case {label or case_id!r} {why} on ranks {missing} within {timeout:g} s; "
                                    f"the pool was killed. The ranks' stacks then:\n{stacks}") from None
             if cid == case_id:
-                got[rank] = (ok, value)
+                got[rank] = (ok, pickle.loads(value))  # every value comes pickled (see `worker`)
         failed = {r: v for r, (ok, v) in got.items() if not ok}
         if failed:
             raise CaseError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())))
@@ -156,8 +166,9 @@ class Pool:
             raise RuntimeError("this pool is broken (a case timed out or a rank died); start a new Pool")
         self._next += 1
         case_id = self._next
+        payload = pickle.dumps((args, kwargs))  # here, so arguments that cannot be sent raise in the caller
         for q in self.tasks:
-            q.put((case_id, fn.__module__, fn.__qualname__, args, kwargs))
+            q.put((case_id, fn.__module__, fn.__qualname__, payload))
         return self._collect(case_id, timeout, label=f"{fn.__qualname__} (#{case_id})")
 
     def dump_stacks(self, ranks: Sequence[int]) -> str:

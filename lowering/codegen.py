@@ -11,7 +11,8 @@ API (stable; every family relies on it):
     launch_blocker(device) -> str | None       why a Triton launch on `device` is impossible, else None
     source_key(source) -> str                  short content hash used in module / file names
     cache_dir() -> Path                        where generated sources are written
-    load_kernel_module(source, name) -> module write `source` to the cache (keyed by its hash), import it
+    load_kernel_module(source, name) -> module write `source` to the cache (keyed by its hash), execute the
+                                               verified bytes (`exec_verified`); `KernelCacheError` if unsafe
     build_for_gpu(kernel_fn, signature, constexprs, arch, num_warps=4, num_stages=3) -> BuildReport
                                                compile to PTX + cubin for sm_<arch> without a GPU
     build_many([BuildRequest]) -> list[BuildReport]  several builds in one child process (faster)
@@ -33,9 +34,14 @@ Generated-module convention: a module lists its kernels for the GPU build check 
 `num_stages`, `divisible`; other keys are the family's own, e.g. the grouped GEMM's `role`); the
 signature uses Triton type strings for the dtypes this specialisation was generated for.
 
-Cache: `$MOEPASS_KERNEL_CACHE` if set, else `~/.cache/moepass/kernels` (falls back to a temp dir if
-that is not writable). A module is imported once per (source hash, interpret mode) per process:
-`@triton.jit` reads TRITON_INTERPRET when the module is imported, so both modes get their own copy.
+Cache: a directory private to the user: `$MOEPASS_KERNEL_CACHE` if set, else
+`$XDG_CACHE_HOME/moepass/kernels` (`~/.cache/moepass/kernels`), created 0700 and refused
+(`KernelCacheError`) if another user owns it or it is group- or world-writable; only if the default
+cannot be created does a process use a fresh `mkdtemp` directory of its own. A source is written there
+through a private temp file and `os.replace`, read back, and executed from the bytes whose SHA-256
+matched (`exec_verified`; a file changed in between is refused, not run); Triton reads the kernels'
+source from those same verified lines. A module is executed once per (source hash, interpret mode) per
+process: `@triton.jit` reads TRITON_INTERPRET when the module runs, so both modes get their own copy.
 
 The GPU build always constructs a `triton.runtime.jit.JITFunction` from the kernel's Python
 function, whatever TRITON_INTERPRET says, and does so in a child process with TRITON_INTERPRET=0
@@ -49,12 +55,18 @@ bf16 store so interpreted and compiled kernels agree with torch bit for bit.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import hashlib
+import importlib.abc
 import importlib.util
 import json
+import linecache
 import os
 import re
+import shutil
+import stat
 import string
 import subprocess
 import sys
@@ -85,7 +97,7 @@ def round_bf16(x):
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 '''
 
-_MODULES: dict[tuple[str, bool], ModuleType] = {}
+_MODULES: dict[tuple[str, bool], ModuleType] = {}  # (source sha256, interpreted) -> module
 
 SIG_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
               torch.int32: "i32"}
@@ -170,45 +182,138 @@ def source_key(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+class KernelCacheError(PermissionError):
+    """The kernel cache directory is not private to this user, or a cached file changed after it was written."""
+
+
+_FALLBACK_DIR: Path | None = None  # this process's own temp directory, when the default cannot be created
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("MOEPASS_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moepass", "kernels")
-    path = Path(root)
+    """The private directory generated sources are written to (see "Cache" in the module doc).
+
+    `$MOEPASS_KERNEL_CACHE` if set, else `$XDG_CACHE_HOME/moepass/kernels` (`~/.cache/moepass/kernels`).
+    Created 0700; an existing one must belong to this user and not be group- or world-writable, else
+    `KernelCacheError`. Only when the default cannot be created at all (a read-only home) does this
+    process use a fresh private temp directory of its own (`tempfile.mkdtemp`: random name, 0700) -- never
+    a fixed shared path.
+    """
+    global _FALLBACK_DIR
+    chosen = os.environ.get("MOEPASS_KERNEL_CACHE")
+    if chosen:
+        return private_dir(Path(chosen), "MOEPASS_KERNEL_CACHE")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK):
-            raise PermissionError(str(path))
+        return private_dir(Path(base) / "moepass" / "kernels", "the default kernel cache")
+    except KernelCacheError:
+        raise
     except OSError:
-        path = Path(tempfile.gettempdir()) / "moepass_kernels"
-        path.mkdir(parents=True, exist_ok=True)
+        if _FALLBACK_DIR is None:
+            _FALLBACK_DIR = Path(tempfile.mkdtemp(prefix="moepass-kernels-"))
+            atexit.register(shutil.rmtree, _FALLBACK_DIR, ignore_errors=True)  # nothing reuses it after this process
+        return _FALLBACK_DIR
+
+
+def private_dir(path: Path, what: str) -> Path:
+    """`path` resolved, created 0700 if missing; `KernelCacheError` if another user owns it or others may
+    write to it (they could plant or swap the generated sources this process executes)."""
+    path = path.expanduser().resolve()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise KernelCacheError(f"{what} {str(path)!r} is not a directory: set MOEPASS_KERNEL_CACHE to a directory "
+                               f"of your own")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise KernelCacheError(f"{what} {str(path)!r} belongs to uid {st.st_uid}, not to this user (uid "
+                               f"{os.getuid()}): generated kernels are executed from it, so it must be yours; set "
+                               f"MOEPASS_KERNEL_CACHE to a directory you own (mode 0700)")
+    if st.st_mode & 0o022:
+        raise KernelCacheError(f"{what} {str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o}: group- or "
+                               f"world-writable, so other users could swap the generated kernels executed from it; "
+                               f"run `chmod 700 {path}` or set MOEPASS_KERNEL_CACHE to a private directory")
     return path
 
 
+class VerifiedSource(importlib.abc.InspectLoader):
+    """The `__loader__` of a generated module: its source is the verified text, whatever is on disk now."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def get_source(self, fullname: str) -> str:
+        return self.text
+
+
+def exec_verified(module_name: str, path: Path, data: bytes, sha256: str) -> ModuleType:
+    """Execute `data` as module `module_name` (file name `path`) if its SHA-256 is `sha256`.
+
+    The file is never imported: the bytes whose hash was checked are compiled and run, and the
+    verified lines are pinned in `linecache` under `path` (mtime None: `linecache.checkcache` leaves
+    such entries alone), so what `inspect.getsource` hands to Triton's `@jit` (the GPU compiler and the
+    interpreter both re-read the kernel's source) is that text too, even if the file changes later.
+    """
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        raise KernelCacheError(f"kernel cache file {str(path)!r} changed after it was written (sha256 {got[:16]}, "
+                               f"expected {sha256[:16]}): something else writes to the cache directory; it was not "
+                               f"executed. Delete the file and check who can write to {str(path.parent)!r}")
+    text = data.decode()
+    linecache.cache[str(path)] = (len(data), None, text.splitlines(keepends=True), str(path))
+    module = ModuleType(module_name)
+    module.__file__ = str(path)
+    module.__loader__ = VerifiedSource(text)
+    module.MOEPASS_SOURCE_SHA256 = sha256  # type: ignore[attr-defined]  # BuildRequest checks the file with it
+    sys.modules[module_name] = module  # dataclasses / triton look modules up by name
+    try:
+        exec(compile(data, str(path), "exec"), module.__dict__)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` to `path` through a private temp file in the same directory (mode 0600) and `os.replace`:
+    parallel processes never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def load_kernel_module(source: str, name: str) -> ModuleType:
-    """Write `source` to `<cache_dir>/<name>_<hash>.py` (once) and import it.
+    """Write `source` to `<cache_dir>/<name>_<hash>.py` (once) and execute it as a module.
 
     `name` is a readable prefix (e.g. "gating"); the content hash makes the file unique per
     specialisation. Triton needs the kernels to live in a real file (it reads their source with
-    `inspect`), which is why the source is written out rather than exec'd.
+    `inspect`), which is why the source is written out; what runs is the file's bytes read back and
+    checked against the source's SHA-256 (`exec_verified`), never a file imported by name.
     """
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"load_kernel_module: name {name!r} must be a Python identifier")
-    key = source_key(source)
+    data = source.encode()
+    sha256 = hashlib.sha256(data).hexdigest()
+    key = sha256[:16]  # = source_key(source)
     interpreted = is_interpreted()
-    cached = _MODULES.get((key, interpreted))
+    cached = _MODULES.get((sha256, interpreted))
     if cached is not None:
         return cached
     path = cache_dir() / f"{name}_{key}.py"
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)  # atomic: parallel processes never see a half-written file
+    try:
+        current = path.read_bytes()
+    except FileNotFoundError:
+        current = None
+    if current != data:
+        write_atomic(path, data)
+        current = path.read_bytes()
     module_name = f"{PACKAGE}.{name}_{key}{'_interp' if interpreted else ''}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses / triton look modules up by name
-    spec.loader.exec_module(module)
-    _MODULES[(key, interpreted)] = module
+    module = exec_verified(module_name, path, current, sha256)
+    _MODULES[(sha256, interpreted)] = module
     return module
 
 
@@ -311,13 +416,14 @@ class BuildRequest:
     num_warps: int = 4
     num_stages: int = 3
     divisible: tuple[str, ...] = ()
+    sha256: str = ""  # a generated module's source hash: the build checks the file's bytes against it
 
     @classmethod
     def of(cls, kernel_fn: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int,
            num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] = ()) -> BuildRequest:
         raw = unwrap(kernel_fn)
         return cls(raw.__code__.co_filename, raw.__name__, dict(signature), dict(constexprs), arch, num_warps,
-                   num_stages, tuple(divisible))
+                   num_stages, tuple(divisible), raw.__globals__.get("MOEPASS_SOURCE_SHA256", ""))
 
 
 def build_for_gpu(
@@ -393,12 +499,17 @@ def _build_here(request: BuildRequest) -> BuildReport:
     from triton.runtime.jit import JITFunction
 
     assert not triton.knobs.runtime.interpret, "GPU builds need TRITON_INTERPRET=0"
-    spec = importlib.util.spec_from_file_location(f"{PACKAGE}._build_.{Path(request.path).stem}", request.path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import {request.path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module_name = f"{PACKAGE}._build_.{Path(request.path).stem}"
+    if request.sha256:  # a generated module: run the bytes that match its hash, as load_kernel_module does
+        path = Path(request.path)
+        module = exec_verified(module_name, path, path.read_bytes(), request.sha256)
+    else:
+        spec = importlib.util.spec_from_file_location(module_name, request.path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot import {request.path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
     jit_fn = JITFunction(unwrap(getattr(module, request.kernel)))
     constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
                   for k, v in request.constexprs.items()}

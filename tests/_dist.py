@@ -11,7 +11,8 @@ The pool itself is `moepass.runtime.workers.Pool` (selfcheck runs its steps on i
 module-level function; ranks import it by module name (the tests directory and the repo root are on
 their sys.path). If a case raises on any rank, `run` raises `CaseError` with every failing rank's
 traceback. A case that does not finish within `timeout` seconds makes the pool broken: it is killed
-and the next `pool(W)` starts a fresh one (so one hang cannot hang the session).
+and the next `pool(W)` starts a fresh one (so one hang cannot hang the session); its `TimeoutError` holds
+every hung rank's Python stacks (faulthandler, asked for by SIGUSR1 before the kill).
 
 Workers: torch.set_num_threads(1); gloo with a 60 s default timeout; env MOEPASS_CHECK_COLLECTIVES=1
 and MOEPASS_VERIFY=1. `shutdown()` (registered with atexit; call it from a session fixture too)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 
 from moepass.runtime import workers
 from moepass.runtime.workers import CaseError
@@ -31,7 +33,14 @@ REPO_DIR = os.path.dirname(TESTS_DIR)
 WORKER_ENV = {"MOEPASS_CHECK_COLLECTIVES": "1", "MOEPASS_VERIFY": "1", "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
-__all__ = ["CaseError", "Pool", "pool", "shutdown"]
+__all__ = ["CaseError", "OWN_MODULES", "Pool", "pool", "shutdown"]
+
+# A DeprecationWarning or FutureWarning raised from moepass's own modules is an error, in the ranks as in the
+# pytest process (pyproject.toml's filterwarnings, the same regex): spawned ranks do not see pytest's
+# filters, and every test module that holds a case imports this one, so the ranks install them here.
+OWN_MODULES = r"(moepass|lowering|cost_model|samples)(\.|$)"
+for _category in (DeprecationWarning, FutureWarning):
+    warnings.filterwarnings("error", category=_category, module=OWN_MODULES)
 
 
 class Pool(workers.Pool):

@@ -384,9 +384,7 @@ def _equal_bwd(ctx, grad_GS):
 equal_all_to_all.register_autograd(_equal_bwd, setup_context=_equal_setup)
 
 
-# torch 2.13 names it all_gather_single (all_gather_into_tensor warns, deprecated); older releases (a GPU machine's
-# own torch, say) have only the old name
-ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+ALL_GATHER_SINGLE = scheduler.ALL_GATHER_SINGLE  # torch 2.13's all_gather_single, else all_gather_into_tensor
 
 
 @torch.library.custom_op("moe_comm::gather_counts", mutates_args=())

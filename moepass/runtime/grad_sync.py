@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moepass.runtime.layout import expert_layouts, local_part
-from moepass.runtime.scheduler import MicroOp, PriorityScheduler
+from moepass.runtime.scheduler import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, MicroOp, PriorityScheduler
 
 # ----------------------------------------------------------------------------------------------
 # Way 1: GradientSync on the parameters (DataParallel: the same as a wrapper).
@@ -240,7 +240,7 @@ class FSDPReduceScatter(_SchedulerComm):
             nbytes = (world - 1) * (b - a) * output_tensor.element_size()
             self.scheduler.launch_now(
                 "fsdp_reduce_scatter", group, nbytes,
-                functools.partial(dist.reduce_scatter_single, piece_out, piece_in, op=op, group=group, async_op=True),
+                functools.partial(REDUCE_SCATTER_SINGLE, piece_out, piece_in, op=op, group=group, async_op=True),
             ).wait()
 
 
@@ -260,7 +260,7 @@ class FSDPAllGather(_SchedulerComm):
             nbytes = (world - 1) * (b - a) * input_tensor.element_size()
             self.scheduler.launch_now(
                 "fsdp_all_gather", group, nbytes,
-                functools.partial(dist.all_gather_single, piece_out, input_tensor[a:b], group=group, async_op=True),
+                functools.partial(ALL_GATHER_SINGLE, piece_out, input_tensor[a:b], group=group, async_op=True),
             ).wait()
             if not whole:
                 out_WN[:, a:b].copy_(piece_out.view(world, b - a))

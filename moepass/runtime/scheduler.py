@@ -55,6 +55,11 @@ from moepass.dialect import WGRAD_SINK, WeightGradSink
 A2A = "all_to_all"
 ALL_REDUCE = "all_reduce"
 
+# torch 2.13's names of the single-tensor all-gather / reduce-scatter (the old ones warn, deprecated); older
+# releases (a GPU machine's torch 2.11, say) have only the old ones
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # ----------------------------------------------------------------------------------------------
 # The registry.
 # ----------------------------------------------------------------------------------------------

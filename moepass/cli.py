@@ -1,4 +1,4 @@
-"""`python -m moepass {demo, explain, search, calibrate, bench, selfcheck}`."""
+"""`python -m moepass {demo, explain, search, calibrate, bench, selfcheck, train}`."""
 
 from __future__ import annotations
 
@@ -114,6 +114,12 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def train(args: argparse.Namespace) -> int:
+    from samples.train import run
+
+    return run(args)
+
+
 def selfcheck(args: argparse.Namespace) -> int:
     from moepass.selfcheck import run
 
@@ -189,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", action="append", default=[], metavar="ITEM",
                    help="make ITEM (kernel:FAMILY or form:FORM) wrong on purpose, to see selfcheck report it")
     p.set_defaults(fn=selfcheck)
+    from samples.train import add_arguments as train_arguments
+
+    p = sub.add_parser("train", help="train the sample MoE LM on real text in any form (samples/train.py): "
+                                     "checkpoints, resume, --reference, a JSON log and a loss curve")
+    train_arguments(p).set_defaults(fn=train)
     return parser
 
 

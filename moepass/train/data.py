@@ -55,13 +55,16 @@ class Batches:
     def steps_per_epoch(self) -> int:
         return self.sequences_NS1.shape[0] // self.global_batch
 
-    def global_batch_at(self, step: int) -> torch.Tensor:
-        """[global_batch, seq + 1] token ids of step `step` (0-based), on the CPU."""
+    def rows_at(self, step: int) -> torch.Tensor:
+        """[global_batch] indices of the sequences of step `step` (0-based)."""
         epoch, index = divmod(step, self.steps_per_epoch)
         order = torch.randperm(self.sequences_NS1.shape[0], generator=torch.Generator().manual_seed(
             self.seed * 1_000_003 + epoch))
-        rows = order[index * self.global_batch:(index + 1) * self.global_batch]
-        return self.sequences_NS1[rows]
+        return order[index * self.global_batch:(index + 1) * self.global_batch]
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        """[global_batch, seq + 1] token ids of step `step` (0-based), on the CPU."""
+        return self.sequences_NS1[self.rows_at(step)]
 
     def rank_batch(self, step: int, rank: int, world: int) -> torch.Tensor:
         """Rank `rank`'s rows of step `step`'s global batch, [global_batch / world, seq + 1]."""

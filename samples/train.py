@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import os
 import statistics
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="dense gradients: DDP, or moepass's priority scheduler (Plan(grad_sync='scheduler'); with --fsdp: "
            "schedule_fsdp)")
     a("--bf16", action="store_true", help="autocast to bfloat16 (the router stays fp32)")
+    a("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     a("--reference", action="store_true", help="rank 0 also trains the untouched model on the same batches")
     a("--out", default="runs/train", help="folder for train_log.json and loss.png")
     a("--ckpt-dir", default=None, help="checkpoint folder (default <out>/ckpt)")
@@ -124,6 +127,9 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
     from moepass.runtime.scheduler import schedule_fsdp
 
     cm = model if args.form == "none" else moepass.compile(model, build_plan(args, world))
+    if args.ac:  # activation checkpointing: each layer's activations recomputed in the backward
+        for layer in cm.layers:
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
     if args.fsdp:
         for layer in cm.layers:
             moepass.fully_shard(layer)
@@ -179,7 +185,9 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     foreach = {"auto": None, "on": True, "off": False}[args.foreach]
     optimizer = build_optimizer(cm, args.lr, args.weight_decay, foreach=foreach)
     ref_opt = build_optimizer(reference, args.lr, args.weight_decay, foreach=foreach) if reference else None
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext)
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
+
 
     ckpt_dir = args.ckpt_dir or os.path.join(args.out, "ckpt")
     start = 0
@@ -196,6 +204,11 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
             print(f"resumed from {path} at step {start}", flush=True)
 
     controllers = checkpoint.placements(cm)
+    info = getattr(cm, "moepass_info", None)
+    forms = {path: type(gm.layout).__name__ if gm.layout is not None else "single"
+             for path, gm in (info.rewritten.items() if info is not None else ())}
+    if rank == 0:
+        print(f"W={world} form={args.form}: blocks {forms or 'untouched'}", flush=True)
     records: list[dict[str, Any]] = []
     tokens_per_step = args.global_batch * args.seq
     for step in range(start, args.steps):
@@ -244,10 +257,11 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
 
     if rank != 0:
         return None
-    return finish(args, world, records, start)
+    return finish(args, world, records, start, forms)
 
 
-def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], start: int) -> dict[str, Any]:
+def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], start: int,
+           forms: dict[str, str]) -> dict[str, Any]:
     from moepass.train import report
     from moepass.train.data import corpus_tokens
 
@@ -255,7 +269,7 @@ def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], 
     diffs = [abs(r["loss"] - r["ref_loss"]) for r in records if "ref_loss" in r]
     log = {
         "command": " ".join(sys.argv), "world": world,
-        "args": {k: v for k, v in vars(args).items() if not callable(v)}, "start_step": start,
+        "args": {k: v for k, v in vars(args).items() if not callable(v)}, "start_step": start, "blocks": forms,
         "corpus": {"source": "pydoc_data.topics (Python Language Reference, stdlib)", "bytes": corpus_tokens().numel(),
                    "tokenizer": "utf-8 bytes", "python": sys.version.split()[0]},
         "machine": {"torch": torch.__version__, "cpu_count": os.cpu_count(), "load": os.getloadavg(),

@@ -32,7 +32,7 @@ __all__ = [
     "CapacitySpec", "CompileInfo", "DataParallel", "DetectionError", "DetectionReport", "ExpertsSpec", "GradientSync",
     "HeadsSpec", "MoEGraphModule", "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec",
     "TensorSource", "Topology", "VerificationError", "aux_loss", "clip_grad_norm_", "comm_stats", "compile", "detect",
-    "diff", "draw", "explain", "fully_shard", "load_logical_state_dict", "logical_grads", "logical_state_dict", "register_recogniser",
-    "reset_comm_stats", "search", "set_debug", "verify",
+    "diff", "draw", "explain", "fully_shard", "load_logical_state_dict", "logical_grads", "logical_state_dict",
+    "register_recogniser", "reset_comm_stats", "search", "set_debug", "verify",
 ]
 __version__ = "0.1.0"

@@ -142,7 +142,8 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device_ids = [torch.cuda.current_device()] if next(cm.parameters()).is_cuda else None
-    return cm, DDP(cm, device_ids=device_ids)
+    # the untouched loop-style MoE gives no gradient to an expert no local token chose; moepass's forms always do
+    return cm, DDP(cm, device_ids=device_ids, find_unused_parameters=args.form == "none")
 
 
 def lm_loss(run: Any, tokens_BS1: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ What it does, in order (every rank):
 7. --reference: rank 0 also trains the untouched model on the same global batches (whole, one process)
    with the same optimizer and schedule, and logs both losses;
 8. at the end rank 0 writes <out>/train_log.json and <out>/loss.png.
+Options: --ac (activation checkpointing per layer), --bf16 (autocast), --compile (torch.compile, graph breaks
+logged), --ep-size (experts on a dp x ep mesh), --fsdp, --grad-sync scheduler; `--help` lists them all.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
            "schedule_fsdp)")
     a("--bf16", action="store_true", help="autocast to bfloat16 (the router stays fp32)")
     a("--ac", action="store_true", help="activation checkpointing of every decoder layer")
+    a("--compile", action="store_true", help="torch.compile (inductor) over the model; graph breaks are logged")
     a("--reference", action="store_true", help="rank 0 also trains the untouched model on the same batches")
     a("--out", default="runs/train", help="folder for train_log.json and loss.png")
     a("--ckpt-dir", default=None, help="checkpoint folder (default <out>/ckpt)")
@@ -183,6 +186,11 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     model = build_model(args, world).to(device)
     reference = copy.deepcopy(model) if args.reference and rank == 0 else None
     cm, run = parallelize(model, args, world)
+    if args.compile:
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.capture_dynamic_output_shape_ops = True  # token counts: data-dependent sizes
+        run = torch.compile(run)
     foreach = {"auto": None, "on": True, "off": False}[args.foreach]
     optimizer = build_optimizer(cm, args.lr, args.weight_decay, foreach=foreach)
     ref_opt = build_optimizer(reference, args.lr, args.weight_decay, foreach=foreach) if reference else None
@@ -258,11 +266,20 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
 
     if rank != 0:
         return None
-    return finish(args, world, records, start, forms)
+    breaks = None
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        breaks = {reason.split("\n")[0] + " | " + next((ln.strip() for ln in reason.split("\n")
+                                                          if "Explanation" in ln), ""): n
+                  for reason, n in counters["graph_break"].items()}
+        print(f"graph breaks: {sum(breaks.values())}" + "".join(f"\n  {n} x {r}" for r, n in breaks.items()),
+              flush=True)
+    return finish(args, world, records, start, forms, breaks)
 
 
 def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], start: int,
-           forms: dict[str, str]) -> dict[str, Any]:
+           forms: dict[str, str], graph_breaks: dict[str, int] | None = None) -> dict[str, Any]:
     from moepass.train import report
     from moepass.train.data import corpus_tokens
 
@@ -271,6 +288,7 @@ def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], 
     log = {
         "command": " ".join(sys.argv), "world": world,
         "args": {k: v for k, v in vars(args).items() if not callable(v)}, "start_step": start, "blocks": forms,
+        "graph_breaks": graph_breaks,
         "corpus": {"source": "pydoc_data.topics (Python Language Reference, stdlib)", "bytes": corpus_tokens().numel(),
                    "tokenizer": "utf-8 bytes", "python": sys.version.split()[0]},
         "machine": {"torch": torch.__version__, "cpu_count": os.cpu_count(), "load": os.getloadavg(),

@@ -11,6 +11,9 @@
   bitwise those of the uninterrupted run: FSEP (placements changing every step), and EP with FSDP2 on the
   dense parameters under the priority scheduler (DCP over DTensors of two meshes).
 
+- `--compile` (inductor over the DDP-wrapped EP model): the same losses as the reference for 3 steps, and no
+  graph break names a moepass op (the breaks left are DDP's own Python).
+
 Runs are subprocesses (`python -m moepass train --nproc 2`, which spawns its gloo ranks).
 """
 
@@ -154,3 +157,13 @@ def test_crash_and_resume_continue_bitwise(tmp_path, setup):
     if fsep:
         assert [got[s]["placements"] for s in got] == [after[s]["placements"] for s in got]
         assert len({json.dumps(after[s]["placements"], sort_keys=True) for s in after}) > 1  # tables kept changing
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_compile_keeps_the_losses_and_breaks_no_moepass_block(tmp_path):
+    proc, log = train(tmp_path, "--form", "ep", "--compile", "--steps", "3", "--reference", "--log-every", "1")
+    assert all(abs(r["loss"] - r["ref_loss"]) <= RTOL * abs(r["ref_loss"]) for r in log["steps"])
+    breaks = log["graph_breaks"]
+    assert breaks is not None and "graph breaks:" in proc.stdout
+    assert not [r for r in breaks if "moe" in r.lower()]  # the only breaks are DDP's own Python (its logger)

@@ -19,6 +19,7 @@ from moepass.canonical import MoEGraphModule
 from moepass.checkpoint import load_logical_state_dict, logical_grads, logical_state_dict
 from moepass.detect import DetectionReport, detect, register_recogniser
 from moepass.errors import DetectionError, MoepassError, PlanError
+from moepass.fsdp import fully_shard
 from moepass.inspect import diff, draw, set_debug
 from moepass.plan import Plan
 from moepass.runtime import DataParallel, GradientSync, Topology, comm_stats, reset_comm_stats
@@ -31,7 +32,7 @@ __all__ = [
     "CapacitySpec", "CompileInfo", "DataParallel", "DetectionError", "DetectionReport", "ExpertsSpec", "GradientSync",
     "HeadsSpec", "MoEGraphModule", "MoESpec", "MoepassError", "Plan", "PlanError", "RouterSpec", "SharedExpertSpec",
     "TensorSource", "Topology", "VerificationError", "aux_loss", "clip_grad_norm_", "comm_stats", "compile", "detect",
-    "diff", "draw", "explain", "load_logical_state_dict", "logical_grads", "logical_state_dict", "register_recogniser",
-    "reset_comm_stats", "search", "set_debug", "verify",
+    "diff", "draw", "explain", "fully_shard", "load_logical_state_dict", "logical_grads", "logical_state_dict",
+    "register_recogniser", "reset_comm_stats", "search", "set_debug", "verify",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""`python -m moepass {demo, explain, search, calibrate, bench, selfcheck}` (the `moepass` console script is the same).
+"""`python -m moepass {demo, explain, search, calibrate, bench, selfcheck, train}` (the `moepass` console script is the same).
 
 Bad input (a target that does not import, a builder that raises or returns no model, an invalid --form) ends
 with one line on stderr naming what was wrong and the fix, and exit status 1 (argparse's own usage errors: 2);
@@ -163,6 +163,12 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def train(args: argparse.Namespace) -> int:
+    from samples.train import run
+
+    return run(args)
+
+
 def selfcheck(args: argparse.Namespace) -> int:
     from moepass.selfcheck import run
 
@@ -240,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", action="append", default=[], metavar="ITEM",
                    help="make ITEM (kernel:FAMILY or form:FORM) wrong on purpose, to see selfcheck report it")
     p.set_defaults(fn=selfcheck)
+    from samples.train import add_arguments as train_arguments
+
+    p = sub.add_parser("train", help="train the sample MoE LM on real text in any form (samples/train.py): "
+                                     "checkpoints, resume, --reference, a JSON log and a loss curve")
+    train_arguments(p).set_defaults(fn=train)
     return parser
 
 

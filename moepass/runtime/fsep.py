@@ -454,6 +454,29 @@ class FSEPPlacement(nn.Module):
         decision.solve_s = time.perf_counter() - start
         return decision
 
+    def placement_state(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this block's placements bit for bit: the step count, the
+        table in use, the one planned for the next step (waits for the worker) and the count history."""
+        pending = self._pending.result() if self._pending is not None else None
+        with self._lock:
+            history = self.history.state()
+        return {"step": self.step, "table": list(self.decisions[-1].table),
+                "next": None if pending is None else list(pending.table), "history": history}
+
+    def load_placement_state(self, state: dict[str, Any]) -> None:
+        """Continue from `placement_state()`'s record (same world size and experts): the table in use now, the
+        next step's planned one installed at the next training forward, as if this run had planned it."""
+        table = tuple(int(e) for e in state["table"])
+        self.step = int(state["step"])
+        self.history.load_state(state["history"])
+        self.slot_expert = torch.tensor(table, dtype=torch.int64, device=self.slot_expert.device)
+        self.decisions.append(Installed(self.step, table, "checkpoint"))
+        self._pending = None
+        if state["next"] is not None:
+            done: Future = Future()
+            done.set_result(Installed(0, tuple(int(e) for e in state["next"]), "checkpoint"))
+            self._pending = done
+
     def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: no thread, no pending work, no chain
         state = self.__dict__.copy()
         state.update(_pending=None, _executor=None, _lock=None, _prefetched=None, chain=None)

@@ -357,6 +357,19 @@ class CountHistory:
     def __len__(self) -> int:
         return self._filled
 
+    def state(self) -> dict[str, Any]:
+        """What `load_state` needs to continue bit for bit (a checkpoint): the ring, its cursor and fill."""
+        return {"buf": self._buf.clone(), "next": self._next, "filled": self._filled}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        buf = state["buf"]
+        if tuple(buf.shape) != tuple(self._buf.shape):
+            raise ValueError(f"CountHistory.load_state: a ring of shape {tuple(buf.shape)} does not fit this one's "
+                             f"{tuple(self._buf.shape)} (history, W, E): load it at the world size and expert count "
+                             f"it was saved at")
+        self._buf.copy_(buf)
+        self._next, self._filled = int(state["next"]), int(state["filled"])
+
 
 # ---- candidates: replicas per expert -----------------------------------------------------------------
 

@@ -1,0 +1,51 @@
+"""The optimizer and the learning-rate schedule of the training recipe.
+
+`build_optimizer` is the one place the recipe makes its optimizer. Parameters are grouped so that no group
+mixes plain tensors with DTensors, or DTensors of different meshes (moepass's experts on ("dp", "ep"),
+FSDP2's dense shards on the world): torch's multi-tensor (`foreach=True`, the CUDA default) kernels take a
+group's tensors as one list and refuse a mix ("aten._foreach_add_.List: got mixed torch.Tensor and
+DTensor"). 1-D parameters (norm weights, biases) get no weight decay.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Parameter groups by (mesh, decays): one per plain/DTensor mesh and per weight-decay setting."""
+    groups: dict[tuple[int, bool], dict] = {}
+    meshes: dict[int, object] = {}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        key = 0 if mesh is None else next((k for k, m in meshes.items() if m is mesh), len(meshes) + 1)
+        meshes.setdefault(key, mesh)
+        decays = p.dim() >= 2
+        group = groups.setdefault((key, decays), {"params": [], "weight_decay": weight_decay if decays else 0.0})
+        group["params"].append(p)
+    return list(groups.values())
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                    foreach: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW over `param_groups(model)`; `foreach` as torch's (None: its default for the device)."""
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, foreach=foreach)
+
+
+def lr_at(step: int, lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `min_ratio * lr` at step `total` (0-based)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,333 @@
+"""Train the sample MoE LM on real text with moepass: one recipe for every form, copy it and change it.
+
+    python -m moepass train --form ep --nproc 2 --steps 200 --reference --out runs/ep    # spawns 2 ranks
+    torchrun --nproc-per-node 8 samples/train.py --form fsep --steps 2000 --ckpt-every 200 --out runs/fsep
+
+What it does, in order (every rank):
+1. data: the Python Language Reference text shipped with Python (`pydoc_data.topics`), bytes as tokens,
+   packed into sequences of --seq + 1, global batches of --global-batch sequences in a seeded order, this
+   rank's slice of each (`moepass.train.data`);
+2. model: the sample Mixtral-like LM (`samples.models.tiny_mixtral`; for --form hp its Multi-Head
+   LatentMoE twin, where HP keeps the math), built from --seed, identical on every rank;
+3. parallel: `moepass.compile(model, Plan(form=...))` (--form none: the untouched model), then the dense
+   gradients averaged by DDP, by moepass's priority scheduler (--grad-sync scheduler) or sharded with
+   FSDP2 (--fsdp: `moepass.fully_shard` per layer and on the root; the experts keep their own mesh);
+4. optimizer: AdamW (`moepass.train.optim.build_optimizer`), linear warmup then cosine, global grad-norm
+   clipping (`moepass.clip_grad_norm_`, plain and DTensor gradients together);
+5. each step: forward, backward, clip, step; the mean loss over the ranks, tokens/s, the bytes moepass's
+   all-to-alls and FSEP restores sent; a progress line every --log-every steps;
+6. checkpoints every --ckpt-every steps (DCP: model, optimizer, step, RNG, FSEP placement tables) and
+   --resume (the newest complete one, or a path);
+7. --reference: rank 0 also trains the untouched model on the same global batches (whole, one process)
+   with the same optimizer and schedule, and logs both losses;
+8. at the end rank 0 writes <out>/train_log.json and <out>/loss.png.
+Options: --ac (activation checkpointing per layer), --bf16 (autocast), --compile (torch.compile, graph breaks
+logged), --ep-size (experts on a dp x ep mesh), --fsdp, --grad-sync scheduler; `--help` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FORMS = ("none", "single", "ep", "fsep", "hp", "locality", "auto")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    a = p.add_argument
+    a("--form", default="ep", choices=FORMS, help="parallel form of the MoE blocks; none: the model without moepass")
+    a("--nproc", type=int, default=2, help="ranks to spawn when not launched by torchrun (default 2)")
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when there is one")
+    a("--steps", type=int, default=200, help="total optimizer steps (a resumed run continues to this)")
+    a("--seed", type=int, default=0, help="model init and data order")
+    a("--seq", type=int, default=64, help="tokens per sequence")
+    a("--global-batch", type=int, default=8, help="sequences per step over all ranks")
+    a("--dim", type=int, default=64)
+    a("--ffn-dim", type=int, default=128)
+    a("--experts", type=int, default=8)
+    a("--top-k", type=int, default=2)
+    a("--layers", type=int, default=2)
+    a("--heads", type=int, default=4)
+    a("--style", default="loop", choices=["loop", "fused", "gshard", "mixed"], help="the sample's MoE style")
+    a("--lr", type=float, default=3e-3)
+    a("--warmup", type=int, default=20, help="linear warmup steps, then cosine to lr/10")
+    a("--weight-decay", type=float, default=0.1)
+    a("--clip", type=float, default=1.0, help="global grad-norm clip")
+    a("--foreach", default="auto", choices=["auto", "on", "off"], help="torch's multi-tensor optimizer kernels")
+    a("--ep-size", type=int, default=None, help="Plan.ep_size (data parallel over the rest); default the world")
+    a("--nodes", type=int, default=1, help="simulated nodes (Plan.topology: nodes x world/nodes)")
+    a("--planner", default="auto", choices=["auto", "static"], help="FSEP placement planner")
+    a("--fsdp", action="store_true", help="FSDP2 on the dense parameters (moepass.fully_shard per layer + root)")
+    a("--grad-sync", default="ddp", choices=["ddp", "scheduler"],
+      help="dense gradients: DDP, or moepass's priority scheduler (Plan(grad_sync='scheduler'); with --fsdp: "
+           "schedule_fsdp)")
+    a("--bf16", action="store_true", help="autocast to bfloat16 (the router stays fp32)")
+    a("--ac", action="store_true", help="activation checkpointing of every decoder layer")
+    a("--compile", action="store_true", help="torch.compile (inductor) over the model; graph breaks are logged")
+    a("--reference", action="store_true", help="rank 0 also trains the untouched model on the same batches")
+    a("--out", default="runs/train", help="folder for train_log.json and loss.png")
+    a("--ckpt-dir", default=None, help="checkpoint folder (default <out>/ckpt)")
+    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    a("--resume", default=None, help="'latest' (newest complete checkpoint in --ckpt-dir) or a checkpoint path")
+    a("--log-every", type=int, default=10)
+    a("--kill-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: the last rank dies after this step
+    return p
+
+
+# ---- the pieces --------------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace, world: int) -> torch.nn.Module:
+    from samples.models import tiny_latent_lm, tiny_mixtral
+
+    torch.manual_seed(args.seed)
+    sizes = dict(vocab_size=256, dim=args.dim, layers=args.layers)
+    if args.form == "hp":  # Multi-Head LatentMoE: its heads split over the ranks, HP keeps the math
+        heads = world * math.ceil(4 / world)  # latent heads (the attention keeps the sample's 4)
+        return tiny_latent_lm(heads=heads, head_dim=args.dim // heads, experts=max(1, args.experts // 2),
+                              top_k=args.top_k, latent_ffn_dim=args.ffn_dim // 4, **sizes)
+    return tiny_mixtral(style=args.style, ffn_dim=args.ffn_dim, num_experts=args.experts, top_k=args.top_k,
+                        heads=args.heads, **sizes)
+
+
+def build_plan(args: argparse.Namespace, world: int):
+    import moepass
+
+    topology = moepass.Topology(args.nodes, world // args.nodes)
+    kw: dict[str, Any] = {"grad_sync": "scheduler"} if args.grad_sync == "scheduler" else {}
+    if args.form == "single":
+        return moepass.Plan(form="single", **kw)
+    kw.update(topology=topology, ep_size=args.ep_size)
+    if args.form == "fsep":
+        kw["planner"] = args.planner
+    if args.form == "locality":
+        kw.update(mu=0.1, gate="learned")
+    if args.form == "auto":
+        kw["batch"] = (args.global_batch // world, args.seq)
+    return moepass.Plan(form=args.form, **kw)
+
+
+def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
+    """(the compiled model, the module to call): moepass.compile, then DDP / FSDP2 / the priority scheduler
+    for the dense gradients."""
+    import moepass
+    from moepass.runtime.grad_sync import schedule_fsdp
+
+    cm = model if args.form == "none" else moepass.compile(model, build_plan(args, world))
+    if args.ac:  # activation checkpointing: each layer's activations recomputed in the backward
+        for layer in cm.layers:
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    if args.fsdp:
+        for layer in cm.layers:
+            moepass.fully_shard(layer)
+        moepass.fully_shard(cm)
+        if args.grad_sync == "scheduler":
+            schedule_fsdp(cm)
+        return cm, cm
+    if world == 1 or (args.grad_sync == "scheduler" and args.form != "none"):
+        return cm, cm  # Plan(grad_sync="scheduler"): compile installed GradientSync on the model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device_ids = [torch.cuda.current_device()] if next(cm.parameters()).is_cuda else None
+    # the untouched loop-style MoE gives no gradient to an expert no local token chose; moepass's forms always do
+    return cm, DDP(cm, device_ids=device_ids, find_unused_parameters=args.form == "none")
+
+
+def lm_loss(run: Any, tokens_BS1: torch.Tensor) -> torch.Tensor:
+    logits = run(tokens_BS1[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens_BS1[:, 1:].reshape(-1))
+
+
+def comm_bytes() -> tuple[int, int]:
+    """(all-to-all bytes, FSEP restore bytes) this rank sent to peers since the last reset."""
+    import moepass
+
+    a2a = restore = 0
+    for kind, entry in moepass.comm_stats().items():
+        if kind == "total":
+            continue
+        sent = entry["intra"] + entry["inter"]
+        if "restore" in kind:
+            restore += sent
+        else:
+            a2a += sent
+    return a2a, restore
+
+
+# ---- the run (every rank) ----------------------------------------------------------------------------
+
+
+def train(args: argparse.Namespace) -> dict[str, Any] | None:
+    import moepass
+    from moepass.train import checkpoint, report
+    from moepass.train.data import Batches
+    from moepass.train.optim import build_optimizer, lr_at, set_lr
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    batches = Batches.from_corpus(args.seq, args.global_batch, args.seed)
+    model = build_model(args, world).to(device)
+    reference = copy.deepcopy(model) if args.reference and rank == 0 else None
+    cm, run = parallelize(model, args, world)
+    if args.compile:
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.capture_dynamic_output_shape_ops = True  # token counts: data-dependent sizes
+        run = torch.compile(run)
+    foreach = {"auto": None, "on": True, "off": False}[args.foreach]
+    optimizer = build_optimizer(cm, args.lr, args.weight_decay, foreach=foreach)
+    ref_opt = build_optimizer(reference, args.lr, args.weight_decay, foreach=foreach) if reference else None
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
+
+
+    ckpt_dir = args.ckpt_dir or os.path.join(args.out, "ckpt")
+    start = 0
+    if args.resume:
+        path = checkpoint.latest(ckpt_dir) if args.resume == "latest" else args.resume
+        if path is None:
+            raise SystemExit(f"--resume latest: no complete checkpoint in {ckpt_dir}")
+        start, _ = checkpoint.load(path, cm, optimizer)
+        if reference is not None:
+            saved = torch.load(os.path.join(path, "reference.pt"), weights_only=True)
+            reference.load_state_dict(saved["model"])
+            ref_opt.load_state_dict(saved["optim"])
+        if rank == 0:
+            print(f"resumed from {path} at step {start}", flush=True)
+
+    controllers = checkpoint.placements(cm)
+    info = getattr(cm, "moepass_info", None)
+    forms = {path: type(gm.layout).__name__ if gm.layout is not None else "single"
+             for path, gm in (info.rewritten.items() if info is not None else ())}
+    if rank == 0:
+        print(f"W={world} form={args.form}: blocks {forms or 'untouched'}", flush=True)
+    records: list[dict[str, Any]] = []
+    tokens_per_step = args.global_batch * args.seq
+    for step in range(start, args.steps):
+        lr = lr_at(step, args.lr, args.warmup, args.steps)
+        set_lr(optimizer, lr)
+        tokens = batches.rank_batch(step, rank, world).to(device)
+        moepass.reset_comm_stats()
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = lm_loss(run, tokens)
+            total = loss + moepass.aux_loss(cm) if args.form == "locality" else loss
+        total.backward()
+        moepass.clip_grad_norm_(list(cm.parameters()), args.clip)
+        optimizer.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        value = mean.item() / world  # the step's host sync (also ends its timing on a GPU)
+        seconds = time.perf_counter() - t0
+        a2a, restore = comm_bytes()
+        rec = {"step": step + 1, "loss": value, "lr": lr, "seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
+               "a2a_bytes": a2a, "restore_bytes": restore}
+        if controllers:  # FSEP: the placement table each block used this step
+            rec["placements"] = {path: m.slot_expert.tolist() for path, m in controllers.items()}
+        if reference is not None:
+            set_lr(ref_opt, lr)
+            ref_opt.zero_grad(set_to_none=True)
+            with autocast():
+                ref_loss = lm_loss(reference, batches.global_batch_at(step).to(device))
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip)
+            ref_opt.step()
+            rec["ref_loss"] = ref_loss.item()
+        records.append(rec)
+        if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            print(report.progress_line(rec, args.steps), flush=True)
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            path = os.path.join(ckpt_dir, f"step_{step + 1:06d}")
+            if reference is not None:
+                os.makedirs(path, exist_ok=True)
+                torch.save({"model": reference.state_dict(), "optim": ref_opt.state_dict()},
+                           os.path.join(path, "reference.pt"))
+            checkpoint.save(ckpt_dir, cm, optimizer, step + 1)
+        if args.kill_at is not None and step + 1 == args.kill_at and rank == world - 1:
+            os._exit(17)  # a crash (tests): no clean-up, no final checkpoint
+
+    if rank != 0:
+        return None
+    breaks = None
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        breaks = {reason.split("\n")[0] + " | " + next((ln.strip() for ln in reason.split("\n")
+                                                          if "Explanation" in ln), ""): n
+                  for reason, n in counters["graph_break"].items()}
+        print(f"graph breaks: {sum(breaks.values())}" + "".join(f"\n  {n} x {r}" for r, n in breaks.items()),
+              flush=True)
+    return finish(args, world, records, start, forms, breaks)
+
+
+def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], start: int,
+           forms: dict[str, str], graph_breaks: dict[str, int] | None = None) -> dict[str, Any]:
+    from moepass.train import report
+    from moepass.train.data import corpus_tokens
+
+    timed = [r["tokens_per_s"] for r in records[1:]] or [r["tokens_per_s"] for r in records]
+    diffs = [abs(r["loss"] - r["ref_loss"]) for r in records if "ref_loss" in r]
+    log = {
+        "command": " ".join(sys.argv), "world": world,
+        "args": {k: v for k, v in vars(args).items() if not callable(v)}, "start_step": start, "blocks": forms,
+        "graph_breaks": graph_breaks,
+        "corpus": {"source": "pydoc_data.topics (Python Language Reference, stdlib)", "bytes": corpus_tokens().numel(),
+                   "tokenizer": "utf-8 bytes", "python": sys.version.split()[0]},
+        "machine": {"torch": torch.__version__, "cpu_count": os.cpu_count(), "load": os.getloadavg(),
+                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
+        "summary": {"final_loss": records[-1]["loss"] if records else None,
+                    "tokens_per_s_median": statistics.median(timed) if timed else None,
+                    "max_abs_dloss": max(diffs) if diffs else None},
+        "steps": records,
+    }
+    report.write_json(os.path.join(args.out, "train_log.json"), log)
+    curves = {args.form: [(r["step"], r["loss"]) for r in records]}
+    if diffs:
+        curves["reference"] = [(r["step"], r["ref_loss"]) for r in records]
+    if records:
+        report.plot(os.path.join(args.out, "loss.png"), curves,
+                    f"sample MoE LM on pydoc topics, form={args.form}, W={world}")
+    print(f"wrote {os.path.join(args.out, 'train_log.json')}"
+          + (f"; max |loss - reference| over {len(diffs)} steps: {max(diffs):.3e}" if diffs else ""), flush=True)
+    return log
+
+
+def resolve_device(args: argparse.Namespace) -> str:
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = add_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args(argv)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moepass.train.launch import run as launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    launch(train, args, args.nproc, resolve_device(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -138,8 +138,8 @@ def case_soak(rank: int, world: int, form: str, steps: int, every: int, phase: i
         tracemalloc.stop()
     tables = []
     for c in controllers:
-        changes = sum(a.table != b.table for a, b in zip(c.decisions, c.decisions[1:]))
-        tables.append({"block": c.block, "decisions_logged": len(c.decisions), "table_changes": changes,
+        tables.append({"block": c.block, "decisions_installed": c.installed, "decisions_kept": len(c.decisions),
+                       "table_changes": c.table_changes,
                        "final_table": list(c.decisions[-1].table)})
     warm = next(i for i, s in enumerate(samples) if s["step"] >= steps // 10)
     at = [s["step"] for s in samples]

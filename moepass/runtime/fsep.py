@@ -44,6 +44,7 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -308,6 +309,9 @@ class Installed:
     details: str = ""  # the planner's summary of its decision
 
 
+DECISIONS_KEPT = 1024  # FSEPPlacement.decisions: the last installed tables kept
+
+
 class FSEPPlacement(nn.Module):
     """The placement table of one FSEP block and the planner that changes it (see module doc)."""
 
@@ -328,7 +332,11 @@ class FSEPPlacement(nn.Module):
         self.register_buffer("slot_expert", table.as_tensor(device), persistent=False)
         self.history = placement.CountHistory(config.history, config.W, config.E)
         self.step = 0
-        self.decisions: list[Installed] = [Installed(0, table.slot_expert, "initial")]
+        # the last DECISIONS_KEPT installed tables (a log for explain and benchmarks: bounded, a long run's memory
+        # stays flat), and how many were installed and changed the table over the whole run
+        self.decisions: deque[Installed] = deque([Installed(0, table.slot_expert, "initial")], maxlen=DECISIONS_KEPT)
+        self.installed = 1
+        self.table_changes = 0
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -377,6 +385,8 @@ class FSEPPlacement(nn.Module):
             self._pending = None
             decision.step = self.step
             self.slot_expert = torch.tensor(decision.table, dtype=torch.int64, device=self.slot_expert.device)
+            self.table_changes += tuple(decision.table) != tuple(self.decisions[-1].table)
+            self.installed += 1
             self.decisions.append(decision)
             log.debug("%s step %d: %s", self.block, self.step, decision)
 

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (the device tool). Everything it writes lands in $OUT (or ./gpu_out).
 # The machine's own torch/triton are used (no pip install there): PYTHONPATH=. is the repo.
-#   STEPS="kernels selfcheck bench never_slower" (the default: all) picks what runs, in this order:
+#   STEPS="kernels selfcheck bench never_slower train" (the default: all) picks what runs, in this order:
 #   kernels       python -m lowering.numerics cuda: every kernel family vs torch on the full shapes (autotuned)
 #                 (what the gpu-marked tests/test_kernels_gpu.py runs)
 #   selfcheck     python -m moepass selfcheck: kernels on small shapes, one step of each form, collectives
 #   bench         benchmarks/kernels.py: the grouped-GEMM kernels' timings against the roofline
 #   never_slower  benchmarks/never_slower.py: form="single" (Triton path) vs the untouched block, fp32 + bf16
+#   train         python -m moepass train on one GPU (NCCL, W=1), single / ep / fsep, 40 steps with --reference
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-STEPS="${STEPS:-kernels selfcheck bench never_slower}"
+STEPS="${STEPS:-kernels selfcheck bench never_slower train}"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 python3 -c "import torch, triton, sympy; print('torch', torch.__version__, 'triton', triton.__version__, 'sympy', sympy.__version__, torch.cuda.get_device_name())"
@@ -25,7 +26,12 @@ for step in $STEPS; do
     never_slower) timeout "${NEVER_SLOWER_TIMEOUT:-200}" python3 benchmarks/never_slower.py --device cuda \
                   --dtypes float32,bfloat16 --rounds 5 --iters 20 --out "$OUT/never_slower_cuda.json" 2>&1 \
                   | tee "$OUT/never_slower.log"; echo "rc=${PIPESTATUS[0]}" ;;
-    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower" ;;
+    train) for form in single ep fsep; do
+             timeout "${TRAIN_TIMEOUT:-90}" python3 -m moepass train --form $form --nproc 1 --device cuda --steps 40 \
+               --reference --out "$OUT/train_$form" > "$OUT/train_$form.log" 2>&1; echo "train $form rc=$?"
+             tail -n 3 "$OUT/train_$form.log"
+           done ;;
+    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower train" ;;
   esac
   echo "($step: $(( $(date +%s) - start )) s)"
 done

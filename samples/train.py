@@ -303,8 +303,11 @@ def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], 
     if diffs:
         curves["reference"] = [(r["step"], r["ref_loss"]) for r in records]
     if records:
-        report.plot(os.path.join(args.out, "loss.png"), curves,
-                    f"sample MoE LM on pydoc topics, form={args.form}, W={world}")
+        try:
+            report.plot(os.path.join(args.out, "loss.png"), curves,
+                        f"sample MoE LM on pydoc topics, form={args.form}, W={world}")
+        except ImportError:  # the log above has every figure; the picture needs matplotlib
+            print("no loss.png: matplotlib is not installed (pip install matplotlib)", flush=True)
     print(f"wrote {os.path.join(args.out, 'train_log.json')}"
           + (f"; max |loss - reference| over {len(diffs)} steps: {max(diffs):.3e}" if diffs else ""), flush=True)
     return log

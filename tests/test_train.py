@@ -99,22 +99,21 @@ def case_foreach(rank, world):
         opt.step()
         return moepass.logical_state_dict(cm)
 
-    try:
-        stepped(lambda cm: torch.optim.AdamW(cm.parameters(), foreach=True))
-        mixed = None
-    except RuntimeError as err:
-        mixed = str(err)
+    plain = stepped(lambda cm: torch.optim.AdamW(cm.parameters(), lr=1e-2, weight_decay=0.0, foreach=True))
     on = stepped(lambda cm: build_optimizer(cm, 1e-2, foreach=True))
     off = stepped(lambda cm: build_optimizer(cm, 1e-2, foreach=False))
     for name in on:
         a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (on[name], off[name]))
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
-    return mixed
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in plain.items()}
 
 
 def test_build_optimizer_steps_with_foreach_on_a_dtensor_mix():
-    mixed = pool(2).run(case_foreach)
-    assert mixed[0] is not None and "mixed torch.Tensor and DTensor" in mixed[0]  # the control: torch's own fails
+    """build_optimizer's groups (one per mesh) step with foreach=True as with foreach=False; a plain
+    AdamW(cm.parameters(), foreach=True) over the mix steps too (moepass.compile's step hooks,
+    tests/test_optim.py checks its values)."""
+    plain = pool(2).run(case_foreach)
+    assert plain[0] and all(torch.isfinite(t).all() for t in plain[0].values())
 
 
 # ---- parity with the untouched model, and crash + resume (W=2, subprocesses) -----------------------------

@@ -74,9 +74,6 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                         "output equals x @ W.T), and the fused experts declare post-expert norms",
                         "a logit scale read from the graph (a constant multiplying the logits) and post-expert "
                         "norms in ExpertsSpec"),
-    "axk1": ("rejected", "DeepSeek-V3's block plus an RMSNorm on the combined output (`post_mlp_layernorm`): no "
-             "MoESpec field applies a norm after the combination",
-             "a post-combine norm in MoESpec, or the norm moved out of the MoE block"),
     "ernie4_5_vl_moe_text": ("rejected", "the MoE layer sends text and vision tokens to two expert sets "
                              "(`text_moe`, `vision_moe`) by token type; the candidate is the text set alone, whose "
                              "forward returns the tokens flattened to 1-D",

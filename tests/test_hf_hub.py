@@ -23,9 +23,10 @@ from samples import hf_hub as H  # noqa: E402
 # minimax_m3_vl_text (both of the last two),
 # nemotron_h (a parameter-free module called on the tokens is no shared expert), phimoe (sparsemixer: rounds of
 # `max`, its router module's own selection called as it is), openai_privacy_filter (a router module returning
-# softmax / K, the block's output times K: `RouterSpec.selection_scale`).
+# softmax / K, the block's output times K: `RouterSpec.selection_scale`), axk1 (a norm on the block's output,
+# `MoESpec.output_module`).
 EXACT = (
-    "afmoe", "aria_text", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2_text", "deepseek_v2",
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2_text", "deepseek_v2",
     "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
     "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
     "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear",

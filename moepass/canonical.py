@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from moepass import dialect, generic_experts
+from moepass import dialect, eager, generic_experts
 from moepass.errors import PlanError
 from moepass.spec import (
     LOAD_OUTPUT,
@@ -91,6 +91,13 @@ class MoEGraphModule(fx.GraphModule):
         self.layout = None
         self.meta["moepass_dialect"] = True
         self.register_forward_pre_hook(check_block_input)
+
+    def recompile(self):  # type: ignore[no-untyped-def]  # fx.GraphModule's signature
+        """GraphModule's recompile, then the eager fast path (`moepass.eager`): run eagerly, the block calls
+        its ops' functions directly; traced or compiled, the graph's own code runs."""
+        code = super().recompile()
+        eager.install(self)
+        return code
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's signature
         """`.to(...)`, `.cuda()`, `to_empty(...)` give every tensor its own storage: the single form then lays

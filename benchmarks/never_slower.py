@@ -2,18 +2,48 @@
 Plan(form="single"))` against the untouched block, per block kind, at W=1.
 
     python benchmarks/never_slower.py                        # CPU, the three sample styles (+ HF families: --hf)
-    PYTHONPATH=. python3 benchmarks/never_slower.py --device cuda --dtypes float32,bfloat16   # a GPU: Triton path
+    python benchmarks/never_slower.py --tiny --profile       # host overhead: tiny shapes, counts per step
+    PYTHONPATH=. python3 benchmarks/never_slower.py --device cuda --dtypes float32,bfloat16 --sizes layer,tiny --profile
 
-The layer case of issue 29: 512 tokens (2 sequences x 256), D=256, F=512, E=8, K=2. Each block is built with
-seed 0; x (seed 1, requires grad) and a fixed random probe of y's shape (seed 2) are shared by both sides;
+Sizes (`--sizes`, `--tiny` = `--sizes tiny`): "layer" is issue 29's layer case, 512 tokens (2 sequences x 256),
+D=256, F=512, E=8, K=2; "tiny" is D=16, F=32, E=8, K=2, 8 tokens: no arithmetic worth timing, so its ratio is
+the host overhead (dispatch, Python, host reads) of moepass's path against the block's own. Each block is built
+with seed 0; x (seed 1, requires grad) and a fixed random probe of y's shape (seed 2) are shared by both sides;
 loss = (y * probe).sum(). `--hf` adds every Hugging Face family whose tiny block moepass rewrites
 (samples/hf_hub.py), each at the same D/F/E/K where its config takes them.
 
 Method: R rounds; in each, both sides run `--iters` timed forward+backward steps after warm-up, in an order
 that alternates per round (original first on even rounds). A side's round figure is its median step; the
 round's ratio is compiled/original. Reported per case: both medians, the median ratio over rounds and its
-range, the machine load (os.getloadavg) and, on CUDA, the device. CPU: one thread (torch.set_num_threads(1)).
+range, the machine load (os.getloadavg) and, on CUDA, the device and the host (enqueue) time per step.
+CPU: one thread (torch.set_num_threads(1)). `--profile` adds counts per step that do not depend on the load
+(`step_counts`): dispatcher ops (aten, custom), backward nodes, `aten::_local_scalar_dense` (host reads of a
+tensor; on CUDA each waits for the device), CUDA synchronize calls, Python calls.
 Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
+
+Profile (CPU, torch 2.13, 1 thread; tiny size, per forward+backward step, original | moepass before -> after;
+issue 29/32 host-overhead work):
+                  ops (aten+custom)      custom-op dispatches   aten::item   Python calls
+    loop          1158 | 1299 -> 514     8 -> 0                 0 | 72 -> 0  344 | 1128 -> 926
+    fused          304 | 1004 -> 496     8 -> 0                 0 | 48 -> 0   96 |  723 -> 538
+    gshard         448 | 1017 -> 477     9 -> 0                 4 | 50 -> 0  116 |  761 -> 554
+Where the host time went, and what was done:
+  * Every dialect op called eagerly went through torch.library's custom-op machinery: the C++ dispatcher, the
+    Python autograd kernel (`autograd_impl`), a redispatch, the `torch._dynamo.disable` wrapper around the
+    implementation, `fill_defaults` and the output-aliasing check, and the same on the way back: ~30-60 us
+    per op and direction (cProfile of 200 steps: 1600 `autograd_impl`/dynamo-disable calls). A rewritten block
+    run eagerly now executes a second forward generated from its graph whose ops are `moepass.eager.EagerOp`s
+    (the op's own function, and the same autograd.Function torch.library would build), bit-identical; traced
+    or compiled, the graph's code with the ops runs (tests/test_eager.py). The Triton (`moe_lowered`) ops of
+    the CUDA path take the same route.
+  * The `aten::item` were not moepass's: CPU `torch._grouped_mm` reads each group offset with `.item()` and
+    runs ~13 ops per expert. A GEMM of at most `grouped_ffn.PADDED_MACS` multiply-adds now runs as one `bmm`
+    over rows padded to [E, N, ...] (no host read, a few ops whatever E); larger GEMMs keep `_grouped_mm`
+    (one CUDA kernel, no sync). The capacity mask uses a scatter, not `F.one_hot` (which reads min/max).
+  * The input check ran as a forward pre-hook (nn.Module's slow call path): it is now the forward's first call.
+  * What remains is structural: moepass's graph runs route/permute/FFN/unpermute/combine and their backward
+    in Python (~200 top-level ops per step against ~115 for the fused sample, whose backward is all C++
+    autograd); at the layer size the GEMMs dominate and the op counts of both sides are alike.
 """
 
 from __future__ import annotations

@@ -90,13 +90,12 @@ class MoEGraphModule(fx.GraphModule):
         self.history: list[dict[str, Any]] = []
         self.layout = None
         self.meta["moepass_dialect"] = True
-        self.register_forward_pre_hook(check_block_input)
 
     def recompile(self):  # type: ignore[no-untyped-def]  # fx.GraphModule's signature
         """GraphModule's recompile, then the eager fast path (`moepass.eager`): run eagerly, the block calls
         its ops' functions directly; traced or compiled, the graph's own code runs."""
         code = super().recompile()
-        eager.install(self)
+        eager.install(self, check_block_input)
         return code
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's signature
@@ -113,7 +112,8 @@ class MoEGraphModule(fx.GraphModule):
 
 
 def check_block_input(gm: MoEGraphModule, args: tuple[Any, ...]) -> None:
-    """Forward pre-hook of every rewritten block: its hidden states are floating point and D wide (a wrong
+    """Run first by every rewritten block's forward (`eager.install`; not a forward pre-hook, which would send
+    every call down nn.Module's slower hook path): its hidden states are floating point and D wide (a wrong
     width whose size D divides would otherwise be re-cut silently into rows of D by the graph's reshape)
     and, under `torch.autograd.detect_anomaly()` (PyTorch's NaN-hunting switch; no host sync otherwise),
     finite (eagerly: under torch.compile the finiteness check is skipped, it would break the graph). Raises ValueError naming the block, the value and the fix."""

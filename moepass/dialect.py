@@ -2,7 +2,8 @@
 
 Each op is a `torch.library.custom_op` in the `moe` namespace with a fake (meta) implementation, an
 autograd formula and an autocast policy, so it stays one opaque, readable node in FX, Dynamo and AOT
-graphs and behaves the same eagerly and compiled:
+graphs and behaves the same eagerly and compiled. Each is defined through `moepass.eager`, so a rewritten
+block run eagerly calls the op's function and autograd directly, without the dispatcher:
 
     route(logits_TE, selection_bias_E?)            -> weights_TK (logits dtype), experts_TK (int64)
                                                       (bias [E], or [T, E]: one row per token)
@@ -130,7 +131,9 @@ def capacity_keep_ref(
     if T % size:
         raise ValueError(f"capacity_keep: {T} tokens do not split into groups of {size}")
     groups = T // size
-    onehot_GSKE = F.one_hot(experts_TK, num_experts).view(groups, size, K, num_experts)
+    # a scatter, not F.one_hot: one_hot reads the ids' min and max on the host to validate them
+    onehot_TKE = experts_TK.new_zeros(T, K, num_experts).scatter_(-1, experts_TK.unsqueeze(-1), 1)
+    onehot_GSKE = onehot_TKE.view(groups, size, K, num_experts)
     order_GQE = onehot_GSKE.transpose(1, 2) if k_major else onehot_GSKE  # priority-major
     order_GQE = order_GQE.reshape(groups, size * K, num_experts)
     position_GQE = torch.cumsum(order_GQE, dim=1) - 1  # slot each assignment would take

@@ -177,12 +177,16 @@ def build_forward(gm: fx.GraphModule) -> Callable[..., Any] | None:
     return scope["forward"]
 
 
-def dispatching_forward(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A GraphModule forward that runs the eager forward (built on first use from the graph as it is now)
-    when `eager_mode()` and its inputs are plain, else `graph_forward` (the graph's own code)."""
+def dispatching_forward(graph_forward: Callable[..., Any],
+                        check: Callable[[Any, tuple[Any, ...]], None] | None = None) -> Callable[..., Any]:
+    """A GraphModule forward that runs `check(self, args)` first (if given), then the eager forward (built on
+    first use from the graph as it is now) when `eager_mode()` and its inputs are plain, else `graph_forward`
+    (the graph's own code)."""
     built: list[Callable[..., Any] | None] = []
 
     def forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        if check is not None:
+            check(self, args)
         if eager_mode() and plain_inputs(args, kwargs):
             if not built:
                 built.append(build_forward(self))
@@ -194,11 +198,11 @@ def dispatching_forward(graph_forward: Callable[..., Any]) -> Callable[..., Any]
     return forward
 
 
-def install(gm: fx.GraphModule) -> None:
-    """Make `gm`'s forward dispatch between the eager and the graph code (call after every recompile:
-    GraphModule.recompile sets the forward of gm's own class)."""
+def install(gm: fx.GraphModule, check: Callable[[Any, tuple[Any, ...]], None] | None = None) -> None:
+    """Make `gm`'s forward run `check(gm, args)` and dispatch between the eager and the graph code (call after
+    every recompile: GraphModule.recompile sets the forward of gm's own class)."""
     cls = type(gm)
-    cls.forward = dispatching_forward(cls.forward)
+    cls.forward = dispatching_forward(cls.forward, check)
 
 
 __all__ = ["EAGER", "EagerOp", "autograd_function", "call", "custom_op", "dispatching_forward", "eager_mode",

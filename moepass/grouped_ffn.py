@@ -29,10 +29,11 @@ trade `cost_model.ep.compute_time(recompute=1)` prices. The activation output a 
 is recomputed from the saved pre-activations (elementwise, cheap) rather than kept.
 
 GEMM engine, per GEMM: a small one (E·N·K·Q <= `PADDED_MACS`: the layer's host overhead outweighs its
-arithmetic) takes two or three ops whatever E and no host read (the grouped GEMM below costs ~13 ops per
-expert on CPU, the loop a host sync): rows times weights as one `torch.bmm` over each row's gathered
-`[K, Q]` expert matrix; a weight gradient as one `torch.bmm` over the rows *padded*, scattered into a zero
-`[E, N, K]` buffer (each expert's rows first, at most N of them). Otherwise `torch._grouped_mm` (one kernel
+arithmetic) runs *padded*: the rows scattered into a zero `[E, N, K]` buffer (each expert's rows first, at
+most N of them), one `torch.bmm`, the rows gathered back — a few ops whatever E and no host read (the
+grouped GEMM below costs ~13 ops per expert on CPU, the loop a host sync). One GEMM per expert over its
+rows, as the other engines, so one expert equals a dense MLP bit for bit
+(`tests/test_compile_parity.py`). Otherwise `torch._grouped_mm` (one kernel
 for all experts, row groups given by `offs = cumsum(counts_E)` on the device: no host sync) where it runs —
 CPU in fp32/bf16/fp16 and CUDA in bf16 on sm_90+, each with 16-byte aligned strides (`grouped_mm_ok`) —,
 else a loop over experts writing into preallocated outputs (`torch.mm(out=...)`), which reads `counts_E`
@@ -158,8 +159,9 @@ class Rows:
 
     def mm(self, a_NK: Tensor, b_EKQ: Tensor) -> Tensor:
         """out_NQ[rows_e] = a_NK[rows_e] @ b_EKQ[e]."""
-        if self.small(a_NK.shape[1], b_EKQ.shape[-1]):  # each row times its expert's matrix, gathered
-            return torch.bmm(a_NK.unsqueeze(1), b_EKQ.index_select(0, self.experts)).squeeze(1)
+        if self.small(a_NK.shape[1], b_EKQ.shape[-1]):
+            out_ENQ = torch.bmm(self.pad(a_NK), b_EKQ)
+            return out_ENQ.view(-1, out_ENQ.shape[-1]).index_select(0, self.slots)
         if grouped_mm_ok(a_NK, b_EKQ):
             return torch._grouped_mm(a_NK, b_EKQ, offs=self.offs)
         out_NQ = a_NK.new_empty(a_NK.shape[0], b_EKQ.shape[-1])

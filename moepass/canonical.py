@@ -117,10 +117,11 @@ def check_block_input(gm: MoEGraphModule, args: tuple[Any, ...]) -> None:
     width whose size D divides would otherwise be re-cut silently into rows of D by the graph's reshape)
     and, under `torch.autograd.detect_anomaly()` (PyTorch's NaN-hunting switch; no host sync otherwise),
     finite (eagerly: under torch.compile the finiteness check is skipped, it would break the graph). Raises ValueError naming the block, the value and the fix."""
-    if not args or not isinstance(args[0], torch.Tensor):
+    spec = gm.__dict__.get("spec")  # `copy.deepcopy` of a GraphModule keeps its graph, not its other attributes
+    if spec is None or not args or not isinstance(args[0], torch.Tensor):
         return
-    x, D = args[0], gm.spec.model_dim
-    where = f"MoE block {gm.spec.path or '<root>'!r}"
+    x, D = args[0], spec.model_dim
+    where = f"MoE block {spec.path or '<root>'!r}"
     if not x.is_floating_point():
         raise ValueError(f"{where} got hidden states of dtype {x.dtype}: pass floating-point hidden states [..., {D}] "
                          f"(e.g. the embedding's output, not token ids).")

@@ -2,32 +2,66 @@
 Plan(form="single"))` against the untouched block, per block kind, at W=1.
 
     python benchmarks/never_slower.py                        # CPU, the three sample styles (+ HF families: --hf)
-    PYTHONPATH=. python3 benchmarks/never_slower.py --device cuda --dtypes float32,bfloat16   # a GPU: Triton path
+    python benchmarks/never_slower.py --tiny --profile       # host overhead: tiny shapes, counts per step
+    PYTHONPATH=. python3 benchmarks/never_slower.py --device cuda --dtypes float32,bfloat16 --sizes layer,tiny --profile
 
-The layer case of issue 29: 512 tokens (2 sequences x 256), D=256, F=512, E=8, K=2. Each block is built with
-seed 0; x (seed 1, requires grad) and a fixed random probe of y's shape (seed 2) are shared by both sides;
+Sizes (`--sizes`, `--tiny` = `--sizes tiny`): "layer" is issue 29's layer case, 512 tokens (2 sequences x 256),
+D=256, F=512, E=8, K=2; "tiny" is D=16, F=32, E=8, K=2, 8 tokens: no arithmetic worth timing, so its ratio is
+the host overhead (dispatch, Python, host reads) of moepass's path against the block's own. Each block is built
+with seed 0; x (seed 1, requires grad) and a fixed random probe of y's shape (seed 2) are shared by both sides;
 loss = (y * probe).sum(). `--hf` adds every Hugging Face family whose tiny block moepass rewrites
 (samples/hf_hub.py), each at the same D/F/E/K where its config takes them.
 
 Method: R rounds; in each, both sides run `--iters` timed forward+backward steps after warm-up, in an order
 that alternates per round (original first on even rounds). A side's round figure is its median step; the
 round's ratio is compiled/original. Reported per case: both medians, the median ratio over rounds and its
-range, the machine load (os.getloadavg) and, on CUDA, the device. CPU: one thread (torch.set_num_threads(1)).
+range, the machine load (os.getloadavg) and, on CUDA, the device and the host (enqueue) time per step.
+CPU: one thread (torch.set_num_threads(1)). `--profile` adds counts per step that do not depend on the load
+(`step_counts`): dispatcher ops (aten, custom), backward nodes, `aten::_local_scalar_dense` (host reads of a
+tensor; on CUDA each waits for the device), CUDA synchronize calls, Python calls.
 Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
+
+Profile (CPU, torch 2.13, 1 thread; tiny size, per forward+backward step, original | moepass before -> after;
+issue 29/32 host-overhead work):
+                  ops (aten+custom)      custom-op dispatches   aten::item   Python calls
+    loop          1158 | 1299 -> 514     8 -> 0                 0 | 72 -> 0  344 | 1128 -> 926
+    fused          304 | 1004 -> 496     8 -> 0                 0 | 48 -> 0   96 |  723 -> 538
+    gshard         448 | 1017 -> 477     9 -> 0                 4 | 50 -> 0  116 |  761 -> 554
+Where the host time went, and what was done:
+  * Every dialect op called eagerly went through torch.library's custom-op machinery: the C++ dispatcher, the
+    Python autograd kernel (`autograd_impl`), a redispatch, the `torch._dynamo.disable` wrapper around the
+    implementation, `fill_defaults` and the output-aliasing check, and the same on the way back: ~30-60 us
+    per op and direction (cProfile of 200 steps: 1600 `autograd_impl`/dynamo-disable calls). A rewritten block
+    run eagerly now executes a second forward generated from its graph whose ops are `moepass.eager.EagerOp`s
+    (the op's own function, and the same autograd.Function torch.library would build), bit-identical; traced
+    or compiled, the graph's code with the ops runs (tests/test_eager.py). The Triton (`moe_lowered`) ops of
+    the CUDA path take the same route.
+  * The `aten::item` were not moepass's: CPU `torch._grouped_mm` reads each group offset with `.item()` and
+    runs ~13 ops per expert. A GEMM of at most `grouped_ffn.PADDED_MACS` multiply-adds now runs as one `bmm`
+    over rows padded to [E, N, ...] (no host read, a few ops whatever E); larger GEMMs keep `_grouped_mm`
+    (one CUDA kernel, no sync). The capacity mask uses a scatter, not `F.one_hot` (which reads min/max).
+  * The input check ran as a forward pre-hook (nn.Module's slow call path): it is now the forward's first call.
+  * What remains is structural: moepass's graph runs route/permute/FFN/unpermute/combine and their backward
+    in Python (~200 top-level ops per step against ~115 for the fused sample, whose backward is all C++
+    autograd); at the layer size the GEMMs dominate and the op counts of both sides are alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -39,11 +73,26 @@ sys.path.insert(0, str(ROOT))
 import moepass  # noqa: E402
 from samples.models import SampleConfig, make_moe  # noqa: E402
 
-TOKENS, SEQS, D, F, E, K = 512, 2, 256, 512, 8, 2
+
+@dataclass(frozen=True)
+class Size:
+    tokens: int
+    seqs: int
+    D: int
+    F: int
+    E: int
+    K: int
+    iters: int  # default timed steps per side and round
 
 
-def sample_cases() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
-    cfg = SampleConfig(dim=D, ffn_dim=F, num_experts=E, top_k=K)
+SIZES = {
+    "layer": Size(tokens=512, seqs=2, D=256, F=512, E=8, K=2, iters=10),  # issue 29's layer case
+    "tiny": Size(tokens=8, seqs=2, D=16, F=32, E=8, K=2, iters=50),  # host overhead only: no GEMM worth timing
+}
+
+
+def sample_cases(size: Size) -> Iterator[tuple[str, Callable[[], nn.Module]]]:
+    cfg = SampleConfig(dim=size.D, ffn_dim=size.F, num_experts=size.E, top_k=size.K)
     for style in ("loop", "fused", "gshard"):
         yield f"sample {style}", lambda style=style: make_moe(style, cfg)
 
@@ -89,8 +138,59 @@ def time_steps(block, x, probe, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, rounds: int,
-            iters: int, warmup: int) -> dict:
+def host_seconds(block, x, probe, iters: int, device: torch.device) -> float:
+    """Median host seconds to issue one forward+backward (on CUDA: the device drained before each step, not
+    waited for after it, so this is the enqueue time; on CPU it is the step)."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(block, x, probe)
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, float]:
+    """Per forward+backward step, figures that do not depend on the machine's load:
+    `ops` every dispatcher op (aten and custom), `aten_ops`, `custom_ops` (moe::, moe_lowered::, ...),
+    `autograd_nodes` backward nodes run, `item` aten::_local_scalar_dense (a tensor read on the host:
+    `.item()`, `int(t)`, a data-dependent branch; on CUDA each one waits for the device), `syncs` CUDA
+    synchronize calls seen by the profiler (CUDA only), `python_calls` Python function calls (cProfile)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step(block, x, probe)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    names = Counter(e.name for e in prof.events())
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step(block, x, probe)
+    profiler.disable()
+    python_calls = pstats.Stats(profiler).total_calls  # type: ignore[attr-defined]
+    aten = sum(n for name, n in names.items() if name.startswith("aten::"))
+    custom = sum(n for name, n in names.items() if "::" in name and name.split("::")[0] in ("moe", "moe_lowered",
+                                                                                              "moe_comm", "moe_sched"))
+    counts = {
+        "aten_ops": aten, "custom_ops": custom, "ops": aten + custom,
+        "autograd_nodes": sum(n for name, n in names.items() if name.startswith("autograd::engine::evaluate_function")),
+        "item": names["aten::_local_scalar_dense"], "syncs": sum(names[name] for name in SYNC_EVENTS),
+        "python_calls": python_calls,
+    }
+    return {key: value / steps for key, value in counts.items()}
+
+
+def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, size: Size,
+            rounds: int, iters: int, warmup: int, profile: bool) -> dict:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -100,31 +200,54 @@ def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtyp
     if not rewritten:
         return {"case": name, "dtype": str(dtype).removeprefix("torch."), "skipped": "moepass rewrote no block"}
     dim = next(iter(compiled.moepass_info.rewritten.values())).spec.experts.hidden_dim
-    x = torch.randn(SEQS, TOKENS // SEQS, dim, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    x.requires_grad_(True)
+    x = torch.randn(size.seqs, size.tokens // size.seqs, dim, generator=torch.Generator().manual_seed(1))
+    x = x.to(device, dtype).requires_grad_(True)
     with torch.no_grad():
         probe = torch.randn(output(original(x)).shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     for block in (original, compiled):
         for _ in range(warmup):
             step(block, x, probe)
-    per_round = []
+    per_round, host_rounds = [], []
     for r in range(rounds):
         order = [("original", original), ("moepass", compiled)]
         if r % 2:
             order.reverse()
-        figures = {label: time_steps(block, x, probe, iters, device) for label, block in order}
-        per_round.append(figures)
+        per_round.append({label: time_steps(block, x, probe, iters, device) for label, block in order})
+        if device.type == "cuda":
+            host_rounds.append({label: host_seconds(block, x, probe, iters, device) for label, block in order})
     ratios = [f["moepass"] / f["original"] for f in per_round]
     lowered = sorted({kernel for gm in compiled.moepass_info.rewritten.values() for h in gm.history
                       if h["pass"] == "lower" for kernel in (h.get("stats") or {}).get("lowered", [])})
-    return {
-        "case": name, "dtype": str(dtype).removeprefix("torch."), "tokens": TOKENS, "dim": dim,
+    row = {
+        "case": name, "dtype": str(dtype).removeprefix("torch."), "size": asdict(size), "tokens": size.tokens,
+        "dim": dim,
         "original_ms": statistics.median(f["original"] for f in per_round) * 1e3,
         "moepass_ms": statistics.median(f["moepass"] for f in per_round) * 1e3,
         "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
         "rounds": [{k: v * 1e3 for k, v in f.items()} for f in per_round], "lowered": lowered,
         "load": os.getloadavg()[0],
     }
+    if host_rounds:
+        row["host_ms"] = {side: statistics.median(f[side] for f in host_rounds) * 1e3 for side in ("original", "moepass")}
+    if profile:
+        row["per_step"] = {label: step_counts(block, x, probe, 5, device)
+                           for label, block in (("original", original), ("moepass", compiled))}
+    return row
+
+
+def print_row(row: dict) -> None:
+    name = row["case"]
+    if "ratio" not in row:
+        print(f"{name:40s} {row['dtype']:9s} {row.get('skipped') or row.get('error')}", flush=True)
+        return
+    lo, hi = row["ratio_range"]
+    print(f"{name:40s} {row['dtype']:9s} original {row['original_ms']:8.3f} ms  moepass {row['moepass_ms']:8.3f} ms  "
+          f"ratio {row['ratio']:.3f} [{lo:.3f}, {hi:.3f}]  load {row['load']:.1f}", flush=True)
+    if "host_ms" in row:
+        print(f"{'':40s} host ms per step: original {row['host_ms']['original']:.3f}  moepass "
+              f"{row['host_ms']['moepass']:.3f}", flush=True)
+    for side, counts in row.get("per_step", {}).items():
+        print(f"{'':40s} {side:8s} per step: " + "  ".join(f"{k} {v:g}" for k, v in counts.items()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,37 +255,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtypes", default="float32", help="comma-separated: float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=None, help="timed steps per side and round (default: per size)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also every Hugging Face family moepass rewrites")
     parser.add_argument("--only", default="", help="substring of the case names to run")
+    parser.add_argument("--sizes", default="layer", help=f"comma-separated, of {sorted(SIZES)}")
+    parser.add_argument("--tiny", action="store_true", help="the tiny size only (--sizes tiny): host overhead")
+    parser.add_argument("--profile", action="store_true",
+                        help="also count ops, host reads/syncs and Python calls per step (torch.profiler, cProfile)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    cases = list(sample_cases()) + (list(hf_cases()) if args.hf else [])
+    sizes = ["tiny"] if args.tiny else args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
     rows = []
-    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-        for name, make in cases:
-            if args.only and args.only not in name:
-                continue
-            try:
-                row = measure(name, make, device, dtype, args.rounds, args.iters, args.warmup)
-            except Exception as err:  # one case's failure is its row, the others still run
-                row = {"case": name, "dtype": str(dtype).removeprefix("torch."),
-                       "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
-            rows.append(row)
-            if "ratio" in row:
-                lo, hi = row["ratio_range"]
-                print(f"{name:34s} {row['dtype']:9s} original {row['original_ms']:8.3f} ms  moepass "
-                      f"{row['moepass_ms']:8.3f} ms  ratio {row['ratio']:.3f} [{lo:.3f}, {hi:.3f}]  "
-                      f"load {row['load']:.1f}", flush=True)
-            else:
-                print(f"{name:34s} {row['dtype']:9s} {row.get('skipped') or row.get('error')}", flush=True)
+    for size_name in sizes:
+        size = SIZES[size_name]
+        cases = list(sample_cases(size)) + (list(hf_cases()) if args.hf else [])
+        for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+            for name, make in cases:
+                name = f"{size_name} {name}"
+                if args.only and args.only not in name:
+                    continue
+                try:
+                    row = measure(name, make, device, dtype, size, args.rounds, args.iters or size.iters, args.warmup,
+                                  args.profile)
+                except Exception as err:  # one case's failure is its row, the others still run
+                    row = {"case": name, "dtype": str(dtype).removeprefix("torch."),
+                           "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+                rows.append(row)
+                print_row(row)
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
-            "iters": args.iters, "case": {"tokens": TOKENS, "D": D, "F": F, "E": E, "K": K}}
+            "iters": args.iters, "sizes": {name: asdict(SIZES[name]) for name in sizes}}
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

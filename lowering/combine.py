@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lowering import Lowering, register
 from lowering import codegen as cg
-from moepass import dialect
+from moepass import dialect, eager
 
 FALLBACKS = {"unpermute_combine": 0, "unpermute_combine_backward": 0}
 
@@ -279,7 +279,7 @@ def combine_backward_triton(grad_TD: Tensor, y_ND: Tensor, order_N: Tensor, weig
     return grad_y_ND, grad_w_TK
 
 
-@torch.library.custom_op("moe_lowered::unpermute_combine", mutates_args=())
+@eager.custom_op("moe_lowered::unpermute_combine", mutates_args=())
 def unpermute_combine(y_ND: Tensor, order_N: Tensor, top_k: int, weights_TK: Tensor) -> Tensor:
     if cg.launch_blocker(y_ND.device) is not None:
         FALLBACKS["unpermute_combine"] += 1
@@ -292,7 +292,7 @@ def _(y_ND, order_N, top_k, weights_TK):
     return dialect.COMBINE(dialect.UNPERMUTE(y_ND, order_N, top_k), weights_TK)  # the dialect's fakes
 
 
-@torch.library.custom_op("moe_lowered::unpermute_combine_backward", mutates_args=())
+@eager.custom_op("moe_lowered::unpermute_combine_backward", mutates_args=())
 def unpermute_combine_backward(grad_TD: Tensor, y_ND: Tensor, order_N: Tensor,
                                weights_TK: Tensor) -> tuple[Tensor, Tensor]:
     if cg.launch_blocker(y_ND.device) is not None:
@@ -313,11 +313,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_TD):
     y_ND, order_N, weights_TK = ctx.saved_tensors
-    grad_y_ND, grad_w_TK = torch.ops.moe_lowered.unpermute_combine_backward(grad_TD, y_ND, order_N, weights_TK)
+    grad_y_ND, grad_w_TK = eager.call(torch.ops.moe_lowered.unpermute_combine_backward.default, grad_TD, y_ND,
+                                      order_N, weights_TK)
     return grad_y_ND, None, None, grad_w_TK
 
 
-unpermute_combine.register_autograd(_backward, setup_context=_setup)
+eager.register_autograd(unpermute_combine, _backward, setup_context=_setup)
 cg.register_autocast(torch.ops.moe_lowered.unpermute_combine.default, "preserve")
 
 LOWERING = register(Lowering(

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from lowering import Lowering, register
 from lowering import codegen as cg
-from moepass import dialect
+from moepass import dialect, eager
 from moepass.spec import GROUP_SCORES, SCORE_FUNCS
 
 MAX_EXPERTS = 1024  # E_PAD * BLOCK_T floats per tile stay within registers up to here
@@ -333,7 +333,7 @@ def route_triton(logits_TE, selection_bias, score_func, softmax_before_topk, top
     return weights_TK, experts_TK
 
 
-@torch.library.custom_op("moe_lowered::route", mutates_args=())
+@eager.custom_op("moe_lowered::route", mutates_args=())
 def route(
     logits_TE: Tensor,
     selection_bias_E: Tensor | None,

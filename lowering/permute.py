@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lowering import Lowering, combine, register
 from lowering import codegen as cg
-from moepass import dialect
+from moepass import dialect, eager
 
 MAX_EXPERTS = 1024
 FALLBACKS = {"permute": 0, "permute_backward": 0}
@@ -240,7 +240,7 @@ def permute_triton(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[
     return x_ND, counts_E, order_N
 
 
-@torch.library.custom_op("moe_lowered::permute", mutates_args=())
+@eager.custom_op("moe_lowered::permute", mutates_args=())
 def permute(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     if cg.launch_blocker(x_TD.device) is not None:
         FALLBACKS["permute"] += 1
@@ -253,7 +253,7 @@ def _(x_TD, experts_TK, num_experts):
     return dialect.PERMUTE(x_TD, experts_TK, num_experts)  # the dialect op's fake
 
 
-@torch.library.custom_op("moe_lowered::permute_backward", mutates_args=())
+@eager.custom_op("moe_lowered::permute_backward", mutates_args=())
 def permute_backward(grad_x_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
     """grad_x_TD[t] = sum over k of grad_x_ND[row of (t, k)] (fp32 accumulation)."""
     if cg.launch_blocker(grad_x_ND.device) is not None:
@@ -275,10 +275,11 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_x_ND, _grad_counts, _grad_order):
     (order_N,) = ctx.saved_tensors
-    return torch.ops.moe_lowered.permute_backward(grad_x_ND.contiguous(), order_N, ctx.top_k), None, None
+    return eager.call(torch.ops.moe_lowered.permute_backward.default, grad_x_ND.contiguous(), order_N,
+                      ctx.top_k), None, None
 
 
-permute.register_autograd(_backward, setup_context=_setup)
+eager.register_autograd(permute, _backward, setup_context=_setup)
 cg.register_autocast(torch.ops.moe_lowered.permute.default, "preserve")
 
 LOWERING = register(Lowering(

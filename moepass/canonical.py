@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from moepass import dialect, generic_experts
+from moepass import dialect, eager, generic_experts
 from moepass.errors import PlanError
 from moepass.spec import (
     LOAD_OUTPUT,
@@ -90,7 +90,13 @@ class MoEGraphModule(fx.GraphModule):
         self.history: list[dict[str, Any]] = []
         self.layout = None
         self.meta["moepass_dialect"] = True
-        self.register_forward_pre_hook(check_block_input)
+
+    def recompile(self):  # type: ignore[no-untyped-def]  # fx.GraphModule's signature
+        """GraphModule's recompile, then the eager fast path (`moepass.eager`): run eagerly, the block calls
+        its ops' functions directly; traced or compiled, the graph's own code runs."""
+        code = super().recompile()
+        eager.install(self, check_block_input)
+        return code
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's signature
         """`.to(...)`, `.cuda()`, `to_empty(...)` give every tensor its own storage: the single form then lays
@@ -106,14 +112,16 @@ class MoEGraphModule(fx.GraphModule):
 
 
 def check_block_input(gm: MoEGraphModule, args: tuple[Any, ...]) -> None:
-    """Forward pre-hook of every rewritten block: its hidden states are floating point and D wide (a wrong
+    """Run first by every rewritten block's forward (`eager.install`; not a forward pre-hook, which would send
+    every call down nn.Module's slower hook path): its hidden states are floating point and D wide (a wrong
     width whose size D divides would otherwise be re-cut silently into rows of D by the graph's reshape)
     and, under `torch.autograd.detect_anomaly()` (PyTorch's NaN-hunting switch; no host sync otherwise),
     finite (eagerly: under torch.compile the finiteness check is skipped, it would break the graph). Raises ValueError naming the block, the value and the fix."""
-    if not args or not isinstance(args[0], torch.Tensor):
+    spec = gm.__dict__.get("spec")  # `copy.deepcopy` of a GraphModule keeps its graph, not its other attributes
+    if spec is None or not args or not isinstance(args[0], torch.Tensor):
         return
-    x, D = args[0], gm.spec.model_dim
-    where = f"MoE block {gm.spec.path or '<root>'!r}"
+    x, D = args[0], spec.model_dim
+    where = f"MoE block {spec.path or '<root>'!r}"
     if not x.is_floating_point():
         raise ValueError(f"{where} got hidden states of dtype {x.dtype}: pass floating-point hidden states [..., {D}] "
                          f"(e.g. the embedding's output, not token ids).")

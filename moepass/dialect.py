@@ -2,7 +2,8 @@
 
 Each op is a `torch.library.custom_op` in the `moe` namespace with a fake (meta) implementation, an
 autograd formula and an autocast policy, so it stays one opaque, readable node in FX, Dynamo and AOT
-graphs and behaves the same eagerly and compiled:
+graphs and behaves the same eagerly and compiled. Each is defined through `moepass.eager`, so a rewritten
+block run eagerly calls the op's function and autograd directly, without the dispatcher:
 
     route(logits_TE, selection_bias_E?)            -> weights_TK (logits dtype), experts_TK (int64)
                                                       (bias [E], or [T, E]: one row per token)
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepass import grouped_ffn
+from moepass import eager, grouped_ffn
 from moepass.activations import activate, activate_backward
 from moepass.grouped_ffn import fused_gate_up
 
@@ -138,7 +139,9 @@ def capacity_keep_ref(
     if T % size:
         raise ValueError(f"capacity_keep: {T} tokens do not split into groups of {size}")
     groups = T // size
-    onehot_GSKE = F.one_hot(experts_TK, num_experts).view(groups, size, K, num_experts)
+    # a scatter, not F.one_hot: one_hot reads the ids' min and max on the host to validate them
+    onehot_TKE = experts_TK.new_zeros(T, K, num_experts).scatter_(-1, experts_TK.unsqueeze(-1), 1)
+    onehot_GSKE = onehot_TKE.view(groups, size, K, num_experts)
     order_GQE = onehot_GSKE.transpose(1, 2) if k_major else onehot_GSKE  # priority-major
     order_GQE = order_GQE.reshape(groups, size * K, num_experts)
     position_GQE = torch.cumsum(order_GQE, dim=1) - 1  # slot each assignment would take
@@ -226,7 +229,7 @@ def check_ffn_shapes(x_ND: Tensor, counts_E: Tensor, w_gate: Tensor, w_up: Tenso
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe::route", mutates_args=())
+@eager.custom_op("moe::route", mutates_args=())
 def route(
     logits_TE: Tensor,
     selection_bias_E: Tensor | None,
@@ -297,13 +300,13 @@ def _route_bwd(ctx, grad_weights_TK, _grad_experts):
 def register_route_autograd(op: Any) -> None:
     """Autograd for an op with `moe.route`'s schema (the dialect's and the lowered gating kernel's):
     `route_backward_ref` on the selected experts."""
-    op.register_autograd(_route_bwd, setup_context=_route_setup)
+    eager.register_autograd(op, _route_bwd, setup_context=_route_setup)
 
 
 register_route_autograd(route)
 
 
-@torch.library.custom_op("moe::update_selection_bias", mutates_args=("selection_bias",))
+@eager.custom_op("moe::update_selection_bias", mutates_args=("selection_bias",))
 def update_selection_bias(selection_bias: Tensor, experts_TK: Tensor, rate: float, training: bool) -> None:
     """In train mode, one balancing step of `selection_bias` in place (`update_selection_bias_ref`);
     in eval mode nothing. The bias is state, not a parameter: no gradient flows through this."""
@@ -335,7 +338,7 @@ def count_load_ref(counter_R: Tensor, experts_TK: Tensor) -> Tensor:
     return counter_R + expert_load_ref(experts_TK, counter_R.shape[0]).to(counter_R.dtype)
 
 
-@torch.library.custom_op("moe::count_load", mutates_args=("counter_R",))
+@eager.custom_op("moe::count_load", mutates_args=("counter_R",))
 def count_load(counter_R: Tensor, experts_TK: Tensor, training: bool) -> None:
     """In train mode, add each expert's load to `counter_R` in place (`count_load_ref`); in eval mode nothing.
     The counter is the block's state (a buffer), never a parameter: nothing flows back through it."""
@@ -352,7 +355,7 @@ def _(counter_R, experts_TK, training):
     return None
 
 
-@torch.library.custom_op("moe::capacity_keep", mutates_args=())
+@eager.custom_op("moe::capacity_keep", mutates_args=())
 def capacity_keep(experts_TK: Tensor, num_experts: int, capacity: int, group_size: int, k_major: bool) -> Tensor:
     return capacity_keep_ref(experts_TK, num_experts, capacity, group_size, k_major)
 
@@ -362,7 +365,7 @@ def _(experts_TK, num_experts, capacity, group_size, k_major):
     return torch.empty_like(experts_TK, dtype=torch.bool)
 
 
-@torch.library.custom_op("moe::permute", mutates_args=())
+@eager.custom_op("moe::permute", mutates_args=())
 def permute(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     return permute_ref(x_TD, experts_TK, num_experts)
 
@@ -387,7 +390,7 @@ def _permute_setup(ctx, inputs, output):
 
 def permute_backward(grad_x_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
     """grad_x_TD of `permute`: each token's K routed rows summed."""
-    return torch.ops.moe.unpermute(grad_x_ND, order_N, top_k).sum(dim=1)
+    return eager.call(torch.ops.moe.unpermute.default, grad_x_ND, order_N, top_k).sum(dim=1)
 
 
 def _permute_bwd(ctx, grad_x_ND, _grad_counts, _grad_order):
@@ -395,10 +398,10 @@ def _permute_bwd(ctx, grad_x_ND, _grad_counts, _grad_order):
     return permute_backward(grad_x_ND, order_N, ctx.top_k), None, None
 
 
-permute.register_autograd(_permute_bwd, setup_context=_permute_setup)
+eager.register_autograd(permute, _permute_bwd, setup_context=_permute_setup)
 
 
-@torch.library.custom_op("moe::unpermute", mutates_args=())
+@eager.custom_op("moe::unpermute", mutates_args=())
 def unpermute(y_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
     return unpermute_ref(y_ND, order_N, top_k)
 
@@ -425,10 +428,10 @@ def _unpermute_bwd(ctx, grad_y_TKD):
     return unpermute_backward(grad_y_TKD, order_N), None, None
 
 
-unpermute.register_autograd(_unpermute_bwd, setup_context=_unpermute_setup)
+eager.register_autograd(unpermute, _unpermute_bwd, setup_context=_unpermute_setup)
 
 
-@torch.library.custom_op("moe::combine", mutates_args=())
+@eager.custom_op("moe::combine", mutates_args=())
 def combine(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
     return combine_ref(y_TKD, weights_TK)
 
@@ -457,7 +460,7 @@ def _combine_bwd(ctx, grad_TD):
     return combine_backward(grad_TD, *ctx.saved_tensors)
 
 
-combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
+eager.register_autograd(combine, _combine_bwd, setup_context=_combine_setup)
 
 
 def expert_ffn_backward_ref(
@@ -605,9 +608,40 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
     lib = torch.library.Library(namespace, "FRAGMENT")
     _FFN_LIBS.append(lib)
     lib.define(f"{name}({FFN_ARGS}, bool recompute=False) -> Tensor")
+    ExpertFFN = expert_ffn_function(forward_op, backward_op, split_backward)
 
     def run(*args: Any) -> Tensor:  # no autograd: nothing to keep
         return forward_op(*args[:11], False)[0]
+
+    def autograd_kernel(*args: Any) -> Tensor:
+        args = args + (False,) * (12 - len(args))  # the dispatcher drops trailing defaults
+        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args[:8]):
+            return ExpertFFN.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return run(*args)
+
+    lib.impl(name, run, "CompositeExplicitAutograd")
+    lib.impl(name, autograd_kernel, "Autograd")
+    op = getattr(getattr(torch.ops, namespace), name).default
+    # eagerly: the same autograd.Function over the forward/backward ops' own functions (`moepass.eager`)
+    forward_fn, backward_fn = eager.function_of(forward_op), eager.function_of(backward_op)
+    if forward_fn is not None and backward_fn is not None:
+        eager.register(op, eager.EagerOp(op, lambda *args: forward_fn(*args[:11], False)[0],
+                                         function=expert_ffn_function(forward_fn, backward_fn, split_backward)))
+
+    def fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate, b_up, b_down, activation, *rest):
+        check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
+        return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
+
+    torch.library.register_fake(qualname, fake, lib=lib)
+    return op
+
+
+def expert_ffn_function(forward_op: Any, backward_op: Any,
+                        split_backward: Callable[..., tuple[Tensor, Callable[[], list[Tensor | None]]]] | None,
+                        ) -> type[torch.autograd.Function]:
+    """The autograd.Function of an expert-FFN op over these forward / backward callables (see
+    `define_expert_ffn`): the ops under the dispatcher and AOT, their functions eagerly."""
 
     class ExpertFFN(torch.autograd.Function):
         @staticmethod
@@ -645,22 +679,7 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
                     result[i] = grads[slot]
             return tuple(result)
 
-    def autograd_kernel(*args: Any) -> Tensor:
-        args = args + (False,) * (12 - len(args))  # the dispatcher drops trailing defaults
-        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args[:8]):
-            return ExpertFFN.apply(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return run(*args)
-
-    lib.impl(name, run, "CompositeExplicitAutograd")
-    lib.impl(name, autograd_kernel, "Autograd")
-
-    def fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate, b_up, b_down, activation, *rest):
-        check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
-        return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
-
-    torch.library.register_fake(qualname, fake, lib=lib)
-    return getattr(getattr(torch.ops, namespace), name).default
+    return ExpertFFN
 
 
 def saved_activations(x_ND: Tensor, w_gate_EFD: Tensor, gated: bool, save: bool) -> tuple[Tensor, Tensor]:
@@ -687,7 +706,7 @@ def ffn_gradient_fakes(
     return [x_ND.new_empty(0) if t is None else like(t) for t in inputs]
 
 
-@torch.library.custom_op("moe::expert_ffn_forward", mutates_args=())
+@eager.custom_op("moe::expert_ffn_forward", mutates_args=())
 def expert_ffn_forward(
     x_ND: Tensor,
     counts_E: Tensor,
@@ -719,7 +738,7 @@ def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_do
             *saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, save))
 
 
-@torch.library.custom_op("moe::expert_ffn_backward", mutates_args=())
+@eager.custom_op("moe::expert_ffn_backward", mutates_args=())
 def expert_ffn_backward(
     grad_y_ND: Tensor,
     x_ND: Tensor,

@@ -28,10 +28,17 @@ fewer elements alive between forward and backward for 2/3 more forward GEMM work
 trade `cost_model.ep.compute_time(recompute=1)` prices. The activation output a = act(h_gate, h_up)
 is recomputed from the saved pre-activations (elementwise, cheap) rather than kept.
 
-GEMM engine, per call (`grouped_mm_ok`): `torch._grouped_mm` (one kernel for all experts, row groups
-given by `offs = cumsum(counts_E)` on the device: no host sync) where it runs — CPU in fp32/bf16/fp16
-and CUDA in bf16 on sm_90+, each with 16-byte aligned strides —, else a loop over experts writing into
-preallocated outputs (`torch.mm(out=...)`), which reads `counts_E` on the host once per call.
+GEMM engine, per GEMM: a small one (E·N·K·Q <= `PADDED_MACS`: the layer's host overhead outweighs its
+arithmetic) runs *padded*: the rows scattered into a zero `[E, N, K]` buffer (each expert's rows first, at
+most N of them), one `torch.bmm`, the rows gathered back — a few ops whatever E and no host read (the
+grouped GEMM below costs ~13 ops per expert on CPU, the loop a host sync). One GEMM per expert over its
+rows, as the other engines, so one expert equals a dense MLP bit for bit
+(`tests/test_compile_parity.py`). Otherwise `torch._grouped_mm` (one kernel
+for all experts, row groups given by `offs = cumsum(counts_E)` on the device: no host sync) where it runs —
+CPU in fp32/bf16/fp16 and CUDA in bf16 on sm_90+, each with 16-byte aligned strides (`grouped_mm_ok`) —,
+else a loop over experts writing into preallocated outputs (`torch.mm(out=...)`), which reads `counts_E`
+on the host once per call. All three compute the same products; rows past an expert's count are zeros,
+which add nothing to a weight gradient.
 
 Shape legend: N rows sorted by expert, D model width, F expert hidden width, E experts.
 """
@@ -46,6 +53,7 @@ from torch import Tensor
 from moepass.activations import GATED_ACTIVATIONS, activate, activate_and_backward
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PADDED_MACS = 1 << 18  # a GEMM of at most E·N·K·Q multiply-adds runs padded (see the module docstring)
 
 
 def fused_gate_up(w_up: Tensor | None, activation: str) -> bool:
@@ -110,6 +118,31 @@ class Rows:
         self._offs: Tensor | None = None
         self._sizes: list[int] | None = None
         self._experts: Tensor | None = None
+        self._slots: Tensor | None = None
+        self._padded: tuple[Tensor, Tensor] | None = None  # the last tensor `pad` was given, and its padding
+
+    def small(self, k: int, q: int) -> bool:
+        """Whether a GEMM with reduction k and q output columns runs padded (`PADDED_MACS`)."""
+        return self.counts_E.shape[0] * self.rows * k * q <= PADDED_MACS
+
+    @property
+    def slots(self) -> Tensor:
+        """Each sorted row's place in an `[E, N]` padding: expert * N + its rank among the expert's rows."""
+        if self._slots is None:
+            starts_E = torch.cumsum(self.counts_E, 0) - self.counts_E
+            experts_N = self.experts
+            self._slots = (experts_N * self.rows + torch.arange(self.rows, device=experts_N.device)
+                           - starts_E.index_select(0, experts_N))
+        return self._slots
+
+    def pad(self, a_NK: Tensor) -> Tensor:
+        """a_NK's rows in a zero `[E, N, K]` buffer, expert e's first (no host read)."""
+        if self._padded is not None and self._padded[0] is a_NK:
+            return self._padded[1]
+        E, N, K = self.counts_E.shape[0], self.rows, a_NK.shape[1]
+        padded_ENK = a_NK.new_zeros(E * N, K).index_copy_(0, self.slots, a_NK).view(E, N, K)
+        self._padded = (a_NK, padded_ENK)
+        return padded_ENK
 
     @property
     def offs(self) -> Tensor:
@@ -126,6 +159,9 @@ class Rows:
 
     def mm(self, a_NK: Tensor, b_EKQ: Tensor) -> Tensor:
         """out_NQ[rows_e] = a_NK[rows_e] @ b_EKQ[e]."""
+        if self.small(a_NK.shape[1], b_EKQ.shape[-1]):
+            out_ENQ = torch.bmm(self.pad(a_NK), b_EKQ)
+            return out_ENQ.view(-1, out_ENQ.shape[-1]).index_select(0, self.slots)
         if grouped_mm_ok(a_NK, b_EKQ):
             return torch._grouped_mm(a_NK, b_EKQ, offs=self.offs)
         out_NQ = a_NK.new_empty(a_NK.shape[0], b_EKQ.shape[-1])
@@ -138,6 +174,8 @@ class Rows:
 
     def wgrad(self, a_NP: Tensor, b_NQ: Tensor) -> Tensor:
         """out_EPQ[e] = a_NP[rows_e]^T @ b_NQ[rows_e]; zero for experts without rows."""
+        if self.small(a_NP.shape[1], b_NQ.shape[1]):
+            return torch.bmm(self.pad(a_NP).transpose(1, 2), self.pad(b_NQ))
         a_PN = a_NP.t()
         if grouped_mm_ok(a_PN, b_NQ):
             return torch._grouped_mm(a_PN, b_NQ, offs=self.offs)

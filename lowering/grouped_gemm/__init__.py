@@ -40,7 +40,7 @@ from lowering.grouped_gemm.configs import (
 from lowering.grouped_gemm.host import expert_ffn_backward, expert_ffn_forward, fused_grads, unfused, validate
 from lowering.grouped_gemm.launch import gate_up_launch, rows_launch, wgrad_launch
 from lowering.grouped_gemm.source import PROXY_EXPERTS, gpu_build_requests, gpu_builds, kernel_module, render
-from moepass import dialect
+from moepass import dialect, eager
 from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
 generated_source_for = render  # its name before the family followed the `render` convention
@@ -88,7 +88,7 @@ def generated_source(
                                     b_down_ED, activation, clamp_limit, alpha))))
 
 
-@torch.library.custom_op("moe_lowered::expert_ffn_forward", mutates_args=())
+@eager.custom_op("moe_lowered::expert_ffn_forward", mutates_args=())
 def expert_ffn_forward_op(
     x_ND: Tensor,
     counts_E: Tensor,
@@ -108,7 +108,7 @@ def expert_ffn_forward_op(
             alpha)
     if eligible(*args) is None:
         return expert_ffn_forward(*unfused(args)), x_ND.new_empty(0), x_ND.new_empty(0)
-    return torch.ops.moe.expert_ffn_forward(*args, save)  # the torch fallback
+    return eager.call(torch.ops.moe.expert_ffn_forward.default, *args, save)  # the torch fallback
 
 
 @expert_ffn_forward_op.register_fake
@@ -122,7 +122,7 @@ def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_do
             *dialect.saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, keep))
 
 
-@torch.library.custom_op("moe_lowered::expert_ffn_backward", mutates_args=())
+@eager.custom_op("moe_lowered::expert_ffn_backward", mutates_args=())
 def expert_ffn_backward_op(
     grad_y_ND: Tensor,
     x_ND: Tensor,
@@ -145,7 +145,8 @@ def expert_ffn_backward_op(
     if eligible(*args) is None:
         grads = fused_grads(expert_ffn_backward(grad_y_ND, *unfused(args)), args)
         return [x_ND.new_empty(0) if g is None else g for g in grads]
-    return torch.ops.moe.expert_ffn_backward(grad_y_ND, x_ND, h_gate_NF, h_up_NF, *args[1:])  # torch fallback
+    return eager.call(torch.ops.moe.expert_ffn_backward.default, grad_y_ND, x_ND, h_gate_NF, h_up_NF,  # torch fallback
+                      *args[1:])
 
 
 @expert_ffn_backward_op.register_fake

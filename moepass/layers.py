@@ -25,7 +25,7 @@ class Layer:
 LAYERS = (
     Layer("core",
           ("moepass.errors", "moepass.spec", "moepass.activations", "moepass.envflags", "moepass.plan",
-           "moepass.dialect", "moepass.grouped_ffn", "moepass.generic_experts", "moepass.module_copy",
+           "moepass.dialect", "moepass.eager", "moepass.grouped_ffn", "moepass.generic_experts", "moepass.module_copy",
            "moepass.nn.*", "moepass.layers", "cost_model.presets"),
           (),
           "plain data and the dialect: block specs, Plan, errors, hardware figures, the moe:: op schemas with "

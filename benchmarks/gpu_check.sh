@@ -24,7 +24,7 @@ for step in $STEPS; do
     bench) timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/kernels.py --out "$OUT/kernels.json" \
            > "$OUT/kernels_bench.log" 2>&1; echo "rc=$?"; tail -c 3000 "$OUT/kernels_bench.log" ;;
     never_slower) timeout "${NEVER_SLOWER_TIMEOUT:-200}" python3 benchmarks/never_slower.py --device cuda \
-                  --dtypes float32,bfloat16 --rounds 5 --iters 20 --out "$OUT/never_slower_cuda.json" 2>&1 \
+                  --dtypes float32,bfloat16 --sizes layer,tiny --rounds 5 --iters 20 ${NEVER_SLOWER_ARGS:-} --out "$OUT/never_slower_cuda.json" 2>&1 \
                   | tee "$OUT/never_slower.log"; echo "rc=${PIPESTATUS[0]}" ;;
     train) for form in single ep fsep; do
              timeout "${TRAIN_TIMEOUT:-90}" python3 -m moepass train --form $form --nproc 1 --device cuda --steps 40 \

@@ -99,9 +99,9 @@ def search(args: argparse.Namespace) -> int:
             print(f"  filled {figure}: {source}")
         for assumption in read.assumptions:
             print(f"  assumed: {assumption}")
-        for label, result in search_scenario(args.scenario):
+        for label, ranked in search_scenario(args.scenario):
             print(f"\n== {label}")
-            print(result.table(limit=args.limit))
+            print(ranked.table(limit=args.limit))
         return 0
     if args.target is None:
         raise SystemExit("moepass search: give a model (module:callable) or --scenario FILE")

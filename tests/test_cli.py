@@ -110,6 +110,9 @@ SUBCOMMAND_OPTIONS = {  # every option each subcommand takes, as --help lists it
     "calibrate": ["--out", "--quick", "--reps", "--timeout", "--no-progress", "--no-host"],
     "bench": ["names", "--all", "--quick", "--full", "--out"],
     "selfcheck": ["--json", "--fault"],
+    "train": ["--form", "--nproc", "--device", "--steps", "--seed", "--seq", "--global-batch", "--experts", "--top-k",
+              "--lr", "--warmup", "--clip", "--ep-size", "--fsdp", "--grad-sync", "--bf16", "--ac", "--compile",
+              "--reference", "--out", "--ckpt-every", "--resume"],
 }
 
 

@@ -55,8 +55,7 @@ def grads_of(fn, args, probe):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("D,F,engine", [(16, 32, "small"), (16, 32, "grouped_mm"), (6, 10, "loop")])
 def test_matches_the_reference_forward_and_every_gradient(activation, bias, recompute, D, F, engine, monkeypatch):
-    if engine != "small":
-        monkeypatch.setattr(grouped_ffn, "PADDED_MACS", 0)
+    monkeypatch.setattr(grouped_ffn, "PADDED_MACS", 1 << 18 if engine == "small" else 0)  # the small engine: opt-in
     args = ffn_args(activation, D, F, bias)
     probe = torch.randn(args[0].shape[0], D)
     with OpLog() as log:
@@ -222,8 +221,7 @@ def test_a_compiled_modulelist_block_pickles_and_still_reads_in_place():
 @pytest.mark.parametrize("D,F,engine", [(16, 32, "small"), (16, 32, "grouped_mm"), (6, 10, "loop")])
 def test_fused_gate_up_equals_separate_gate_and_up(activation, D, F, engine, monkeypatch):
     """w_gate [E, 2F, D] without w_up (Hugging Face's gate_up_proj): the same function, one GEMM each way."""
-    if engine != "small":
-        monkeypatch.setattr(grouped_ffn, "PADDED_MACS", 0)
+    monkeypatch.setattr(grouped_ffn, "PADDED_MACS", 1 << 18 if engine == "small" else 0)  # the small engine: opt-in
     x, counts, wg, wu, wd, *_, act, clamp, alpha = ffn_args(activation, D, F, bias=False)
     fused = torch.cat([wg.detach(), wu.detach()], 1).requires_grad_()
     probe = torch.randn(x.shape[0], D)

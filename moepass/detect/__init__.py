@@ -236,12 +236,12 @@ def recorded_blocks(model: nn.Module, example_inputs: Any, example_kwargs: dict[
             return [], f"forward not recorded: {made}"
         args, how = made
         note = f"forward recorded on a synthesized input ({how}; pass example_inputs for the model's own)"
-    elif isinstance(example_inputs, Mapping):  # a batch as a tokenizer / data collator gives it: model(**batch)
-        args, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
-        note = "forward recorded on the example input"
     else:
-        args = example_inputs if isinstance(example_inputs, tuple) else () if example_inputs is None \
-            else (example_inputs,)
+        if isinstance(example_inputs, Mapping):  # a batch as a tokenizer / data collator gives it: model(**batch)
+            args, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
+        else:
+            args = example_inputs if isinstance(example_inputs, tuple) else () if example_inputs is None \
+                else (example_inputs,)
         note = "forward recorded on the example input"
     cap = record_model(model, args, example_kwargs)
     if isinstance(cap, str):

@@ -18,16 +18,13 @@ from torch.distributed.tensor import DTensor
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Parameter groups by (mesh, decays): one per plain/DTensor mesh and per weight-decay setting."""
-    groups: dict[tuple[int, bool], dict] = {}
-    meshes: dict[int, object] = {}
+    groups: dict[tuple[object, bool], dict] = {}  # keyed by the mesh itself (None: plain tensors), as grads.py does
     for p in model.parameters():
         if not p.requires_grad:
             continue
         mesh = p.device_mesh if isinstance(p, DTensor) else None
-        key = 0 if mesh is None else next((k for k, m in meshes.items() if m is mesh), len(meshes) + 1)
-        meshes.setdefault(key, mesh)
         decays = p.dim() >= 2
-        group = groups.setdefault((key, decays), {"params": [], "weight_decay": weight_decay if decays else 0.0})
+        group = groups.setdefault((mesh, decays), {"params": [], "weight_decay": weight_decay if decays else 0.0})
         group["params"].append(p)
     return list(groups.values())
 

@@ -76,11 +76,12 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
                         "the ranks of an initialised process group of more than one rank. Leave it 'none', or "
                         "compile on every rank under torchrun (init_process_group first).")
     _meta_needs_single(plan, report, model)
-    if plan.deterministic:
-        determinism.enable()  # before any block is built: kernels specialise on it
     info = CompileInfo(plan=plan, report=report)
-    with gc_paused():  # thousands of modules and graph nodes are made: no collection walks them meanwhile
+    mode = determinism.deterministic() if plan.deterministic else contextlib.nullcontext()
+    with gc_paused(), mode:  # thousands of modules and graph nodes are made: no collection walks them meanwhile
         target = rewrite_blocks(model, plan, report, info, inplace)
+    if plan.deterministic:  # the compiled model's forward and backward, not the whole process
+        object.__setattr__(target, "moepass_determinism", determinism.scope(target))
     if plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1:
         from moepass.runtime.grad_sync import GradientSync  # every rank compiles in the same order: a collective
 

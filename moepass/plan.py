@@ -60,7 +60,7 @@ ACTS_UNDER: dict[str, tuple[tuple[str, ...], str]] = {
     "mu": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
     "alpha": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
     "lowering": (FORMS, "the kernels the lower pass uses"),
-    "deterministic": (FORMS, "process-wide determinism"),
+    "deterministic": (FORMS, "determinism of the compiled model's forward and backward"),
     "grad_sync": (FORMS, "the gradient synchronisation over the ranks"),
     "expert_recompute": (FORMS, "the expert FFN's backward"),
     "blocks": (FORMS, "per-block overrides"),
@@ -199,7 +199,7 @@ class Plan:
             for name in PLAN_WIDE:
                 if override.get(name, getattr(self, name)) != getattr(self, name):
                     raise PlanError(f"Plan.blocks[{pattern!r}][{name!r}]={override[name]!r} is invalid: {name} applies "
-                                    f"to the whole model (determinism is process-wide, gradient synchronisation "
+                                    f"to the whole model (determinism covers the whole model's run, gradient synchronisation "
                                     f"model-wide, strictness covers every block compile may leave); set "
                                     f"Plan({name}=...) on the whole plan, not per block.")
             try:

@@ -149,8 +149,7 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     y_TQ.replace_all_uses_with(y_new)
     graph.erase_node(y_TQ)
 
-    gm.form = PASS
-    gm.layout = layout
+    effects.form, effects.layout = PASS, layout
     stats = {"heads": H, "local_heads": Hl, "hp_size": P, "dp_size": groups.dp_size, "experts_per_head": E,
              "exchange_rows_per_peer": "T*Ql (equal)"}
     return PassResult(gm, changed=True, stats=stats, effects=effects)

@@ -215,8 +215,7 @@ def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     y_TQ.replace_all_uses_with(y_new)
     graph.erase_node(y_TQ)
 
-    gm.form = PASS
-    gm.layout = layout
+    effects.form, effects.layout = PASS, layout
     stats = {"heads": H, "local_heads": Hl, "hp_size": G, "head_ep_size": P, "dp_size": groups.dp_size,
              "mesh": f"dp x hp x ep = {groups.dp_size} x {G} x {P}", "experts_per_head": E, "local_experts": L,
              "exchange_rows_per_peer": "HP: T*Ql (equal); EP: by routing"}

@@ -240,8 +240,7 @@ def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
                       float(plan.mu), b.attr("training"), name="locality_losses")
         share = b.fn(own_node_share, experts_T1, b.attr("locality.on_node_E"), name="own_node_share")
         b.module("locality", losses, floor_3, share, name="locality_record")
-    gm.form = PASS
-    gm.layout = layout
+    effects.form, effects.layout = PASS, layout
     stats = {"experts": E, "local_experts": L, "ep_size": groups.ep_size, "dp_size": groups.dp_size,
              "gate": plan.gate, "own_node_experts": own, "capacity": "floor rule" if keep_T1 is not None else "dropless"}
     return PassResult(gm, changed=True, stats=stats, effects=effects)

@@ -154,13 +154,6 @@ def local_target(num_experts: int, own: list[int]) -> Tensor:
     return target_E
 
 
-def _node(graph: fx.Graph, name: str) -> fx.Node:
-    for n in graph.nodes:
-        if n.name == name:
-            return n
-    raise ValueError(f"the locality rewrite expects a node {name!r} in the canonical graph")
-
-
 def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The locality pass (module doc): top-1 locality router, floor capacity, losses, EP dispatch."""
     spec = gm.spec
@@ -186,7 +179,7 @@ def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
     b.graph = graph
     route = exchange.only(graph, dialect.ROUTE, "moe.route")
     old = {user.args[1]: user for user in route.users}  # getitem 0: weights, 1: experts
-    x_TD, logits = _node(graph, "x_TD"), route.args[0]
+    x_TD, logits = exchange.named(graph, "x_TD"), route.args[0]
     assert isinstance(logits, fx.Node)
     with graph.inserting_before(route):
         if plan.gate == "grap":  # the block's router is no longer read; the side output shows the GrAP logits

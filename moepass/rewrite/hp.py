@@ -42,6 +42,7 @@ from moepass.rewrite.experts import as_dtensor, expert_grad_hook, local_shard, s
 from moepass.runtime import collectives as comm
 from moepass.runtime.hp import UPDATE_SELECTION_BIAS_OVER_GROUP, HPLayout, heads_to_tokens, tokens_to_heads
 from moepass.runtime.topology import ep_groups
+from moepass.spec import MoESpec
 
 PASS = "hp"
 
@@ -53,12 +54,7 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The HP pass: shard the heads over the group, exchange sub-tokens before routing (see module doc)."""
     assert plan.head_ep_size == 1, "HP with EP inside is moepass.rewrite.hp_ep's pass (pipeline.REWRITES)"
     spec = gm.spec
-    if spec.heads is None:
-        raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; block {spec.path or '<root>'} has no "
-                        f"heads (the pipeline converts standard blocks first: see moepass.rewrite.latent).")
-    if spec.side_outputs:
-        raise PlanError(f"Plan.form='hp' cannot keep block {spec.path or '<root>'}'s side outputs "
-                        f"{list(spec.side_outputs)} (router logits live on the heads' ranks).")
+    check_block(spec)
     device = next(iter(gm.parameters())).device
     groups = ep_groups(plan.topology, plan.ep_size, device.type)
     P, H, h, E = groups.ep_size, spec.heads.num_heads, spec.heads.head_dim, spec.router.num_experts
@@ -112,6 +108,17 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
 
 
 # The steps HP and HP+EP (`rewrite.hp_ep`) share, on the canonical Multi-Head LatentMoE graph's named nodes.
+
+def check_block(spec: MoESpec) -> None:
+    """What form='hp' needs of a block: a Multi-Head LatentMoE without side outputs."""
+    where = f"block {spec.path or '<root>'}"
+    if spec.heads is None:
+        raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; {where} has no heads (the pipeline "
+                        f"converts standard blocks first: see moepass.rewrite.latent).")
+    if spec.side_outputs:
+        raise PlanError(f"Plan.form='hp' cannot keep {where}'s side outputs {list(spec.side_outputs)} (router "
+                        f"logits live on the heads' ranks).")
+
 
 def to_head_ranks(graph: fx.Graph, b: GraphBuilder, group: str, ranks: int) -> fx.Node:
     """Sub-tokens to the `ranks` ranks of `group` holding their heads, before routing: z_TQ's users read the

@@ -56,7 +56,14 @@ from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import insert_exchange, only
 from moepass.rewrite.experts import shard_experts
-from moepass.rewrite.hp import back_to_token_ranks, bias_over_group, local_heads, read_local_shards, to_head_ranks
+from moepass.rewrite.hp import (
+    back_to_token_ranks,
+    bias_over_group,
+    check_block,
+    local_heads,
+    read_local_shards,
+    to_head_ranks,
+)
 from moepass.runtime import collectives as comm
 from moepass.runtime.hp import HPLayout
 from moepass.runtime.topology import HeadEPGroups, head_ep_groups
@@ -105,13 +112,8 @@ def head_grad_hook(groups: HeadEPGroups) -> Callable[[Tensor], Tensor]:
 def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The HP pass with EP inside each head group (see module doc)."""
     spec = gm.spec
+    check_block(spec)
     where = f"block {spec.path or '<root>'}"
-    if spec.heads is None:
-        raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; {where} has no heads (the pipeline "
-                        f"converts standard blocks first: see moepass.rewrite.latent).")
-    if spec.side_outputs:
-        raise PlanError(f"Plan.form='hp' cannot keep {where}'s side outputs {list(spec.side_outputs)} (router "
-                        f"logits live on the heads' ranks).")
     device = next(iter(gm.parameters())).device
     groups = head_ep_groups(plan.topology, plan.ep_size, plan.head_ep_size, device.type)
     G, P, W = groups.head_groups, groups.head_ep, groups.world_size

@@ -664,7 +664,7 @@ def test_fit_recovers_alpha_beta(alpha, beta):
     assert a == pytest.approx(alpha, rel=0.1, abs=2e-6) and b == pytest.approx(beta, rel=0.1)
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_calibration_smoke_run():
     # its wall time is measured by benchmarks/tool_time.py (no timing asserts on shared cores)
     out = calibrate.measure_a2a([65536], reps=3, timeout_s=30)

@@ -41,7 +41,7 @@ from cost_model import ep as cm_ep  # noqa: E402
 from cost_model import hierarchical as cm  # noqa: E402
 from moepass import PlanError  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 W, NODES, PER_NODE = 4, 2, 2
 BYTES = 4  # fp32

@@ -617,7 +617,7 @@ def test_hp_skips_what_it_cannot_convert():
 @pytest.mark.parametrize("heads", [None, 8])
 def test_form_auto_never_picks_hp(heads):
     """Where HP is the fastest plan priced, form="auto" still picks an exact one: HP changes the model and is
-    applied only when the plan names it (DESIGN.md). Plan.heads given with auto shapes the HP rows, then is reset."""
+    applied only when the plan names it (docs/DESIGN.md). Plan.heads given with auto shapes the HP rows, then is reset."""
     from types import SimpleNamespace
 
     from moepass.api import resolve_auto

@@ -30,7 +30,7 @@ Packing P hosts P times the experts of plain EP on each device: the experts span
 replicated P times, which in this model is the same as ep_size = ep/P. Equivalent candidates are
 priced once (the plain form is kept) unless the caller restricts `ep_sizes`.
 
-HP is an architecture change (DESIGN.md: math-changing forms happen only when the plan names them): the
+HP is an architecture change (docs/DESIGN.md: math-changing forms happen only when the plan names them): the
 standard block becomes the Multi-Head LatentMoE `moepass.rewrite.latent.latent_shape` converts it to
 (equal active parameters; H = Plan.heads, else the least multiple of P that is >= 4; h = D/H), priced by
 `cost_model.hp.hp_layer`. Its exchange is T*Q*(P-1)/P elements per rank per direction whatever K, and a

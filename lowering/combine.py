@@ -1,7 +1,7 @@
 """Combine: `moe.unpermute` + `moe.combine` fused into generated Triton kernels.
 
-Shape legend: T tokens, D model width, K top-k, N = T*K routed rows (expert-sorted order, as
-`moe.permute` leaves them); BLOCK_* are tile sizes, baked into the generated source.
+Shape letters: `moepass.spec.SHAPES` (a tile of Y rows by Z columns). The N routed rows come in expert-sorted
+order, as `moe.permute` leaves them; BLOCK_* are tile sizes, baked into the generated source.
 
     out_TD[t] = sum_k weights_TK[t, k] * y_ND[row(t, k)]     row(t, k) = n with order_N[n] = t*K + k
 
@@ -72,9 +72,9 @@ def invert_kernel(
     N,
     BLOCK: tl.constexpr,
 ):
-    n_B = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok_B = n_B < N
-    tl.store(inv_ptr + tl.load(order_ptr + n_B, mask=ok_B, other=0), n_B, mask=ok_B)
+    n_Y = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok_Y = n_Y < N
+    tl.store(inv_ptr + tl.load(order_ptr + n_Y, mask=ok_Y, other=0), n_Y, mask=ok_Y)
 
 
 @triton.jit
@@ -87,16 +87,16 @@ def combine_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    t_B = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    d_C = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    t_ok_B = t_B < T
-    ok_BC = t_ok_B[:, None] & (d_C < $D)[None, :]
-    acc_BC = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    t_Y = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d_Z = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_ok_Y = t_Y < T
+    ok_YZ = t_ok_Y[:, None] & (d_Z < $D)[None, :]
+    acc_YZ = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for k in range($K):  # a loop, not unrolled: K unrolled gathers of BLOCK_T x BLOCK_D spill at K=8
-        row_B = tl.load(inv_ptr + t_B * $K + k, mask=t_ok_B, other=0)
-        y_BC = tl.load(y_ptr + row_B[:, None] * $D + d_C[None, :], mask=ok_BC, other=0.0).to(tl.float32)
+        row_Y = tl.load(inv_ptr + t_Y * $K + k, mask=t_ok_Y, other=0)
+        y_YZ = tl.load(y_ptr + row_Y[:, None] * $D + d_Z[None, :], mask=ok_YZ, other=0.0).to(tl.float32)
 $ACCUMULATE
-    tl.store(out_ptr + t_B[:, None] * $D + d_C[None, :], round_y(acc_BC).to($Y_TL), mask=ok_BC)
+    tl.store(out_ptr + t_Y[:, None] * $D + d_Z[None, :], round_y(acc_YZ).to($Y_TL), mask=ok_YZ)
 $BACKWARD
 
 def launch(y_ND, order_N, weights_TK, out_TD):
@@ -115,9 +115,9 @@ GPU_BUILDS = [
 $BACKWARD_BUILD]
 '''
 
-_ACCUMULATE_WEIGHTED = '''        w_B = tl.load(w_ptr + t_B * $K + k, mask=t_ok_B, other=0.0).to(tl.float32)
-        acc_BC += w_B[:, None] * y_BC'''
-_ACCUMULATE_SUM = '''        acc_BC += y_BC'''
+_ACCUMULATE_WEIGHTED = '''        w_Y = tl.load(w_ptr + t_Y * $K + k, mask=t_ok_Y, other=0.0).to(tl.float32)
+        acc_YZ += w_Y[:, None] * y_YZ'''
+_ACCUMULATE_SUM = '''        acc_YZ += y_YZ'''
 
 _BACKWARD = '''
 
@@ -133,20 +133,20 @@ def combine_backward_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    n_B = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok_B = n_B < N
-    slot_B = tl.load(order_ptr + n_B, mask=n_ok_B, other=0)  # t*K + k
-    t_B = slot_B // $K
-    w_B = tl.load(w_ptr + slot_B, mask=n_ok_B, other=0.0).to(tl.float32)
-    dot_B = tl.zeros([BLOCK_N], dtype=tl.float32)
+    n_Y = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok_Y = n_Y < N
+    slot_Y = tl.load(order_ptr + n_Y, mask=n_ok_Y, other=0)  # t*K + k
+    t_Y = slot_Y // $K
+    w_Y = tl.load(w_ptr + slot_Y, mask=n_ok_Y, other=0.0).to(tl.float32)
+    dot_Y = tl.zeros([BLOCK_N], dtype=tl.float32)
     for d0 in range(0, $D, BLOCK_D):
-        d_C = d0 + tl.arange(0, BLOCK_D)
-        ok_BC = n_ok_B[:, None] & (d_C < $D)[None, :]
-        g_BC = tl.load(g_ptr + t_B[:, None] * $D + d_C[None, :], mask=ok_BC, other=0.0).to(tl.float32)
-        y_BC = tl.load(y_ptr + n_B[:, None] * $D + d_C[None, :], mask=ok_BC, other=0.0).to(tl.float32)
-        tl.store(grad_y_ptr + n_B[:, None] * $D + d_C[None, :], round_y(g_BC * w_B[:, None]).to($Y_TL), mask=ok_BC)
-        dot_B += tl.sum(g_BC * y_BC, axis=1)
-    tl.store(grad_w_ptr + slot_B, round_w(dot_B).to($W_TL), mask=n_ok_B)
+        d_Z = d0 + tl.arange(0, BLOCK_D)
+        ok_YZ = n_ok_Y[:, None] & (d_Z < $D)[None, :]
+        g_YZ = tl.load(g_ptr + t_Y[:, None] * $D + d_Z[None, :], mask=ok_YZ, other=0.0).to(tl.float32)
+        y_YZ = tl.load(y_ptr + n_Y[:, None] * $D + d_Z[None, :], mask=ok_YZ, other=0.0).to(tl.float32)
+        tl.store(grad_y_ptr + n_Y[:, None] * $D + d_Z[None, :], round_y(g_YZ * w_Y[:, None]).to($Y_TL), mask=ok_YZ)
+        dot_Y += tl.sum(g_YZ * y_YZ, axis=1)
+    tl.store(grad_w_ptr + slot_Y, round_w(dot_Y).to($W_TL), mask=n_ok_Y)
 
 
 def launch_backward(grad_TD, y_ND, order_N, weights_TK, grad_y_ND, grad_w_TK):

@@ -1,7 +1,7 @@
 """Gating: `moe.route` as one Triton kernel generated per router specialisation.
 
-Shape legend: T tokens, E experts (E_PAD: next power of two), K top-k (K_PAD), G = n_group expert
-groups of X = E // G experts each.
+Shape letters: `moepass.spec.SHAPES` (a tile of Y tokens by Z expert columns; A = n_group expert groups of
+V = E/A experts, the template's $X). E_PAD and K_PAD are the next powers of two of E and K.
 
 One program scores BLOCK_T tokens: load the logits row block, score (softmax over E, sigmoid, or raw
 logits when the softmax comes after the top-k), add the selection-only bias, keep the best
@@ -121,35 +121,35 @@ def route_kernel(
     BLOCK_T: tl.constexpr,
 ):
     NEG = float("-inf")
-    rows_B = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok_B = rows_B < T
-    rows64_B = rows_B.to(tl.int64)
-    cols_C = tl.arange(0, $E_PAD)
-    col_ok_C = cols_C < $E
-    ok_BC = row_ok_B[:, None] & col_ok_C[None, :]
-    logits_BC = tl.load(logits_ptr + rows64_B[:, None] * $E + cols_C[None, :], mask=ok_BC, other=0.0).to(tl.float32)
-    logits_BC = tl.where(col_ok_C[None, :], logits_BC, NEG)  # padded experts never win
+    rows_Y = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok_Y = rows_Y < T
+    rows64_Y = rows_Y.to(tl.int64)
+    cols_Z = tl.arange(0, $E_PAD)
+    col_ok_Z = cols_Z < $E
+    ok_YZ = row_ok_Y[:, None] & col_ok_Z[None, :]
+    logits_YZ = tl.load(logits_ptr + rows64_Y[:, None] * $E + cols_Z[None, :], mask=ok_YZ, other=0.0).to(tl.float32)
+    logits_YZ = tl.where(col_ok_Z[None, :], logits_YZ, NEG)  # padded experts never win
 $STAGES
     # top-K: repeatedly take the best remaining expert, lowest index among equal scores
     kcols_K = tl.arange(0, $K_PAD)
-    taken_BC = tl.zeros([BLOCK_T, $E_PAD], dtype=tl.int32)
-    experts_BK = tl.zeros([BLOCK_T, $K_PAD], dtype=tl.int32)
-    picked_BK = tl.zeros([BLOCK_T, $K_PAD], dtype=tl.float32)
+    taken_YZ = tl.zeros([BLOCK_T, $E_PAD], dtype=tl.int32)
+    experts_YK = tl.zeros([BLOCK_T, $K_PAD], dtype=tl.int32)
+    picked_YK = tl.zeros([BLOCK_T, $K_PAD], dtype=tl.float32)
     for k in tl.static_range($K):
-        cand_BC = col_ok_C[None, :] & (taken_BC == 0)
-        best_B = tl.max(tl.where(cand_BC, choice_BC, NEG), axis=1)
-        expert_B = tl.min(tl.where(cand_BC & (choice_BC == best_B[:, None]), cols_C[None, :], $E_PAD), axis=1)
-        hit_BC = cols_C[None, :] == expert_B[:, None]
-        taken_BC = tl.where(hit_BC, 1, taken_BC)
-        value_B = tl.sum(tl.where(hit_BC, source_BC, 0.0), axis=1)
-        experts_BK = tl.where(kcols_K[None, :] == k, expert_B[:, None], experts_BK)
-        picked_BK = tl.where(kcols_K[None, :] == k, value_B[:, None], picked_BK)
+        cand_YZ = col_ok_Z[None, :] & (taken_YZ == 0)
+        best_Y = tl.max(tl.where(cand_YZ, choice_YZ, NEG), axis=1)
+        expert_Y = tl.min(tl.where(cand_YZ & (choice_YZ == best_Y[:, None]), cols_Z[None, :], $E_PAD), axis=1)
+        hit_YZ = cols_Z[None, :] == expert_Y[:, None]
+        taken_YZ = tl.where(hit_YZ, 1, taken_YZ)
+        value_Y = tl.sum(tl.where(hit_YZ, source_YZ, 0.0), axis=1)
+        experts_YK = tl.where(kcols_K[None, :] == k, expert_Y[:, None], experts_YK)
+        picked_YK = tl.where(kcols_K[None, :] == k, value_Y[:, None], picked_YK)
     k_ok_K = kcols_K < $K
 $WEIGHT_STAGES
-    out_ok_BK = row_ok_B[:, None] & k_ok_K[None, :]
-    out_offsets_BK = rows64_B[:, None] * $K + kcols_K[None, :]
-    tl.store(weights_ptr + out_offsets_BK, weights_BK.to($LOGITS_TL), mask=out_ok_BK)
-    tl.store(experts_ptr + out_offsets_BK, experts_BK.to(tl.int64), mask=out_ok_BK)
+    out_ok_YK = row_ok_Y[:, None] & k_ok_K[None, :]
+    out_offsets_YK = rows64_Y[:, None] * $K + kcols_K[None, :]
+    tl.store(weights_ptr + out_offsets_YK, weights_YK.to($LOGITS_TL), mask=out_ok_YK)
+    tl.store(experts_ptr + out_offsets_YK, experts_YK.to(tl.int64), mask=out_ok_YK)
 
 
 def launch(logits_TE, bias, bias_row_stride, weights_TK, experts_TK):
@@ -166,59 +166,59 @@ GPU_BUILDS = [dict(kernel="route_kernel", num_warps=$NUM_WARPS, constexprs=dict(
 
 _SCORE = {
     "softmax_before": '''    # scores: softmax over the E experts, rounded to the logits dtype
-    shifted_BC = logits_BC - tl.max(logits_BC, axis=1)[:, None]
-    exp_BC = tl.exp(shifted_BC)
-    scores_BC = round_l(exp_BC / tl.sum(exp_BC, axis=1)[:, None])
-    source_BC = scores_BC''',
+    shifted_YZ = logits_YZ - tl.max(logits_YZ, axis=1)[:, None]
+    exp_YZ = tl.exp(shifted_YZ)
+    scores_YZ = round_l(exp_YZ / tl.sum(exp_YZ, axis=1)[:, None])
+    source_YZ = scores_YZ''',
     "sigmoid": '''    # scores: sigmoid, rounded to the logits dtype
-    scores_BC = round_l(tl.sigmoid(logits_BC))
-    source_BC = scores_BC''',
+    scores_YZ = round_l(tl.sigmoid(logits_YZ))
+    source_YZ = scores_YZ''',
     "softmax_after": '''    # softmax comes after the top-k: select on the logits themselves
-    scores_BC = logits_BC
-    source_BC = logits_BC''',
+    scores_YZ = logits_YZ
+    source_YZ = logits_YZ''',
 }
 
 _BIAS = '''    # selection-only bias (row t at t * bias_row_stride; stride 0: one [E] row for every token);
     # it picks the experts, the weights come from the unbiased scores
-    bias_offsets_BC = rows64_B[:, None] * bias_row_stride + cols_C[None, :]
-    bias_BC = tl.load(bias_ptr + bias_offsets_BC, mask=ok_BC, other=0.0).to(tl.float32)
-    choice_BC = round_c(scores_BC + bias_BC)'''
+    bias_offsets_YZ = rows64_Y[:, None] * bias_row_stride + cols_Z[None, :]
+    bias_YZ = tl.load(bias_ptr + bias_offsets_YZ, mask=ok_YZ, other=0.0).to(tl.float32)
+    choice_YZ = round_c(scores_YZ + bias_YZ)'''
 
 _GROUPS = '''    # group-limited selection: $G groups of $X experts, keep the best $TOPK_GROUP groups
-    group_C = cols_C // $X
-    group_score_BC = tl.zeros([BLOCK_T, $E_PAD], dtype=tl.float32)
+    group_Z = cols_Z // $X
+    group_score_YZ = tl.zeros([BLOCK_T, $E_PAD], dtype=tl.float32)
     for g in tl.static_range($G):
-        in_g_BC = (group_C == g)[None, :] & col_ok_C[None, :]
-        member_BC = tl.where(in_g_BC, choice_BC, NEG)
-        first_B = tl.max(member_BC, axis=1)
+        in_g_YZ = (group_Z == g)[None, :] & col_ok_Z[None, :]
+        member_YZ = tl.where(in_g_YZ, choice_YZ, NEG)
+        first_Y = tl.max(member_YZ, axis=1)
 $GROUP_SCORE
-        group_score_BC = tl.where(in_g_BC, score_B[:, None], group_score_BC)
-    keep_BC = tl.zeros([BLOCK_T, $E_PAD], dtype=tl.int32)
+        group_score_YZ = tl.where(in_g_YZ, score_Y[:, None], group_score_YZ)
+    keep_YZ = tl.zeros([BLOCK_T, $E_PAD], dtype=tl.int32)
     for j in tl.static_range($TOPK_GROUP):
-        cand_BC = col_ok_C[None, :] & (keep_BC == 0)
-        best_B = tl.max(tl.where(cand_BC, group_score_BC, NEG), axis=1)
-        col_B = tl.min(tl.where(cand_BC & (group_score_BC == best_B[:, None]), cols_C[None, :], $E_PAD), axis=1)
-        keep_BC = tl.where(group_C[None, :] == (col_B // $X)[:, None], 1, keep_BC)
-    choice_BC = tl.where(keep_BC != 0, choice_BC, NEG)'''
+        cand_YZ = col_ok_Z[None, :] & (keep_YZ == 0)
+        best_Y = tl.max(tl.where(cand_YZ, group_score_YZ, NEG), axis=1)
+        col_Y = tl.min(tl.where(cand_YZ & (group_score_YZ == best_Y[:, None]), cols_Z[None, :], $E_PAD), axis=1)
+        keep_YZ = tl.where(group_Z[None, :] == (col_Y // $X)[:, None], 1, keep_YZ)
+    choice_YZ = tl.where(keep_YZ != 0, choice_YZ, NEG)'''
 
 _GROUP_SCORE = {
-    "max": "        score_B = first_B",
-    "top2_sum": '''        at_B = tl.min(tl.where(in_g_BC & (member_BC == first_B[:, None]), cols_C[None, :], $E_PAD), axis=1)
-        second_B = tl.max(tl.where(cols_C[None, :] == at_B[:, None], NEG, member_BC), axis=1)
-        score_B = round_c(first_B + second_B)''',
+    "max": "        score_Y = first_Y",
+    "top2_sum": '''        at_Y = tl.min(tl.where(in_g_YZ & (member_YZ == first_Y[:, None]), cols_Z[None, :], $E_PAD), axis=1)
+        second_Y = tl.max(tl.where(cols_Z[None, :] == at_Y[:, None], NEG, member_YZ), axis=1)
+        score_Y = round_c(first_Y + second_Y)''',
 }
 
 _WEIGHTS_SOFTMAX_AFTER = '''    # weights: softmax over the K selected logits
-    picked_BK = tl.where(k_ok_K[None, :], picked_BK, NEG)
-    exp_BK = tl.exp(picked_BK - tl.max(picked_BK, axis=1)[:, None])
-    weights_BK = round_l(exp_BK / tl.sum(exp_BK, axis=1)[:, None])'''
+    picked_YK = tl.where(k_ok_K[None, :], picked_YK, NEG)
+    exp_YK = tl.exp(picked_YK - tl.max(picked_YK, axis=1)[:, None])
+    weights_YK = round_l(exp_YK / tl.sum(exp_YK, axis=1)[:, None])'''
 
 _WEIGHTS_RENORMALIZE = '''    # renormalise the K weights to sum to one
-    total_B = round_l(tl.sum(tl.where(k_ok_K[None, :], weights_BK, 0.0), axis=1))
-    total_B = round_l(total_B + 1e-20)
-    weights_BK = round_l(weights_BK / total_B[:, None])'''
+    total_Y = round_l(tl.sum(tl.where(k_ok_K[None, :], weights_YK, 0.0), axis=1))
+    total_Y = round_l(total_Y + 1e-20)
+    weights_YK = round_l(weights_YK / total_Y[:, None])'''
 
-_WEIGHTS_SCALE = '''    weights_BK = round_l(weights_BK * $SCALING)  # routed scaling factor'''
+_WEIGHTS_SCALE = '''    weights_YK = round_l(weights_YK * $SCALING)  # routed scaling factor'''
 
 
 def _render(spec: GatingSpec) -> str:
@@ -237,13 +237,13 @@ def _render(spec: GatingSpec) -> str:
     if spec.grouped:
         top2 = spec.group_score == "top2_sum" and spec.E // spec.n_group > 1
         groups = cg.render(_GROUPS, GROUP_SCORE=fill(_GROUP_SCORE["top2_sum" if top2 else "max"]), **values)
-    weights = [_WEIGHTS_SOFTMAX_AFTER] if spec.softmax_after else ["    weights_BK = picked_BK"]
+    weights = [_WEIGHTS_SOFTMAX_AFTER] if spec.softmax_after else ["    weights_YK = picked_YK"]
     if spec.renormalize and not spec.softmax_after:
         weights.append(_WEIGHTS_RENORMALIZE)
     if spec.scaling != 1.0:
         weights.append(_WEIGHTS_SCALE)
     return fill(_TEMPLATE.replace("$STAGES", "\n".join([
-        _SCORE[score_kind], _BIAS if spec.bias_dtype is not None else "    choice_BC = scores_BC", groups,
+        _SCORE[score_kind], _BIAS if spec.bias_dtype is not None else "    choice_YZ = scores_YZ", groups,
     ])).replace("$WEIGHT_STAGES", fill("\n".join(weights))))
 
 

@@ -15,8 +15,6 @@ same device (fp32); 16-bit kernels are compared with the fp32 reference of the s
 
 `--fault FAMILY` plants a wrong result on purpose (the family's kernel output is offset before it is
 compared): how the callers' tests prove that a wrong kernel is reported as a failure.
-
-Shape legend: T tokens, D model width, F expert hidden width, E experts, K top-k, N = T*K routed rows.
 """
 
 from __future__ import annotations

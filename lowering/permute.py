@@ -1,14 +1,15 @@
 """Permute: `moe.permute` (stable sort of the T*K routed rows by expert) as generated Triton kernels.
 
-Shape legend: T tokens, D model width, E experts (E_PAD: next power of two), K top-k, N = T*K routed
-rows, B = ceil(N / BLOCK_N) row blocks; BLOCK_* are tile sizes baked into the generated source.
+Shape letters: `moepass.spec.SHAPES` (b = ceil(N / BLOCK_N) row blocks, B in the kernels' arguments; a tile
+of Y rows by Z columns). E_PAD is the next power of two of E; BLOCK_* are tile sizes baked into the
+generated source.
 
 Three launches, no atomics, deterministic:
-  1. `histogram_kernel`  per row block b: block_counts_BE[b, e] = #rows of block b routed to e.
-  2. `scan_kernel`       per expert tile: block_base_BE[b, e] = #rows routed to e in blocks < b
+  1. `histogram_kernel`  per row block b: block_counts_bE[b, e] = #rows of block b routed to e.
+  2. `scan_kernel`       per expert tile: block_base_bE[b, e] = #rows routed to e in blocks < b
                           (an exclusive prefix sum down the blocks), counts_E[e] = the total.
   3. `scatter_kernel`    per row block: start_E = exclusive cumsum of counts_E; the destination of row
-                          n (expert e) is start_E[e] + block_base_BE[b, e] + #earlier rows of block b
+                          n (expert e) is start_E[e] + block_base_bE[b, e] + #earlier rows of block b
                           routed to e. That is exactly the stable sort: order_N[dest] = n, and
                           x_ND[dest] = x_TD[n // K] is copied in BLOCK_D-wide chunks.
 
@@ -82,11 +83,11 @@ def histogram_kernel(
     BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
-    n_R = b.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    e_R = tl.load(experts_ptr + n_R, mask=n_R < N, other=-1)
-    cols_C = tl.arange(0, $E_PAD)
-    onehot_RC = (e_R[:, None] == cols_C[None, :]).to(tl.int32)
-    tl.store(block_counts_ptr + b.to(tl.int64) * $E + cols_C, tl.sum(onehot_RC, axis=0), mask=cols_C < $E)
+    n_Y = b.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e_Y = tl.load(experts_ptr + n_Y, mask=n_Y < N, other=-1)
+    cols_Z = tl.arange(0, $E_PAD)
+    onehot_YZ = (e_Y[:, None] == cols_Z[None, :]).to(tl.int32)
+    tl.store(block_counts_ptr + b.to(tl.int64) * $E + cols_Z, tl.sum(onehot_YZ, axis=0), mask=cols_Z < $E)
 
 
 @triton.jit
@@ -97,17 +98,17 @@ def scan_kernel(
     SCAN_B: tl.constexpr,
     SCAN_E: tl.constexpr,
 ):
-    cols_C = tl.program_id(0) * SCAN_E + tl.arange(0, SCAN_E)
-    col_ok_C = cols_C < $E
-    running_C = tl.zeros([SCAN_E], dtype=tl.int32)
+    cols_Z = tl.program_id(0) * SCAN_E + tl.arange(0, SCAN_E)
+    col_ok_Z = cols_Z < $E
+    running_Z = tl.zeros([SCAN_E], dtype=tl.int32)
     for b0 in range(0, B, SCAN_B):
-        blocks_R = b0 + tl.arange(0, SCAN_B)
-        ok_RC = (blocks_R < B)[:, None] & col_ok_C[None, :]
-        offsets_RC = blocks_R.to(tl.int64)[:, None] * $E + cols_C[None, :]
-        tile_RC = tl.load(block_counts_ptr + offsets_RC, mask=ok_RC, other=0)
-        tl.store(block_counts_ptr + offsets_RC, running_C[None, :] + tl.cumsum(tile_RC, axis=0) - tile_RC, mask=ok_RC)
-        running_C += tl.sum(tile_RC, axis=0)
-    tl.store(counts_ptr + cols_C, running_C.to(tl.int64), mask=col_ok_C)
+        blocks_Y = b0 + tl.arange(0, SCAN_B)
+        ok_YZ = (blocks_Y < B)[:, None] & col_ok_Z[None, :]
+        offsets_YZ = blocks_Y.to(tl.int64)[:, None] * $E + cols_Z[None, :]
+        tile_YZ = tl.load(block_counts_ptr + offsets_YZ, mask=ok_YZ, other=0)
+        tl.store(block_counts_ptr + offsets_YZ, running_Z[None, :] + tl.cumsum(tile_YZ, axis=0) - tile_YZ, mask=ok_YZ)
+        running_Z += tl.sum(tile_YZ, axis=0)
+    tl.store(counts_ptr + cols_Z, running_Z.to(tl.int64), mask=col_ok_Z)
 
 
 @triton.jit
@@ -123,34 +124,34 @@ def scatter_kernel(
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
-    cols_C = tl.arange(0, $E_PAD)
-    col_ok_C = cols_C < $E
-    counts_C = tl.load(counts_ptr + cols_C, mask=col_ok_C, other=0)
-    start_C = tl.cumsum(counts_C, axis=0) - counts_C  # first row of each expert
-    base_C = tl.load(block_base_ptr + b.to(tl.int64) * $E + cols_C, mask=col_ok_C, other=0).to(tl.int64) + start_C
-    n_R = b.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok_R = n_R < N
-    e_R = tl.load(experts_ptr + n_R, mask=n_ok_R, other=-1)
-    onehot_RC = (e_R[:, None] == cols_C[None, :]).to(tl.int32)
-    rank_RC = tl.cumsum(onehot_RC, axis=0)  # 1-based rank of each row among its expert's rows in the block
-    dest_R = tl.sum(tl.where(onehot_RC != 0, base_C[None, :] + rank_RC - 1, 0), axis=1)
-    row_ok_R = n_ok_R & (e_R >= 0) & (e_R < $E)
-    tl.store(order_ptr + dest_R, n_R, mask=row_ok_R)
-    token_R = n_R // $K
+    cols_Z = tl.arange(0, $E_PAD)
+    col_ok_Z = cols_Z < $E
+    counts_Z = tl.load(counts_ptr + cols_Z, mask=col_ok_Z, other=0)
+    start_Z = tl.cumsum(counts_Z, axis=0) - counts_Z  # first row of each expert
+    base_Z = tl.load(block_base_ptr + b.to(tl.int64) * $E + cols_Z, mask=col_ok_Z, other=0).to(tl.int64) + start_Z
+    n_Y = b.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok_Y = n_Y < N
+    e_Y = tl.load(experts_ptr + n_Y, mask=n_ok_Y, other=-1)
+    onehot_YZ = (e_Y[:, None] == cols_Z[None, :]).to(tl.int32)
+    rank_YZ = tl.cumsum(onehot_YZ, axis=0)  # 1-based rank of each row among its expert's rows in the block
+    dest_Y = tl.sum(tl.where(onehot_YZ != 0, base_Z[None, :] + rank_YZ - 1, 0), axis=1)
+    row_ok_Y = n_ok_Y & (e_Y >= 0) & (e_Y < $E)
+    tl.store(order_ptr + dest_Y, n_Y, mask=row_ok_Y)
+    token_Y = n_Y // $K
     for d0 in range(0, $D, BLOCK_D):
-        d_C = d0 + tl.arange(0, BLOCK_D)
-        ok_RC = row_ok_R[:, None] & (d_C < $D)[None, :]
-        rows_RC = tl.load(x_ptr + token_R[:, None] * $D + d_C[None, :], mask=ok_RC)
-        tl.store(x_out_ptr + dest_R[:, None] * $D + d_C[None, :], rows_RC, mask=ok_RC)
+        d_Z = d0 + tl.arange(0, BLOCK_D)
+        ok_YZ = row_ok_Y[:, None] & (d_Z < $D)[None, :]
+        rows_YZ = tl.load(x_ptr + token_Y[:, None] * $D + d_Z[None, :], mask=ok_YZ)
+        tl.store(x_out_ptr + dest_Y[:, None] * $D + d_Z[None, :], rows_YZ, mask=ok_YZ)
 
 
 def launch(x_TD, experts_N, x_ND, counts_E, order_N):
     N = experts_N.shape[0]
     B = triton.cdiv(N, $BLOCK_N)
-    block_counts_BE = torch.empty(B, $E, dtype=torch.int32, device=x_TD.device)
-    histogram_kernel[(B,)](experts_N, block_counts_BE, N, BLOCK_N=$BLOCK_N)
-    scan_kernel[(triton.cdiv($E, $SCAN_E),)](block_counts_BE, counts_E, B, SCAN_B=$SCAN_B, SCAN_E=$SCAN_E)
-    scatter_kernel[(B,)](x_TD, experts_N, block_counts_BE, counts_E, x_ND, order_N, N,
+    block_counts_bE = torch.empty(B, $E, dtype=torch.int32, device=x_TD.device)
+    histogram_kernel[(B,)](experts_N, block_counts_bE, N, BLOCK_N=$BLOCK_N)
+    scan_kernel[(triton.cdiv($E, $SCAN_E),)](block_counts_bE, counts_E, B, SCAN_B=$SCAN_B, SCAN_E=$SCAN_E)
+    scatter_kernel[(B,)](x_TD, experts_N, block_counts_bE, counts_E, x_ND, order_N, N,
                          BLOCK_N=$BLOCK_N, BLOCK_D=$BLOCK_D)
 
 

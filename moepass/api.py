@@ -146,7 +146,7 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
     (`Plan(grad_sync="scheduler")`: priority, micro-ops of `Plan.micro_op_bytes`; otherwise DDP's fair
     sharing), with `model`'s dense parameters (all but the detected experts, embeddings included; without
     a model, the attention projections). A `Plan.slots_per_device` given with form="auto" is the only C the search
-    prices for FSEP. auto never picks a math-changing form (HP, capacity on a dropless block: DESIGN.md, only by
+    prices for FSEP. auto never picks a math-changing form (HP, capacity on a dropless block: docs/DESIGN.md, only by
     name): HP is priced with `Plan.heads` / `Plan.head_dim` and shown. Every field that does not act under the
     chosen form (`moepass.plan.ACTS_UNDER`: the FSEP fields when EP wins, ...) is put back at its default."""
     if plan.form != "auto":

@@ -20,7 +20,7 @@ With heads (Multi-Head LatentMoE, `spec.heads`), routing and experts work on lat
 z_TQ and the final linear are where head parallel cuts (its token exchange goes between them).
 
 With a per-expert output scale (`ExpertsSpec.output_scale`) the weights become weights_TK *
-scale_R[experts_TK] before the combine. With zero-compute experts (`identity_experts` / `zero_experts`):
+scale_O[experts_TK] before the combine. With zero-compute experts (`identity_experts` / `zero_experts`):
 
     experts_TK ─expert_slots─► slots_TK (FFN experts 0..E-1, identity E, zero E+1)
     x_TD ─permute(E+2)─► x_ND, counts_J, order_N;  x_ND ─ffn_rows─► x_MD (the leading FFN rows)
@@ -30,10 +30,8 @@ Generic experts (`ExpertsSpec.kind="generic"`, not a known FFN) put `generic_exp
 counts_E, expert_template, names, *stacked_E)` where `moe.expert_ffn` is: the user's expert module run
 on each expert's rows with that expert's tensors (`expert_template` is a stateless copy of one expert).
 
-Shape legend: B batch, S sequence, T = B*S tokens, D model width, E experts, K top-k, N = T*K.
-With zero-compute experts: R = E + identity + zero router ids, J = E + 2 permute slots, M FFN rows.
-With heads: H heads of width h, Q = H*h latent width, G = T*H sub-tokens (token-major, head-minor),
-E experts per head, X = H*E experts in all (head-major), N = G*K routed rows.
+Shape letters: `moepass.spec.SHAPES` (here O router outputs and J permute slots of zero-compute experts;
+G = T*H sub-tokens and X = H*E experts with heads).
 """
 
 from __future__ import annotations
@@ -649,8 +647,8 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         weights_TK = b.fn(operator.mul, weights_TK, keep_TK, name="kept_weights_TK")
 
     if spec.experts.output_scale is not None:  # expert r's output times scale[r]: folded into its weight
-        scale_R = b.method("reshape", b.tensor(spec.experts.output_scale, "output_scale"), -1, name="output_scale_R")
-        scale_TK = b.fn(operator.getitem, scale_R, experts_TK, name="output_scale_TK")
+        scale_O = b.method("reshape", b.tensor(spec.experts.output_scale, "output_scale"), -1, name="output_scale_O")
+        scale_TK = b.fn(operator.getitem, scale_O, experts_TK, name="output_scale_TK")
         weights_TK = b.fn(operator.mul, weights_TK, scale_TK, name="scaled_weights_TK")
 
     if r.logits_from == "selection" and r.selection_scale != 1.0:  # the block scales its router module's weights
@@ -660,7 +658,7 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         b.fn(dialect.UPDATE_SELECTION_BIAS, selection_bias, experts_TK, r.bias_update_rate, b.attr("training"),
              name="update_selection_bias")
     if spec.load_counter is not None:  # the block's own load statistic, train mode only
-        b.fn(dialect.COUNT_LOAD, b.tensor(spec.load_counter, "load_counter_R"), experts_TK, b.attr("training"),
+        b.fn(dialect.COUNT_LOAD, b.tensor(spec.load_counter, "load_counter_O"), experts_TK, b.attr("training"),
              name="count_load")
     out_TD = routed_experts(b, spec, x_TD, experts_TK, weights_TK, E, PLAIN_NAMES)
 
@@ -688,8 +686,8 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
     for name in spec.side_outputs:
         if name.startswith(LOAD_OUTPUT):  # each expert's load, in the dtype the block returns it in
             dtype = getattr(torch, name.removeprefix(LOAD_OUTPUT))
-            load_R = b.fn(dialect.expert_load_ref, experts_TK, spec.router.num_experts, name="expert_load_R")
-            side[name] = b.method("to", load_R, dtype, name="expert_load_as_returned")
+            load_O = b.fn(dialect.expert_load_ref, experts_TK, spec.router.num_experts, name="expert_load_O")
+            side[name] = b.method("to", load_O, dtype, name="expert_load_as_returned")
     outputs = [out] + [side[name] for name in spec.side_outputs]
     b.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
     return b.graph

@@ -8,7 +8,7 @@ block run eagerly calls the op's function and autograd directly, without the dis
     route(logits_TE, selection_bias_E?)            -> weights_TK (logits dtype), experts_TK (int64)
                                                       (bias [E], or [T, E]: one row per token)
     update_selection_bias(bias, experts_TK, rate, training)  in place: aux-loss-free balancing step
-    count_load(counter_R, experts_TK, training)  in place: the block's own per-expert load counter
+    count_load(counter_O, experts_TK, training)  in place: the block's own per-expert load counter
     capacity_keep(experts_TK, ...)                 -> keep_TK (bool)
     permute(x_TD, experts_TK)                      -> x_ND, counts_E, order_N
     expert_ffn(x_ND, counts_E, w_gate_EFD, ...)    -> y_ND
@@ -20,7 +20,7 @@ the data-movement ops keep their input dtype.
 
 The pure-torch references (`*_ref`) are the semantics; kernels in `lowering/` must match them.
 
-Shapes: T tokens, D model width, F expert hidden width, E experts, K top-k, N = T*K routed rows.
+Shape letters: `moepass.spec.SHAPES`.
 Host sync points: the references `expert_ffn_ref` / `expert_ffn_backward_ref` read `counts_E` on the
 host (`grouped_ffn.split_sizes`); the op itself runs `moepass.grouped_ffn`, which syncs only in its
 per-expert fallback. Nothing else in this file syncs.
@@ -88,14 +88,14 @@ def _limit_groups(choice_TE: Tensor, n_group: int, topk_group: int, group_score:
     if n_group <= 1 or topk_group >= n_group:
         return choice_TE
     T, E = choice_TE.shape
-    grouped_TGX = choice_TE.view(T, n_group, E // n_group)
+    grouped_TAV = choice_TE.view(T, n_group, E // n_group)
     if group_score == "top2_sum":
-        score_TG = grouped_TGX.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
+        score_TA = grouped_TAV.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
     else:
-        score_TG = grouped_TGX.amax(dim=-1)
-    groups_TJ = torch.topk(score_TG, topk_group, dim=-1, sorted=False).indices
-    keep_TG = torch.zeros_like(score_TG, dtype=torch.bool).scatter_(1, groups_TJ, True)
-    keep_TE = keep_TG.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+        score_TA = grouped_TAV.amax(dim=-1)
+    groups_TI = torch.topk(score_TA, topk_group, dim=-1, sorted=False).indices
+    keep_TA = torch.zeros_like(score_TA, dtype=torch.bool).scatter_(1, groups_TI, True)
+    keep_TE = keep_TA.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
     return choice_TE.masked_fill(~keep_TE, float("-inf"))
 
 
@@ -141,14 +141,14 @@ def capacity_keep_ref(
     groups = T // size
     # a scatter, not F.one_hot: one_hot reads the ids' min and max on the host to validate them
     onehot_TKE = experts_TK.new_zeros(T, K, num_experts).scatter_(-1, experts_TK.unsqueeze(-1), 1)
-    onehot_GSKE = onehot_TKE.view(groups, size, K, num_experts)
-    order_GQE = onehot_GSKE.transpose(1, 2) if k_major else onehot_GSKE  # priority-major
-    order_GQE = order_GQE.reshape(groups, size * K, num_experts)
-    position_GQE = torch.cumsum(order_GQE, dim=1) - 1  # slot each assignment would take
-    fits_GQ = ((position_GQE < capacity) & order_GQE.bool()).any(dim=-1)
+    # per capacity group: [groups, size, K, E], then in priority order [groups, size*K, E]
+    onehot = onehot_TKE.view(groups, size, K, num_experts)
+    order = (onehot.transpose(1, 2) if k_major else onehot).reshape(groups, size * K, num_experts)
+    position = torch.cumsum(order, dim=1) - 1  # the slot each assignment would take in its expert
+    fits = ((position < capacity) & order.bool()).any(dim=-1)  # [groups, size*K]
     if k_major:
-        fits_GQ = fits_GQ.view(groups, K, size).transpose(1, 2)
-    return fits_GQ.reshape(T, K)
+        fits = fits.view(groups, K, size).transpose(1, 2)
+    return fits.reshape(T, K)
 
 
 def permute_ref(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -326,31 +326,31 @@ def _(selection_bias, experts_TK, rate, training):
 
 
 def expert_load_ref(experts_TK: Tensor, num_experts: int) -> Tensor:
-    """How many of the rows' choices picked each expert, [R] int64. A scatter, not bincount: a fixed shape (fake
+    """How many of the rows' choices picked each expert, [O] int64. A scatter, not bincount: a fixed shape (fake
     tensors trace it) and no host sync."""
     ids = experts_TK.reshape(-1)
     return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
-def count_load_ref(counter_R: Tensor, experts_TK: Tensor) -> Tensor:
-    """`counter_R` plus each expert's load (`expert_load_ref`; a block's own statistic, e.g. the token counts a
+def count_load_ref(counter_O: Tensor, experts_TK: Tensor) -> Tensor:
+    """`counter_O` plus each expert's load (`expert_load_ref`; a block's own statistic, e.g. the token counts a
     training loop reads to balance the experts), as a new tensor in the counter's dtype."""
-    return counter_R + expert_load_ref(experts_TK, counter_R.shape[0]).to(counter_R.dtype)
+    return counter_O + expert_load_ref(experts_TK, counter_O.shape[0]).to(counter_O.dtype)
 
 
-@eager.custom_op("moe::count_load", mutates_args=("counter_R",))
-def count_load(counter_R: Tensor, experts_TK: Tensor, training: bool) -> None:
-    """In train mode, add each expert's load to `counter_R` in place (`count_load_ref`); in eval mode nothing.
+@eager.custom_op("moe::count_load", mutates_args=("counter_O",))
+def count_load(counter_O: Tensor, experts_TK: Tensor, training: bool) -> None:
+    """In train mode, add each expert's load to `counter_O` in place (`count_load_ref`); in eval mode nothing.
     The counter is the block's state (a buffer), never a parameter: nothing flows back through it."""
     if training:
         with torch.no_grad():
-            counter_R.copy_(count_load_ref(counter_R, experts_TK))
+            counter_O.copy_(count_load_ref(counter_O, experts_TK))
 
 
 @count_load.register_fake
-def _(counter_R, experts_TK, training):
-    if counter_R.dim() != 1 or experts_TK.dim() != 2:
-        raise ValueError(f"moe.count_load: counter_R {tuple(counter_R.shape)} must be [R] and experts_TK "
+def _(counter_O, experts_TK, training):
+    if counter_O.dim() != 1 or experts_TK.dim() != 2:
+        raise ValueError(f"moe.count_load: counter_O {tuple(counter_O.shape)} must be [O] and experts_TK "
                          f"{tuple(experts_TK.shape)} [T, K]")
     return None
 

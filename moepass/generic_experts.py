@@ -23,8 +23,6 @@ called, get their slice zeroed).
 Reading the per-expert row counts is a host sync (one per block and step, as ragged groups need). Under
 fake tensors (shape propagation) the counts are unknown: the template runs once on all rows with
 expert 0's tensors, which gives the output's shape and dtype.
-
-Shape legend: N routed rows, D model width, E experts (local experts under EP).
 """
 
 from __future__ import annotations

@@ -41,8 +41,6 @@ CPU in fp32/bf16/fp16 and CUDA in bf16 on sm_90+, each with 16-byte aligned stri
 else a loop over experts writing into preallocated outputs (`torch.mm(out=...)`), which reads `counts_E`
 on the host once per call. All three compute the same products; rows past an expert's count are zeros,
 which add nothing to a weight gradient.
-
-Shape legend: N rows sorted by expert, D model width, F expert hidden width, E experts.
 """
 
 from __future__ import annotations
@@ -137,13 +135,13 @@ class Rows:
                            - starts_E.index_select(0, experts_N))
         return self._slots
 
-    def pad(self, a_NK: Tensor) -> Tensor:
-        """a_NK's rows in a zero `[E, N, K]` buffer, expert e's first (no host read)."""
-        if self._padded is not None and self._padded[0] is a_NK:
+    def pad(self, a_Np: Tensor) -> Tensor:
+        """a_Np's rows in a zero `[E, N, K]` buffer, expert e's first (no host read)."""
+        if self._padded is not None and self._padded[0] is a_Np:
             return self._padded[1]
-        E, N, K = self.counts_E.shape[0], self.rows, a_NK.shape[1]
-        padded_ENK = a_NK.new_zeros(E * N, K).index_copy_(0, self.slots, a_NK).view(E, N, K)
-        self._padded = (a_NK, padded_ENK)
+        E, N, K = self.counts_E.shape[0], self.rows, a_Np.shape[1]
+        padded_ENK = a_Np.new_zeros(E * N, K).index_copy_(0, self.slots, a_Np).view(E, N, K)
+        self._padded = (a_Np, padded_ENK)
         return padded_ENK
 
     @property
@@ -159,48 +157,48 @@ class Rows:
             self._sizes = split_sizes(self.counts_E)
         return self._sizes
 
-    def mm(self, a_NK: Tensor, b_EKQ: Tensor) -> Tensor:
-        """out_NQ[rows_e] = a_NK[rows_e] @ b_EKQ[e]."""
-        if self.small(a_NK.shape[1], b_EKQ.shape[-1]):
-            out_ENQ = torch.bmm(self.pad(a_NK), b_EKQ)
-            return out_ENQ.view(-1, out_ENQ.shape[-1]).index_select(0, self.slots)
-        if grouped_mm_ok(a_NK, b_EKQ):
-            return torch._grouped_mm(a_NK, b_EKQ, offs=self.offs)
-        out_NQ = a_NK.new_empty(a_NK.shape[0], b_EKQ.shape[-1])
+    def mm(self, a_Np: Tensor, b_Epq: Tensor) -> Tensor:
+        """out_Nq[rows_e] = a_Np[rows_e] @ b_Epq[e]."""
+        if self.small(a_Np.shape[1], b_Epq.shape[-1]):
+            out_ENq = torch.bmm(self.pad(a_Np), b_Epq)
+            return out_ENq.view(-1, out_ENq.shape[-1]).index_select(0, self.slots)
+        if grouped_mm_ok(a_Np, b_Epq):
+            return torch._grouped_mm(a_Np, b_Epq, offs=self.offs)
+        out_Nq = a_Np.new_empty(a_Np.shape[0], b_Epq.shape[-1])
         start = 0
         for e, n in enumerate(self.sizes):
             if n:
-                torch.mm(a_NK[start:start + n], b_EKQ[e], out=out_NQ[start:start + n])
+                torch.mm(a_Np[start:start + n], b_Epq[e], out=out_Nq[start:start + n])
             start += n
-        return out_NQ
+        return out_Nq
 
-    def wgrad(self, a_NP: Tensor, b_NQ: Tensor) -> Tensor:
-        """out_EPQ[e] = a_NP[rows_e]^T @ b_NQ[rows_e]; zero for experts without rows."""
-        if self.small(a_NP.shape[1], b_NQ.shape[1]):
-            return torch.bmm(self.pad(a_NP).transpose(1, 2), self.pad(b_NQ))
-        a_PN = a_NP.t()
-        if grouped_mm_ok(a_PN, b_NQ):
-            return torch._grouped_mm(a_PN, b_NQ, offs=self.offs)
-        out_EPQ = a_NP.new_empty(len(self.sizes), a_NP.shape[1], b_NQ.shape[1])
+    def wgrad(self, a_Np: Tensor, b_Nq: Tensor) -> Tensor:
+        """out_Epq[e] = a_Np[rows_e]^T @ b_Nq[rows_e]; zero for experts without rows."""
+        if self.small(a_Np.shape[1], b_Nq.shape[1]):
+            return torch.bmm(self.pad(a_Np).transpose(1, 2), self.pad(b_Nq))
+        a_pN = a_Np.t()
+        if grouped_mm_ok(a_pN, b_Nq):
+            return torch._grouped_mm(a_pN, b_Nq, offs=self.offs)
+        out_Epq = a_Np.new_empty(len(self.sizes), a_Np.shape[1], b_Nq.shape[1])
         start = 0
         for e, n in enumerate(self.sizes):
             if n:
-                torch.mm(a_PN[:, start:start + n], b_NQ[start:start + n], out=out_EPQ[e])
+                torch.mm(a_pN[:, start:start + n], b_Nq[start:start + n], out=out_Epq[e])
             else:
-                out_EPQ[e].zero_()
+                out_Epq[e].zero_()
             start += n
-        return out_EPQ
+        return out_Epq
 
-    def add_bias(self, h_NQ: Tensor, b_EQ: Tensor | None) -> Tensor:
-        if b_EQ is None:
-            return h_NQ
-        return h_NQ.add_(b_EQ.index_select(0, self.experts))
+    def add_bias(self, h_Nq: Tensor, b_Eq: Tensor | None) -> Tensor:
+        if b_Eq is None:
+            return h_Nq
+        return h_Nq.add_(b_Eq.index_select(0, self.experts))
 
-    def bias_grad(self, g_NQ: Tensor, like_EQ: Tensor | None) -> Tensor | None:
+    def bias_grad(self, g_Nq: Tensor, like_Eq: Tensor | None) -> Tensor | None:
         """Per-expert column sums of g (the gradient of a per-expert bias)."""
-        if like_EQ is None:
+        if like_Eq is None:
             return None
-        return g_NQ.new_zeros(like_EQ.shape).index_add_(0, self.experts, g_NQ)
+        return g_Nq.new_zeros(like_Eq.shape).index_add_(0, self.experts, g_Nq)
 
     @property
     def experts(self) -> Tensor:
@@ -219,12 +217,12 @@ def gradient_like(w: Tensor) -> Tensor:
     return torch.empty_like(w) if transposed(w) else w.new_empty(w.shape)
 
 
-def weight_grad(rows: Rows, a_NP: Tensor, b_NQ: Tensor, w_EPQ: Tensor) -> Tensor:
+def weight_grad(rows: Rows, a_Np: Tensor, b_Nq: Tensor, w_Epq: Tensor) -> Tensor:
     """`rows.wgrad(a, b)` in the layout of `w`: a transposed-view weight gets the transpose of a
     contiguous `[E, Q, P]` result, so autograd hands the parameter a contiguous gradient (no copy)."""
-    if transposed(w_EPQ):
-        return rows.wgrad(b_NQ, a_NP).transpose(-2, -1)
-    return rows.wgrad(a_NP, b_NQ)
+    if transposed(w_Epq):
+        return rows.wgrad(b_Nq, a_Np).transpose(-2, -1)
+    return rows.wgrad(a_Np, b_Nq)
 
 
 def pre_activations(

@@ -1,7 +1,8 @@
 """Plan: what moepass should do to a model. Frozen and validated at construction.
 
-Every field belongs to the issue that introduces it (DESIGN.md's table); an unknown key or an
-impossible value raises `PlanError` naming the field, the value and the fix.
+Each field acts under the forms `ACTS_UNDER` lists (docs/DESIGN.md, "The Plan"; every field with its
+default: docs/USER_GUIDE.md, section 4); an unknown key or an impossible value raises `PlanError` naming
+the field, the value and the fix.
 """
 
 from __future__ import annotations

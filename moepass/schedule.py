@@ -90,6 +90,7 @@ from torch import fx
 from moepass import dialect
 from moepass.canonical import MoEGraphModule
 from moepass.errors import PlanError
+from moepass.operands import operand, set_operand
 from moepass.passes import PassResult
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
@@ -256,11 +257,11 @@ def _phases(region: list[fx.Node]) -> dict[fx.Node, int]:
     for n in region:
         p = max((phase[i] for i in n.all_input_nodes if i in inside), default=0)
         if n.op == "call_function" and n.target is comm.WAIT:
-            issue = n.args[0]
+            issue = operand(n, "t")
             if issue.target is comm.EXCHANGE_COUNTS:
                 p = max(p, COUNTS)
             elif issue.target is comm.ALL_TO_ALL:
-                p = max(p, DISPATCH if issue.args[4] == "dispatch" else COMBINE)
+                p = max(p, DISPATCH if operand(issue, "kind") == "dispatch" else COMBINE)
         phase[n] = p
     return phase
 
@@ -297,13 +298,13 @@ def _emit_shared(graph: fx.Graph, block: str, shared: tuple[fx.Node, fx.Node, fx
                  clones: list[dict[fx.Node, fx.Node]]) -> None:
     """One count exchange of the [n, B] counts and one host split table; each chunk reads its row."""
     exchange, wait, table = shared
-    counts_B, group_name = exchange.args
-    assert isinstance(counts_B, fx.Node), counts_B
+    counts_U, group_name = exchange.args
+    assert isinstance(counts_U, fx.Node), counts_U
 
     def node(target: Any, args: tuple, name: str, op: str = "call_function", **extra: Any) -> fx.Node:
         return _stamp(graph.create_node(op, target, args, name=name), block, **extra)
 
-    counts_nB = node(torch.stack, ([env[counts_B] for env in clones], 0), f"{counts_B.name}_nB")
+    counts_nB = node(torch.stack, ([env[counts_U] for env in clones], 0), f"{counts_U.name}_nB")
     issued = node(comm.EXCHANGE_COUNTS, (counts_nB, group_name), f"{exchange.name}_n")
     recv_nPL = node(comm.WAIT, (issued,), f"{wait.name}_nPL")
     table_n2P = node(comm.HOST_SPLITS, (counts_nB, recv_nPL, group_name), f"{table.name}_n")
@@ -316,11 +317,11 @@ def _emit_shared(graph: fx.Graph, block: str, shared: tuple[fx.Node, fx.Node, fx
 def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
     """Cut the dispatch / expert compute / combine of an EP graph into n pipelined chunks (in place)."""
     graph, block = gm.graph, gm.spec.path
-    dispatch = [a for a in _calls(graph, comm.ALL_TO_ALL) if a.args[4] == "dispatch"]
+    dispatch = [a for a in _calls(graph, comm.ALL_TO_ALL) if operand(a, "kind") == "dispatch"]
     if len(dispatch) != 1:
         raise ValueError(f"schedule: expected one dispatch all-to-all in block {block or '<root>'}, "
                          f"found {len(dispatch)} (already chunked?)")
-    permute = dispatch[0].args[0].args[0]
+    permute = operand(dispatch[0], "x_XD").args[0]  # the dispatched rows: getitem 0 of the permute
     assert isinstance(permute, fx.Node) and permute.target is dialect.PERMUTE, permute
     order = [u for u in permute.users if u.args[1] == 2]
     inverses = [u for o in order for u in o.users if u.target is dialect.UNPERMUTE]
@@ -332,7 +333,7 @@ def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
                          "dispatch/compute/combine region; cannot chunk it")
     phase = _phases(region)
     shared = _shared_exchange(region)
-    x_TD, experts_TK = permute.args[0], permute.args[1]
+    x_TD, experts_TK = operand(permute, "x_TD"), operand(permute, "experts_TK")
     clones: list[dict[fx.Node, fx.Node]] = [{} for _ in range(n)]
     with graph.inserting_before(unpermute):
         pieces = []
@@ -376,9 +377,10 @@ def add_marks(gm: MoEGraphModule) -> int:
     count = 0
     for ffn in _calls(graph, dialect.EXPERT_FFN):
         with graph.inserting_before(ffn):
-            into = _stamp(graph.create_node("call_function", MARK, (ffn.args[0], "expert_in"),
-                                            name=f"{ffn.args[0].name}_expert_in"), block)
-        ffn.args = (into, *ffn.args[1:])
+            x_ND = operand(ffn, "x_ND")
+            into = _stamp(graph.create_node("call_function", MARK, (x_ND, "expert_in"), name=f"{x_ND.name}_expert_in"),
+                          block)
+        set_operand(ffn, "x_ND", into)
         _mark_after(graph, ffn, "expert_out", block)
         count += 2
     for combine in _calls(graph, dialect.COMBINE):
@@ -394,7 +396,7 @@ def overlap_independent(gm: MoEGraphModule) -> int:
     and, by the backward's reverse order, its backward runs between the issue and the wait of the
     combine-backward. Returns how many nodes moved."""
     graph = gm.graph
-    combines = [a for a in _calls(graph, comm.ALL_TO_ALL) if a.args[4] == "combine"]
+    combines = [a for a in _calls(graph, comm.ALL_TO_ALL) if operand(a, "kind") == "combine"]
     pos = {node: i for i, node in enumerate(graph.nodes)}
     waits = [u for c in combines for u in c.users if u.target is comm.WAIT]
     if not combines or not waits:
@@ -423,15 +425,15 @@ def overlap_independent(gm: MoEGraphModule) -> int:
 
 def _dispatch_wait(ffn: fx.Node) -> fx.Node | None:
     """The wait of the dispatch all-to-all whose rows the expert FFN computes (None: no such wait)."""
-    seen, todo = set(), [ffn.args[0]]
+    seen, todo = set(), [operand(ffn, "x_ND")]
     while todo:
         node = todo.pop()
         if not isinstance(node, fx.Node) or node in seen:
             continue
         seen.add(node)
         if node.target is comm.WAIT:
-            issue = node.args[0]
-            if isinstance(issue, fx.Node) and issue.target is comm.ALL_TO_ALL and issue.args[4] == "dispatch":
+            issue = operand(node, "t")
+            if isinstance(issue, fx.Node) and issue.target is comm.ALL_TO_ALL and operand(issue, "kind") == "dispatch":
                 return node
         todo.extend(node.all_input_nodes)
     return None

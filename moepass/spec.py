@@ -5,9 +5,10 @@ weights live* in the user's module, never how the block is implemented. The cano
 is generated from it (`moepass.canonical`), and the semantic check compares that graph against the
 user's block before anything is rewritten.
 
-Shape legend used across moepass: T tokens, D model width, F expert hidden width, E experts,
-K top-k, N = T*K routed rows, G expert groups. With heads (Multi-Head LatentMoE, `HeadsSpec`): H heads
-of width h, so every token is H sub-tokens of width h, each routed among its own head's E experts.
+Tensors are named by role and shape (`x_TD`, `w_up_EFD`, `counts_E`): `SHAPES` below is the one table of
+shape letters for moepass, lowering and cost_model, one meaning each (`tests/test_shape_letters.py` keeps
+files from defining their own). With heads (Multi-Head LatentMoE, `HeadsSpec`) every token is H sub-tokens
+of width h, each routed among its own head's E experts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,46 @@ from typing import Any, Literal
 
 from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 from moepass.errors import PlanError, nearest
+
+# The shape letters: a name's suffix lists its tensor's dims in order (`w_up_EFD`: [E, F, D]); a digit is a
+# literal size (`ids_R1`: [R, 1]). Lower-case letters are for sizes that only a few files meet.
+SHAPES: dict[str, str] = {
+    "A": "expert groups of group-limited routing (n_group)",
+    "B": "batch: sequences",
+    "C": "expert slots per device (FSEP)",
+    "D": "model width",
+    "E": "routed experts (of one head, with heads)",
+    "F": "expert hidden width",
+    "G": "sub-tokens, T*H (with heads: token-major, head-minor)",
+    "H": "heads",
+    "I": "expert groups each token keeps (topk_group)",
+    "J": "permute slots with zero-compute experts: the E FFN experts, identity, zero (E + 2)",
+    "K": "top-k: choices per token",
+    "L": "local experts per rank, E/P",
+    "M": "rows the expert FFN computes (the rows of N or R it keeps, sorted by expert)",
+    "N": "routed rows, T*K (G*K with heads)",
+    "O": "router outputs: the E experts plus identity and zero experts",
+    "P": "ranks of a group (peers)",
+    "Q": "sub-token width, H*h",
+    "R": "rows a rank receives in an exchange",
+    "S": "sequence length",
+    "T": "tokens (of this rank)",
+    "U": "buckets of an exchange: experts under EP, the P*C global slots under FSEP",
+    "V": "experts per expert group, E/A",
+    "W": "ranks of the world",
+    "X": "experts of all heads, H*E (head-major)",
+    "Y": "a kernel tile's rows",
+    "Z": "a kernel tile's columns",
+    "b": "a kernel's row blocks, ceil(rows / BLOCK)",
+    "c": "an expert's capacity: the slots of a GShard dispatch",
+    "h": "head width",
+    "l": "the local part of the letter before it (Ql = Q/P, Hl = H/P)",
+    "n": "nodes",
+    "p": "a grouped GEMM's reduction width (a [N, p] by an expert's [p, q]; wgrad: out[e] = a_Np^T b_Nq)",
+    "q": "a grouped GEMM's output width",
+    "r": "ranks per node",
+    "s": "elements of one slot's slice of an expert weight (FSEP)",
+}
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 Activation = Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu"]
@@ -33,7 +74,7 @@ LOGITS_SOURCES = ("linear", "module", "selection", "traced")
 TRACED_ROUTER = "moepass_router_logits"  # where the rewritten block holds a traced router's logits function
 MODULE_INPUTS = ("hidden", "tokens")
 # what a block returns after its hidden states: its router's logits; each expert's load (how many of the
-# tokens' K choices picked it, [R], in the dtype the suffix names); None (a slot a framework fills elsewhere);
+# tokens' K choices picked it, [O], in the dtype the suffix names); None (a slot a framework fills elsewhere);
 # the selection itself (each token's K weights, K experts)
 SIDE_OUTPUTS = ("router_logits", "none", "topk_weights", "topk_experts")  # the last two: [T, K], as routed
 LOAD_OUTPUT = "expert_load."  # + a dtype name: "expert_load.int64", "expert_load.float32"
@@ -179,9 +220,9 @@ class ExpertsSpec:
     Canonical layouts: gate/up `[E, F, D]`, down `[E, D, F]`, biases `[E, F]` / `[E, D]`. Experts that are
     not such an FFN run as they are (`kind="generic"`, below).
 
-    Zero-compute experts (LongCat-Flash): the router may choose among R = E + len(identity_experts) +
+    Zero-compute experts (LongCat-Flash): the router may choose among O = E + len(identity_experts) +
     len(zero_experts) experts; the router ids listed return their input (identity) or zero, the others
-    are the E FFN experts, in id order. `output_scale` ([R] or [R, 1], indexed by router id) multiplies
+    are the E FFN experts, in id order. `output_scale` ([O] or [O, 1], indexed by router id) multiplies
     each expert's output (the graph folds it into the combine weights).
     """
 
@@ -198,7 +239,7 @@ class ExpertsSpec:
     b_up: TensorSource | None = None
     b_down: TensorSource | None = None
     container: str = "experts"  # module path of the experts (ModuleList or fused module)
-    output_scale: TensorSource | None = None  # [R] or [R, 1]: expert r's output times output_scale[r]
+    output_scale: TensorSource | None = None  # [O] or [O, 1]: expert r's output times output_scale[r]
     identity_experts: tuple[int, ...] = ()  # router ids of experts returning their input
     zero_experts: tuple[int, ...] = ()  # router ids of experts returning zero
     # "ffn": the FFN above (`moe.expert_ffn`); "generic": the per-expert function is not a known FFN, so the
@@ -358,7 +399,7 @@ class MoESpec:
     unused_inputs: tuple[str, ...] = ()
     side_outputs: tuple[str, ...] = ()  # returned after the hidden states, in this order
     heads: HeadsSpec | None = None  # Multi-Head LatentMoE: routing over H latent sub-tokens per token
-    # an [R] buffer the block adds each expert's load to in every train-mode forward (its own statistic, e.g.
+    # an [O] buffer the block adds each expert's load to in every train-mode forward (its own statistic, e.g.
     # the token counts a loop reads to balance the experts): the graph keeps doing it (`moe.count_load`)
     load_counter: TensorSource | None = None
     # a [D] tensor the block adds to the routed experts' combined output (a bias outside the experts)

@@ -8,8 +8,7 @@ find them, describe them with an MoESpec and prove the description right before 
   sigmoid-gated shared expert (Qwen-MoE style).
 - `GShardMoE`: GShard-style one-hot einsum dispatch with expert capacity (drops overflow tokens).
 
-Shape legend: B batch, S sequence, T tokens, D model width, F expert width, E experts, K top-k,
-C expert capacity.
+Shape letters as moepass's (`moepass.spec.SHAPES`; c: an expert's capacity).
 """
 
 from __future__ import annotations
@@ -125,21 +124,21 @@ class GShardMoE(nn.Module):
         shape = hidden_states.shape
         x_TD = hidden_states.reshape(-1, shape[-1])
         T, E, K = x_TD.shape[0], self.num_experts, self.top_k
-        C = math.ceil(self.capacity_factor * T * K / E)
+        capacity = math.ceil(self.capacity_factor * T * K / E)
         probs_TE = self.wg(x_TD.float()).softmax(dim=-1)
         gates_TK, experts_TK = probs_TE.topk(K, dim=-1)
         gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True)
         # priority: every token's first choice, then every second choice (k-major)
         mask_KTE = F.one_hot(experts_TK.t(), E)
         position_KTE = (torch.cumsum(mask_KTE.reshape(K * T, E), dim=0).reshape(K, T, E) - 1) * mask_KTE
-        mask_KTE = mask_KTE * (position_KTE < C)
-        slot_KTEC = F.one_hot(position_KTE.clamp(0, C - 1), C) * mask_KTE[..., None]
-        combine_TEC = torch.einsum("kt,ktec->tec", gates_TK.t(), slot_KTEC.float())
-        dispatch_TEC = combine_TEC > 0
-        x_ECD = torch.einsum("tec,td->ecd", dispatch_TEC.to(x_TD.dtype), x_TD)
-        h_ECF = F.gelu(torch.einsum("ecd,edf->ecf", x_ECD, self.wi) + self.bi[:, None, :])
-        y_ECD = torch.einsum("ecf,efd->ecd", h_ECF, self.wo) + self.bo[:, None, :]
-        out_TD = torch.einsum("tec,ecd->td", combine_TEC.to(y_ECD.dtype), y_ECD)
+        mask_KTE = mask_KTE * (position_KTE < capacity)
+        slot_KTEc = F.one_hot(position_KTE.clamp(0, capacity - 1), capacity) * mask_KTE[..., None]
+        combine_TEc = torch.einsum("kt,ktec->tec", gates_TK.t(), slot_KTEc.float())
+        dispatch_TEc = combine_TEc > 0
+        x_EcD = torch.einsum("tec,td->ecd", dispatch_TEc.to(x_TD.dtype), x_TD)
+        h_EcF = F.gelu(torch.einsum("ecd,edf->ecf", x_EcD, self.wi) + self.bi[:, None, :])
+        y_EcD = torch.einsum("ecf,efd->ecd", h_EcF, self.wo) + self.bo[:, None, :]
+        out_TD = torch.einsum("tec,ecd->td", combine_TEc.to(y_EcD.dtype), y_EcD)
         return out_TD.reshape(shape)
 
 

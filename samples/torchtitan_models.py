@@ -8,7 +8,7 @@ torchtitan is an optional dependency (installed `--no-deps` beside the pinned to
 in fp32 the experts here run the same math without the cast (`FP32GroupedExperts`), which is what a
 parity check needs and what torchtitan computes in fp32 up to rounding.
 
-Shape legend: B batch, L sequence, D model width, F expert hidden width, E experts, K top-k, R routed rows.
+Shape letters as moepass's (`moepass.spec.SHAPES`).
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ if AVAILABLE:
     class FP32GroupedExperts(_moe.GroupedExperts):
         """torchtitan's GroupedExperts with the same grouped-GEMM math in the input's dtype (no bf16 cast)."""
 
-        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        def forward(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
             offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
             w1, w2, w3 = self.w1_EFD, self.w2_EDF, self.w3_EFD
-            h_RF = F.silu(self._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offsets_E))
-            h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offsets_E)
-            return self._grouped_mm(A=h_RF, B_t=w2.transpose(-2, -1), offs=offsets_E).type_as(x_RD)
+            h_NF = F.silu(self._grouped_mm(A=x_ND, B_t=w1.transpose(-2, -1), offs=offsets_E))
+            h_NF = h_NF * self._grouped_mm(A=x_ND, B_t=w3.transpose(-2, -1), offs=offsets_E)
+            return self._grouped_mm(A=h_NF, B_t=w2.transpose(-2, -1), offs=offsets_E).type_as(x_ND)
 
 
 def config(v: Variant):

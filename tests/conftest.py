@@ -14,9 +14,14 @@ os.environ.setdefault("MOEPASS_VERIFY", "1")  # the verifier runs after every pa
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
 
+import ast  # noqa: E402
+import inspect  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+from moepass.runtime import workers  # noqa: E402
 
 settings.register_profile(
     "ci", derandomize=True, max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -28,13 +33,72 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+# Tests by kind (pyproject's markers, --strict-markers): `distributed` spawns ranks, `slow` takes more than a
+# few seconds, `gpu` needs CUDA, `unit` is everything else (`pytest -m unit` runs in one process). A test is
+# marked `distributed` by hand, or here when it, or a function of its module it calls, calls the rank pool
+# (`pool(W)`); `_pool_runs_are_marked` fails a test that ran a case on the pool without the mark, so the
+# marks cannot go stale.
+KINDS = ("distributed", "slow", "gpu")
+
+
+def _pool_callers(module) -> set[str]:
+    """Names of the module's functions that call `pool(...)`, directly or through the module's other functions."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    calls: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            calls[node.name] = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call)
+                                and isinstance(c.func, ast.Name)}
+    found = {name for name, called in calls.items() if "pool" in called}
+    while True:
+        more = {name for name, called in calls.items() if called & found} - found
+        if not more:
+            return found
+        found |= more
+
+
 def pytest_collection_modifyitems(config, items):
+    callers: dict[str, set[str]] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        function = getattr(item, "originalname", None) or getattr(item, "name", "")
+        if module is not None:
+            if module.__name__ not in callers:
+                callers[module.__name__] = _pool_callers(module)
+            if function in callers[module.__name__] and "distributed" not in item.keywords:
+                item.add_marker(pytest.mark.distributed)
+        if not any(kind in item.keywords for kind in KINDS):
+            item.add_marker(pytest.mark.unit)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (CPU paths are tested instead)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+_POOL_RUNS = [0]
+_run_case = workers.Pool.run
+
+
+def _counted_run(self, *args, **kwargs):
+    _POOL_RUNS[0] += 1
+    return _run_case(self, *args, **kwargs)
+
+
+workers.Pool.run = _counted_run  # counts the cases the tests send to spawned ranks (see KINDS)
+
+
+@pytest.fixture(autouse=True)
+def _pool_runs_are_marked(request):
+    before = _POOL_RUNS[0]
+    yield
+    if _POOL_RUNS[0] != before and "distributed" not in request.node.keywords:
+        pytest.fail(f"{request.node.nodeid} ran cases on spawned ranks but is not marked distributed: add "
+                    f"@pytest.mark.distributed (tests/conftest.py marks a test that calls pool(...) itself)")
 
 
 @pytest.fixture(autouse=True)

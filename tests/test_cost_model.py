@@ -617,7 +617,7 @@ def test_hp_skips_what_it_cannot_convert():
 @pytest.mark.parametrize("heads", [None, 8])
 def test_form_auto_never_picks_hp(heads):
     """Where HP is the fastest plan priced, form="auto" still picks an exact one: HP changes the model and is
-    applied only when the plan names it (DESIGN.md). Plan.heads given with auto shapes the HP rows, then is reset."""
+    applied only when the plan names it (docs/DESIGN.md). Plan.heads given with auto shapes the HP rows, then is reset."""
     from types import SimpleNamespace
 
     from moepass.api import resolve_auto
@@ -664,7 +664,7 @@ def test_fit_recovers_alpha_beta(alpha, beta):
     assert a == pytest.approx(alpha, rel=0.1, abs=2e-6) and b == pytest.approx(beta, rel=0.1)
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_calibration_smoke_run():
     # its wall time is measured by benchmarks/tool_time.py (no timing asserts on shared cores)
     out = calibrate.measure_a2a([65536], reps=3, timeout_s=30)

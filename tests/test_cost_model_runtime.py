@@ -24,7 +24,7 @@ from _dist import pool, shutdown  # noqa: E402
 
 from cost_model import ep as cm  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 W, T, D, E, K = 2, 12, 16, 4, 2
 BYTES = 4  # fp32

@@ -323,7 +323,7 @@ def case_zero_compute_counters(rank, world):
     return {"stats": moepass.comm_stats(), "chosen": idx_TK.tolist()}
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_exact_bytes_of_the_ffn_counts_equal_the_counters():
     results = pool(2).run(case_zero_compute_counters, timeout=120)
     spec = _detected(IdentityExperts)

@@ -353,7 +353,7 @@ def test_norm_on_the_returned_output_is_called_last():
     _assert_exact(model, cm, _ids(2))
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.parametrize("extra", ["none", "load", "post_norm"])
 def test_framework_style_block_exact_under_ep_w2(extra):
     import os

@@ -877,7 +877,7 @@ def case_ep(rank, world, name):
     return sorted(grads)
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].ep and n not in NOT_YET])
 def test_ep_parity_w2(name):
     results = pool(2).run(case_ep, name)
@@ -909,7 +909,7 @@ def case_identity_rows_stay_local(rank, world):
             host_reads, fsep)
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_identity_rows_never_cross_the_all_to_all():
     for ffn, identity, sent, host_reads, fsep in pool(2).run(case_identity_rows_stay_local):
         assert identity > 0 and ffn > 0  # both kinds of rows on every rank's batch: the count can tell them apart

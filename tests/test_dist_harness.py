@@ -17,7 +17,7 @@ from _dist import Pool, shutdown  # noqa: E402
 
 from moepass.runtime import workers  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import Pool, pool, shutdown  # noqa: E402
 from test_ep import ATOL, BATCH_PER_RANK, CFG, RTOL, SEQ, _max_err, _reference_with_capacity, local_logical_grads  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 HF_BATCH_PER_RANK = 2
 

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import pool, shutdown  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 LM = dict(vocab_size=256, dim=64, ffn_dim=64, num_experts=4, top_k=2, layers=2, heads=4)
 MICRO_OP_BYTES = 8 * 1024

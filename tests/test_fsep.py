@@ -21,7 +21,7 @@ from test_ep import CFG, case_parity  # noqa: E402
 from test_ep_checkpoint import case_load, case_save  # noqa: E402
 from test_ep_more import case_hf_parity  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,7 +25,7 @@ from _dist import pool, shutdown  # noqa: E402
 from test_ep import CFG  # noqa: E402
 from test_fsep import Reversed, rotating_planner  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="session", autouse=True)

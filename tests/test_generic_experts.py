@@ -335,7 +335,7 @@ def case_refused(rank, world):
     return errors
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.parametrize("cls, form", [(NormExperts, "ep"), (NormAndIdentityExperts, "ep"), (NormExperts, "fsep")])
 def test_generic_experts_under_ep_and_fsep_w2(cls, form):
     results = pool(2).run(case_generic_ep, cls, form)
@@ -345,7 +345,7 @@ def test_generic_experts_under_ep_and_fsep_w2(cls, form):
                                                       "up_bias", "up_weight")]
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_expert_buffers_and_unsplittable_tensors_are_refused():
     for ep, fsep, odd in pool(2).run(case_refused):
         for form, text in (("ep", ep), ("fsep", fsep)):

@@ -92,7 +92,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_explain_then_compile_on_gloo_in_one_process():
     """The issue's bug: explain's fake groups were handed to compile ("Could not resolve the process
     group registered under the name 3"). Fresh processes, no cache-clearing fixture."""

@@ -41,7 +41,7 @@ from cost_model import ep as cm_ep  # noqa: E402
 from cost_model import hierarchical as cm  # noqa: E402
 from moepass import PlanError  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 W, NODES, PER_NODE = 4, 2, 2
 BYTES = 4  # fp32
@@ -464,7 +464,7 @@ def test_fake_pg_world_16_graph():
         assert targets.count(comm.NODE_SPLIT_TABLE) == 1
         by_name = {n.name: n for n in calls}
         order = [n.name for n in calls]
-        assert order.index("dispatch_intra") < order.index("dispatch_staged_SD") < order.index("dispatch_inter") \
+        assert order.index("dispatch_intra") < order.index("dispatch_staged_ND") < order.index("dispatch_inter") \
             < order.index("x_RD") < order.index("combine_intra") < order.index("combine_inter") \
             < order.index("y_ND_combined")
         assert by_name["x_RD"].args[0] is by_name["dispatch_inter"]
@@ -477,9 +477,9 @@ def test_fake_pg_world_16_graph():
         mode = FakeTensorMode(shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True), allow_non_fake_inputs=True)
         FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(2, 5, 16)))
         vals = {n.name: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
-        assert vals["node_count_totals"].shape == (4 * 2 * 4,) and vals["splits_2S"].shape == (2, 3 * 16)
-        assert vals["splits_2S"].device.type == "cpu"
-        for name in ("dispatch_staged_SD", "x_RD", "combine_staged_SD"):
+        assert vals["node_count_totals"].shape == (4 * 2 * 4,) and vals["node_splits"].shape == (2, 3 * 16)
+        assert vals["node_splits"].device.type == "cpu"
+        for name in ("dispatch_staged_ND", "x_RD", "combine_staged_ND"):
             assert vals[name].shape[1] == 16 and not isinstance(vals[name].shape[0], int), name
         assert vals["y_ND_combined"].shape == (40, 16) and vals["out"].shape == (2, 5, 16)
         # DP x EP: ep_size 8 = 2 nodes of 4, two EP groups

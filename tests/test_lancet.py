@@ -155,7 +155,7 @@ def case_lancet(rank, world, chunks):
             "dispatch_bwd": sum(1 for e in ev if e.kind == "dispatch_bwd")}
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 def test_lancet_wgrad_in_flight_and_bitwise(chunks):
     for r in pool(2).run(case_lancet, chunks):

@@ -377,7 +377,7 @@ PARITY_CASES = [  # (gate, capacity_factor, spike): dropless, drops at delta = 0
 ]
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_parity_w1():
     for gate, cf, spike in PARITY_CASES:
         (res,) = pool(1).run(case_parity, 1, gate, cf, spike)
@@ -388,7 +388,7 @@ def test_parity_w1():
             assert res["capacity"] > math.ceil(B * S * cf / E)  # the floor decides the capacity
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,nodes", [(2, 2), (4, 2)])
 def test_parity_distributed(world, nodes):
     for gate, cf, spike in PARITY_CASES[2:]:
@@ -396,7 +396,7 @@ def test_parity_distributed(world, nodes):
         print(world, nodes, gate, cf, spike, [r["err"] for r in results], [r["capacity"] for r in results])
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_capacity_never_below_floor():
     cases = [(seed, cf, spike) for seed in (1, 2) for cf in (0.05, 0.5, 2.0) for spike in (0.0, 0.8, 1.0, 2.0)]
     (rows,) = pool(1).run(case_floor, cases)
@@ -407,7 +407,7 @@ def test_capacity_never_below_floor():
     assert any(c == cf_cap > math.ceil(floor) for *_, floor, c, cf_cap, _ in rows)  # c_f decides
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_locality_loss_moves_tokens_to_their_node():
     base = pool(2).run(case_train, 0.0, 30, 0.5)
     local = pool(2).run(case_train, 2.0, 30, 0.5)
@@ -419,14 +419,14 @@ def test_locality_loss_moves_tokens_to_their_node():
     assert sum(r["dispatch_inter"] for r in local) < 0.5 * sum(r["dispatch_inter"] for r in base)
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.parametrize("gate", ["grap", "learned"])
 def test_aux_loss_under_torch_compile(gate):
     (errs,) = pool(1).run(case_compile, gate, 2, timeout=600)
     print(gate, errs)
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_aux_loss_errors():
     (zero, shape, messages, grad) = pool(1).run(case_aux_errors)[0]
     assert zero == 0.0 and shape == torch.Size([])
@@ -439,13 +439,13 @@ def test_aux_loss_errors():
     assert grad
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_ddp_keeps_each_ranks_local_distribution():
     losses = pool(2).run(case_ddp)
     assert losses[0] != losses[1]  # each rank's own D_local and tokens
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_tiny_mixtral_trains_at_w2():
     results = pool(2).run(case_tiny_mixtral, 3)
     for losses, states in results:

@@ -131,7 +131,7 @@ def test_source_is_specialised():
     grouped = gating.generated_source(*_args(CASES[4]))
     plain = gating.generated_source(*_args(CASES[0]))
     assert "tl.static_range(4)" in grouped and "group-limited" in grouped and "selection-only bias" in grouped
-    assert "group" not in plain.split("import triton", 1)[1] and "bias_C" not in plain
+    assert "group" not in plain.split("import triton", 1)[1] and "bias_Z" not in plain
     assert "tl.arange(0, 8)" in plain and "tl.arange(0, 32)" in grouped  # E padded to a power of two
 
 
@@ -333,8 +333,8 @@ def test_row_bias_source_reads_a_row_per_token():
     source = gating.generated_source(*row_args)
     plain = gating.generated_source(*_args(CASES[0]))
     assert source == gating.generated_source(row_args[0], row_args[1][0], *row_args[2:])  # [E]: the same source
-    assert "rows64_B[:, None] * bias_row_stride" in source and "bias_BC" in source
-    assert "bias_BC" not in plain  # no bias: no bias load at all
+    assert "rows64_Y[:, None] * bias_row_stride" in source and "bias_YZ" in source
+    assert "bias_YZ" not in plain  # no bias: no bias load at all
     assert 'do_not_specialize=["bias_row_stride"]' in source  # [E] and [T, E] launch one compiled kernel
     (build,) = gating.kernel_module(*_row_args(ROW_BIAS_CASES[0])).GPU_BUILDS
     assert build["signature"]["bias_row_stride"] == "i32"

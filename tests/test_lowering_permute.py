@@ -76,7 +76,7 @@ def test_opcheck():
 def test_source_is_specialised():
     x_TD, experts_TK, E = _inputs(CASES[1])
     source = permute.generated_source(x_TD, experts_TK, E)
-    assert "tl.arange(0, 8)" in source and "* 20 +" in source and "n_R // 3" in source  # E_PAD, D, K baked in
+    assert "tl.arange(0, 8)" in source and "* 20 +" in source and "n_Y // 3" in source  # E_PAD, D, K baked in
     assert "torch.bfloat16" in source
 
 

@@ -39,7 +39,7 @@ from test_schedule_dist import (  # noqa: E402
     per_tensor_micro_ops,
 )
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 STEPS = 2
 
 

@@ -34,7 +34,7 @@ def selfcheck(tmp_path: Path, *args: str) -> tuple[int, str, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_selfcheck_passes_here_and_lists_every_family_and_form(tmp_path):
     rc, stdout, report = selfcheck(tmp_path)
     items = {i["name"]: i for i in report["items"]}
@@ -57,7 +57,7 @@ def test_selfcheck_passes_here_and_lists_every_family_and_form(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_planted_failures_fail_their_items_only_and_the_exit_status(tmp_path):
     rc, stdout, report = selfcheck(tmp_path, "--fault", "kernel:combine", "--fault", "form:ep")
     items = {i["name"]: i for i in report["items"]}

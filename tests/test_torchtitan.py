@@ -140,7 +140,7 @@ def case_distributed(rank, world, name, form):
     return {"grad": worst, "forms": sorted({gm.form for gm in cm.moepass_info.rewritten.values()})}
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.parametrize("form", ["ep", "fsep"])
 @pytest.mark.parametrize("name", VARIANTS)
 def test_distributed_w2_exact(name, form):

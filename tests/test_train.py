@@ -119,7 +119,7 @@ def test_build_optimizer_steps_with_foreach_on_a_dtensor_mix():
 # ---- parity with the untouched model, and crash + resume (W=2, subprocesses) -----------------------------
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["ep", "fsep"])
 def test_losses_equal_the_reference_step_by_step(tmp_path, form):
@@ -136,7 +136,7 @@ def test_losses_equal_the_reference_step_by_step(tmp_path, form):
     assert os.path.getsize(tmp_path / "loss.png") > 10_000
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("setup", [("--form", "fsep"), ("--form", "ep", "--fsdp", "--grad-sync", "scheduler")],
                          ids=["fsep", "ep-fsdp2-scheduler"])
@@ -158,7 +158,7 @@ def test_crash_and_resume_continue_bitwise(tmp_path, setup):
         assert len({json.dumps(after[s]["placements"], sort_keys=True) for s in after}) > 1  # tables kept changing
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_compile_keeps_the_losses_and_breaks_no_moepass_block(tmp_path):
     proc, log = train(tmp_path, "--form", "ep", "--compile", "--steps", "3", "--reference", "--log-every", "1")

@@ -1,7 +1,5 @@
 """Grouped-GEMM expert FFN: `moe.expert_ffn` lowered to generated Triton kernels, forward and backward.
 
-Shape legend: N routed rows sorted by expert, D model width, F expert hidden width, E experts.
-
 Three kernels (gate_up_kernel, rows_kernel, wgrad_kernel), generated once per spec (activation,
 gating, bias flags, dtype baked in as constants), run the forward in two launches and the backward
 (which recomputes h_gate/h_up instead of keeping them) in five (four when not gated). Where each part lives:

@@ -1,7 +1,7 @@
 """What one generated grouped-GEMM module is specialised to (`FfnSpec`) and the block sizes its kernels run with.
 
-Shape legend: N routed rows, E experts; a config's block_m tiles rows, block_n output columns (wgrad: P),
-block_k the reduction (wgrad: Q).
+A config's block_m tiles the N routed rows, block_n the output columns (wgrad: p), block_k the reduction
+(wgrad: q); letters as `moepass.spec.SHAPES`.
 
 Block sizes: on a GPU every kernel is `@triton.autotune`d over its config list (keyed on the
 dimensions and a power-of-two bucket of rows per expert; configs over the device's shared memory are

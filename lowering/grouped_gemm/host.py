@@ -1,8 +1,6 @@
 """The expert FFN on the host: validate the arguments, then forward / backward as a few kernel launches;
 and the fused gate/up adapters between `moe.expert_ffn`'s argument layout and the kernels'.
 
-Shape legend: N routed rows sorted by expert, D model width, F expert hidden width, E experts.
-
 Backward recomputes: the Triton forward keeps only its inputs (`dialect.define_expert_ffn` would let it
 hand h_gate/h_up over, as the torch path does; these kernels do not write them). The backward's first
 kernel recomputes h_gate/h_up in registers while computing grad_a over the same reduction dimension D,

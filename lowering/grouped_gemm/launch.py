@@ -1,9 +1,9 @@
 """Launching the grouped-GEMM kernels: one host wrapper per kernel (allocate outputs, lay out the
 arguments, size the grid), each launch autotuned on a GPU or run with `pick_config`'s config when interpreted or deterministic.
 
-Shape legend: N routed rows sorted by expert, D model width, F expert hidden width, E experts;
-K, Q the reduction and output columns of rows_kernel; P, Q the two sides of a weight gradient.
-Tensors must be row-major except the weights, whose strides the kernels take.
+Shape letters: `moepass.spec.SHAPES` (p, q: a grouped GEMM's reduction and output widths; rows_kernel's
+arguments K and Q are p and q, a weight gradient's P and Q its two sides). Tensors must be row-major
+except the weights, whose strides the kernels take.
 """
 
 from __future__ import annotations
@@ -85,35 +85,35 @@ def _row_grid(N: int, E: int, n_cols: int) -> Grid:
     return lambda meta: (triton.cdiv(N, meta["BLOCK_M"]) + E, triton.cdiv(n_cols, meta["BLOCK_N"]))
 
 
-def _strides_EKQ(w: Tensor, transpose: bool) -> tuple[int, int, int]:
+def _strides_Epq(w: Tensor, transpose: bool) -> tuple[int, int, int]:
     """Strides of a 3-D expert weight read as [E, K, Q]; `transpose` reads [E, A, B] as [E, B, A]."""
     return (w.stride(0), w.stride(2), w.stride(1)) if transpose else (w.stride(0), w.stride(1), w.stride(2))
 
 
-def rows_launch(spec, out_NQ, a1_NK, b1, a2_NK, b2, bias_EQ, counts_E, transpose_b: bool) -> None:
+def rows_launch(spec, out_Nq, a1_Np, b1, a2_Np, b2, bias_Eq, counts_E, transpose_b: bool) -> None:
     """out = a1 @ b1[e] (+ a2 @ b2[e]) (+ bias[e]) over expert-sorted rows; b read as [E, K, Q]."""
-    N, K = a1_NK.shape
-    Q, E = out_NQ.shape[1], counts_E.shape[0]
-    two = a2_NK is not None
-    args = (a1_NK, b1, *_strides_EKQ(b1, transpose_b), a2_NK if two else a1_NK, b2 if two else b1,
-            *_strides_EKQ(b2 if two else b1, transpose_b), a1_NK if bias_EQ is None else bias_EQ, out_NQ, counts_E,
+    N, K = a1_Np.shape
+    Q, E = out_Nq.shape[1], counts_E.shape[0]
+    two = a2_Np is not None
+    args = (a1_Np, b1, *_strides_Epq(b1, transpose_b), a2_Np if two else a1_Np, b2 if two else b1,
+            *_strides_Epq(b2 if two else b1, transpose_b), a1_Np if bias_Eq is None else bias_Eq, out_Nq, counts_E,
             K, Q, E, rows_bucket(N, E))
     _launch(spec, "rows_kernel", _row_grid(N, E, Q), args,
-            dict(TWO=two, HAS_BIAS=bias_EQ is not None, E_POW2=triton.next_power_of_2(E)),
+            dict(TWO=two, HAS_BIAS=bias_Eq is not None, E_POW2=triton.next_power_of_2(E)),
             (triton.cdiv(N, E), Q, K))
 
 
-def wgrad_launch(spec, a_NP: Tensor, b_NQ: Tensor, counts_E: Tensor, with_bias: bool) -> tuple[Tensor, Tensor | None]:
-    """grad_w_EPQ[e] = a[rows_e]^T @ b[rows_e], and the bias gradient (column sums of a[rows_e])."""
-    N, P = a_NP.shape
-    Q, E = b_NQ.shape[1], counts_E.shape[0]
-    out_EPQ = a_NP.new_empty(E, P, Q)
-    bias_EP = a_NP.new_empty(E, P) if with_bias else None
+def wgrad_launch(spec, a_Np: Tensor, b_Nq: Tensor, counts_E: Tensor, with_bias: bool) -> tuple[Tensor, Tensor | None]:
+    """grad_w_Epq[e] = a[rows_e]^T @ b[rows_e], and the bias gradient (column sums of a[rows_e])."""
+    N, P = a_Np.shape
+    Q, E = b_Nq.shape[1], counts_E.shape[0]
+    out_Epq = a_Np.new_empty(E, P, Q)
+    bias_Ep = a_Np.new_empty(E, P) if with_bias else None
     grid = lambda meta: (E, triton.cdiv(P, meta["BLOCK_P"]), triton.cdiv(Q, meta["BLOCK_Q"]))
-    args = (a_NP, b_NQ, out_EPQ, out_EPQ if bias_EP is None else bias_EP, counts_E, P, Q, E, rows_bucket(N, E))
+    args = (a_Np, b_Nq, out_Epq, out_Epq if bias_Ep is None else bias_Ep, counts_E, P, Q, E, rows_bucket(N, E))
     _launch(spec, "wgrad_kernel", grid, args, dict(HAS_BIAS=with_bias, E_POW2=triton.next_power_of_2(E)),
             (triton.cdiv(N, E), P, Q))
-    return out_EPQ, bias_EP
+    return out_Epq, bias_Ep
 
 
 def gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,

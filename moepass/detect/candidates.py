@@ -4,7 +4,7 @@ An *expert group* is E same-shaped things at any depth: a ModuleList / ModuleDic
 (each with linear layers), or >= 2 three-dimensional parameters of one module sharing a leading dim E.
 The candidate block of a group is its nearest ancestor that also holds (at any depth, outside the
 group) a two-dimensional [E, D] parameter: something that can score E experts; failing that at every
-ancestor, an [R, D] one with E < R <= 2E (not an embedding): a router that also scores R - E
+ancestor, an [O, D] one with E < O <= 2E (not an embedding): a router that also scores O - E
 zero-compute experts (identity / zero), which `loop_experts.expert_variants` places as hypotheses. A module that says it
 is an MoE block (a `moepass_spec(path)` method: `moepass.detect.self_described`) is a candidate too.
 Nothing here reads a name: the names of the block's attributes are whatever the user chose.
@@ -65,7 +65,7 @@ class Candidate:
     outputs: int = 1  # how many values the block returns
     ffn_experts: int = 0  # E, the expert group's size: R - E router ids are zero-compute experts (0: E = R)
     input_names: tuple[str, ...] = ("hidden_states",)  # the hidden states, then further inputs (token ids)
-    load_counter: str | None = None  # an [R] buffer a train-mode forward adds each expert's load to (`load_counter`)
+    load_counter: str | None = None  # an [O] buffer a train-mode forward adds each expert's load to (`load_counter`)
     output_bias: str | None = None  # a [D] parameter added to the combined output (`output_bias`)
     output_module: str | None = None  # a submodule called last, on what the block returns (`output_module`)
     side_outputs: list[str] = field(default_factory=list)  # what it returns after the hidden states (`side_outputs`)
@@ -230,8 +230,8 @@ def _grouped(tree: ModuleTree, groups: list[_Group]) -> set[str]:
 
 def _router_weight(block_path: str, tree: ModuleTree, group: _Group, grouped: set[str],
                    widths: set[int], wider: bool = False) -> tuple[str, int, int] | None:
-    """(path relative to the block of the module holding an [R, D] weight outside every expert group, D, R):
-    D one of the experts' input widths, R the group's E experts, or with `wider` E < R <= 2E (zero-compute
+    """(path relative to the block of the module holding an [O, D] weight outside every expert group, D, O):
+    D one of the experts' input widths, O the group's E experts, or with `wider` E < O <= 2E (zero-compute
     experts beside the FFN experts; never an embedding table); a weight beside fused expert weights (e.g. an
     [E, F] bias) last."""
     E = group.num_experts
@@ -528,7 +528,7 @@ def output_module(c: Candidate) -> str | None:
 
 
 def load_counter(probe: nn.Module, inputs: tuple[Any, ...], R: int, K: int) -> str | None:
-    """The [R] buffer a train-mode forward of the block adds its experts' load to, read from what one such
+    """The [O] buffer a train-mode forward of the block adds its experts' load to, read from what one such
     forward does (on the probe, under no_grad, the RNG state restored): the buffer whose increase is a count
     per expert summing to every token's K choices. None when no buffer moves that way."""
     tokens = inputs[0].numel() // inputs[0].shape[-1]
@@ -556,7 +556,7 @@ def load_counter(probe: nn.Module, inputs: tuple[Any, ...], R: int, K: int) -> s
 
 
 def output_scales(c: Candidate) -> list[str]:
-    """Block tensors that may scale each expert's output: [R] or [R, 1] floating parameters / buffers the
+    """Block tensors that may scale each expert's output: [O] or [O, 1] floating parameters / buffers the
     graph reads outside the selection scores' slice that are not the router's (R the router's experts)."""
     if c.graph is None or c.selection is None:
         return []

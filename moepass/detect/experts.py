@@ -9,8 +9,6 @@ with the expert's own weights and must reproduce the expert's output (`moepass.a
 expert that does something else (a norm, a scale, a matmul with a bare tensor) is declined with the
 reason, and `read_generic_expert` says whether the experts can run as they are instead (the generic
 expert op, `moepass.generic_experts`): identical structure, [T, D] -> [T, D].
-
-Shape legend: D model width, F expert hidden width.
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ Roles come from the data flow (which parameters feed the scores, which are read 
 names or classes. Each found block records the call the model made to it (`GraphBlock.call`): the probe
 then calls it with the same arguments. A block that no recogniser describes is still reported, with the
 expert tensors it reads: nothing that selects over E >= 2 scores and drives experts is left unsaid.
-
-Shape legend: E experts (the selection's last dim), D model width, F expert hidden width.
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ Which output of the router is the logits, and whether the logits are computed in
 input dtype, are observed by calling a copy of the router (fp32 and bf16), not assumed. Each
 recogniser returns a few MoESpec hypotheses, best first (the semantic check decides), or declines
 with the reason.
-
-Shape legend: T tokens, D model width, E experts, F expert hidden width.
 """
 
 from __future__ import annotations

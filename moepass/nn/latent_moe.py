@@ -29,8 +29,8 @@ forward recomputed by activation checkpointing updates it again: it counts as an
 The block describes itself to moepass (`moepass_spec`): detection still checks that description
 against this forward on probe inputs before anything is compiled.
 
-Shape legend: T tokens, D model width, H heads, h head width, Q = H*h, E experts per head,
-X = H*E experts in all, K top-k per sub-token, m expert hidden width.
+Shape letters: `moepass.spec.SHAPES` (G = T*H sub-tokens, X = H*E experts in all; the expert hidden width
+is `ffn_dim`, m in the paper).
 """
 
 from __future__ import annotations

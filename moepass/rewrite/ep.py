@@ -41,9 +41,6 @@ gradient of the mean over all W ranks of their local losses (see `moepass.rewrit
 hook on the parameter sums across DP replicas (`dp_group`, only when ep_size < world). Non-expert
 parameters are replicated: average their gradients with DDP (expert parameters are excluded from it)
 or `moepass.runtime.grads.all_reduce_replicated_grads`.
-
-Shape legend: T tokens, D width, E experts, K top-k, N = T*K routed rows, P EP ranks, L = E/P local
-experts, R rows received by this rank, M = R rows sorted by local expert.
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 
 A form that computes experts on other ranks replaces the canonical `moe.expert_ffn` node by
 
-    x_ND, counts_B, order_N = moe.permute(x_TD, buckets_TK, B)        # the canonical permute, re-keyed
-    recv_counts_B = wait(moe_comm.exchange_counts(counts_B))          # metadata all-to-all
-    splits_2P     = moe_comm.host_splits(counts_B, recv_counts_B)     # the one host sync (rows per peer)
-    x_RD          = wait(moe_comm.all_to_all(x_ND, counts_B, recv_counts_B, "dispatch", splits_2P))
-    ids_R1        = moe_ep.local_expert_ids(recv_counts_B, L, R)      # rows arrive (source, bucket)-major
+    x_ND, counts_U, order_N = moe.permute(x_TD, buckets_TK, U)        # the canonical permute, re-keyed
+    recv_counts_U = wait(moe_comm.exchange_counts(counts_U))          # metadata all-to-all
+    splits_2P     = moe_comm.host_splits(counts_U, recv_counts_U)     # the one host sync (rows per peer)
+    x_RD          = wait(moe_comm.all_to_all(x_ND, counts_U, recv_counts_U, "dispatch", splits_2P))
+    ids_R1        = moe_ep.local_expert_ids(recv_counts_U, L, R)      # rows arrive (source, bucket)-major
     x_MD, counts_L, order_R = moe.permute(x_RD, ids_R1, L)            # ... sort them bucket-major
     y_MD          = moe.expert_ffn(x_MD, counts_L, <the form's L local experts>)
     y_RD          = moe.unpermute(y_MD, order_R, 1)
-    y_ND          = wait(moe_comm.all_to_all(y_RD, recv_counts_B, counts_B, "combine", out_rows=N,
+    y_ND          = wait(moe_comm.all_to_all(y_RD, recv_counts_U, counts_U, "combine", out_rows=N,
                                          splits_2P.flip(0)))
 
 Generic experts (`ExpertsSpec.kind="generic"`) put `generic_experts.run_experts` where `moe.expert_ffn` is:
@@ -20,9 +20,9 @@ The split table is read on the host once per block and step and reused by the co
 backward exchanges (moepass/runtime/collectives.py); the schedule pass keeps one count exchange and
 one table for all its chunks.
 
-B = P*L buckets, L per rank of the P-rank group: EP's buckets are experts, FSEP's are expert slots.
+U = P*L buckets, L per rank of the P-rank group: EP's buckets are experts, FSEP's are expert slots.
 What a form decides is how assignments map to buckets (`route`) and where the L local experts' weights
-come from (`weights`). Capacity-dropped assignments go to an extra bucket B that is never sent.
+come from (`weights`). Capacity-dropped assignments go to an extra bucket U that is never sent.
 
 Gradient convention (DDP's): an expert weight's gradient is that of the mean of the W ranks' local
 losses. The dispatch/combine backward sums every rank's contribution; `grad_scale` nodes divide the
@@ -41,6 +41,7 @@ from torch import Tensor, fx
 from moepass import dialect, generic_experts
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
+from moepass.operands import operand
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
 from moepass.runtime.topology import EPGroups, NodeGroups, node_groups
@@ -124,8 +125,8 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
     ffn = expert_compute_node(graph)
     keeps = [keep] if keep is not None else [
         n for n in graph.nodes if n.op == "call_function" and n.target is dialect.CAPACITY_KEEP]
-    x_ND, counts = ffn.args[0], ffn.args[1]
-    x_TD, experts_TK, slots = permute.args
+    x_ND, counts = operand(ffn, "x_ND"), operand(ffn, "counts_E")
+    x_TD, experts_TK, slots = (operand(permute, name) for name in ("x_TD", "experts_TK", "num_experts"))
     assert isinstance(experts_TK, fx.Node) and isinstance(x_ND, fx.Node) and isinstance(slots, int), permute.args
     zero_compute = slots - E  # slots past the FFN experts (identity / zero experts): sorted last, never sent
     if zero_compute and (route is not None or keeps):
@@ -143,12 +144,12 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
     permute.args = (x_TD, buckets_TK, buckets + 1 if keeps else buckets + zero_compute)
 
     with graph.inserting_before(ffn):
-        counts_B = b.fn(operator.getitem, counts, slice(0, buckets), name=f"send_counts_{axis}") if keeps else counts
-        recv_counts = b.fn(comm.WAIT, b.fn(comm.EXCHANGE_COUNTS, counts_B, group_name, name="exchange_counts"),
+        counts_U = b.fn(operator.getitem, counts, slice(0, buckets), name=f"send_counts_{axis}") if keeps else counts
+        recv_counts = b.fn(comm.WAIT, b.fn(comm.EXCHANGE_COUNTS, counts_U, group_name, name="exchange_counts"),
                            name=f"recv_counts_{axis}")
-        splits_2P = b.fn(comm.HOST_SPLITS, counts_B, recv_counts, group_name, name="splits_2P")
+        splits_2P = b.fn(comm.HOST_SPLITS, counts_U, recv_counts, group_name, name="splits_2P")
         back_2P = b.method("flip", splits_2P, 0, name="combine_splits_2P")
-        dispatch = b.fn(comm.ALL_TO_ALL, x_ND, counts_B, recv_counts, group_name, "dispatch", -1, splits_2P,
+        dispatch = b.fn(comm.ALL_TO_ALL, x_ND, counts_U, recv_counts, group_name, "dispatch", -1, splits_2P,
                         name="dispatch")
         weights = issue_weights()
         x_RD = b.fn(comm.WAIT, dispatch, name="x_RD")
@@ -169,7 +170,7 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
         y_R1D = b.fn(dialect.UNPERMUTE, y_MD, order_R, 1, name="y_R1D")
         y_RD = b.method("flatten", y_R1D, 0, 1, name="y_RD")
         rows_N = b.method("size", x_ND, 0, name="rows_N")
-        y_ND = b.fn(comm.WAIT, b.fn(comm.ALL_TO_ALL, y_RD, recv_counts, counts_B, group_name, "combine", rows_N,
+        y_ND = b.fn(comm.WAIT, b.fn(comm.ALL_TO_ALL, y_RD, recv_counts, counts_U, group_name, "combine", rows_N,
                                     back_2P, name="combine"), name="y_ND_combined")
     ffn.replace_all_uses_with(y_ND)
     graph.erase_node(ffn)  # its weight reads are now dead: dropped when the pass's effects are applied
@@ -186,33 +187,33 @@ def hierarchy_of(plan: Plan, groups: EPGroups) -> NodeGroups | None:
 def split_by_node(graph: fx.Graph, b: GraphBuilder, hierarchy: NodeGroups) -> None:
     """Replace the flat dispatch and combine by the hierarchical all-to-all (in place):
 
-        node_counts   = wait(moe_comm.exchange_counts(node_count_totals(counts_B, recv_counts_B), intra))
-        splits_2S     = moe_comm.node_split_table(counts_B, recv_counts_B, node_counts)   # the one host sync
-        x_SD          = wait(moe_comm.intra_node_all_to_all(x_ND, splits_2S[0], intra, "dispatch"))
-        dispatch      = moe_comm.inter_node_all_to_all(x_SD, splits_2S[0], inter, "dispatch")
+        node_counts   = wait(moe_comm.exchange_counts(node_count_totals(counts_U, recv_counts_U), intra))
+        node_splits   = moe_comm.node_split_table(counts_U, recv_counts_U, node_counts)   # the one host sync
+        x_staged_ND   = wait(moe_comm.intra_node_all_to_all(x_ND, node_splits[0], intra, "dispatch"))
+        dispatch      = moe_comm.inter_node_all_to_all(x_staged_ND, node_splits[0], inter, "dispatch")
         ...
-        y_SD          = wait(moe_comm.intra_node_all_to_all(y_RD, splits_2S[1], intra, "combine"))
-        combine       = moe_comm.inter_node_all_to_all(y_SD, splits_2S[1], inter, "combine", out_rows=N)
+        y_staged_ND   = wait(moe_comm.intra_node_all_to_all(y_RD, node_splits[1], intra, "combine"))
+        combine       = moe_comm.inter_node_all_to_all(y_staged_ND, node_splits[1], inter, "combine", out_rows=N)
 
-    The result is the flat exchange's, row for row; the flat nodes' waits now wait for stage 2 (S: the rows
-    stage 1 gathered). What only the flat nodes used (their split table) is dead and dropped with the
+    The result is the flat exchange's, row for row; the flat nodes' waits now wait for stage 2 (on the staged
+    rows stage 1 gathered). What only the flat nodes used (their split table) is dead and dropped with the
     pass's effects."""
-    flat = {n.args[4]: n for n in graph.nodes if n.op == "call_function" and n.target is comm.ALL_TO_ALL}
+    flat = {operand(n, "kind"): n for n in graph.nodes if n.op == "call_function" and n.target is comm.ALL_TO_ALL}
     dispatch, combine = flat["dispatch"], flat["combine"]
-    counts_B, recv_counts = dispatch.args[1], dispatch.args[2]
+    counts_U, recv_counts = operand(dispatch, "send_counts_E"), operand(dispatch, "recv_counts_E")
     intra, inter = hierarchy.intra_group.group_name, hierarchy.inter_group.group_name
     with graph.inserting_before(dispatch):
-        totals = b.fn(comm.node_count_totals, counts_B, recv_counts, hierarchy.nodes, hierarchy.ranks_per_node,
+        totals = b.fn(comm.node_count_totals, counts_U, recv_counts, hierarchy.nodes, hierarchy.ranks_per_node,
                       name="node_count_totals")
         node_counts = b.fn(comm.WAIT, b.fn(comm.EXCHANGE_COUNTS, totals, intra, name="exchange_node_counts"),
                            name="node_counts")
-        tables = b.fn(comm.NODE_SPLIT_TABLE, counts_B, recv_counts, node_counts, hierarchy.nodes, name="splits_2S")
+        tables = b.fn(comm.NODE_SPLIT_TABLE, counts_U, recv_counts, node_counts, hierarchy.nodes, name="node_splits")
     for row, (kind, a2a) in enumerate((("dispatch", dispatch), ("combine", combine))):
-        x, out_rows = a2a.args[0], a2a.args[5]
+        x, out_rows = operand(a2a, "x_XD"), operand(a2a, "out_rows")
         with graph.inserting_before(a2a):
-            table = b.fn(operator.getitem, tables, row, name=f"{kind}_splits_S")
+            table = b.fn(operator.getitem, tables, row, name=f"{kind}_node_splits")
             staged = b.fn(comm.INTRA_NODE_ALL_TO_ALL, x, table, intra, kind, -1, name=f"{kind}_intra")
-            x_SD = b.fn(comm.WAIT, staged, name=f"{kind}_staged_SD")
-            stage2 = b.fn(comm.INTER_NODE_ALL_TO_ALL, x_SD, table, inter, kind, out_rows, name=f"{kind}_inter")
+            x_staged_ND = b.fn(comm.WAIT, staged, name=f"{kind}_staged_ND")
+            stage2 = b.fn(comm.INTER_NODE_ALL_TO_ALL, x_staged_ND, table, inter, kind, out_rows, name=f"{kind}_inter")
         a2a.replace_all_uses_with(stage2)
         graph.erase_node(a2a)

@@ -24,8 +24,6 @@ graph runs, `moepass.runtime.locality`, whose module doc gives the formulas.
 Gradient convention as EP's (`moepass.rewrite.exchange`): expert gradients are those of the mean of the
 ranks' losses; the router (replicated) holds its rank's gradient, averaged by DDP or
 `moepass.runtime.grads.all_reduce_replicated_grads`.
-
-Shape legend: T tokens of this rank, D width, E experts, P EP ranks, L = E/P local experts.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ from torch import Tensor, fx, nn
 from moepass import canonical, dialect
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
+from moepass.operands import operand
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite import exchange
@@ -179,7 +178,7 @@ def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
     b.graph = graph
     route = exchange.only(graph, dialect.ROUTE, "moe.route")
     old = {user.args[1]: user for user in route.users}  # getitem 0: weights, 1: experts
-    x_TD, logits = exchange.named(graph, "x_TD"), route.args[0]
+    x_TD, logits = exchange.named(graph, "x_TD"), operand(route, "logits_TE")
     assert isinstance(logits, fx.Node)
     with graph.inserting_before(route):
         if plan.gate == "grap":  # the block's router is no longer read; the side output shows the GrAP logits

@@ -3,8 +3,7 @@ the sub-token layout changes around the equal all-to-alls (`tokens_to_heads`, `h
 selection-bias update over a head's replicas (`moe_hp.update_selection_bias_over_group`), and the layout
 record (`HPLayout`).
 
-Shape legend: T tokens of this rank, Q = H*h sub-token width, P peers, Ql = Q/P, R = P*T received tokens,
-G rows of sub-tokens (token-major, head-minor), K choices, Hl local heads, E experts per head.
+Shape letters: `moepass.spec.SHAPES` (R = P*T received tokens).
 """
 
 from __future__ import annotations

@@ -25,8 +25,6 @@ capacity (`moepass.rewrite.ep`): each rank keeps at most that many of its own to
 order. The capacity depends on the data: `moe_loc.floor_keep` reads delta on the host (one host sync of
 one scalar per layer per step, inside the opaque op, so Dynamo does not break). `capacity_factor=None` is
 dropless: no capacity, so no floor is measured and no sync happens.
-
-Shape legend: T tokens of this rank, D width, E experts.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ HP runs on the sample LM whose MoE layers are Multi-Head LatentMoE (`samples.mod
 HP keeps the math (on a standard block HP converts the block: another model). form="locality" changes
 the routing by design (top-1 locality router plus its losses): its step is checked to run and stay
 finite, and its loss's distance from the untouched model's is reported, not judged.
-
-Shape legend: B sequences, S sequence length, E experts, H latent heads.
 """
 
 from __future__ import annotations

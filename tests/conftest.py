@@ -105,3 +105,15 @@ def _pool_runs_are_marked(request):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pools():
+    """The spawned rank pools (tests/_dist.py) are shared by the whole session and closed at its end (test
+    files import the harness as `tests._dist` or, with tests/ on sys.path, as `_dist`: two module objects)."""
+    import sys
+
+    yield
+    for name in ("tests._dist", "_dist"):
+        if name in sys.modules:
+            sys.modules[name].shutdown()

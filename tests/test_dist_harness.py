@@ -13,17 +13,11 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import Pool, shutdown  # noqa: E402
+from _dist import Pool  # noqa: E402
 
 from moepass.runtime import workers  # noqa: E402
 
 pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def stuck_in_a_named_function() -> None:

@@ -27,18 +27,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import Pool, pool, shutdown  # noqa: E402
+from _dist import Pool, pool  # noqa: E402
 from test_ep import ATOL, BATCH_PER_RANK, CFG, RTOL, SEQ, _max_err, _reference_with_capacity, local_logical_grads  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 HF_BATCH_PER_RANK = 2
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -33,12 +33,6 @@ LM = dict(vocab_size=256, dim=64, ffn_dim=64, num_experts=4, top_k=2, layers=2, 
 MICRO_OP_BYTES = 8 * 1024
 STEPS = 3
 FSDP_KINDS = ("fsdp_all_gather", "fsdp_reduce_scatter")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def tokens(rank, step):

@@ -16,18 +16,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 from test_ep import CFG, case_parity  # noqa: E402
 from test_ep_checkpoint import case_load, case_save  # noqa: E402
 from test_ep_more import case_hf_parity  # noqa: E402
 
 pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def rotating_planner(counts_PE, table):

@@ -21,17 +21,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 from test_ep import CFG  # noqa: E402
 from test_fsep import Reversed, rotating_planner  # noqa: E402
 
 pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 # ----------------------------------------------------------------------------------------------

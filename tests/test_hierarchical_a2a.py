@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 from test_ep import case_parity  # noqa: E402
 from test_ep_more import case_hf_parity  # noqa: E402
 
@@ -45,12 +45,6 @@ pytestmark = pytest.mark.distributed
 
 W, NODES, PER_NODE = 4, 2, 2
 BYTES = 4  # fp32
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,17 +20,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 from test_ep import ATOL, BATCH_PER_RANK, RTOL, SEQ, _max_err  # noqa: E402
 
 CFG = dict(vocab_size=64, dim=32, layers=2)
 LATENT = dict(heads=4, head_dim=8, experts=4, top_k=2, latent_ffn_dim=16)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def _model(**latent):

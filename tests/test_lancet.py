@@ -20,15 +20,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 D, F, E, K, T = 32, 64, 4, 2, 96  # block sizes; T tokens per rank (every expert chunk >= 4 rows: see schedule.py)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 import moepass  # noqa: E402
 from moepass import PlanError  # noqa: E402
@@ -30,12 +30,6 @@ from moepass import PlanError  # noqa: E402
 D, F_DIM, E = 16, 32, 8
 B, S = 2, 12  # per rank: T = 24 tokens
 RTOL, ATOL = 1e-5, 1e-6
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 # ----------------------------------------------------------------------------------------------

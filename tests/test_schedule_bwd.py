@@ -25,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 from test_schedule_dist import (  # noqa: E402
     LM,
     MICRO_OP_BYTES,
@@ -41,12 +41,6 @@ from test_schedule_dist import (  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 STEPS = 2
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def _compiled(world, chunks):

@@ -19,19 +19,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 D, F, E, K, T = 32, 64, 4, 2, 96  # block sizes; T tokens per rank
 LM = dict(vocab_size=512, dim=128, ffn_dim=64, num_experts=4, top_k=2, layers=2, heads=4)
 MICRO_OP_BYTES = 16 * 1024
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,15 +8,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 from moepass import PlanError, Topology  # noqa: E402
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def test_links_by_simulated_node():

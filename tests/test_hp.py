@@ -33,7 +33,6 @@ def _model(**latent):
 
 def case_parity(rank, world, steps=1, activation="gelu", nodes=1, ep_size=None):
     import moepass
-    from moepass.runtime.grads import all_reduce_replicated_grads
 
     model = _model(activation=activation)
     cm = moepass.compile(model, moepass.Plan(form="hp", topology=moepass.Topology(nodes, world // nodes),
@@ -43,24 +42,7 @@ def case_parity(rank, world, steps=1, activation="gelu", nodes=1, ep_size=None):
     report = {"out": 0.0, "grad": 0.0, "param": 0.0, "bias": 0.0,
               "forms": sorted({gm.form for gm in cm.moepass_info.rewritten.values()})}
     for step in range(steps):
-        tokens = torch.randint(0, CFG["vocab_size"], (world * BATCH_PER_RANK, SEQ + 1),
-                               generator=torch.Generator().manual_seed(100 + step))
-        mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-        model.zero_grad()
-        ref_loss = model.loss(tokens)
-        ref_loss.backward()
-        with torch.no_grad():
-            model.eval()
-            ref_out = model(tokens[mine, :-1])
-            model.train()
-        cm.zero_grad()
-        loss = cm.loss(tokens[mine])
-        loss.backward()
-        all_reduce_replicated_grads(cm)
-        global_loss = loss.detach().clone()
-        torch.distributed.all_reduce(global_loss)
-        torch.testing.assert_close(global_loss / world, ref_loss.detach(), rtol=RTOL, atol=ATOL)
-        ref_grads = {n: p.grad for n, p in model.named_parameters()}
+        tokens, mine, ref_out, ref_grads = step_beside_reference(cm, model, step, rank, world)
         for name, (g, index) in moepass.logical_grads(cm).items():
             want = ref_grads[name][index or slice(None)]
             torch.testing.assert_close(g, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
@@ -90,6 +72,32 @@ def case_parity(rank, world, steps=1, activation="gelu", nodes=1, ep_size=None):
             torch.testing.assert_close(value, want, rtol=RTOL, atol=ATOL)
             report["param"] = max(report["param"], _max_err(value, want))
     return report
+
+
+def step_beside_reference(cm, model, step: int, rank: int, world: int):
+    """One training forward and backward of the HP model on this rank's share of the global batch, and of the
+    reference model on all of it; checks the global loss. Returns (tokens, this rank's rows, the reference's
+    eval output on them, the reference's gradients by name)."""
+    from moepass.runtime.grads import all_reduce_replicated_grads
+
+    tokens = torch.randint(0, CFG["vocab_size"], (world * BATCH_PER_RANK, SEQ + 1),
+                           generator=torch.Generator().manual_seed(100 + step))
+    mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    model.zero_grad()
+    ref_loss = model.loss(tokens)
+    ref_loss.backward()
+    with torch.no_grad():
+        model.eval()
+        ref_out = model(tokens[mine, :-1])
+        model.train()
+    cm.zero_grad()
+    loss = cm.loss(tokens[mine])
+    loss.backward()
+    all_reduce_replicated_grads(cm)
+    global_loss = loss.detach().clone()
+    torch.distributed.all_reduce(global_loss)
+    torch.testing.assert_close(global_loss / world, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    return tokens, mine, ref_out, {n: p.grad for n, p in model.named_parameters()}
 
 
 def case_bytes_and_graph(rank, world, top_k):

@@ -22,9 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import pool  # noqa: E402
 from test_ep import ATOL, BATCH_PER_RANK, RTOL, SEQ, _max_err  # noqa: E402
-
-CFG = dict(vocab_size=64, dim=32, layers=2)
-LATENT = dict(heads=4, head_dim=8, experts=4, top_k=2, latent_ffn_dim=16)
+from test_hp import CFG, LATENT, step_beside_reference  # noqa: E402
 
 
 def _model(**latent):
@@ -129,7 +127,6 @@ def test_fake_pg_graph_groups_and_bytes(world, rank, G, P, nodes):
 
 def case_parity(rank, world, head_ep, steps=2, activation="gelu", nodes=2):
     import moepass
-    from moepass.runtime.grads import all_reduce_replicated_grads
 
     model = _model(activation=activation)
     plan = moepass.Plan(form="hp", head_ep_size=head_ep, topology=moepass.Topology(nodes, world // nodes))
@@ -138,24 +135,7 @@ def case_parity(rank, world, head_ep, steps=2, activation="gelu", nodes=2):
     report = {"out": 0.0, "grad": 0.0, "param": 0.0, "grads_checked": 0,
               "forms": sorted({gm.form for gm in cm.moepass_info.rewritten.values()})}
     for step in range(steps):
-        tokens = torch.randint(0, CFG["vocab_size"], (world * BATCH_PER_RANK, SEQ + 1),
-                               generator=torch.Generator().manual_seed(100 + step))
-        mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-        model.zero_grad()
-        ref_loss = model.loss(tokens)
-        ref_loss.backward()
-        with torch.no_grad():
-            model.eval()
-            ref_out = model(tokens[mine, :-1])
-            model.train()
-        cm.zero_grad()
-        loss = cm.loss(tokens[mine])
-        loss.backward()
-        all_reduce_replicated_grads(cm)
-        global_loss = loss.detach().clone()
-        torch.distributed.all_reduce(global_loss)
-        torch.testing.assert_close(global_loss / world, ref_loss.detach(), rtol=RTOL, atol=ATOL)
-        ref_grads = {n: p.grad for n, p in model.named_parameters()}
+        tokens, mine, ref_out, ref_grads = step_beside_reference(cm, model, step, rank, world)
         grads = moepass.logical_grads(cm)
         assert sorted(grads) == sorted(ref_grads), (sorted(grads), sorted(ref_grads))
         for name, (g, index) in grads.items():

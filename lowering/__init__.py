@@ -27,22 +27,19 @@ class Lowering:
     fuses: tuple[Any, ...] = ()  # dialect ops folded in before dialect_op (e.g. unpermute for combine)
 
 
-_REGISTRY: list[Lowering] = []
-
-
-def register(lowering: Lowering) -> Lowering:
-    _REGISTRY.append(lowering)
-    return lowering
-
-
 def registry() -> list[Lowering]:
-    """All lowerings of the families that import here (Triton missing: an empty list)."""
+    """The lowerings of every family in FAMILIES, in that order, each family's module's `LOWERING`; built
+    here, on each call, from the modules (importing a family registers nothing). A family whose module
+    cannot import because Triton is missing is absent: an empty list without Triton."""
     import importlib
 
+    found: list[Lowering] = []
     for family in FAMILIES:
         try:
-            importlib.import_module(f"lowering.{family}")
+            module = importlib.import_module(f"lowering.{family}")
         except ImportError as err:  # triton not installed, or the family not written yet
             if "triton" not in str(err) and f"lowering.{family}" not in str(err):
                 raise
-    return list(_REGISTRY)
+            continue
+        found.append(module.LOWERING)
+    return found

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lowering import Lowering, register
+from lowering import Lowering
 from lowering import codegen as cg
 from moepass import dialect, eager
 
@@ -321,11 +321,11 @@ def _backward(ctx, grad_TD):
 eager.register_autograd(unpermute_combine, _backward, setup_context=_setup)
 cg.register_autocast(torch.ops.moe_lowered.unpermute_combine.default, "preserve")
 
-LOWERING = register(Lowering(
+LOWERING = Lowering(
     family="combine",
     dialect_op=dialect.COMBINE,
     lowered_op=torch.ops.moe_lowered.unpermute_combine.default,
     eligible=eligible,
     source=generated_source,
     fuses=(dialect.UNPERMUTE,),
-))
+)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lowering import Lowering, register
+from lowering import Lowering
 from lowering import codegen as cg
 from moepass import dialect, eager
 from moepass.spec import GROUP_SCORES, SCORE_FUNCS
@@ -364,10 +364,10 @@ def _(*args):
 dialect.register_route_autograd(route)
 cg.register_autocast(torch.ops.moe_lowered.route.default, "fp32")
 
-LOWERING = register(Lowering(
+LOWERING = Lowering(
     family="gating",
     dialect_op=dialect.ROUTE,
     lowered_op=torch.ops.moe_lowered.route.default,
     eligible=eligible,
     source=generated_source,
-))
+)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lowering import Lowering, combine, register
+from lowering import Lowering, combine
 from lowering import codegen as cg
 from moepass import dialect, eager
 
@@ -283,10 +283,10 @@ def _backward(ctx, grad_x_ND, _grad_counts, _grad_order):
 eager.register_autograd(permute, _backward, setup_context=_setup)
 cg.register_autocast(torch.ops.moe_lowered.permute.default, "preserve")
 
-LOWERING = register(Lowering(
+LOWERING = Lowering(
     family="permute",
     dialect_op=dialect.PERMUTE,
     lowered_op=torch.ops.moe_lowered.permute.default,
     eligible=eligible,
     source=generated_source,
-))
+)

@@ -14,13 +14,14 @@ from moepass import (
     backend,  # noqa: F401  (the torch.compile backend "moepass")
     dialect,  # noqa: F401  (the moe:: ops)
 )
-from moepass.api import CompileInfo, compile, explain
+from moepass.api import compile, explain
 from moepass.canonical import MoEGraphModule
 from moepass.checkpoint import load_logical_state_dict, logical_grads, logical_state_dict
 from moepass.detect import DetectionReport, detect, register_recogniser
 from moepass.errors import DetectionError, MoepassError, PlanError
 from moepass.fsdp import fully_shard
 from moepass.inspect import diff, draw, set_debug
+from moepass.pipeline import CompileInfo
 from moepass.plan import Plan
 from moepass.runtime import DataParallel, GradientSync, Topology, comm_stats, reset_comm_stats
 from moepass.runtime.grads import clip_grad_norm_

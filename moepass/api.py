@@ -9,42 +9,21 @@ import logging
 import re
 import traceback
 import warnings
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moepass import determinism
-from moepass.canonical import CANONICAL_PASS, MoEGraphModule
+from moepass.canonical import CANONICAL_PASS
 from moepass.detect import DetectionReport, detect
 from moepass.detect.check import holds_meta
 from moepass.errors import PlanError
-from moepass.module_copy import deepcopy_module, gc_paused, storage_counts, unshare
-from moepass.pipeline import compile_block, copy_expert_weights, finalize
+from moepass.pipeline import compile_block, compile_model, copy_block
 from moepass.plan import DISTRIBUTED_FORMS, Plan
-from moepass.runtime import optim
 from moepass.runtime.topology import Topology
 
 log = logging.getLogger("moepass")
-
-
-@dataclass
-class CompileInfo:
-    """Attached to a compiled model as `model.moepass_info`: what was done and why."""
-
-    plan: Plan
-    report: DetectionReport
-    rewritten: dict[str, MoEGraphModule] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)  # path -> reason (plan said leave it)
-
-
-def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, name, module)
 
 
 def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False,
@@ -76,19 +55,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
                         "the ranks of an initialised process group of more than one rank. Leave it 'none', or "
                         "compile on every rank under torchrun (init_process_group first).")
     _meta_needs_single(plan, report, model)
-    if plan.deterministic:
-        determinism.enable()  # before any block is built: kernels specialise on it
-    info = CompileInfo(plan=plan, report=report)
-    with gc_paused():  # thousands of modules and graph nodes are made: no collection walks them meanwhile
-        target = rewrite_blocks(model, plan, report, info, inplace)
-    if plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1:
-        from moepass.runtime.grad_sync import GradientSync  # every rank compiles in the same order: a collective
-
-        sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
-        object.__setattr__(target, "moepass_grad_sync", sync)  # not a submodule: state_dict unchanged
-    object.__setattr__(target, "moepass_info", info)
-    if any(isinstance(p, DTensor) for p in target.parameters()):
-        optim.enable_mixed_steps()  # expert DTensors beside plain tensors: foreach/fused optimizer steps work
+    target, info = compile_model(model, plan, report, inplace)
     changed = [(path, record["stats"]) for path, gm in info.rewritten.items() for record in gm.history
                if "math" in (record.get("stats") or {})]  # the conversion records of a math-changing form
     if changed:  # asked for by name, but never unsaid: the trained model computes something else
@@ -141,47 +108,6 @@ def _form_of(plan: Plan, path: str) -> str | None:
 def _missed_message(missed: list[tuple[str, str]], plan: Plan) -> str:
     blocks = "; ".join(f"{path or '<root>'!r} (form={_form_of(plan, path)!r}): {reason}" for path, reason in missed)
     return f"moepass.compile left {len(missed)} MoE-like block(s) un-rewritten, rejected by detection: {blocks}."
-
-
-def rewrite_blocks(model: nn.Module, plan: Plan, report: DetectionReport, info: CompileInfo,
-                   inplace: bool) -> nn.Module:
-    """`compile`'s work: the copy (unless `inplace`), each planned block compiled and put in its place
-    (recorded in `info`), the model-level set-up; returns the model to train."""
-    target, aliased = (model, 0) if inplace else copy_model(model, plan, report)
-    for spec in report.blocks:
-        block_plan = plan.for_block(spec.path)
-        if block_plan is None:
-            info.skipped[spec.path] = "Plan.blocks leaves it alone"
-            continue
-        block = target.get_submodule(spec.path) if spec.path else target
-        gm = compile_block(spec, block, block_plan)
-        info.rewritten[spec.path] = gm
-        if spec.path:
-            set_submodule(target, spec.path, gm)
-        else:
-            target = gm
-    finalize(target)  # model-level set-up of the rewritten forms
-    if aliased:
-        unshare(target, model)  # expert weights a rewrite left as they were (copy_model aliased them)
-    return target
-
-
-def copy_model(model: nn.Module, plan: Plan, report: DetectionReport) -> tuple[nn.Module, int]:
-    """The deep copy `compile` rewrites (the user's model is never changed), and how many expert weights it
-    aliases. Each block's expert weights are copied once (`copy_expert_weights`: straight into the buffer
-    form="single" lays them in; or not at all when the form builds its own expert tensors from them, the copy
-    then holding aliases), handed to the copy through its memo; everything else is copied as `copy.deepcopy`
-    copies it (`module_copy.deepcopy_module`: the same result, without deepcopy's per-object overhead).
-    After the rewrite, `unshare` gives the result its own copy of any alias it still holds."""
-    memo: dict[int, Any] = {}
-    plans = [(spec, plan.for_block(spec.path)) for spec in report.blocks]
-    counts = storage_counts(model) if any(p is not None and p.form != "single" for _, p in plans) else Counter()
-    aliased = 0
-    for spec, block_plan in plans:
-        if block_plan is not None:
-            done = copy_expert_weights(spec, model.get_submodule(spec.path), block_plan, memo, counts)
-            aliased += done if block_plan.form != "single" else 0
-    return deepcopy_module(model, memo), aliased
 
 
 def _needs_process_group(plan: Plan, report: DetectionReport) -> None:
@@ -344,9 +270,7 @@ def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sour
         return lines + ["plan: left alone (Plan.blocks)"]
     try:
         original = model.get_submodule(detail.spec.path) if detail.spec.path else model
-        memo: dict[int, Any] = {}  # the block copied as compile copies it: each expert weight once at most
-        copy_expert_weights(detail.spec, original, block_plan, memo, storage_counts(original))
-        block = deepcopy_module(original, memo)
+        block = copy_block(detail.spec, original, block_plan)  # as compile copies it
         with _world_for(block_plan) as note:
             if note:
                 lines.append(note)

@@ -223,20 +223,27 @@ def stacked_buffer(params: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.stack([p.detach() for p in params])
 
 
-def relayout_stacked(gm: nn.Module, spec: MoESpec) -> int:
-    """Move the per-expert parameters of every stacked TensorSource into one contiguous buffer each,
-    keeping the Parameter objects (and their names and values): `p.data` becomes a slice of the buffer.
-    Parameters that already lie so (`adjacent_view`, e.g. made by `stacked_copies`) stay where they are.
-    Returns how many parameters moved."""
-    moved = 0
+def stacked_relayout(gm: nn.Module, spec: MoESpec) -> dict[str, torch.Tensor]:
+    """Where each per-expert parameter of every stacked TensorSource would lie in one contiguous buffer per
+    role: parameter name -> its slice of the new buffer (values equal). Parameters that already lie so
+    (`adjacent_view`, e.g. made by `stacked_copies`) are not listed."""
+    names = {id(p): name for name, p in gm.named_parameters()}
+    slices: dict[str, torch.Tensor] = {}
     for params in stacked_parameters(gm, spec):
         if adjacent_view(params) is not None:
             continue
         buffer = stacked_buffer(params)
-        for e, p in enumerate(params):
-            p.data = buffer[e]
-        moved += len(params)
-    return moved
+        slices.update((names[id(p)], buffer[e]) for e, p in enumerate(params))
+    return slices
+
+
+def relayout_stacked(gm: nn.Module, spec: MoESpec) -> int:
+    """`stacked_relayout` done: each moved Parameter object keeps its name and value, `p.data` becomes its
+    slice of the buffer. Returns how many parameters moved."""
+    slices = stacked_relayout(gm, spec)
+    for name, storage in slices.items():
+        gm.get_parameter(name).data = storage
+    return len(slices)
 
 
 def stacked_copies(block: nn.Module, spec: MoESpec, memo: dict[int, Any]) -> int:

@@ -34,10 +34,10 @@ LAYERS = (
           "Triton kernel families for dialect ops, each with its eligibility and torch fallback"),
     Layer("cost", ("cost_model.*",), ("core",),
           "cost formulas (sympy / numbers), the scenario files, the timeline"),
-    Layer("runtime", ("moepass.runtime.*",), ("core", "cost"),
+    Layer("runtime", ("moepass.runtime.*", "moepass.determinism"), ("core", "cost"),
           "what the rewritten graphs call at run time: process groups, collectives, expert layouts, the FSEP "
           "placement controller and its planner (priced by the cost formulas), the HP and locality ops, the "
-          "priority scheduler"),
+          "priority scheduler, the deterministic-mode scope"),
     Layer("passes",
           ("moepass.detect.*", "moepass.canonical", "moepass.passes", "moepass.pipeline", "moepass.rewrite.*",
            "moepass.schedule", "moepass.lower", "moepass.verify"),
@@ -45,7 +45,7 @@ LAYERS = (
           "detection, the canonical graph, each form's rewrite, the schedule and lower passes, the pipeline"),
     Layer("face",
           ("moepass", "moepass.__main__", "moepass.api", "moepass.backend.*", "moepass.cli", "moepass.inspect",
-           "moepass.selfcheck.*", "moepass.train.*", "moepass.fsdp", "moepass.checkpoint", "moepass.determinism", "cost_model.search", "cost_model.systems",
+           "moepass.selfcheck.*", "moepass.train.*", "moepass.fsdp", "moepass.checkpoint", "cost_model.search", "cost_model.systems",
            "cost_model.simulate", "cost_model.calibrate", "cost_model.__main__"),
           ("core", "lowering", "cost", "runtime", "passes"),
           "what users call: compile / explain / detect, the torch.compile backend, checkpoints, the CLI, "

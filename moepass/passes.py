@@ -40,10 +40,13 @@ class Effects:
     replaced_buffers: dict[str, Tensor] = field(default_factory=dict)  # existing buffers' new values (sharded)
     modules: dict[str, nn.Module] = field(default_factory=dict)  # children the graph calls (controllers)
     grad_hooks: list[tuple[str, Callable[[Tensor], Tensor]]] = field(default_factory=list)  # (parameter, hook)
+    relaid: dict[str, Tensor] = field(default_factory=dict)  # parameter -> its values' new storage (same object)
+    form: str | None = None  # the block's parallel form after the pass (`MoEGraphModule.form`)
+    layout: Any = None  # its expert layout (`MoEGraphModule.layout`: the form's own layout object)
 
     def __bool__(self) -> bool:
         return any((self.parameters, self.removed, self.emptied, self.buffers, self.replaced_buffers, self.modules,
-                    self.grad_hooks))
+                    self.grad_hooks, self.relaid, self.form is not None, self.layout is not None))
 
 
 def _owner(root: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -77,4 +80,10 @@ def apply_effects(gm: fx.GraphModule, effects: Effects) -> None:
             del owner._modules[name]
     for path, hook in effects.grad_hooks:
         gm.get_parameter(path).register_hook(hook)
+    for path, storage in effects.relaid.items():  # the same Parameter object (and name, value) in new storage
+        gm.get_parameter(path).data = storage
+    if effects.form is not None:
+        gm.form = effects.form  # type: ignore[assignment]
+    if effects.layout is not None:
+        gm.layout = effects.layout  # type: ignore[assignment]
     gm.recompile()

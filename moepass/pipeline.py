@@ -1,4 +1,12 @@
-"""The compiler order, on one screen. Each stage is a plain function GraphModule -> PassResult.
+"""The compiler order, on one screen: the model stages, then each block's stages.
+
+Model (`compile_model`, what `moepass.compile` runs after detection and the plan checks):
+
+    model ─copy─► copy ─blocks (compile_block each, put in place)─► ─finalize─► ─unshare─►
+          ─grad_sync─► ─optimizer─► ─determinism─► the model to train (`moepass_info.stages`: each stage, its time)
+
+Block (`compile_block`; `compile`, `explain` and the torch.compile backend all run it; each stage goes
+through `run_pass` and is in the block's `history` with its time):
 
     MoESpec ─convert (hp, locality)─► ─resolve─► MoESpec, Plan ─canonical─► dialect graph ─rewrite[form]─► distributed graph
             ─expert_recompute─► ─schedule─► ─lower─► runnable
@@ -14,24 +22,34 @@ Ordering rules:
 - schedule before lower: lowering replaces dialect nodes by kernels, after which chunking cannot
   see the expert compute any more.
 - the verifier runs after every pass when MOEPASS_VERIFY=1 (the test suite sets it).
+- model stages: every block is compiled before `finalize` (DDP's ignore list, FSEP's prefetch chain read
+  all of them); gradient sync and the optimizer hooks read the final parameters; the determinism scope
+  is installed last, on the module `compile` returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from moepass import canonical, dialect, lower, module_copy, schedule
+from moepass import canonical, determinism, dialect, lower, module_copy, schedule
 from moepass.canonical import MoEGraphModule
+from moepass.detect import DetectionReport
 from moepass.envflags import flag
 from moepass.errors import PlanError
-from moepass.passes import Pass, PassResult, apply_effects
+from moepass.passes import Effects, Pass, PassResult, apply_effects
 from moepass.plan import Plan
 from moepass.rewrite import ep, experts, fsep, hp, hp_ep, latent, locality
+from moepass.runtime import optim
 from moepass.spec import MoESpec
 
 log = logging.getLogger("moepass")
@@ -43,8 +61,9 @@ if flag("MOEPASS_DEBUG"):
 def _rewrite_single(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """form="single": the canonical graph is already the single-device form. Per-expert (ModuleList)
     weights are re-laid once into one buffer per role, so the graph reads them without a copy."""
-    moved = canonical.relayout_stacked(gm, gm.spec)
-    return PassResult(gm, changed=False, stats={"relaid_expert_params": moved})
+    relaid = canonical.stacked_relayout(gm, gm.spec)
+    return PassResult(gm, changed=bool(relaid), stats={"relaid_expert_params": len(relaid)},
+                      effects=Effects(relaid=relaid))
 
 
 def copy_expert_weights(spec: MoESpec, block: nn.Module, plan: Plan, memo: dict[int, Any],
@@ -149,9 +168,14 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
             f"Plan.form={plan.form!r} is not available in this build for block {spec.path or '<root>'}: "
             f"available forms are {sorted(REWRITES)}; use form='single' or a form listed there."
         )
+    start = time.perf_counter()
     spec, block, converted = convert(spec, block, plan)  # form="hp" on a standard block: the named math change
+    if converted is not None:
+        converted["seconds"] = time.perf_counter() - start
     spec, plan = resolve(spec, plan)
+    start = time.perf_counter()
     gm = canonical.build(spec, block)  # MoESpec -> canonical dialect graph
+    gm.history[-1]["seconds"] = time.perf_counter() - start  # canonical's own record
     if converted is not None:
         gm.history.insert(0, converted)
     if verify:
@@ -164,3 +188,128 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
     gm = run_pass(schedule.PASS, schedule.schedule_pass, gm, plan, verify)  # partitioned, prioritised all-to-all
     gm = run_pass(lower.PASS_NAME, lower.lower_pass, gm, plan, verify)  # Triton kernels where eligible
     return gm
+
+
+@dataclass
+class CompileInfo:
+    """Attached to a compiled model as `model.moepass_info`: what was done and why."""
+
+    plan: Plan
+    report: DetectionReport
+    rewritten: dict[str, MoEGraphModule] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # path -> reason (plan said leave it)
+    stages: list[dict[str, Any]] = field(default_factory=list)  # the model stages: name, seconds, what they did
+
+
+def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, module)
+
+
+@contextlib.contextmanager
+def stage(info: CompileInfo, name: str, **stats: Any) -> Iterator[dict[str, Any]]:
+    """One model stage, timed and recorded in `info.stages` (the block stages' `run_pass` for the model)."""
+    record: dict[str, Any] = {"pass": name, "seconds": 0.0, "stats": stats}
+    start = time.perf_counter()
+    try:
+        yield record["stats"]
+    finally:
+        record["seconds"] = time.perf_counter() - start
+        info.stages.append(record)
+        log.info("%s [model]: %.1f ms %s", name, record["seconds"] * 1e3, record["stats"])
+
+
+def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace: bool) -> tuple[nn.Module, CompileInfo]:
+    """`moepass.compile`'s work after detection and the plan checks: the model stages (module doc)."""
+    info = CompileInfo(plan=plan, report=report)
+    mode = determinism.deterministic() if plan.deterministic else contextlib.nullcontext()
+    with module_copy.gc_paused(), mode:  # thousands of modules and graph nodes are made: no collection walks them
+        with stage(info, "copy", inplace=inplace) as stats:
+            target, aliased = (model, 0) if inplace else copy_model(model, plan, report)
+            stats["aliased_expert_weights"] = aliased
+        with stage(info, "blocks") as stats:
+            for spec in report.blocks:
+                block_plan = plan.for_block(spec.path)
+                if block_plan is None:
+                    info.skipped[spec.path] = "Plan.blocks leaves it alone"
+                    continue
+                gm = compile_block(spec, target.get_submodule(spec.path) if spec.path else target, block_plan)
+                info.rewritten[spec.path] = gm
+                if spec.path:
+                    set_submodule(target, spec.path, gm)
+                else:
+                    target = gm
+            stats.update(rewritten=len(info.rewritten), skipped=len(info.skipped))
+        with stage(info, "finalize"):
+            finalize(target)  # model-level set-up of the rewritten forms
+        if aliased:
+            with stage(info, "unshare", aliased=aliased):
+                module_copy.unshare(target, model)  # expert weights a rewrite left as they were (copy_model aliased)
+    for name, install in MODEL_HOOKS:
+        with stage(info, name) as stats:
+            stats["installed"] = install(target, plan)
+    object.__setattr__(target, "moepass_info", info)
+    return target, info
+
+
+def copy_block(spec: MoESpec, block: nn.Module, plan: Plan) -> nn.Module:
+    """One block copied as `compile` copies it (`copy_model`): each expert weight once at most; what `explain`
+    compiles so the user's block is never touched."""
+    memo: dict[int, Any] = {}
+    copy_expert_weights(spec, block, plan, memo, module_copy.storage_counts(block))
+    return module_copy.deepcopy_module(block, memo)
+
+
+def copy_model(model: nn.Module, plan: Plan, report: DetectionReport) -> tuple[nn.Module, int]:
+    """The deep copy `compile` rewrites (the user's model is never changed), and how many expert weights it
+    aliases. Each block's expert weights are copied once (`copy_expert_weights`: straight into the buffer
+    form="single" lays them in; or not at all when the form builds its own expert tensors from them, the copy
+    then holding aliases), handed to the copy through its memo; everything else is copied as `copy.deepcopy`
+    copies it (`module_copy.deepcopy_module`: the same result, without deepcopy's per-object overhead).
+    After the rewrite, `unshare` gives the result its own copy of any alias it still holds."""
+    memo: dict[int, Any] = {}
+    plans = [(spec, plan.for_block(spec.path)) for spec in report.blocks]
+    distributed = any(p is not None and p.form != "single" for _, p in plans)
+    counts = module_copy.storage_counts(model) if distributed else Counter()
+    aliased = 0
+    for spec, block_plan in plans:
+        if block_plan is not None:
+            done = copy_expert_weights(spec, model.get_submodule(spec.path), block_plan, memo, counts)
+            aliased += done if block_plan.form != "single" else 0
+    return module_copy.deepcopy_module(model, memo), aliased
+
+
+def install_grad_sync(target: nn.Module, plan: Plan) -> bool:
+    """Plan(grad_sync="scheduler") over more than one rank: the priority gradient synchronisation, held by the
+    model (not a submodule: state_dict unchanged). Every rank compiles in the same order: a collective."""
+    if not (plan.grad_sync == "scheduler" and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from moepass.runtime.grad_sync import GradientSync
+
+    sync = GradientSync(target, micro_op_bytes=plan.micro_op_bytes, expert_replicas=True)
+    object.__setattr__(target, "moepass_grad_sync", sync)
+    return True
+
+
+def install_optimizer_steps(target: nn.Module, plan: Plan) -> bool:
+    """Expert DTensors beside plain tensors: foreach/fused optimizer steps work (`runtime.optim`)."""
+    if not any(isinstance(p, DTensor) for p in target.parameters()):
+        return False
+    optim.enable_mixed_steps()
+    return True
+
+
+def install_determinism(target: nn.Module, plan: Plan) -> bool:
+    """Plan(deterministic=True): the compiled model's forward and backward, not the whole process."""
+    if not plan.deterministic:
+        return False
+    object.__setattr__(target, "moepass_determinism", determinism.scope(target))
+    return True
+
+
+MODEL_HOOKS: tuple[tuple[str, Callable[[nn.Module, Plan], bool]], ...] = (  # after the blocks, in this order
+    ("grad_sync", install_grad_sync),
+    ("optimizer", install_optimizer_steps),
+    ("determinism", install_determinism),
+)

@@ -10,12 +10,17 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+
+import torch
 
 from cost_model.presets import MICRO_OP_BYTES, PRESET_NAMES, Hardware, is_profile_path
 from moepass.errors import PlanError, nearest
 
+# FSEP: planner(counts_PE, current table) -> the next table (a slot -> expert list)
+Planner = Callable[[torch.Tensor, tuple[int, ...]], Sequence[int]]
 FORMS = ("single", "ep", "fsep", "hp", "locality", "auto")
 MATH_CHANGING_FORMS = ("hp", "locality")
 DISTRIBUTED_FORMS = ("ep", "fsep", "hp", "locality")  # need torch.distributed initialised
@@ -61,7 +66,7 @@ ACTS_UNDER: dict[str, tuple[tuple[str, ...], str]] = {
     "mu": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
     "alpha": (("locality",), "gate, mu and alpha configure the routing of form='locality'"),
     "lowering": (FORMS, "the kernels the lower pass uses"),
-    "deterministic": (FORMS, "process-wide determinism"),
+    "deterministic": (FORMS, "determinism of the compiled model's forward and backward"),
     "grad_sync": (FORMS, "the gradient synchronisation over the ranks"),
     "expert_recompute": (FORMS, "the expert FFN's backward"),
     "blocks": (FORMS, "per-block overrides"),
@@ -77,7 +82,9 @@ ACTS_UNDER: dict[str, tuple[tuple[str, ...], str]] = {
 class Plan:
     form: str = "single"
     ep_size: int | None = None  # None: the world size
-    topology: Any = None  # moepass.Topology; None: from the torchrun environment
+    # moepass.Topology (the runtime layer defines it: it reads the environment and the process group, above this
+    # plain-data layer, so it is checked by its attributes here); None: from the torchrun environment
+    topology: Any = None
     capacity_factor: float | None = None  # None: dropless, or the model's own capacity semantics
     a2a_chunks: int | str = "auto"
     # EP / locality: the token exchange as a two-stage (intra-node, then inter-node) all-to-all, each row
@@ -87,7 +94,7 @@ class Plan:
     micro_op_bytes: int = DEFAULT_MICRO_OP_BYTES
     packing: int | str = 1
     slots_per_device: int | None = None  # FSEP: expert slots per device (C); None: ceil(E/P) + 1
-    planner: Any = "auto"  # FSEP placement: "auto" (load-adaptive), "static" (even), or planner(counts_PE, table)
+    planner: str | Planner = "auto"  # FSEP placement: "auto" (load-adaptive), "static" (even), or planner(counts_PE, table)
     # FSEP: keep each layer's C restored experts from its forward to its backward (+C*S elements per layer
     # alive until its backward) instead of restoring them again in the backward (one restore fewer per step)
     keep_restored: bool = False
@@ -116,13 +123,14 @@ class Plan:
     # <= micro_op_bytes, launched only while no all-to-all is queued or running; do not also wrap it in DDP)
     grad_sync: str = "none"
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
-    blocks: Any = None  # {module path or glob: dict of overrides | None (leave the block alone)}
-    batch: Any = None  # (batch, seq) for form="auto"
+    # {module path or glob: dict of overrides | None (leave the block alone)}; __init__ makes None an empty dict
+    blocks: dict[str, dict[str, Any] | None] = None  # type: ignore[assignment]
+    batch: tuple[int, int] | None = None  # (batch, seq) for form="auto"
     # figures the compile-time decisions price with (a2a_chunks/packing="auto", form="auto"): None is
     # the documented default (the calibration profile ~/.cache/moepass/profile.json if present, else
     # CPU defaults); a preset name (cost_model.presets.PRESET_NAMES, e.g. "h100"), a calibration
     # profile path (.json) or a cost_model.presets.Hardware
-    hardware: Any = None
+    hardware: str | os.PathLike[str] | Hardware | None = None
     # every MoE-like block detection saw must be rewritten: True makes compile raise PlanError naming each block
     # it would leave as it is (rejected by detection) and why; False leaves them, with a UserWarning under a
     # distributed form (they train replicated on every rank)
@@ -200,7 +208,7 @@ class Plan:
             for name in PLAN_WIDE:
                 if override.get(name, getattr(self, name)) != getattr(self, name):
                     raise PlanError(f"Plan.blocks[{pattern!r}][{name!r}]={override[name]!r} is invalid: {name} applies "
-                                    f"to the whole model (determinism is process-wide, gradient synchronisation "
+                                    f"to the whole model (determinism covers the whole model's run, gradient synchronisation "
                                     f"model-wide, strictness covers every block compile may leave); set "
                                     f"Plan({name}=...) on the whole plan, not per block.")
             try:

@@ -2,8 +2,8 @@
 
 Each form is compiled twice from the same seed and trained the same steps; outputs, every gradient and
 the parameters after each optimizer step must be equal bit for bit (torch.equal, not a tolerance). The
-plan turns on torch.use_deterministic_algorithms (also checked), which the tests switch back off after
-each case: the flag is process-wide and the pool's ranks serve other tests.
+compiled model's forward and backward run under torch.use_deterministic_algorithms, and only they: the
+process's mode is the same before and after (also checked).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ PLANS = {
 
 def _run(form: str, plan_kwargs: dict, rank: int) -> dict[str, torch.Tensor]:
     """One fresh compile, STEPS SGD steps; every output, gradient and parameter, by name and step."""
+    before = torch.are_deterministic_algorithms_enabled()
     cm = moepass.compile(_model(form), Plan(deterministic=True, **plan_kwargs))
-    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before  # scoped to the model, not switched for good
     opt = torch.optim.SGD(cm.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
     seen: dict[str, torch.Tensor] = {}
@@ -101,20 +102,66 @@ def test_distributed_reruns_are_bitwise_identical_at_w2(form):
         assert result["differ"] == [] and result["nan"] == [], (rank, result)
 
 
-def test_compile_turns_on_torch_deterministic_algorithms_and_explain_says_so():
+class _ModeProbe(torch.nn.Module):
+    """Records the deterministic mode in its forward and when the backward passes through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(("forward", torch.are_deterministic_algorithms_enabled()))
+        x = x * 1.0
+        if x.requires_grad:
+            x.register_hook(lambda g: self.seen.append(("backward", torch.are_deterministic_algorithms_enabled())))
+        return x
+
+
+def test_deterministic_mode_is_on_while_the_compiled_model_runs_and_only_then():
+    torch.use_deterministic_algorithms(False)
+    class Probed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm, self.probe = _model("single"), _ModeProbe()
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.probe(self.lm(tokens)) * 2.0  # the probe's tensor is inside: the backward reaches it later
+
+    cm = moepass.compile(Probed(), Plan(form="single", deterministic=True))
+    assert not torch.are_deterministic_algorithms_enabled()  # compile leaves the process's mode as it was
+    probe = cm.probe
+    probe.seen.clear()  # detection ran the model while compiling
+    logits = cm(torch.randint(0, 64, (2, 8)))
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the forward
+    logits.float().pow(2).mean().backward()
+    assert not torch.are_deterministic_algorithms_enabled()  # and after the backward
+    assert probe.seen == [("forward", True), ("backward", True)]
+    with torch.no_grad():
+        cm(torch.randint(0, 64, (2, 8)))
+    assert not torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # a mode set by the user is put back as it was
+    cm(torch.randint(0, 64, (2, 8))).sum().backward()
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(False)
     moepass.compile(_model("single"), Plan(form="single"))
     assert not torch.are_deterministic_algorithms_enabled()  # only when the plan asks
-    moepass.compile(_model("single"), Plan(form="single", deterministic=True))
-    assert torch.are_deterministic_algorithms_enabled()
     text = moepass.explain(_model("single"), Plan(deterministic=True), graphs=False)
-    assert "deterministic: on: compile calls torch.use_deterministic_algorithms(True) (process-wide)" in text
+    assert "deterministic: on: the compiled model's forward and backward run under" in text
+
+
+def test_explicit_deterministic_block_restores_the_mode():
+    from moepass import determinism
+
+    torch.use_deterministic_algorithms(False)
+    with determinism.deterministic():
+        assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_deterministic_is_a_whole_plan_setting():
     assert Plan(deterministic=True).deterministic is True
     with pytest.raises(PlanError, match=r"Plan.blocks\['layers.0.mlp'\]\['deterministic'\]=True is invalid: "
-                                        r"deterministic applies to the whole model \(determinism is process-wide, "
+                                        r"deterministic applies to the whole model \(determinism covers the whole model's run, "
                                         r".*\); set Plan\(deterministic=...\) on the whole plan, not per block."):
         Plan(blocks={"layers.0.mlp": {"deterministic": True}})
     with pytest.raises(PlanError, match=r"Plan.deterministic=1 is invalid: use True or False."):
@@ -167,3 +214,18 @@ def test_no_generated_kernel_uses_atomics():
     assert {"gating", "permute", "grouped_gemm", "combine"} <= families, families
     for name, family, text in texts:
         assert "atomic" not in text, (name, family)
+
+
+def test_backend_runs_the_compiled_graph_under_the_mode_and_restores_it():
+    torch.use_deterministic_algorithms(False)
+    torch._dynamo.reset()
+    model = _model("single")
+    compiled = torch.compile(model, backend="moepass", options={"plan": Plan(deterministic=True), "inner": "eager"})
+    tokens = torch.randint(0, 64, (2, 8))
+    logits = compiled(tokens)
+    assert not torch.are_deterministic_algorithms_enabled()
+    logits.float().pow(2).mean().backward()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.allclose(logits, model(tokens), atol=1e-5)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch._dynamo.reset()

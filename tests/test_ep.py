@@ -47,7 +47,7 @@ def _reference_with_capacity(model, plan):
 
     import moepass
     from moepass import canonical
-    from moepass.api import set_submodule
+    from moepass.pipeline import set_submodule
     from moepass.rewrite.ep import ep_capacity
 
     ref = copy.deepcopy(model)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lowering import Lowering, codegen, register
+from lowering import Lowering, codegen
 from lowering.grouped_gemm.configs import (
     CONFIGS,
     CONFIGS_FP32,
@@ -159,10 +159,10 @@ expert_ffn = dialect.define_expert_ffn("moe_lowered::expert_ffn", torch.ops.moe_
 codegen.register_autocast(torch.ops.moe_lowered.expert_ffn.default, "compute")
 codegen.register_autocast(torch.ops.moe_lowered.expert_ffn_forward.default, "compute")
 
-LOWERING = register(Lowering(
+LOWERING = Lowering(
     family="grouped_gemm",
     dialect_op=torch.ops.moe.expert_ffn.default,
     lowered_op=torch.ops.moe_lowered.expert_ffn.default,
     eligible=eligible,
     source=generated_source,
-))
+)

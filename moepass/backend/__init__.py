@@ -167,8 +167,14 @@ def moepass_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     if kwargs:
         options = {**(options or {}), **kwargs}
     plan, inner = _options(options)
-    if plan.deterministic:
-        determinism.enable()
+    if plan.deterministic:  # the rewrite and the inner compile see the mode; the compiled graph runs under it
+        with determinism.deterministic():
+            compiled = _compile(gm, example_inputs, plan, inner)
+        return determinism.scope().wrap(compiled)
+    return _compile(gm, example_inputs, plan, inner)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], plan: Plan, inner: Any) -> Any:
     start = time.perf_counter()
     report = new_report(inner if isinstance(inner, str) else repr(inner))
     count("graphs")

@@ -126,6 +126,5 @@ def rewrite_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
                                      world=groups.world_size, route=None, issue_weights=lambda: weights,
                                      hierarchy=exchange.hierarchy_of(plan, groups))
     stats = {"experts": E, "local_experts": L, "ep_size": P, "dp_size": groups.dp_size, "capacity": stats["capacity"]}
-    gm.form = PASS
-    gm.layout = layout
+    effects.form, effects.layout = PASS, layout
     return PassResult(gm, changed=True, stats=stats, effects=effects)

@@ -87,6 +87,14 @@ def only(graph: fx.Graph, target: object, what: str) -> fx.Node:
     return found[0]
 
 
+def named(graph: fx.Graph, name: str) -> fx.Node:
+    """The canonical graph's node `name` (a rewrite's anchor by name, e.g. "y_TQ")."""
+    for n in graph.nodes:
+        if n.name == name:
+            return n
+    raise ValueError(f"the rewrite expects a node {name!r} in the canonical graph")
+
+
 def expert_compute_node(graph: fx.Graph) -> fx.Node:
     """The canonical graph's one expert compute node: `moe.expert_ffn`, or `generic_experts.run_experts`
     for experts that are not a known FFN (same rows and counts in, same rows out)."""

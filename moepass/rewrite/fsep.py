@@ -170,8 +170,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
              "backward_restore": "kept from the forward" if plan.keep_restored else "restored again",
              "expert_grads": "deferred" if plan.defer_expert_grads else "waited",
              "capacity": counts["capacity"]}
-    gm.form = PASS
-    gm.layout = layout
+    effects.form, effects.layout = PASS, layout
     return PassResult(gm, changed=True, stats=stats, effects=effects)
 
 

@@ -37,20 +37,14 @@ from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
-from moepass.rewrite.exchange import grad_scale
+from moepass.rewrite.exchange import grad_scale, named
 from moepass.rewrite.experts import as_dtensor, expert_grad_hook, local_shard, shard_experts
 from moepass.runtime import collectives as comm
 from moepass.runtime.hp import UPDATE_SELECTION_BIAS_OVER_GROUP, HPLayout, heads_to_tokens, tokens_to_heads
 from moepass.runtime.topology import ep_groups
+from moepass.spec import MoESpec
 
 PASS = "hp"
-
-
-def _node(graph: fx.Graph, name: str) -> fx.Node:
-    for n in graph.nodes:
-        if n.name == name:
-            return n
-    raise ValueError(f"HP rewrite expects a node {name!r} in the canonical Multi-Head LatentMoE graph")
 
 
 
@@ -60,12 +54,7 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The HP pass: shard the heads over the group, exchange sub-tokens before routing (see module doc)."""
     assert plan.head_ep_size == 1, "HP with EP inside is moepass.rewrite.hp_ep's pass (pipeline.REWRITES)"
     spec = gm.spec
-    if spec.heads is None:
-        raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; block {spec.path or '<root>'} has no "
-                        f"heads (the pipeline converts standard blocks first: see moepass.rewrite.latent).")
-    if spec.side_outputs:
-        raise PlanError(f"Plan.form='hp' cannot keep block {spec.path or '<root>'}'s side outputs "
-                        f"{list(spec.side_outputs)} (router logits live on the heads' ranks).")
+    check_block(spec)
     device = next(iter(gm.parameters())).device
     groups = ep_groups(plan.topology, plan.ep_size, device.type)
     P, H, h, E = groups.ep_size, spec.heads.num_heads, spec.heads.head_dim, spec.router.num_experts
@@ -96,62 +85,98 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
     b.graph = graph
 
     # 1. sub-tokens to the ranks of their heads, before routing
-    z_TQ = _node(graph, "z_TQ")
+    z_RQl = to_head_ranks(graph, b, group, P)
+
+    # 2. the per-head region with this rank's heads: local shards, Hl heads, Hl*E experts; weights carry the 1/W
+    #    of the mean loss
+    read_local_shards(graph, b, [*attrs.values(), *layout.sharded, *effects.replaced_buffers],
+                      scaled={*attrs.values(), *layout.sharded}, world=world)
+    local_heads(graph, z_RQl, Hl, h, E)
+    permute = next(n for n in graph.nodes if n.op == "call_function" and n.target is canonical.dialect.PERMUTE)
+    permute.args = (*permute.args[:2], Hl * E)
+    if groups.dp_size > 1:  # the selection bias: updated from the load of every replica (the global batch)
+        bias_over_group(graph, b, groups.dp_group.group_name, "update_selection_bias_over_replicas")
+
+    # 3. outputs back to the tokens' ranks, then the data-parallel output projection
+    back_to_token_ranks(graph, b, group, P, Hl * h)
+
+    effects.form, effects.layout = PASS, layout
+    stats = {"heads": H, "local_heads": Hl, "hp_size": P, "dp_size": groups.dp_size, "experts_per_head": E,
+             "exchange_rows_per_peer": "T*Ql (equal)"}
+    return PassResult(gm, changed=True, stats=stats, effects=effects)
+
+
+
+# The steps HP and HP+EP (`rewrite.hp_ep`) share, on the canonical Multi-Head LatentMoE graph's named nodes.
+
+def check_block(spec: MoESpec) -> None:
+    """What form='hp' needs of a block: a Multi-Head LatentMoE without side outputs."""
+    where = f"block {spec.path or '<root>'}"
+    if spec.heads is None:
+        raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; {where} has no heads (the pipeline "
+                        f"converts standard blocks first: see moepass.rewrite.latent).")
+    if spec.side_outputs:
+        raise PlanError(f"Plan.form='hp' cannot keep {where}'s side outputs {list(spec.side_outputs)} (router "
+                        f"logits live on the heads' ranks).")
+
+
+def to_head_ranks(graph: fx.Graph, b: GraphBuilder, group: str, ranks: int) -> fx.Node:
+    """Sub-tokens to the `ranks` ranks of `group` holding their heads, before routing: z_TQ's users read the
+    received rows z_RQl (an equal all-to-all) instead."""
+    z_TQ = named(graph, "z_TQ")
     users = list(z_TQ.users)
     with graph.inserting_after(z_TQ):
-        send = b.fn(tokens_to_heads, z_TQ, P, name="z_send")
+        send = b.fn(tokens_to_heads, z_TQ, ranks, name="z_send")
     with graph.inserting_after(send):
         pending = b.fn(comm.EQUAL_ALL_TO_ALL, send, group, "hp_dispatch", name="hp_dispatch")
     with graph.inserting_after(pending):
         z_RQl = b.fn(comm.WAIT, pending, name="z_RQl")
     for user in users:
         user.replace_input_with(z_TQ, z_RQl)
+    return z_RQl
 
-    # 2. the per-head region with this rank's heads: local shards, Hl heads, Hl*E experts
-    def local_read(name: str) -> fx.Node:
+
+def read_local_shards(graph: fx.Graph, b: GraphBuilder, names: list[str], scaled: set[str], world: int) -> None:
+    """Each read of a sharded tensor (`names`) reads this rank's local shard; those in `scaled` (weights) pass
+    their gradient through x 1/world, the ranks' mean."""
+    for name in dict.fromkeys(names):
         node = next(n for n in graph.nodes if n.op == "get_attr" and n.target == name)
         with graph.inserting_after(node):
             shard = b.fn(local_shard, node, name=f"{node.name}_local")
-        node.replace_all_uses_with(shard, delete_user_cb=lambda u: u is not shard)
-        if name in layout.sharded or name in attrs.values():  # weights: the gradient of the ranks' mean
+        node.replace_all_uses_with(shard, delete_user_cb=lambda user: user is not shard)
+        if name in scaled:
             with graph.inserting_after(shard):
-                scaled = b.fn(grad_scale, shard, 1.0 / world, name=f"{node.name}_grad_over_W")
-            shard.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
-        return shard
+                over_w = b.fn(grad_scale, shard, 1.0 / world, name=f"{node.name}_grad_over_W")
+            shard.replace_all_uses_with(over_w, delete_user_cb=lambda user: user is not over_w)
 
-    for name in dict.fromkeys([*attrs.values(), *layout.sharded, *effects.replaced_buffers]):
-        local_read(name)
-    z_THh = _node(graph, "z_THh")
-    z_THh.args = (z_THh.args[0], -1, Hl, h)
-    tokens = [n for n in graph.nodes if n.name == "tokens"]
-    for n in tokens:  # rows of the selection bias: one per received token
+
+def local_heads(graph: fx.Graph, z_RQl: fx.Node, local: int, h: int, experts_per_head: int) -> None:
+    """The per-head region reshaped to this rank's `local` heads of width h over the received rows."""
+    z_THh = named(graph, "z_THh")
+    z_THh.args = (z_THh.args[0], -1, local, h)
+    for n in [n for n in graph.nodes if n.name == "tokens"]:  # rows of the selection bias: one per received token
         n.args = (z_RQl, 0)
-    ids = _node(graph, "ids_GK")
-    ids.args = (ids.args[0], Hl, E)
-    permute = next(n for n in graph.nodes if n.op == "call_function" and n.target is canonical.dialect.PERMUTE)
-    permute.args = (*permute.args[:2], Hl * E)
-    if groups.dp_size > 1:  # the selection bias: updated from the load of every replica (the global batch)
-        for update in [n for n in graph.nodes
-                       if n.op == "call_function" and n.target is canonical.dialect.UPDATE_SELECTION_BIAS]:
-            with graph.inserting_before(update):
-                b.fn(UPDATE_SELECTION_BIAS_OVER_GROUP, *update.args, groups.dp_group.group_name,
-                     name="update_selection_bias_over_replicas")
-            graph.erase_node(update)
+    ids = named(graph, "ids_GK")
+    ids.args = (ids.args[0], local, experts_per_head)
 
-    # 3. outputs back to the tokens' ranks, then the data-parallel output projection
-    y_TQ = _node(graph, "y_TQ")
-    y_Gh = y_TQ.args[0]
+
+def bias_over_group(graph: fx.Graph, b: GraphBuilder, group: str, name: str) -> None:
+    """The selection bias updated from the load over `group` (the replicas of these heads)."""
+    for update in [n for n in graph.nodes
+                   if n.op == "call_function" and n.target is canonical.dialect.UPDATE_SELECTION_BIAS]:
+        with graph.inserting_before(update):
+            b.fn(UPDATE_SELECTION_BIAS_OVER_GROUP, *update.args, group, name=name)
+        graph.erase_node(update)
+
+
+def back_to_token_ranks(graph: fx.Graph, b: GraphBuilder, group: str, ranks: int, width: int) -> None:
+    """The heads' outputs back to their tokens' ranks (an equal all-to-all over `group`), before the
+    data-parallel output projection: y_TQ reads the gathered rows."""
+    y_TQ = named(graph, "y_TQ")
     with graph.inserting_before(y_TQ):
-        y_RQl = b.method("reshape", y_Gh, -1, Hl * h, name="y_RQl")
+        y_RQl = b.method("reshape", y_TQ.args[0], -1, width, name="y_RQl")
         back = b.fn(comm.EQUAL_ALL_TO_ALL, y_RQl, group, "hp_combine", name="hp_combine")
         y_back = b.fn(comm.WAIT, back, name="y_from_heads")
-        y_new = b.fn(heads_to_tokens, y_back, P, name="y_TQ_gathered")
+        y_new = b.fn(heads_to_tokens, y_back, ranks, name="y_TQ_gathered")
     y_TQ.replace_all_uses_with(y_new)
     graph.erase_node(y_TQ)
-
-    gm.form = PASS
-    gm.layout = layout
-    stats = {"heads": H, "local_heads": Hl, "hp_size": P, "dp_size": groups.dp_size, "experts_per_head": E,
-             "exchange_rows_per_peer": "T*Ql (equal)"}
-    return PassResult(gm, changed=True, stats=stats, effects=effects)
-

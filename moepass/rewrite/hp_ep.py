@@ -54,10 +54,18 @@ from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
-from moepass.rewrite.exchange import grad_scale, insert_exchange, only
-from moepass.rewrite.experts import local_shard, shard_experts
+from moepass.rewrite.exchange import insert_exchange, only
+from moepass.rewrite.experts import shard_experts
+from moepass.rewrite.hp import (
+    back_to_token_ranks,
+    bias_over_group,
+    check_block,
+    local_heads,
+    read_local_shards,
+    to_head_ranks,
+)
 from moepass.runtime import collectives as comm
-from moepass.runtime.hp import UPDATE_SELECTION_BIAS_OVER_GROUP, HPLayout, heads_to_tokens, tokens_to_heads
+from moepass.runtime.hp import HPLayout
 from moepass.runtime.topology import HeadEPGroups, head_ep_groups
 
 PASS = "hp"
@@ -101,28 +109,11 @@ def head_grad_hook(groups: HeadEPGroups) -> Callable[[Tensor], Tensor]:
     return hook
 
 
-def _node(graph: fx.Graph, name: str) -> fx.Node:
-    for n in graph.nodes:
-        if n.name == name:
-            return n
-    raise ValueError(f"HP+EP rewrite expects a node {name!r} in the canonical Multi-Head LatentMoE graph")
-
-
-def _redirect(old: fx.Node, new: fx.Node) -> None:
-    """Every user of `old` but `new` (which reads it) reads `new` instead."""
-    old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
-
-
 def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The HP pass with EP inside each head group (see module doc)."""
     spec = gm.spec
+    check_block(spec)
     where = f"block {spec.path or '<root>'}"
-    if spec.heads is None:
-        raise PlanError(f"Plan.form='hp' needs a Multi-Head LatentMoE block; {where} has no heads (the pipeline "
-                        f"converts standard blocks first: see moepass.rewrite.latent).")
-    if spec.side_outputs:
-        raise PlanError(f"Plan.form='hp' cannot keep {where}'s side outputs {list(spec.side_outputs)} (router "
-                        f"logits live on the heads' ranks).")
     device = next(iter(gm.parameters())).device
     groups = head_ep_groups(plan.topology, plan.ep_size, plan.head_ep_size, device.type)
     G, P, W = groups.head_groups, groups.head_ep, groups.world_size
@@ -162,40 +153,13 @@ def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     hp_name, expert_name = groups.hp_group.group_name, groups.expert_group.group_name
 
     # 1. sub-tokens to the head group of their heads (the G ranks sharing this rank's ep index), before routing
-    z_TQ = _node(graph, "z_TQ")
-    users = list(z_TQ.users)
-    with graph.inserting_after(z_TQ):
-        send = b.fn(tokens_to_heads, z_TQ, G, name="z_send")
-    with graph.inserting_after(send):
-        pending = b.fn(comm.EQUAL_ALL_TO_ALL, send, hp_name, "hp_dispatch", name="hp_dispatch")
-    with graph.inserting_after(pending):
-        z_RQl = b.fn(comm.WAIT, pending, name="z_RQl")
-    for user in users:
-        user.replace_input_with(z_TQ, z_RQl)
+    z_RQl = to_head_ranks(graph, b, hp_name, G)
 
     # 2. the group's heads: local shards of routers, bias and experts; weights carry the 1/W of the mean loss
-    scaled = set(attrs.values()) | set(layout.sharded)
-    for name in dict.fromkeys([*attrs.values(), *layout.sharded, *effects.replaced_buffers]):
-        node = next(n for n in graph.nodes if n.op == "get_attr" and n.target == name)
-        with graph.inserting_after(node):
-            shard = b.fn(local_shard, node, name=f"{node.name}_local")
-        _redirect(node, shard)
-        if name in scaled:
-            with graph.inserting_after(shard):
-                over_w = b.fn(grad_scale, shard, 1.0 / W, name=f"{node.name}_grad_over_W")
-            _redirect(shard, over_w)
-    z_THh = _node(graph, "z_THh")
-    z_THh.args = (z_THh.args[0], -1, Hl, h)
-    for n in [n for n in graph.nodes if n.name == "tokens"]:  # rows of the selection bias: one per received token
-        n.args = (z_RQl, 0)
-    ids = _node(graph, "ids_GK")
-    ids.args = (ids.args[0], Hl, E)
-    for update in [n for n in graph.nodes if n.op == "call_function" and n.target is dialect.UPDATE_SELECTION_BIAS]:
-        bias, experts_GK, rate, training = update.args
-        with graph.inserting_before(update):
-            b.fn(UPDATE_SELECTION_BIAS_OVER_GROUP, bias, experts_GK, rate, training,
-                 groups.head_replica_group.group_name, name="update_selection_bias_over_group")
-        graph.erase_node(update)
+    read_local_shards(graph, b, [*attrs.values(), *layout.sharded, *effects.replaced_buffers],
+                      scaled={*attrs.values(), *layout.sharded}, world=W)
+    local_heads(graph, z_RQl, Hl, h, E)
+    bias_over_group(graph, b, groups.head_replica_group.group_name, "update_selection_bias_over_group")
 
     # 3. the expert exchange inside the EP group: buckets are the group's X experts, L on each rank. Its own
     #    gradient scaling is off (world=1): the weight reads above already carry the 1/W.
@@ -205,18 +169,9 @@ def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
                     issue_weights=lambda: (lambda: ffn_weights), axis="X")
 
     # 4. outputs back to the tokens' ranks, then the data-parallel output projection
-    y_TQ = _node(graph, "y_TQ")
-    y_Gh = y_TQ.args[0]
-    with graph.inserting_before(y_TQ):
-        y_RQl = b.method("reshape", y_Gh, -1, Hl * h, name="y_RQl")
-        back = b.fn(comm.EQUAL_ALL_TO_ALL, y_RQl, hp_name, "hp_combine", name="hp_combine")
-        y_back = b.fn(comm.WAIT, back, name="y_from_heads")
-        y_new = b.fn(heads_to_tokens, y_back, G, name="y_TQ_gathered")
-    y_TQ.replace_all_uses_with(y_new)
-    graph.erase_node(y_TQ)
+    back_to_token_ranks(graph, b, hp_name, G, Hl * h)
 
-    gm.form = PASS
-    gm.layout = layout
+    effects.form, effects.layout = PASS, layout
     stats = {"heads": H, "local_heads": Hl, "hp_size": G, "head_ep_size": P, "dp_size": groups.dp_size,
              "mesh": f"dp x hp x ep = {groups.dp_size} x {G} x {P}", "experts_per_head": E, "local_experts": L,
              "exchange_rows_per_peer": "HP: T*Ql (equal); EP: by routing"}

@@ -153,13 +153,6 @@ def local_target(num_experts: int, own: list[int]) -> Tensor:
     return target_E
 
 
-def _node(graph: fx.Graph, name: str) -> fx.Node:
-    for n in graph.nodes:
-        if n.name == name:
-            return n
-    raise ValueError(f"the locality rewrite expects a node {name!r} in the canonical graph")
-
-
 def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """The locality pass (module doc): top-1 locality router, floor capacity, losses, EP dispatch."""
     spec = gm.spec
@@ -185,7 +178,7 @@ def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
     b.graph = graph
     route = exchange.only(graph, dialect.ROUTE, "moe.route")
     old = {user.args[1]: user for user in route.users}  # getitem 0: weights, 1: experts
-    x_TD, logits = _node(graph, "x_TD"), operand(route, "logits_TE")
+    x_TD, logits = exchange.named(graph, "x_TD"), operand(route, "logits_TE")
     assert isinstance(logits, fx.Node)
     with graph.inserting_before(route):
         if plan.gate == "grap":  # the block's router is no longer read; the side output shows the GrAP logits
@@ -239,8 +232,7 @@ def rewrite_locality(gm: MoEGraphModule, plan: Plan) -> PassResult:
                       float(plan.mu), b.attr("training"), name="locality_losses")
         share = b.fn(own_node_share, experts_T1, b.attr("locality.on_node_E"), name="own_node_share")
         b.module("locality", losses, floor_3, share, name="locality_record")
-    gm.form = PASS
-    gm.layout = layout
+    effects.form, effects.layout = PASS, layout
     stats = {"experts": E, "local_experts": L, "ep_size": groups.ep_size, "dp_size": groups.dp_size,
              "gate": plan.gate, "own_node_experts": own, "capacity": "floor rule" if keep_T1 is not None else "dropless"}
     return PassResult(gm, changed=True, stats=stats, effects=effects)

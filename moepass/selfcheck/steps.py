@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from moepass.api import CompileInfo
+    from moepass.pipeline import CompileInfo
 
 BATCH_PER_RANK, SEQ = 2, 8
 RTOL, ATOL = 1e-4, 1e-5  # fp32 tolerances for a distributed step vs one process (summation order, atomics)

@@ -1,0 +1,385 @@
+"""The expert FFN op of the MoE dialect: `moe.expert_ffn`, one node in every graph, over two ops autograd and AOT
+see (`moe.expert_ffn_forward`, `moe.expert_ffn_backward`), with its torch reference, shape checks and the
+weight-gradient machinery (rebuildable weights for FSEP, deferred weight gradients for Lancet).
+
+A custom op's autograd sees only the op's output, and the backward needs the pre-activations, so the op is
+defined with `define_expert_ffn` rather than `custom_op` (`moepass.dialect` re-exports every name here and
+registers the op's autocast policy). Shape letters: `moepass.spec.SHAPES`. Host sync: the references read
+`counts_E` on the host (`grouped_ffn.split_sizes`); the op runs `moepass.grouped_ffn`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moepass import eager, grouped_ffn
+from moepass.activations import activate, activate_backward
+from moepass.grouped_ffn import fused_gate_up
+
+
+def expert_ffn_ref(
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+) -> Tensor:
+    """Per-expert FFN over expert-sorted rows: rows [offset_e, offset_e + counts_E[e]) use expert e."""
+    outs = []
+    for e, rows_MD in enumerate(torch.split(x_ND, grouped_ffn.split_sizes(counts_E))):
+        h_gate = F.linear(rows_MD, w_gate_EFD[e], None if b_gate_EF is None else b_gate_EF[e])
+        h_up = None if w_up_EFD is None else F.linear(rows_MD, w_up_EFD[e], None if b_up_EF is None else b_up_EF[e])
+        a = activate(h_gate, h_up, activation, clamp_limit, alpha)
+        outs.append(F.linear(a, w_down_EDF[e], None if b_down_ED is None else b_down_ED[e]))
+    if not outs:
+        return x_ND.new_empty(0, w_down_EDF.shape[1])
+    return torch.cat(outs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shape validation shared by the real and the fake implementations.
+# ----------------------------------------------------------------------------------------------
+
+
+def check_ffn_shapes(x_ND: Tensor, counts_E: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor,
+                     activation: str = "") -> None:
+    E, F_, D = w_gate.shape
+    if fused_gate_up(w_up, activation):
+        if F_ % 2:
+            raise ValueError(f"moe.expert_ffn: fused gate/up w_gate_EFD has {F_} rows per expert, expected 2F")
+        F_ //= 2
+    if x_ND.dim() != 2 or x_ND.shape[1] != D:
+        raise ValueError(f"moe.expert_ffn: x_ND has shape {tuple(x_ND.shape)}, expected (N, D={D}) from w_gate_EFD")
+    if counts_E.shape != (E,):
+        raise ValueError(f"moe.expert_ffn: counts_E has shape {tuple(counts_E.shape)}, expected (E={E},)")
+    if w_up is not None and w_up.shape != w_gate.shape:
+        raise ValueError(f"moe.expert_ffn: w_up_EFD {tuple(w_up.shape)} != w_gate_EFD {tuple(w_gate.shape)}")
+    if w_down.shape != (E, D, F_):
+        raise ValueError(f"moe.expert_ffn: w_down_EDF has shape {tuple(w_down.shape)}, expected (E={E}, D={D}, F={F_})")
+
+
+def expert_ffn_backward_ref(
+    grad_y_ND: Tensor,
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+) -> list[Tensor | None]:
+    """Gradients for (x, w_gate, w_up, w_down, b_gate, b_up, b_down); None for absent inputs."""
+    grad_x = torch.empty_like(x_ND)
+    grad_w_gate = torch.zeros_like(w_gate_EFD)
+    grad_w_up = None if w_up_EFD is None else torch.zeros_like(w_up_EFD)
+    grad_w_down = torch.zeros_like(w_down_EDF)
+    grad_b_gate = None if b_gate_EF is None else torch.zeros_like(b_gate_EF)
+    grad_b_up = None if b_up_EF is None else torch.zeros_like(b_up_EF)
+    grad_b_down = None if b_down_ED is None else torch.zeros_like(b_down_ED)
+    start = 0
+    for e, rows in enumerate(grouped_ffn.split_sizes(counts_E)):
+        if rows == 0:
+            continue
+        end = start + rows
+        x_MD, g_MD = x_ND[start:end], grad_y_ND[start:end]
+        h_gate = F.linear(x_MD, w_gate_EFD[e], None if b_gate_EF is None else b_gate_EF[e])
+        h_up = None if w_up_EFD is None else F.linear(x_MD, w_up_EFD[e], None if b_up_EF is None else b_up_EF[e])
+        a_MF = activate(h_gate, h_up, activation, clamp_limit, alpha)
+        grad_w_down[e] = g_MD.t() @ a_MF
+        if grad_b_down is not None:
+            grad_b_down[e] = g_MD.sum(0)
+        grad_gate, grad_up = activate_backward(g_MD @ w_down_EDF[e], h_gate, h_up, activation, clamp_limit, alpha)
+        grad_w_gate[e] = grad_gate.t() @ x_MD
+        grad_x_MD = grad_gate @ w_gate_EFD[e]
+        if grad_b_gate is not None:
+            grad_b_gate[e] = grad_gate.sum(0)
+        if grad_up is not None:
+            assert grad_w_up is not None and w_up_EFD is not None
+            grad_w_up[e] = grad_up.t() @ x_MD
+            grad_x_MD = grad_x_MD + grad_up @ w_up_EFD[e]
+            if grad_b_up is not None:
+                grad_b_up[e] = grad_up.sum(0)
+        grad_x[start:end] = grad_x_MD
+        start = end
+    return [grad_x, grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]
+
+
+FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
+FFN_ARGS = ("Tensor x_ND, Tensor counts_E, Tensor w_gate_EFD, Tensor? w_up_EFD, Tensor w_down_EDF, "
+            "Tensor? b_gate_EF, Tensor? b_up_EF, Tensor? b_down_ED, str activation, float clamp_limit, float alpha")
+_FFN_LIBS: list[torch.library.Library] = []
+
+
+REBUILD = "moepass_rebuild"  # attribute of a weight operand the expert FFN's backward can rebuild
+
+
+def rebuildable(weight: Tensor, rebuild: Callable[[], Tensor]) -> Tensor:
+    """Mark an expert-FFN weight operand as rebuildable: the op's autograd keeps `rebuild` (a closure that
+    returns the same values) instead of the tensor, and calls it in the backward. FSEP marks its restored
+    experts so, and restores them again rather than keeping every layer's alive until the backward.
+    Under AOT/torch.compile the mark is ignored and the tensor is kept (correct, more memory)."""
+    setattr(weight, REBUILD, rebuild)
+    return weight
+
+
+WGRAD_SINK = "moepass_wgrad_sink"  # attribute of a weight operand whose gradient is computed later (Lancet)
+
+
+class DeferredWeightGrads:
+    """The weight gradients of one expert-FFN backward, computed on first demand (once)."""
+
+    def __init__(self, compute: Callable[[], list[Tensor | None]]):
+        self._compute: Callable[[], list[Tensor | None]] | None = compute
+        self._grads: list[Tensor | None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._grads is not None
+
+    def result(self) -> list[Tensor | None]:
+        if self._grads is None:
+            assert self._compute is not None
+            self._grads, self._compute = self._compute(), None
+        return self._grads
+
+
+class WeightGradSink:
+    """Lancet's split of an expert-FFN backward, seen from one weight operand.
+
+    A weight operand carrying a sink (`setattr(w, WGRAD_SINK, sink)`, done by `moe_sched.defer_wgrad`,
+    whose autograd node owns the sink) lets the expert FFN's backward return grad_x at once and leave
+    the weight GEMMs pending here, handing that operand a stride-0 zero placeholder; the sink's own
+    backward node then `take`s the real gradient (the weight GEMMs of the whole call run on the first
+    take). So the gradient still reaches the weight once, through the same autograd edges, only later:
+    when the autograd engine reaches the sink's node, which the schedule pass places (by forward
+    order) between the dispatch-backward's issue and its wait. Only the exact torch path defers
+    (`define_expert_ffn(split_backward=...)`); elsewhere the sink passes the gradient through."""
+
+    def __init__(self) -> None:
+        self.pending: DeferredWeightGrads | None = None
+        self.slot = -1  # in the (w_gate, w_up, w_down, b_gate, b_up, b_down) order
+
+    def defer(self, pending: DeferredWeightGrads, slot: int) -> None:
+        self.pending, self.slot = pending, slot
+
+    def take(self) -> Tensor | None:
+        """The real gradient of this operand (None: nothing was deferred)."""
+        if self.pending is None:
+            return None
+        grad = self.pending.result()[self.slot]
+        self.pending = None
+        return grad
+
+
+def sinks_of(inputs: tuple | list) -> dict[int, WeightGradSink]:
+    """{input index: sink} when every present weight/bias operand carries a sink, else {}."""
+    sinks = {i: getattr(t, WGRAD_SINK, None) for i, t in enumerate(inputs) if i >= 2 and t is not None}
+    return {i: sink for i, sink in sinks.items() if sink is not None} if all(sinks.values()) and sinks else {}
+
+
+def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
+                      split_backward: Callable[..., tuple[Tensor, Callable[[], list[Tensor | None]]]] | None = None,
+                      ) -> torch._ops.OpOverload:
+    """Define an op with `moe.expert_ffn`'s schema whose autograd can keep intermediates.
+
+    The op is what graphs show (one node, y_ND only). Underneath, autograd and AOT see two ops:
+    `forward_op(*ffn_args, save) -> (y_ND, h_gate_NF, h_up_NF)` — the pre-activations when `save`,
+    else empty tensors — and `backward_op(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, weights...,
+    biases..., options...) -> grads` in `FFN_DIFFERENTIABLE` order (empty for absent inputs), which
+    recomputes the pre-activations it was not given. `recompute=True` on the op saves only the inputs
+    (`Plan.expert_recompute`). A `custom_op`'s autograd hands `setup_context` the op's output only,
+    so the op is defined with `torch.library` and an Autograd kernel of its own instead.
+
+    `split_backward(same arguments as backward_op) -> (grad_x_ND, weight_grads)`, where
+    `weight_grads()` returns the (w_gate, w_up, w_down, b_gate, b_up, b_down) gradients (None for absent
+    ones), lets the backward defer the weight GEMMs to the operands' `WeightGradSink`s (Lancet); the
+    same functions as `backward_op` runs, so the gradients are the same bit for bit.
+    """
+    namespace, name = qualname.split("::")
+    lib = torch.library.Library(namespace, "FRAGMENT")
+    _FFN_LIBS.append(lib)
+    lib.define(f"{name}({FFN_ARGS}, bool recompute=False) -> Tensor")
+    ExpertFFN = expert_ffn_function(forward_op, backward_op, split_backward)
+
+    def run(*args: Any) -> Tensor:  # no autograd: nothing to keep
+        return forward_op(*args[:11], False)[0]
+
+    def autograd_kernel(*args: Any) -> Tensor:
+        args = args + (False,) * (12 - len(args))  # the dispatcher drops trailing defaults
+        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args[:8]):
+            return ExpertFFN.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return run(*args)
+
+    lib.impl(name, run, "CompositeExplicitAutograd")
+    lib.impl(name, autograd_kernel, "Autograd")
+    op = getattr(getattr(torch.ops, namespace), name).default
+    # eagerly: the same autograd.Function over the forward/backward ops' own functions (`moepass.eager`)
+    forward_fn, backward_fn = eager.function_of(forward_op), eager.function_of(backward_op)
+    if forward_fn is not None and backward_fn is not None:
+        eager.register(op, eager.EagerOp(op, lambda *args: forward_fn(*args[:11], False)[0],
+                                         function=expert_ffn_function(forward_fn, backward_fn, split_backward)))
+
+    def fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate, b_up, b_down, activation, *rest):
+        check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
+        return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
+
+    torch.library.register_fake(qualname, fake, lib=lib)
+    return op
+
+
+def expert_ffn_function(forward_op: Any, backward_op: Any,
+                        split_backward: Callable[..., tuple[Tensor, Callable[[], list[Tensor | None]]]] | None,
+                        ) -> type[torch.autograd.Function]:
+    """The autograd.Function of an expert-FFN op over these forward / backward callables (see
+    `define_expert_ffn`): the ops under the dispatcher and AOT, their functions eagerly."""
+
+    class ExpertFFN(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):  # type: ignore[override]
+            inputs, options, recompute = args[:8], args[8:11], args[11]
+            y_ND, h_gate_NF, h_up_NF = forward_op(*inputs, *options, not recompute)
+            ctx.present = [t is not None for t in inputs]
+            ctx.rebuild = {i: getattr(t, REBUILD) for i, t in enumerate(inputs) if i >= 2 and hasattr(t, REBUILD)}
+            ctx.save_for_backward(h_gate_NF, h_up_NF, *[t for i, t in enumerate(inputs)
+                                                        if t is not None and i not in ctx.rebuild])
+            ctx.options = options
+            ctx.sinks = sinks_of(inputs) if split_backward is not None else {}
+            return y_ND
+
+        @staticmethod
+        def backward(ctx, grad_y_ND):  # type: ignore[override]
+            h_gate_NF, h_up_NF, *saved = ctx.saved_tensors
+            it = iter(saved)
+            inputs = [ctx.rebuild[i]() if i in ctx.rebuild else next(it) if present else None
+                      for i, present in enumerate(ctx.present)]
+            x_ND = inputs[0]
+            args = (grad_y_ND.to(x_ND.dtype), x_ND, h_gate_NF, h_up_NF, *inputs[1:], *ctx.options)
+            result: list[Tensor | None] = [None] * 12
+            if ctx.sinks and not torch.is_grad_enabled():  # Lancet: grad_x now, weight GEMMs at the sinks
+                assert split_backward is not None
+                result[0], weight_grads = split_backward(*args)
+                pending = DeferredWeightGrads(weight_grads)
+                for i, sink in ctx.sinks.items():
+                    sink.defer(pending, i - 2)
+                    result[i] = inputs[i].new_zeros(()).expand(inputs[i].shape)  # placeholder: no memory
+                return tuple(result)
+            grads = backward_op(*args)
+            for slot, i in enumerate(FFN_DIFFERENTIABLE):
+                if inputs[i] is not None:
+                    result[i] = grads[slot]
+            return tuple(result)
+
+    return ExpertFFN
+
+
+def saved_activations(x_ND: Tensor, w_gate_EFD: Tensor, gated: bool, save: bool) -> tuple[Tensor, Tensor]:
+    """Fake (h_gate_NF, h_up_NF) of an expert-FFN forward op: [N, F] when kept, else empty. With fused
+    gate/up (`w_gate` [E, 2F, D], no `w_up`) the first is the [N, 2F] pre-activation of both."""
+    N, F_ = x_ND.shape[0], w_gate_EFD.shape[1]
+    h_gate = x_ND.new_empty(N, F_) if save else x_ND.new_empty(0)
+    return h_gate, (x_ND.new_empty(N, F_) if save and gated else x_ND.new_empty(0))
+
+
+def kept(h_NF: Tensor, x_ND: Tensor) -> Tensor | None:
+    """A saved pre-activation, or None where the forward kept nothing (the backward recomputes)."""
+    return h_NF if h_NF.dim() == 2 and h_NF.shape[0] == x_ND.shape[0] else None
+
+
+def ffn_gradient_fakes(
+    x_ND: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor, b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None, b_down_ED: Tensor | None, contiguous: bool,
+) -> list[Tensor]:
+    """Fake outputs of an expert-FFN backward op: one gradient per input in `FFN_DIFFERENTIABLE` order
+    (empty for absent ones), contiguous or laid out as the torch path writes them (`gradient_like`)."""
+    inputs = [x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED]
+    like = (lambda t: t.new_empty(t.shape)) if contiguous else grouped_ffn.gradient_like
+    return [x_ND.new_empty(0) if t is None else like(t) for t in inputs]
+
+
+@eager.custom_op("moe::expert_ffn_forward", mutates_args=())
+def expert_ffn_forward(
+    x_ND: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """y_ND and, when `save`, the pre-activations h_gate_NF, h_up_NF (else empty tensors)."""
+    check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
+    y_ND, h_gate, h_up = grouped_ffn.forward(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF,
+                                             b_up_EF, b_down_ED, activation, clamp_limit, alpha)
+    if not save:
+        return y_ND, x_ND.new_empty(0), x_ND.new_empty(0)
+    return y_ND, h_gate, x_ND.new_empty(0) if h_up is None else h_up
+
+
+@expert_ffn_forward.register_fake
+def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+      alpha, save):
+    check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
+    return (x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1]),
+            *saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, save))
+
+
+@eager.custom_op("moe::expert_ffn_backward", mutates_args=())
+def expert_ffn_backward(
+    grad_y_ND: Tensor,
+    x_ND: Tensor,
+    h_gate_NF: Tensor,
+    h_up_NF: Tensor,
+    counts_E: Tensor,
+    w_gate_EFD: Tensor,
+    w_up_EFD: Tensor | None,
+    w_down_EDF: Tensor,
+    b_gate_EF: Tensor | None,
+    b_up_EF: Tensor | None,
+    b_down_ED: Tensor | None,
+    activation: str,
+    clamp_limit: float,
+    alpha: float,
+) -> list[Tensor]:
+    """Backward of `expert_ffn`; absent optional inputs get an empty tensor in their slot."""
+    grads = grouped_ffn.backward(grad_y_ND, x_ND, kept(h_gate_NF, x_ND), kept(h_up_NF, x_ND), counts_E,
+                                 w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
+                                 clamp_limit, alpha)
+    return [x_ND.new_empty(0) if g is None else g for g in grads]
+
+
+@expert_ffn_backward.register_fake
+def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
+    return ffn_gradient_fakes(x_ND, *weights_and_options[:6], contiguous=False)
+
+
+def expert_ffn_split_backward(grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor, h_up_NF: Tensor, *rest: Any,
+                              ) -> tuple[Tensor, Callable[[], list[Tensor | None]]]:
+    """`expert_ffn_backward` in two steps (Lancet): grad_x_ND now, the weight gradients on demand."""
+    grad_x_ND, work = grouped_ffn.backward_input(grad_y_ND, x_ND, kept(h_gate_NF, x_ND), kept(h_up_NF, x_ND), *rest)
+    return grad_x_ND, functools.partial(grouped_ffn.backward_weights, work)
+
+
+expert_ffn = define_expert_ffn("moe::expert_ffn", torch.ops.moe.expert_ffn_forward,
+                               torch.ops.moe.expert_ffn_backward, expert_ffn_split_backward)

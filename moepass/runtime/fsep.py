@@ -191,11 +191,18 @@ def issue_plain_restore(controller: FSEPPlacement, shards: list[Tensor], slot_ex
 def exchange_restore(controller: FSEPPlacement, shards: list[Tensor], slot_expert_S: Tensor,
                      ahead: Prefetched | None = None) -> Tensor:
     """This block's restore (pending; `moe_comm.wait` completes it), issued now or `ahead` (prefetched):
-    `_RestoreExchange`, or, in a fake-tensor trace or with `defer_reduction` off, the plain ops."""
-    if not controller.defer_reduction or _fake():
+    `_RestoreExchange`, or, in a fake-tensor trace, while Dynamo traces or with `defer_reduction` off, the plain
+    ops. The deferred reduction hands the gradient to the parameters through their own local views, made here
+    from the block's parameters: the graph's shards may come out of a torch.compile region, whose one backward
+    node covers the whole region and must not run a second time."""
+    if not controller.defer_reduction or _fake() or torch.compiler.is_compiling():
         return ahead.pending if ahead is not None else issue_plain_restore(controller, shards, slot_expert_S)
     needs_grad = torch.is_grad_enabled() and any(shard.requires_grad for shard in shards)
     anchor = torch.empty(0, device=shards[0].device, requires_grad=needs_grad)
+    source = controller.restore
+    block = source.block() if source is not None and source.block is not None else None
+    if needs_grad and block is not None:  # the deferred reduction's path to the parameters: views made here,
+        shards = source.shards()  # eagerly (the graph's may come out of a compiled region, one backward node)
     return _RestoreExchange.apply(anchor, list(shards), slot_expert_S, controller, ahead)
 
 

@@ -13,7 +13,9 @@ What it does, in order (every rank):
    gradients averaged by DDP, by moepass's priority scheduler (--grad-sync scheduler) or sharded with
    FSDP2 (--fsdp: `moepass.fully_shard` per layer and on the root; the experts keep their own mesh);
 4. optimizer: AdamW (`moepass.train.optim.build_optimizer`), linear warmup then cosine, global grad-norm
-   clipping (`moepass.clip_grad_norm_`, plain and DTensor gradients together);
+   clipping (`moepass.clip_grad_norm_`, plain and DTensor gradients together); a parameter left without a
+   gradient (an expert no token chose, skipped by the model's loop) is stepped with a zero one
+   (`fill_missing_grads`, as the forms step their one tensor of experts; --unused-grads skip: torch's default);
 5. each step: forward, backward, clip, step; the mean loss over the ranks, tokens/s, the bytes moepass's
    all-to-alls and FSEP restores sent; a progress line every --log-every steps;
 6. checkpoints every --ckpt-every steps (DCP: model, optimizer, step, RNG, FSEP placement tables) and
@@ -81,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     a("--compile", action="store_true", help="torch.compile (inductor) over the model; graph breaks are logged")
     a("--reference", action="store_true", help="rank 0 also trains the untouched model on the same batches")
+    a("--unused-grads", default="zero", choices=["zero", "skip"],
+      help="a parameter left without a gradient (an expert no token chose, in a model whose loop skips it): "
+           "zero: stepped with a zero gradient, as moepass's forms step their expert tensors (default); skip: "
+           "left alone by the optimizer (torch's None gradient)")
     a("--out", default="runs/train", help="folder for train_log.json and loss.png")
     a("--ckpt-dir", default=None, help="checkpoint folder (default <out>/ckpt)")
     a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
@@ -177,7 +183,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     import moepass
     from moepass.train import checkpoint, report
     from moepass.train.data import Batches
-    from moepass.train.optim import build_optimizer, lr_at, set_lr
+    from moepass.train.optim import build_optimizer, fill_missing_grads, lr_at, set_lr
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -205,7 +211,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         if path is None:
             raise SystemExit(f"--resume latest: no complete checkpoint in {ckpt_dir}")
         start, _ = checkpoint.load(path, cm, optimizer)
-        if reference is not None:
+        if reference is not None and ref_opt is not None:
             saved = torch.load(os.path.join(path, "reference.pt"), weights_only=True)
             reference.load_state_dict(saved["model"])
             ref_opt.load_state_dict(saved["optim"])
@@ -231,6 +237,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
             loss = lm_loss(run, tokens)
             total = loss + moepass.aux_loss(cm) if args.form == "locality" else loss
         total.backward()
+        filled = fill_missing_grads(cm.parameters()) if args.unused_grads == "zero" else 0
         moepass.clip_grad_norm_(list(cm.parameters()), args.clip)
         optimizer.step()
         mean = loss.detach().clone()
@@ -239,15 +246,17 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         seconds = time.perf_counter() - t0
         a2a, restore = comm_bytes()
         rec = {"step": step + 1, "loss": value, "lr": lr, "seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
-               "a2a_bytes": a2a, "restore_bytes": restore}
+               "a2a_bytes": a2a, "restore_bytes": restore, "zero_filled_grads": filled}
         if controllers:  # FSEP: the placement table each block used this step
             rec["placements"] = {path: m.slot_expert.tolist() for path, m in controllers.items()}
-        if reference is not None:
+        if reference is not None and ref_opt is not None:
             set_lr(ref_opt, lr)
             ref_opt.zero_grad(set_to_none=True)
             with autocast():
                 ref_loss = lm_loss(reference, batches.global_batch_at(step).to(device))
             ref_loss.backward()
+            if args.unused_grads == "zero":
+                rec["ref_zero_filled_grads"] = fill_missing_grads(reference.parameters())
             torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip)
             ref_opt.step()
             rec["ref_loss"] = ref_loss.item()

@@ -8,7 +8,9 @@ What it does, in order (every rank):
    packed into sequences of --seq + 1, global batches of --global-batch sequences in a seeded order, this
    rank's slice of each (`moepass.train.data`);
 2. model: the sample Mixtral-like LM (`samples.models.tiny_mixtral`; for --form hp its Multi-Head
-   LatentMoE twin, where HP keeps the math), built from --seed, identical on every rank;
+   LatentMoE twin, where HP keeps the math), or --model hf:<config> (a Hugging Face causal LM built from its
+   config, no weights) or --model torchtitan (torchtitan's Qwen3-MoE; `samples/train_models.py`), built
+   from --seed, identical on every rank;
 3. parallel: `moepass.compile(model, Plan(form=...))` (--form none: the untouched model), then the dense
    gradients averaged by DDP, by moepass's priority scheduler (--grad-sync scheduler) or sharded with
    FSDP2 (--fsdp: `moepass.fully_shard` per layer and on the root; the experts keep their own mesh);
@@ -67,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--layers", type=int, default=2)
     a("--heads", type=int, default=4)
     a("--style", default="loop", choices=["loop", "fused", "gshard", "mixed"], help="the sample's MoE style")
+    a("--model", default="sample",
+      help="sample (the sample LM), hf:<config> (a Hugging Face causal LM built from its config: a tiny one of "
+           "samples/hf_models.py such as hf:qwen3_moe, or a hub id / folder read offline) or torchtitan (its "
+           "Qwen3-MoE model at --dim/--layers/--heads/--experts/--top-k/--ffn-dim); vocabulary: the 256 bytes")
     a("--lr", type=float, default=3e-3)
     a("--warmup", type=int, default=20, help="linear warmup steps, then cosine to lr/10")
     a("--weight-decay", type=float, default=0.1)
@@ -102,6 +108,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_model(args: argparse.Namespace, world: int) -> torch.nn.Module:
     from samples.models import tiny_latent_lm, tiny_mixtral
 
+    if args.model != "sample":
+        from samples import train_models
+
+        if args.form == "hp":
+            raise SystemExit(f"--form hp trains the sample's Multi-Head LatentMoE twin; --model {args.model} has no "
+                             f"latent heads: use another form or --model sample")
+        if args.model.startswith("hf:"):
+            return train_models.hf_lm(args.model[3:], args.seed)
+        if args.model == "torchtitan":
+            return train_models.torchtitan_lm(args.seed, dim=args.dim, layers=args.layers, heads=args.heads,
+                                              experts=args.experts, top_k=args.top_k, ffn_dim=args.ffn_dim,
+                                              seq=args.seq)
+        raise SystemExit(f"--model {args.model!r}: use sample, hf:<config> or torchtitan")
     torch.manual_seed(args.seed)
     sizes = dict(vocab_size=256, dim=args.dim, layers=args.layers)
     if args.form == "hp":  # Multi-Head LatentMoE: its heads split over the ranks, HP keeps the math
@@ -137,10 +156,10 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
 
     cm = model if args.form == "none" else moepass.compile(model, build_plan(args, world))
     if args.ac:  # activation checkpointing: each layer's activations recomputed in the backward
-        for layer in cm.layers:
+        for layer in decoder_layers(cm):
             layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
     if args.fsdp:
-        for layer in cm.layers:
+        for layer in decoder_layers(cm):
             moepass.fully_shard(layer)
         moepass.fully_shard(cm)
         if args.grad_sync == "scheduler":
@@ -155,8 +174,19 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
     return cm, DDP(cm, device_ids=device_ids, find_unused_parameters=args.form == "none")
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's stack of decoder layers: its ModuleList or ModuleDict nearest the root (`layers` of the sample,
+    `model.layers` of a Hugging Face LM, `model.layers` of the torchtitan wrapper)."""
+    stacks = [(name.count("."), list(m.values() if isinstance(m, torch.nn.ModuleDict) else m))
+              for name, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    if not stacks:
+        raise SystemExit(f"--ac / --fsdp: {type(model).__name__} holds no ModuleList or ModuleDict of layers")
+    return min(stacks, key=lambda s: s[0])[1]
+
+
 def lm_loss(run: Any, tokens_BS1: torch.Tensor) -> torch.Tensor:
-    logits = run(tokens_BS1[:, :-1])
+    out = run(tokens_BS1[:, :-1])
+    logits = out if isinstance(out, torch.Tensor) else out.logits  # a Hugging Face ModelOutput
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens_BS1[:, 1:].reshape(-1))
 
 
@@ -314,7 +344,7 @@ def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], 
     if records:
         try:
             report.plot(os.path.join(args.out, "loss.png"), curves,
-                        f"sample MoE LM on pydoc topics, form={args.form}, W={world}")
+                        f"{args.model} MoE LM on pydoc topics, form={args.form}, W={world}")
         except ImportError:  # the log above has every figure; the picture needs matplotlib
             print("no loss.png: matplotlib is not installed (pip install matplotlib)", flush=True)
     print(f"wrote {os.path.join(args.out, 'train_log.json')}"

@@ -15,11 +15,12 @@ top-k routing turns such a rounding difference into a different expert for a nea
 trajectories drift apart (chaos, not a moepass error): a form is as exact as the math allows when its curve
 stays as close as `none`'s. EP's and FSEP's curves are also compared with the single form's (`vs_single`):
 the distributed forms against the same canonical graph run on one device per rank.
-Throughput (`throughput`): the forms none (the untouched model + DDP), single, ep, fsep built side by side in
-one world of 2 gloo ranks and stepped in turn (one step each, the order rotated every step), so each step's
+Throughput (`throughput`): the forms none (the untouched model + DDP), none+fsdp (the untouched model under
+FSDP2 only), single, ep, fsep, ep+fsdp (EP with FSDP2 on the dense parameters) built side by side in one world
+of 2 gloo ranks and stepped in turn (one step each, the order rotated every step), so each step's
 ratio to `none` is taken under the same load; per form the median tokens/s and the median and quartiles of
-those ratios. On this 2-core machine shared by other sessions the figures measure CPU contention as much as
-the forms: the load is recorded.
+those ratios (and for F+fsdp its ratio to none+fsdp). On this 2-core machine shared by other sessions the
+figures measure CPU contention as much as the forms: the load is recorded.
 
 Writes <out>/train_curves.json, <out>/train_curves.png (default out: benchmarks/results); at another world
 size <out>/train_curves_w<W>.{json,png} (`--world 4 --nodes 2`: 2 simulated nodes of 2 ranks, Plan.topology).
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=None, help="curve steps (default 200, quick 20)")
     p.add_argument("--tput-steps", type=int, default=None, help="interleaved throughput steps (default 40, quick 8)")
-    p.add_argument("--tput-forms", default="none,single,ep,fsep")
+    p.add_argument("--tput-forms", default="none,none+fsdp,single,ep,fsep,ep+fsdp",
+                   help="forms to time; F+fsdp: with FSDP2 on the dense parameters (none+fsdp: FSDP2 only)")
     p.add_argument("--part", default="all", choices=["all", "curves", "throughput"],
                    help="run one part; the other is kept from an existing JSON")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -157,7 +159,7 @@ def throughput_rank(packed: tuple) -> None:
 
     import moepass
     from moepass.train.data import Batches
-    from moepass.train.optim import build_optimizer
+    from moepass.train.optim import build_optimizer, fill_missing_grads
     from samples.train import add_arguments, build_model, lm_loss, parallelize
 
     steps, forms, out = packed
@@ -167,7 +169,8 @@ def throughput_rank(packed: tuple) -> None:
     runs = {}
     for form in forms:
         a = copy.copy(base)
-        a.form = form
+        a.form, _, wrap = form.partition("+")
+        a.fsdp = wrap == "fsdp"
         cm, call = parallelize(build_model(a, world), a, world)
         runs[form] = (cm, call, build_optimizer(cm, a.lr, a.weight_decay))
     batches = Batches.from_corpus(base.seq, base.global_batch, base.seed)
@@ -182,6 +185,7 @@ def throughput_rank(packed: tuple) -> None:
             opt.zero_grad(set_to_none=True)
             loss = lm_loss(call, tokens)
             loss.backward()
+            fill_missing_grads(cm.parameters())
             moepass.clip_grad_norm_(list(cm.parameters()), base.clip)
             opt.step()
             mean = loss.detach().clone()
@@ -198,6 +202,9 @@ def throughput_rank(packed: tuple) -> None:
             result["forms"][f] = {"tokens_per_s_median": tokens_per_step / statistics.median(timed[f]),
                                   "ratio_to_ddp_median": statistics.median(ratios),
                                   "ratio_to_ddp_q1": q[0], "ratio_to_ddp_q3": q[2]}
+            if f.endswith("+fsdp") and "none+fsdp" in timed:  # against the model under FSDP2 only
+                result["forms"][f]["ratio_to_fsdp_median"] = statistics.median(
+                    n / s for n, s in zip(timed["none+fsdp"], timed[f]))
         with open(out, "w") as fh:
             json.dump(result, fh)
 

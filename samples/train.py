@@ -20,8 +20,9 @@ What it does, in order (every rank):
    (`fill_missing_grads`, as the forms step their one tensor of experts; --unused-grads skip: torch's default);
 5. each step: forward, backward, clip, step; the mean loss over the ranks, tokens/s, the bytes moepass's
    all-to-alls and FSEP restores sent; a progress line every --log-every steps;
-6. checkpoints every --ckpt-every steps (DCP: model, optimizer, step, RNG, FSEP placement tables) and
-   --resume (the newest complete one, or a path);
+6. checkpoints every --ckpt-every steps (DCP: model, optimizer, step, RNG, FSEP placement tables, in the
+   original model's layout) and --resume (the newest complete one, or a path), also under another --form or
+   --nproc (EP at W=4 resumed as FSEP at W=2);
 7. --reference: rank 0 also trains the untouched model on the same global batches (whole, one process)
    with the same optimizer and schedule, and logs both losses;
 8. at the end rank 0 writes <out>/train_log.json and <out>/loss.png.

@@ -4,6 +4,7 @@ model, and tokens/s of each form next to the model without moepass (DDP), at W=2
     .venv/bin/python benchmarks/train_curves.py                 # 200 steps per curve, 40 interleaved steps
     .venv/bin/python benchmarks/train_curves.py --quick         # 20 steps, 8 steps (a smoke run)
     .venv/bin/python benchmarks/train_curves.py --part throughput   # only the throughput (curves kept)
+    .venv/bin/python benchmarks/train_curves.py --world 4 --nodes 2 --part curves   # W=4, 2 simulated nodes
 
 Curves: `python -m moepass train --form F --nproc 2 --steps N --reference` for F in none, single, ep, fsep
 (one run each; the reference is trained by rank 0 in the same run on the same global batches): per form the
@@ -14,13 +15,18 @@ top-k routing turns such a rounding difference into a different expert for a nea
 trajectories drift apart (chaos, not a moepass error): a form is as exact as the math allows when its curve
 stays as close as `none`'s. EP's and FSEP's curves are also compared with the single form's (`vs_single`):
 the distributed forms against the same canonical graph run on one device per rank.
-Throughput (`throughput`): the forms none (the untouched model + DDP), single, ep, fsep built side by side in
-one world of 2 gloo ranks and stepped in turn (one step each, the order rotated every step), so each step's
+Throughput (`throughput`): the forms none (the untouched model + DDP), single, ep, fsep, ep+fsdp (EP with
+FSDP2 on the dense parameters) built side by side in one world of 2 gloo ranks and stepped in turn (one step each, the order rotated every step), so each step's
 ratio to `none` is taken under the same load; per form the median tokens/s and the median and quartiles of
-those ratios. On this 2-core machine shared by other sessions the figures measure CPU contention as much as
-the forms: the load is recorded.
+those ratios (and for F+fsdp its ratio to none+fsdp). On this 2-core machine shared by other sessions the
+figures measure CPU contention as much as the forms: the load is recorded. The untouched sample under FSDP2
+only (none+fsdp) stopped within its first steps with a gloo size mismatch ("Received data size doesn't match
+expected size", 213632 vs 189056 bytes): its loop skips an expert no local token chose, which leaves that
+rank without the expert's gradient (likely cause: FSDP2 then reduce-scatters another set of gradients on each
+rank); moepass's forms give every expert a gradient on every rank.
 
-Writes <out>/train_curves.json, <out>/train_curves.png (default out: benchmarks/results).
+Writes <out>/train_curves.json, <out>/train_curves.png (default out: benchmarks/results); at another world
+size <out>/train_curves_w<W>.{json,png} (`--world 4 --nodes 2`: 2 simulated nodes of 2 ranks, Plan.topology).
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def train(out: str, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "moepass", "train", "--nproc", "2", "--out", out, *args]
+def train(out: str, *args: str, world: int = 2) -> dict:
+    cmd = [sys.executable, "-m", "moepass", "train", "--nproc", str(world), "--out", out, *args]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -48,7 +54,7 @@ def train(out: str, *args: str) -> dict:
     with open(os.path.join(out, "train_log.json")) as f:
         log = json.load(f)
     log["wall_s"] = time.time() - start
-    log["cmd"] = " ".join(["python -m moepass train --nproc 2", *args])
+    log["cmd"] = " ".join([f"python -m moepass train --nproc {world}", *args])
     return log
 
 
@@ -66,15 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=None, help="curve steps (default 200, quick 20)")
     p.add_argument("--tput-steps", type=int, default=None, help="interleaved throughput steps (default 40, quick 8)")
-    p.add_argument("--tput-forms", default="none,single,ep,fsep")
+    p.add_argument("--tput-forms", default="none,single,ep,fsep,ep+fsdp",
+                   help="forms to time; F+fsdp: with FSDP2 on the dense parameters (none+fsdp, FSDP2 only, stops "
+                        "with a gloo size mismatch on the sample: module doc)")
     p.add_argument("--part", default="all", choices=["all", "curves", "throughput"],
                    help="run one part; the other is kept from an existing JSON")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--world", type=int, default=2, help="ranks of the curve runs (the throughput part: 2)")
+    p.add_argument("--nodes", type=int, default=1, help="simulated nodes of the curve runs")
     args = p.parse_args(argv)
+    suffix = "" if args.world == 2 else f"_w{args.world}"
     steps = args.steps or (20 if args.quick else 200)
     args.tput_steps = args.tput_steps or (8 if args.quick else 40)
     work = tempfile.mkdtemp(prefix="train_curves_")
-    path = os.path.join(args.out, "train_curves.json")
+    path = os.path.join(args.out, f"train_curves{suffix}.json")
     result: dict = {"curves": {}, "throughput": {}}
     if args.part != "all" and os.path.exists(path):
         with open(path) as f:
@@ -83,10 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 
     for form in ("none", "single", "ep", "fsep") if args.part in ("all", "curves") else ():
         log = train(os.path.join(work, f"curve_{form}"), "--form", form, "--steps", str(steps), "--reference",
-                    "--log-every", str(max(1, steps // 10)))
+                    "--log-every", str(max(1, steps // 10)), *(("--nodes", str(args.nodes)) if args.nodes > 1 else ()),
+                    world=args.world)
         diffs = [abs(r["loss"] - r["ref_loss"]) for r in log["steps"]]
         result["curves"][form] = {"cmd": log["cmd"], "load": log["machine"]["load"], "wall_s": log["wall_s"],
                                   "max_abs_dloss": max(diffs), "final_loss": log["steps"][-1]["loss"],
+                                  "bitwise_equal_steps": sum(d == 0 for d in diffs),
+                                  "zero_filled_steps": sum(bool(r.get("ref_zero_filled_grads")) for r in log["steps"]),
                                   "max_abs_dloss_first_20": max(diffs[:20]),
                                   "first_step_rel_dloss_over_1e-5": next(
                                       (r["step"] for r in log["steps"]
@@ -100,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['first_step_rel_dloss_over_1e-5']})", flush=True)
 
         result["steps"] = steps
+        result["world"], result["nodes"] = args.world, args.nodes
     if args.part in ("all", "curves"):
         add_vs_single(result)
-    if args.part in ("all", "throughput"):
+    if args.part in ("all", "throughput") and args.world == 2:
         result["throughput"] = throughput(args.tput_steps, args.tput_forms.split(","))
     result["uptime_after"] = os.getloadavg()
 
@@ -113,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         ref = result["curves"]["single"]["ref_loss"]
         curves = {f: list(enumerate(c["loss"], start=1)) for f, c in result["curves"].items()}
         curves["reference"] = list(enumerate(ref, start=1))
-        png = report.plot(os.path.join(args.out, "train_curves.png"), curves,
-                          f"sample MoE LM on pydoc topics, W=2 gloo, {result['steps']} steps")
+        nodes = f", {args.nodes} simulated nodes" if args.nodes > 1 else ""
+        png = report.plot(os.path.join(args.out, f"train_curves{suffix}.png"), curves,
+                          f"sample MoE LM on pydoc topics, W={args.world} gloo{nodes}, {result['steps']} steps")
         print(f"wrote {png}")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -147,7 +163,7 @@ def throughput_rank(packed: tuple) -> None:
 
     import moepass
     from moepass.train.data import Batches
-    from moepass.train.optim import build_optimizer
+    from moepass.train.optim import build_optimizer, fill_missing_grads
     from samples.train import add_arguments, build_model, lm_loss, parallelize
 
     steps, forms, out = packed
@@ -157,7 +173,8 @@ def throughput_rank(packed: tuple) -> None:
     runs = {}
     for form in forms:
         a = copy.copy(base)
-        a.form = form
+        a.form, _, wrap = form.partition("+")
+        a.fsdp = wrap == "fsdp"
         cm, call = parallelize(build_model(a, world), a, world)
         runs[form] = (cm, call, build_optimizer(cm, a.lr, a.weight_decay))
     batches = Batches.from_corpus(base.seq, base.global_batch, base.seed)
@@ -172,6 +189,7 @@ def throughput_rank(packed: tuple) -> None:
             opt.zero_grad(set_to_none=True)
             loss = lm_loss(call, tokens)
             loss.backward()
+            fill_missing_grads(cm.parameters())
             moepass.clip_grad_norm_(list(cm.parameters()), base.clip)
             opt.step()
             mean = loss.detach().clone()
@@ -188,6 +206,9 @@ def throughput_rank(packed: tuple) -> None:
             result["forms"][f] = {"tokens_per_s_median": tokens_per_step / statistics.median(timed[f]),
                                   "ratio_to_ddp_median": statistics.median(ratios),
                                   "ratio_to_ddp_q1": q[0], "ratio_to_ddp_q3": q[2]}
+            if f.endswith("+fsdp") and "none+fsdp" in timed:  # against the model under FSDP2 only
+                result["forms"][f]["ratio_to_fsdp_median"] = statistics.median(
+                    n / s for n, s in zip(timed["none+fsdp"], timed[f]))
         with open(out, "w") as fh:
             json.dump(result, fh)
 

@@ -85,11 +85,14 @@ def _placed_index(param: DTensor, local: Tensor, dim: int) -> Index:
     return rows if dim == 0 else (*(slice(None),) * dim, rows)
 
 
-def logical_state_dict(model: nn.Module, full: bool = False) -> dict[str, Tensor]:
-    """The state dict of `model` as the original (un-rewritten) model names it. See the module doc."""
+def logical_state_dict(model: nn.Module, full: bool = False, values: dict[str, Tensor] | None = None
+                       ) -> dict[str, Tensor]:
+    """The state dict of `model` as the original (un-rewritten) model names it. See the module doc.
+    `values`: tensors laid out as the model's state-dict entries of the same keys (e.g. an optimizer's
+    `exp_avg` of each parameter), named and split as those entries would be, instead of the model's own."""
     stacked = _stacked_keys(model)
     out: dict[str, Tensor] = {}
-    for key, value in model.state_dict().items():
+    for key, value in (model.state_dict() if values is None else values).items():
         if key in stacked:
             layout, originals = stacked[key]
             if full:
@@ -116,13 +119,16 @@ def _part_for(target: DTensor, value: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], strict: bool = True) -> None:
+def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], strict: bool = True,
+                            targets: dict[str, Tensor] | None = None) -> None:
     """Load an original-layout state dict (full tensors, DTensors or this rank's expert entries) into a
     rewritten model, keeping only this rank's shards. `strict`: every tensor of the model must be
-    covered (for ModuleList experts sharded on the expert dim: this rank's experts)."""
+    covered (for ModuleList experts sharded on the expert dim: this rank's experts). `targets`: tensors
+    laid out as the model's state-dict entries of the same keys to load into instead of the model's own
+    (see `logical_state_dict`'s `values`)."""
     stacked = _stacked_keys(model)
     missing: list[str] = []
-    for key, target in model.state_dict().items():
+    for key, target in (model.state_dict() if targets is None else targets).items():
         if key in stacked:
             layout, originals = stacked[key]
             for e, part in _expert_entries(layout, _local(target)):

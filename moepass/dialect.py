@@ -185,12 +185,16 @@ def unpermute_ref(y_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
 
 
 def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
-    """Weighted sum over the K choices, accumulated in fp32, returned in y's dtype."""
-    # K fused multiply-adds over [T, D] (einsum would run T tiny batched GEMMs: ~5x slower on CPU)
+    """Weighted sum over the K choices, accumulated in fp32, returned in y's dtype.
+
+    Each product y·w is rounded, then the products are added in choice order: the arithmetic of
+    `(y * w).sum` and of a loop's `out.index_add_(y_e * w)` (for K=2 bitwise either way), not a fused
+    multiply-add (`addcmul_` rounds once: up to 1 ulp apart from what the user's block computes)."""
+    # K multiplies and adds over [T, D] (einsum would run T tiny batched GEMMs: ~5x slower on CPU)
     y_f32, w_f32 = y_TKD.float(), weights_TK.float()
     out_TD = y_f32[:, 0] * w_f32[:, :1]
     for k in range(1, y_TKD.shape[1]):
-        out_TD.addcmul_(y_f32[:, k], w_f32[:, k:k + 1])
+        out_TD += y_f32[:, k] * w_f32[:, k:k + 1]
     return out_TD.to(y_TKD.dtype)
 
 
@@ -247,13 +251,13 @@ def route_backward_ref(
         return torch.zeros_like(logits_TE).scatter_add(1, experts_TK, g_logit_TK)
     scores_TE = torch.softmax(logits_TE, dim=-1) if score_func == "softmax" else torch.sigmoid(logits_TE)
     s_TK = scores_TE.gather(1, experts_TK)
-    if renormalize:
+    if renormalize:  # autograd's derivative of s / total, term by term: g / total - sum(g * ((s / total) / total))
         total_T1 = s_TK.sum(-1, keepdim=True) + 1e-20
-        g_TK = g_TK / total_T1 - (g_TK * s_TK).sum(-1, keepdim=True) / total_T1**2
+        g_TK = g_TK / total_T1 + (-g_TK * ((s_TK / total_T1) / total_T1)).sum(-1, keepdim=True)
     g_scores_TE = torch.zeros_like(logits_TE).scatter_add(1, experts_TK, g_TK)
     if score_func == "softmax":
         return scores_TE * (g_scores_TE - (g_scores_TE * scores_TE).sum(-1, keepdim=True))
-    return g_scores_TE * scores_TE * (1 - scores_TE)
+    return g_scores_TE * (1 - scores_TE) * scores_TE  # sigmoid_backward's order: (g * (1 - y)) * y
 
 
 def _route_setup(ctx, inputs, output):

@@ -8,16 +8,21 @@ What it does, in order (every rank):
    packed into sequences of --seq + 1, global batches of --global-batch sequences in a seeded order, this
    rank's slice of each (`moepass.train.data`);
 2. model: the sample Mixtral-like LM (`samples.models.tiny_mixtral`; for --form hp its Multi-Head
-   LatentMoE twin, where HP keeps the math), built from --seed, identical on every rank;
+   LatentMoE twin, where HP keeps the math), or --model hf:<config> (a Hugging Face causal LM built from its
+   config, no weights) or --model torchtitan (torchtitan's Qwen3-MoE; `samples/train_models.py`), built
+   from --seed, identical on every rank;
 3. parallel: `moepass.compile(model, Plan(form=...))` (--form none: the untouched model), then the dense
    gradients averaged by DDP, by moepass's priority scheduler (--grad-sync scheduler) or sharded with
    FSDP2 (--fsdp: `moepass.fully_shard` per layer and on the root; the experts keep their own mesh);
 4. optimizer: AdamW (`moepass.train.optim.build_optimizer`), linear warmup then cosine, global grad-norm
-   clipping (`moepass.clip_grad_norm_`, plain and DTensor gradients together);
+   clipping (`moepass.clip_grad_norm_`, plain and DTensor gradients together); a parameter left without a
+   gradient (an expert no token chose, skipped by the model's loop) is stepped with a zero one
+   (`fill_missing_grads`, as the forms step their one tensor of experts; --unused-grads skip: torch's default);
 5. each step: forward, backward, clip, step; the mean loss over the ranks, tokens/s, the bytes moepass's
    all-to-alls and FSEP restores sent; a progress line every --log-every steps;
-6. checkpoints every --ckpt-every steps (DCP: model, optimizer, step, RNG, FSEP placement tables) and
-   --resume (the newest complete one, or a path);
+6. checkpoints every --ckpt-every steps (DCP: model, optimizer, step, RNG, FSEP placement tables, in the
+   original model's layout) and --resume (the newest complete one, or a path), also under another --form or
+   --nproc (EP at W=4 resumed as FSEP at W=2);
 7. --reference: rank 0 also trains the untouched model on the same global batches (whole, one process)
    with the same optimizer and schedule, and logs both losses;
 8. at the end rank 0 writes <out>/train_log.json and <out>/loss.png.
@@ -65,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--layers", type=int, default=2)
     a("--heads", type=int, default=4)
     a("--style", default="loop", choices=["loop", "fused", "gshard", "mixed"], help="the sample's MoE style")
+    a("--model", default="sample",
+      help="sample (the sample LM), hf:<config> (a Hugging Face causal LM built from its config: a tiny one of "
+           "samples/hf_models.py such as hf:qwen3_moe, or a hub id / folder read offline) or torchtitan (its "
+           "Qwen3-MoE model at --dim/--layers/--heads/--experts/--top-k/--ffn-dim); vocabulary: the 256 bytes")
     a("--lr", type=float, default=3e-3)
     a("--warmup", type=int, default=20, help="linear warmup steps, then cosine to lr/10")
     a("--weight-decay", type=float, default=0.1)
@@ -81,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--ac", action="store_true", help="activation checkpointing of every decoder layer")
     a("--compile", action="store_true", help="torch.compile (inductor) over the model; graph breaks are logged")
     a("--reference", action="store_true", help="rank 0 also trains the untouched model on the same batches")
+    a("--unused-grads", default="zero", choices=["zero", "skip"],
+      help="a parameter left without a gradient (an expert no token chose, in a model whose loop skips it): "
+           "zero: stepped with a zero gradient, as moepass's forms step their expert tensors (default); skip: "
+           "left alone by the optimizer (torch's None gradient)")
     a("--out", default="runs/train", help="folder for train_log.json and loss.png")
     a("--ckpt-dir", default=None, help="checkpoint folder (default <out>/ckpt)")
     a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
@@ -96,6 +109,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_model(args: argparse.Namespace, world: int) -> torch.nn.Module:
     from samples.models import tiny_latent_lm, tiny_mixtral
 
+    if args.model != "sample":
+        from samples import train_models
+
+        if args.form == "hp":
+            raise SystemExit(f"--form hp trains the sample's Multi-Head LatentMoE twin; --model {args.model} has no "
+                             f"latent heads: use another form or --model sample")
+        if args.model.startswith("hf:"):
+            return train_models.hf_lm(args.model[3:], args.seed)
+        if args.model == "torchtitan":
+            return train_models.torchtitan_lm(args.seed, dim=args.dim, layers=args.layers, heads=args.heads,
+                                              experts=args.experts, top_k=args.top_k, ffn_dim=args.ffn_dim,
+                                              seq=args.seq)
+        raise SystemExit(f"--model {args.model!r}: use sample, hf:<config> or torchtitan")
     torch.manual_seed(args.seed)
     sizes = dict(vocab_size=256, dim=args.dim, layers=args.layers)
     if args.form == "hp":  # Multi-Head LatentMoE: its heads split over the ranks, HP keeps the math
@@ -131,10 +157,10 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
 
     cm = model if args.form == "none" else moepass.compile(model, build_plan(args, world))
     if args.ac:  # activation checkpointing: each layer's activations recomputed in the backward
-        for layer in cm.layers:
+        for layer in decoder_layers(cm):
             layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
     if args.fsdp:
-        for layer in cm.layers:
+        for layer in decoder_layers(cm):
             moepass.fully_shard(layer)
         moepass.fully_shard(cm)
         if args.grad_sync == "scheduler":
@@ -149,8 +175,19 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
     return cm, DDP(cm, device_ids=device_ids, find_unused_parameters=args.form == "none")
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's stack of decoder layers: its ModuleList or ModuleDict nearest the root (`layers` of the sample,
+    `model.layers` of a Hugging Face LM, `model.layers` of the torchtitan wrapper)."""
+    stacks = [(name.count("."), list(m.values() if isinstance(m, torch.nn.ModuleDict) else m))
+              for name, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    if not stacks:
+        raise SystemExit(f"--ac / --fsdp: {type(model).__name__} holds no ModuleList or ModuleDict of layers")
+    return min(stacks, key=lambda s: s[0])[1]
+
+
 def lm_loss(run: Any, tokens_BS1: torch.Tensor) -> torch.Tensor:
-    logits = run(tokens_BS1[:, :-1])
+    out = run(tokens_BS1[:, :-1])
+    logits = out if isinstance(out, torch.Tensor) else out.logits  # a Hugging Face ModelOutput
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens_BS1[:, 1:].reshape(-1))
 
 
@@ -177,7 +214,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     import moepass
     from moepass.train import checkpoint, report
     from moepass.train.data import Batches
-    from moepass.train.optim import build_optimizer, lr_at, set_lr
+    from moepass.train.optim import build_optimizer, fill_missing_grads, lr_at, set_lr
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -205,7 +242,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         if path is None:
             raise SystemExit(f"--resume latest: no complete checkpoint in {ckpt_dir}")
         start, _ = checkpoint.load(path, cm, optimizer)
-        if reference is not None:
+        if reference is not None and ref_opt is not None:
             saved = torch.load(os.path.join(path, "reference.pt"), weights_only=True)
             reference.load_state_dict(saved["model"])
             ref_opt.load_state_dict(saved["optim"])
@@ -231,6 +268,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
             loss = lm_loss(run, tokens)
             total = loss + moepass.aux_loss(cm) if args.form == "locality" else loss
         total.backward()
+        filled = fill_missing_grads(cm.parameters()) if args.unused_grads == "zero" else 0
         moepass.clip_grad_norm_(list(cm.parameters()), args.clip)
         optimizer.step()
         mean = loss.detach().clone()
@@ -239,15 +277,17 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         seconds = time.perf_counter() - t0
         a2a, restore = comm_bytes()
         rec = {"step": step + 1, "loss": value, "lr": lr, "seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
-               "a2a_bytes": a2a, "restore_bytes": restore}
+               "a2a_bytes": a2a, "restore_bytes": restore, "zero_filled_grads": filled}
         if controllers:  # FSEP: the placement table each block used this step
             rec["placements"] = {path: m.slot_expert.tolist() for path, m in controllers.items()}
-        if reference is not None:
+        if reference is not None and ref_opt is not None:
             set_lr(ref_opt, lr)
             ref_opt.zero_grad(set_to_none=True)
             with autocast():
                 ref_loss = lm_loss(reference, batches.global_batch_at(step).to(device))
             ref_loss.backward()
+            if args.unused_grads == "zero":
+                rec["ref_zero_filled_grads"] = fill_missing_grads(reference.parameters())
             torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip)
             ref_opt.step()
             rec["ref_loss"] = ref_loss.item()
@@ -305,7 +345,7 @@ def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], 
     if records:
         try:
             report.plot(os.path.join(args.out, "loss.png"), curves,
-                        f"sample MoE LM on pydoc topics, form={args.form}, W={world}")
+                        f"{args.model} MoE LM on pydoc topics, form={args.form}, W={world}")
         except ImportError:  # the log above has every figure; the picture needs matplotlib
             print("no loss.png: matplotlib is not installed (pip install matplotlib)", flush=True)
     print(f"wrote {os.path.join(args.out, 'train_log.json')}"

@@ -9,7 +9,12 @@
 - crash and resume: a run checkpoints at step 4 and its last rank dies after step 6 (os._exit, no clean-up);
   `--resume latest` continues from step 4 and its losses (and FSEP placement tables) for steps 5..8 are
   bitwise those of the uninterrupted run: FSEP (placements changing every step), and EP with FSDP2 on the
-  dense parameters under the priority scheduler (DCP over DTensors of two meshes).
+  dense parameters under the priority scheduler (DCP over DTensors of two meshes);
+- other models: `--model hf:qwen3_moe` (built from its config) and `--model torchtitan` train with the
+  untouched model's losses (3 steps);
+- HP x FSDP2 at W=4 (ep_size=2): the untouched model's losses for 3 steps;
+- resume elsewhere: a checkpoint of EP at W=4 continues as FSEP at W=2, one of the single form as EP, with
+  the uninterrupted run's losses to fp32 tolerance (checkpoints hold the original model's layout);
 
 - `--compile` (inductor over the DDP-wrapped EP model): the same losses as the reference for 3 steps, and no
   graph break names a moepass op (the breaks left are DDP's own Python).
@@ -159,6 +164,55 @@ def test_crash_and_resume_continue_bitwise(tmp_path, setup):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(("ep", "4"), ("fsep", "2")), (("single", "2"), ("ep", "2"))],
+                         ids=["ep-w4-to-fsep-w2", "single-to-ep"])
+def test_resume_under_another_form_and_world_size(tmp_path, before, after):
+    """A checkpoint is in the original model's layout (model, AdamW moments and steps): a run saved at step
+    4 under one form and world size continues under another with the losses of the uninterrupted run, to
+    fp32 tolerance (the same global batches; only the summation order differs)."""
+    common = ("--steps", "8", "--log-every", "1")
+    _, whole = train(tmp_path / "whole", "--form", before[0], "--nproc", before[1], *common, "--ckpt-every", "4")
+    proc, resumed = train(tmp_path / "resumed", "--form", after[0], "--nproc", after[1], *common,
+                          "--resume", str(tmp_path / "whole" / "ckpt" / "step_000004"))
+    assert "resumed from" in proc.stdout and resumed["start_step"] == 4 and resumed["world"] == int(after[1])
+    expected = {r["step"]: r["loss"] for r in whole["steps"]}
+    got = {r["step"]: r["loss"] for r in resumed["steps"]}
+    assert sorted(got) == [5, 6, 7, 8]
+    worst = max(abs(got[s] - expected[s]) / expected[s] for s in got)
+    assert worst <= RTOL, f"{before} -> {after}: max relative |dloss| {worst:.2e}"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("model,form,blocks", [("hf:qwen3_moe", "single", "model.layers.0.mlp"),
+                                               ("torchtitan", "ep", "model.layers.0.moe")],
+                         ids=["hf-qwen3_moe-single", "torchtitan-ep"])
+def test_other_models_train_with_the_untouched_models_losses(tmp_path, model, form, blocks):
+    """--model: a Hugging Face causal LM built from its config, torchtitan's Qwen3-MoE; both MoE blocks of
+    each rewritten, the losses those of the untouched model (--reference) for 3 steps."""
+    pytest.importorskip("transformers" if model.startswith("hf:") else "torchtitan")
+    _, log = train(tmp_path, "--model", model, "--form", form, "--steps", "3", "--reference", "--log-every", "1")
+    assert len(log["blocks"]) == 2 and blocks in log["blocks"]
+    worst = max(abs(r["loss"] - r["ref_loss"]) / abs(r["ref_loss"]) for r in log["steps"])
+    assert worst <= RTOL, f"{model} {form}: max relative |dloss| {worst:.2e}"
+    assert log["steps"][-1]["loss"] < log["steps"][0]["loss"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_hp_with_fsdp2_on_a_2x2_mesh_w4_keeps_the_losses(tmp_path):
+    """HP (the sample's Multi-Head LatentMoE twin, heads over the ranks, experts inside on ep_size=2) with FSDP2
+    on the dense parameters at W=4: the untouched model's losses for 3 steps (EP and FSEP under FSDP2 on the
+    2x2 mesh: tests/test_fsdp_moepass.py::test_fully_shard_on_a_2x2_mesh_w4)."""
+    _, log = train(tmp_path, "--form", "hp", "--fsdp", "--nproc", "4", "--ep-size", "2", "--steps", "3",
+                   "--reference", "--log-every", "1")
+    assert log["world"] == 4 and set(log["blocks"].values()) == {"HPLayout"}
+    worst = max(abs(r["loss"] - r["ref_loss"]) / abs(r["ref_loss"]) for r in log["steps"])
+    assert worst <= RTOL, f"hp x FSDP2 at W=4: max relative |dloss| {worst:.2e}"
+
+
+@pytest.mark.dist
 @pytest.mark.slow
 def test_compile_keeps_the_losses_and_breaks_no_moepass_block(tmp_path):
     proc, log = train(tmp_path, "--form", "ep", "--compile", "--steps", "3", "--reference", "--log-every", "1")

@@ -3,19 +3,27 @@
 One checkpoint is a directory `<dir>/step_<k>` written by `torch.distributed.checkpoint.save` on every
 rank (each writes its own shards: moepass's expert DTensors, FSDP2's dense shards; replicated tensors
 once), then a `COMPLETE` marker by rank 0 after a barrier, so a run killed while saving leaves no
-checkpoint that `latest` would pick. The state:
+checkpoint that `latest` would pick. The state, in the original model's layout, so a checkpoint loads
+under another form or world size (EP at W=4, then FSEP at W=2; the single form, then EP):
 
-- `model`, `optim`: `torch.distributed.checkpoint.state_dict.get_state_dict` (parameter names as the
-  compiled model has them: resume at the same form and world size);
-- `train`: the step (the data position: `moepass.train.data` derives batches from it);
-- `rng`: every rank's torch (and CUDA) generator state, under its own key;
+- `model`: `moepass.logical_state_dict` (original names, full logical shapes; each rank its shards);
+- `optim`: the optimizer's per-parameter state split and named the same way: each state tensor shaped as
+  its parameter (AdamW's `exp_avg`, `exp_avg_sq`) under `optim/<key>/<original name>`, each scalar (`step`)
+  under every original name its parameter holds (a stacked expert tensor: one per expert). Hyper-parameters
+  (lr, betas, ...) are the caller's: the recipe sets them every step;
+- `train`: the step (the data position: `moepass.train.data` derives batches from it), the world size and
+  the FSEP blocks with their table sizes;
+- `rng`: every rank's torch (and CUDA) generator state, under its own key (restored at the same world size);
 - `fsep`: each FSEP block's `FSEPPlacement.placement_state()` (the table in use, the next one planned,
-  the count history), so placements continue exactly;
+  the count history), so placements continue exactly (restored when the same blocks with the same table
+  sizes load it; otherwise the new form plans its own: placements move work, never the math);
 - `extra`: whatever the caller adds (plain tensors and numbers, replicated).
+The values are copied, never recomputed: a resume at the same form and world size continues bit for bit.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -23,8 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
 
+from moepass.checkpoint import load_logical_state_dict, logical_state_dict
 from moepass.runtime.fsep import FSEPPlacement
 
 MARKER = "COMPLETE"
@@ -47,21 +56,65 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict[str, Any]) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def parameter_keys(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:
+    """(state-dict key, parameter) of every parameter the optimizer steps; a clear error for one the model
+    does not hold."""
+    names = {id(p): key for key, p in model.named_parameters()}
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"moepass.train.checkpoint: the optimizer steps a parameter of shape {tuple(p.shape)} "
+                                 f"that the model does not hold; build the optimizer over this model's parameters")
+            out.append((names[id(p)], p))
+    return out
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    rank = dist.get_rank()
-    return {"model": model_sd, "optim": optim_sd, "train": {"step": step}, "extra": extra,
-            "rng": {f"rank{rank}": rng_state()},
-            "fsep": {path: m.placement_state() for path, m in placements(model).items()}}
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict]:
+    """(the optimizer's state in the model's original layout (module doc), {state key: {parameter key: the
+    tensor itself}} of the tensors shaped as their parameter (what a load writes into))."""
+    tensors: dict[str, dict[str, Tensor]] = {}
+    scalars: dict[str, dict[str, Tensor]] = {}
+    for key, p in parameter_keys(model, optimizer):
+        for name, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, Tensor) and value.shape == p.shape and value.dim() > 0:
+                tensors.setdefault(name, {})[key] = value
+            elif isinstance(value, Tensor) and value.dim() == 0:
+                for original in logical_state_dict(model, values={key: p}):
+                    scalars.setdefault(name, {})[original] = value
+            else:
+                raise ValueError(f"moepass.train.checkpoint: optimizer state {name!r} of {key!r} is a "
+                                 f"{type(value).__name__} of shape {getattr(value, 'shape', None)}; only tensors "
+                                 f"shaped as the parameter and scalars are checkpointed")
+    state: dict[str, Any] = {name: logical_state_dict(model, values=values) for name, values in tensors.items()}
+    state.update({f"scalar_{name}": values for name, values in scalars.items()})
+    return state, tensors
+
+
+def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazily made per-parameter state (zeros), so a checkpoint can load into it."""
+    if not optimizer.state:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        get_optimizer_state_dict(model, optimizer)  # steps once with zero gradients to create the state
+
+
+def layout_of(model: nn.Module) -> str:
+    """The world size and the FSEP blocks with their table sizes, as a JSON string (one saved object)."""
+    return json.dumps({"world": dist.get_world_size(),
+                       "fsep": {path: list(m.slot_expert.shape) for path, m in placements(model).items()}},
+                      sort_keys=True)
 
 
 def save(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
          extra: dict[str, Any] | None = None) -> str:
     """Write the checkpoint after `step` steps to `<directory>/step_<step>`; returns its path. All ranks."""
     path = os.path.join(directory, f"step_{step:06d}")
-    dcp.save(_state(model, optimizer, step, dict(extra or {})), checkpoint_id=path)
+    optim, _ = optimizer_state(model, optimizer)
+    state = {"model": logical_state_dict(model), "optim": optim, "extra": dict(extra or {}),
+             "train": {"step": step, "layout": layout_of(model)}, "rng": {f"rank{dist.get_rank()}": rng_state()},
+             "fsep": {block: m.placement_state() for block, m in placements(model).items()}}
+    dcp.save(state, checkpoint_id=path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(path, MARKER), "w") as f:
@@ -81,17 +134,39 @@ def latest(directory: str) -> str | None:
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
          extra: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
-    """Load a checkpoint written by `save` into `model` and `optimizer` (same form and world size); restore this
-    rank's RNG and every FSEP block's placements. Returns (step, extra). All ranks."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
+    """Load a checkpoint written by `save` into `model` and `optimizer` (any form and world size: module doc);
+    restore this rank's RNG and every FSEP block's placements when the checkpoint's layout has them.
+    Returns (step, extra). All ranks."""
     if not os.path.exists(os.path.join(path, MARKER)):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker): pass one that "
                                 f"moepass.train.checkpoint.save finished, or the directory holding them")
-    state = _state(model, optimizer, 0, dict(extra or {}))
+    head: dict[str, Any] = {"train": {"step": 0, "layout": ""}}
+    dcp.load(head, checkpoint_id=path)
+    saved, here = json.loads(head["train"]["layout"]), json.loads(layout_of(model))
+    same_world = saved["world"] == here["world"]
+    same_fsep = bool(saved["fsep"]) and saved == here
+    init_optimizer_state(model, optimizer)
+    optim, targets = optimizer_state(model, optimizer)
+    state: dict[str, Any] = {"model": logical_state_dict(model), "optim": optim, "extra": dict(extra or {})}
+    if same_world:
+        state["rng"] = {f"rank{dist.get_rank()}": rng_state()}
+    if same_fsep:
+        state["fsep"] = {block: m.placement_state() for block, m in placements(model).items()}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
-    for block, m in placements(model).items():
-        m.load_placement_state(state["fsep"][block])
-    return int(state["train"]["step"]), state["extra"]
+    with torch.no_grad():
+        load_logical_state_dict(model, state["model"])
+        for name, values in targets.items():
+            load_logical_state_dict(model, state["optim"][name], targets=values)
+        for key, p in parameter_keys(model, optimizer):  # a stacked tensor's scalars: its first expert's
+            for name, value in optimizer.state[p].items():
+                if isinstance(value, Tensor) and value.dim() == 0:
+                    first = next(iter(logical_state_dict(model, values={key: p})))
+                    loaded = state["optim"][f"scalar_{name}"][first]
+                    if loaded is not value:
+                        value.copy_(loaded)
+    if same_world:
+        set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
+    if same_fsep:
+        for block, m in placements(model).items():
+            m.load_placement_state(state["fsep"][block])
+    return int(head["train"]["step"]), state["extra"]

@@ -5,11 +5,20 @@ mixes plain tensors with DTensors, or DTensors of different meshes (moepass's ex
 FSDP2's dense shards on the world): torch's multi-tensor (`foreach=True`, the CUDA default) kernels take a
 group's tensors as one list and refuse a mix ("aten._foreach_add_.List: got mixed torch.Tensor and
 DTensor"). 1-D parameters (norm weights, biases) get no weight decay.
+
+`fill_missing_grads` gives every parameter without a gradient a zero one. A model whose experts are a
+ModuleList and whose forward skips an expert no token chose (a loop with `if not rows: continue`, as
+Hugging Face's Mixtral and Qwen-MoE write it) leaves that expert's gradient None; torch's optimizers skip a
+None gradient entirely (no weight decay, no moment decay, the parameter's own step count stays), while every
+moepass form holds the experts of a role in one tensor and hands such an expert a zero slice, which AdamW
+does decay. Zero-filling makes the untouched model step as the forms do (the gradient is zero in both: the
+math is the same, only torch's None-skipping differs).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -33,6 +42,16 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
                     foreach: bool | None = None) -> torch.optim.Optimizer:
     """AdamW over `param_groups(model)`; `foreach` as torch's (None: its default for the device)."""
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, foreach=foreach)
+
+
+def fill_missing_grads(params: Iterable[nn.Parameter]) -> int:
+    """Give each trainable parameter whose `.grad` is None a zero gradient (module doc); returns how many."""
+    filled = 0
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+            filled += 1
+    return filled
 
 
 def lr_at(step: int, lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:

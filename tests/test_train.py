@@ -183,7 +183,7 @@ def test_resume_under_another_form_and_world_size(tmp_path, before, after):
     assert worst <= RTOL, f"{before} -> {after}: max relative |dloss| {worst:.2e}"
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("model,form,blocks", [("hf:qwen3_moe", "single", "model.layers.0.mlp"),
                                                ("torchtitan", "ep", "model.layers.0.moe")],
@@ -199,7 +199,7 @@ def test_other_models_train_with_the_untouched_models_losses(tmp_path, model, fo
     assert log["steps"][-1]["loss"] < log["steps"][0]["loss"]
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_hp_with_fsdp2_on_a_2x2_mesh_w4_keeps_the_losses(tmp_path):
     """HP (the sample's Multi-Head LatentMoE twin, heads over the ranks, experts inside on ep_size=2) with FSDP2
@@ -212,10 +212,13 @@ def test_hp_with_fsdp2_on_a_2x2_mesh_w4_keeps_the_losses(tmp_path):
     assert worst <= RTOL, f"hp x FSDP2 at W=4: max relative |dloss| {worst:.2e}"
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.slow
-def test_compile_keeps_the_losses_and_breaks_no_moepass_block(tmp_path):
-    proc, log = train(tmp_path, "--form", "ep", "--compile", "--steps", "3", "--reference", "--log-every", "1")
+@pytest.mark.parametrize("form", ["ep", "fsep"])
+def test_compile_keeps_the_losses_and_breaks_no_moepass_block(tmp_path, form):
+    """torch.compile (inductor, data-dependent shapes captured) over the compiled model under DDP. FSEP: its
+    deferred gradient reduction must not run a compiled region's backward a second time."""
+    proc, log = train(tmp_path, "--form", form, "--compile", "--steps", "3", "--reference", "--log-every", "1")
     assert all(abs(r["loss"] - r["ref_loss"]) <= RTOL * abs(r["ref_loss"]) for r in log["steps"])
     breaks = log["graph_breaks"]
     assert breaks is not None and "graph breaks:" in proc.stdout

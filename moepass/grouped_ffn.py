@@ -280,12 +280,15 @@ def backward_input(
     if h_gate_NF is None:
         h_gate_NF, h_up_NF = pre_activations(rows, x_ND, w_gate_EFD, w_up_EFD, b_gate_EF, b_up_EF)
     grad_a_NF = rows.mm(grad_y_ND, w_down_EDF)
-    a_NF, grad_gate, grad_up = activate_and_backward(grad_a_NF, *halves(h_gate_NF, h_up_NF, fused), activation,
-                                                     clamp_limit, alpha)
+    if fused:  # one [N, 2F] gradient for the one [E, 2F, D] weight, its halves written in place
+        grad_gate_up = h_gate_NF.new_empty(h_gate_NF.shape)
+        a_NF, _, _ = activate_and_backward(grad_a_NF, *halves(h_gate_NF, h_up_NF, fused), activation, clamp_limit,
+                                           alpha, *halves(grad_gate_up, None, fused))
+        grad_gate, grad_up = grad_gate_up, None
+    else:
+        a_NF, grad_gate, grad_up = activate_and_backward(grad_a_NF, h_gate_NF, h_up_NF, activation, clamp_limit,
+                                                         alpha)
     del grad_a_NF
-    if fused:  # one [N, 2F] gradient for the one [E, 2F, D] weight
-        assert grad_up is not None
-        grad_gate, grad_up = torch.cat([grad_gate, grad_up], 1), None
     grad_gate, grad_up = grad_gate.contiguous(), None if grad_up is None else grad_up.contiguous()
     grad_x_ND = rows.mm(grad_gate, w_gate_EFD)
     if grad_up is not None:

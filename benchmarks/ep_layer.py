@@ -9,6 +9,40 @@ original module, at W=1 and W=2 (issue 12).
 Writes benchmarks/results/ep_layer.json and ep_layer.png (unless --out; the plot goes next to the JSON)
 and prints a table.
 
+    python benchmarks/ep_layer.py --systems peers@W2 --workloads issue   # issue 32's headline only
+
+Headline (issue 32): the `peers@W2` launch builds, in ONE 2-rank process group, moepass EP and every peer in
+its fastest configuration for the same work (`ep_peers.py`: transformers' `apply_expert_parallelism`
+all-to-all + grouped_mm experts without FSDP, torchtitan 0.3.0's EP `MoE` in fp32, and, where `accelerate`
+is installed, transformers' `DistributedConfig` EP+FSDP of issue 12), and times their forward+backward step
+by step in rotating order (iteration i starts with system i mod n; barrier before each, max over the ranks).
+Per launch: each system's median step and moepass / the fastest peer of that launch; over launches the
+median and range of that ratio (JSON "peers"). Goal: <= 0.9. No system synchronises the replicated router
+gradient (the same E x D all-reduce would be added to each); the parity step records the global loss and
+sum(dx^2) of each (equal to fp32 rounding).
+
+Profile, moepass EP vs torchtitan EP, issue layer at W=2 (rank 0, per fwd+bwd step; torch.profiler op counts,
+cProfile Python calls, process CPU time; load 8-17 on the 2 shared cores, so times +-10 %):
+                          before (a7b75bd)   after     torchtitan   transformers a2a
+    aten ops                   807            704         858           756
+    custom-op dispatches        17              0           0             0
+    host reads (item)           24              0          36            24
+    Python calls              2298           2148        2408          1544
+    c10d collectives            10             10          32            29
+    page faults (2 ranks)    1-210          ~100-210        ~1            ~1
+    process CPU ms           22.4           23.6         21.1-21.4     22.0-22.9
+  Where moepass's time goes: the six expert GEMMs (~15 ms of ~22 ms CPU per rank; the same FLOPs and the
+  same per-expert `mm` calls as torchtitan's), then routing / permute / exchange / unpermute / combine and their
+  backward (~5 ms, each a few ops), the waits of the 5 exchanges (count exchange, dispatch, combine and the two
+  backward ones: the same number as the peers; one host sync, `host_splits`, per layer and step, before the
+  dispatch: the peers read their splits back too). The custom-op dispatches (17 per step, ~30-60 us each way)
+  are gone: `moe_comm`, `moe_sched` and `moe_ep` ops run on moepass's eager path (`moepass.eager`); the 24
+  `.item()` were CPU `torch._grouped_mm`'s (one per expert group): on a CPU the expert GEMMs run as the
+  per-expert `mm` loop (same bits, ~3 ops per expert instead of ~13). What is left above torchtitan is
+  fresh-memory page faults (glibc returns the freed [E, 2F, D] weight-gradient and [N, 2F] buffers to the OS
+  between steps; each fault ~2-20 us on this VM) and the fused gate/up GEMM shapes; on a GPU neither applies
+  (caching allocator, one grouped kernel).
+
 Workloads (one Hugging Face `MixtralSparseMoeBlock`, fp32, SwiGLU, dropless, top-k softmax router):
   issue          the layer of issue 12: 512 tokens in all (2 sequences x 256), D=256, F=512, E=8, K=2.
   mixtral_proxy  Mixtral-8x7B's shape (D=4096, F=14336, E=8, K=2) scaled down 8x in D and F so that a

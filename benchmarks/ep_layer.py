@@ -42,6 +42,11 @@ cProfile Python calls, process CPU time; load 8-17 on the 2 shared cores, so tim
   fresh-memory page faults (glibc returns the freed [E, 2F, D] weight-gradient and [N, 2F] buffers to the OS
   between steps; each fault ~2-20 us on this VM) and the fused gate/up GEMM shapes; on a GPU neither applies
   (caching allocator, one grouped kernel).
+  Measured (2026-11-27, load 13-39 on the 2 cores shared by 6 sessions): `--systems peers@W2 --workloads issue
+  --rounds 3`: moepass / fastest peer (torchtitan every launch) 1.35 [0.98, 1.45]; the same two systems in
+  one process group, 3 rounds x 8 interleaved steps, before/after alternated twice: before 0.98, 1.06,
+  after 1.05, 1.02 (process CPU per step moepass/torchtitan 1.07, 1.07 before, 1.07, 1.10 after). The goal
+  (<= 0.9) is not met: the step is GEMM-bound and the GEMMs are the same.
 
 Workloads (one Hugging Face `MixtralSparseMoeBlock`, fp32, SwiGLU, dropless, top-k softmax router):
   issue          the layer of issue 12: 512 tokens in all (2 sequences x 256), D=256, F=512, E=8, K=2.

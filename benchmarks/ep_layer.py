@@ -24,24 +24,24 @@ sum(dx^2) of each (equal to fp32 rounding).
 Profile, moepass EP vs torchtitan EP, issue layer at W=2 (rank 0, per fwd+bwd step; torch.profiler op counts,
 cProfile Python calls, process CPU time; load 8-17 on the 2 shared cores, so times +-10 %):
                           before (a7b75bd)   after     torchtitan   transformers a2a
-    aten ops                   807            704         858           756
+    aten ops                   807            ~800        858           756
     custom-op dispatches        17              0           0             0
-    host reads (item)           24              0          36            24
-    Python calls              2298           2148        2408          1544
+    host reads (item)           24             24          36            24
+    Python calls              2298           2186        2408          1544
     c10d collectives            10             10          32            29
     page faults (2 ranks)    1-210          ~100-210        ~1            ~1
-    process CPU ms           22.4           23.6         21.1-21.4     22.0-22.9
+    process CPU ms        21.7-22.4      20.9-22.6     19.6-21.7     22.0-22.9
   Where moepass's time goes: the six expert GEMMs (~15 ms of ~22 ms CPU per rank; the same FLOPs and the
   same per-expert `mm` calls as torchtitan's), then routing / permute / exchange / unpermute / combine and their
   backward (~5 ms, each a few ops), the waits of the 5 exchanges (count exchange, dispatch, combine and the two
   backward ones: the same number as the peers; one host sync, `host_splits`, per layer and step, before the
   dispatch: the peers read their splits back too). The custom-op dispatches (17 per step, ~30-60 us each way)
-  are gone: `moe_comm`, `moe_sched` and `moe_ep` ops run on moepass's eager path (`moepass.eager`); the 24
-  `.item()` were CPU `torch._grouped_mm`'s (one per expert group): on a CPU the expert GEMMs run as the
-  per-expert `mm` loop (same bits, ~3 ops per expert instead of ~13). What is left above torchtitan is
-  fresh-memory page faults (glibc returns the freed [E, 2F, D] weight-gradient and [N, 2F] buffers to the OS
-  between steps; each fault ~2-20 us on this VM) and the fused gate/up GEMM shapes; on a GPU neither applies
-  (caching allocator, one grouped kernel).
+  are gone: `moe_comm`, `moe_sched` and `moe_ep` ops run on moepass's eager path (`moepass.eager`). The 24
+  `.item()` are CPU `torch._grouped_mm`'s (one per expert group, host memory: no sync; none on CUDA). What is
+  left above torchtitan (process CPU moepass / torchtitan 1.04-1.10) is fresh-memory page faults (glibc
+  returns the freed [E, 2F, D] weight-gradient and [N, 2F] buffers to the OS between steps; each fault
+  ~2-20 us on this VM) and the fused gate/up GEMM shapes; on a GPU neither applies (caching allocator, one
+  grouped kernel).
   Measured (2026-11-27, load 13-39 on the 2 cores shared by 6 sessions): `--systems peers@W2 --workloads issue
   --rounds 3`: moepass / fastest peer (torchtitan every launch) 1.35 [0.98, 1.45]; the same two systems in
   one process group, 3 rounds x 8 interleaved steps, before/after alternated twice: before 0.98, 1.06,

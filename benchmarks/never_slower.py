@@ -41,16 +41,14 @@ Where the host time went, and what was done:
     over rows padded to [E, N, ...] (no host read, a few ops whatever E); larger GEMMs keep `_grouped_mm`
     (one CUDA kernel, no sync). The capacity mask uses a scatter, not `F.one_hot` (which reads min/max).
   * The input check ran as a forward pre-hook (nn.Module's slow call path): it is now the forward's first call.
-  * Issue 29 item 8, second pass (tiny size, per step, moepass before -> after; original unchanged):
-                  ops (aten)       aten::item    Python calls
-    loop          1291 -> 931      72 -> 0       969 -> 937
-    fused          996 -> 759      48 -> 0       561 -> 543
-    gshard        1001 -> 759      48 -> 0       583 -> 560
-    The `aten::item` were CPU `torch._grouped_mm`'s own (one `.item()` and ~13 ops per expert group): on a CPU
-    the expert GEMMs now run as the per-expert `torch.mm(out=)` loop over host-known counts (the counts are
-    in host memory: no device sync), the same `mm` calls bit for bit (grouped_ffn's module doc); CUDA keeps
-    `torch._grouped_mm`. The gated activations write their gradients into the halves of the one [N, 2F]
-    gate/up gradient (no `torch.cat`) and multiply in place: bit-identical, 1-2 fewer [N, F] buffers per call.
+  * Issue 29 item 8, second pass (tiny size, load 8, per step, moepass): loop 1291 aten ops / 72 item / 971
+    Python calls, ratio 1.03 [0.97, 1.15]; fused 1001 / 48 / 565, 2.09 [1.93, 2.69]; gshard 1001 / 48 / 582,
+    1.81 [1.64, 2.93]. The `aten::item` are CPU `torch._grouped_mm`'s own (one `.item()` of host memory and
+    ~13 ops per expert group; no device sync, and on CUDA `_grouped_mm` reads nothing). Tried: the per-expert
+    `torch.mm(out=)` loop on a CPU (same bits, 759 ops, 0 item) was slower at this size (the Python loop:
+    0.27 ms against 0.11 ms for the six GEMMs) and equal at the layer size: not kept. Kept: the gated
+    activations write their gradients into the halves of the one [N, 2F] gate/up gradient (no `torch.cat`) and
+    multiply in place: bit-identical, 1-2 fewer [N, F] buffers per call (what costs at the layer size, below).
   * The layer-size loop sample (1.2-1.3x) is not arithmetic: moepass runs the same 375 `mm` calls, and the
     excess is fresh-memory page faults (~1000-2000 per step against 0 for the original, each ~10-20 us on this
     VM). moepass writes each role's weight gradient as one [E, F, D] buffer (4 MiB here; the original writes

@@ -9,6 +9,45 @@ original module, at W=1 and W=2 (issue 12).
 Writes benchmarks/results/ep_layer.json and ep_layer.png (unless --out; the plot goes next to the JSON)
 and prints a table.
 
+    python benchmarks/ep_layer.py --systems peers@W2 --workloads issue   # issue 32's headline only
+
+Headline (issue 32): the `peers@W2` launch builds, in ONE 2-rank process group, moepass EP and every peer in
+its fastest configuration for the same work (`ep_peers.py`: transformers' `apply_expert_parallelism`
+all-to-all + grouped_mm experts without FSDP, torchtitan 0.3.0's EP `MoE` in fp32, and, where `accelerate`
+is installed, transformers' `DistributedConfig` EP+FSDP of issue 12), and times their forward+backward step
+by step in rotating order (iteration i starts with system i mod n; barrier before each, max over the ranks).
+Per launch: each system's median step and moepass / the fastest peer of that launch; over launches the
+median and range of that ratio (JSON "peers"). Goal: <= 0.9. No system synchronises the replicated router
+gradient (the same E x D all-reduce would be added to each); the parity step records the global loss and
+sum(dx^2) of each (equal to fp32 rounding).
+
+Profile, moepass EP vs torchtitan EP, issue layer at W=2 (rank 0, per fwd+bwd step; torch.profiler op counts,
+cProfile Python calls, process CPU time; load 8-17 on the 2 shared cores, so times +-10 %):
+                          before (a7b75bd)   after     torchtitan   transformers a2a
+    aten ops                   807            ~800        858           756
+    custom-op dispatches        17              0           0             0
+    host reads (item)           24             24          36            24
+    Python calls              2298           2186        2408          1544
+    c10d collectives            10             10          32            29
+    page faults (2 ranks)    1-210          ~100-210        ~1            ~1
+    process CPU ms        21.7-22.4      20.9-22.6     19.6-21.7     22.0-22.9
+  Where moepass's time goes: the six expert GEMMs (~15 ms of ~22 ms CPU per rank; the same FLOPs and the
+  same per-expert `mm` calls as torchtitan's), then routing / permute / exchange / unpermute / combine and their
+  backward (~5 ms, each a few ops), the waits of the 5 exchanges (count exchange, dispatch, combine and the two
+  backward ones: the same number as the peers; one host sync, `host_splits`, per layer and step, before the
+  dispatch: the peers read their splits back too). The custom-op dispatches (17 per step, ~30-60 us each way)
+  are gone: `moe_comm`, `moe_sched` and `moe_ep` ops run on moepass's eager path (`moepass.eager`). The 24
+  `.item()` are CPU `torch._grouped_mm`'s (one per expert group, host memory: no sync; none on CUDA). What is
+  left above torchtitan (process CPU moepass / torchtitan 1.04-1.10) is fresh-memory page faults (glibc
+  returns the freed [E, 2F, D] weight-gradient and [N, 2F] buffers to the OS between steps; each fault
+  ~2-20 us on this VM) and the fused gate/up GEMM shapes; on a GPU neither applies (caching allocator, one
+  grouped kernel).
+  Measured (2026-11-27, load 13-39 on the 2 cores shared by 6 sessions): `--systems peers@W2 --workloads issue
+  --rounds 3`: moepass / fastest peer (torchtitan every launch) 1.35 [0.98, 1.45]; the same two systems in
+  one process group, 3 rounds x 8 interleaved steps, before/after alternated twice: before 0.98, 1.06,
+  after 1.05, 1.02 (process CPU per step moepass/torchtitan 1.07, 1.07 before, 1.07, 1.10 after). The goal
+  (<= 0.9) is not met: the step is GEMM-bound and the GEMMs are the same.
+
 Workloads (one Hugging Face `MixtralSparseMoeBlock`, fp32, SwiGLU, dropless, top-k softmax router):
   issue          the layer of issue 12: 512 tokens in all (2 sequences x 256), D=256, F=512, E=8, K=2.
   mixtral_proxy  Mixtral-8x7B's shape (D=4096, F=14336, E=8, K=2) scaled down 8x in D and F so that a
@@ -78,6 +117,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import ep_peers  # noqa: E402
 from ep_step import Runner, mixtral_config, package_version, summary, wait_for_load  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,12 +125,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 OUT = HERE / "results" / "ep_layer.json"
 # ep_step's Runner shards the global batch of W_MAX x `batch` sequences over its W_MAX ranks
 W_MAX = 2
+PEERS_KEY = "peers@W2"
 # launch keys in interleaving order: (system, W) -> the ep_step Runner system that builds it
 LAUNCHES = {
     "moepass@W1": ("moepass", 1, "moepass_single"),
     "original@W1": ("original", 1, "original_1t"),
     "moepass@W2": ("moepass", 2, "moepass_ep"),
     "transformers_ep@W2": ("transformers_ep", 2, "transformers_ep"),
+    # every W=2 system in one process group, interleaved step by step (issue 32: the headline ratio)
+    PEERS_KEY: ("peers", 2, "peers"),
 }
 WORKLOADS = {
     # batch: sequences per rank at W=2 (the global batch is 2 x batch); tokens = 2 x batch x seq
@@ -258,6 +301,8 @@ def worker(args) -> int:
         assert dist.get_world_size() == world
     rank = dist.get_rank() if world > 1 else 0
     paths = json.loads(args.paths)
+    if args.worker == PEERS_KEY:
+        return peers_worker(args, paths, rank, world)
 
     def timed(fn) -> float:
         if world > 1:
@@ -306,6 +351,111 @@ def worker(args) -> int:
         dist.destroy_process_group()
     print(f"[ep_layer] {args.worker} worker finished", file=sys.stderr, flush=True)
     return 0
+
+
+def timed_max(fn, world: int) -> float:
+    """Seconds of `fn()` started after a barrier, the max over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def peers_worker(args, paths: dict, rank: int, world: int) -> int:
+    """One launch of every W=2 system in one process group (`PEER_SYSTEMS`), timed forward+backward step by
+    step in rotating order (iteration i starts with system i mod n), so load changes hit them alike."""
+    import torch
+    import torch.distributed as dist
+    from transformers import MixtralForCausalLM
+
+    out: dict = {"key": args.worker, "system": "peers", "world": world, "threads": torch.get_num_threads(),
+                 "workloads": {}}
+    for workload in args.workloads:
+        shape = WORKLOADS[workload]
+        model = MixtralForCausalLM.from_pretrained(paths[workload])
+        model.train()
+        block = model.model.layers[0].mlp
+        modules = {name: ep_peers.build(name, block, world) for name in ("moepass", *ep_peers.PEERS)}
+        if package_version("accelerate"):  # transformers' DistributedConfig path needs it
+            modules["transformers_ep"] = LayerRunner("transformers_ep", workload, paths[workload], shape, rank,
+                                                     world).module  # issue 12's documented configuration (FSDP)
+        else:
+            out["skipped"] = {"transformers_ep": "accelerate is not installed (from_pretrained(distributed_config=...) "
+                                                "needs it)"}
+        mine = slice(rank * shape["batch"], (rank + 1) * shape["batch"])  # this rank's sequences, as LayerRunner's
+        x = torch.randn(W_MAX * shape["batch"], shape["seq"], shape["hidden"],
+                        generator=torch.Generator().manual_seed(1))[mine].contiguous()
+        probe = torch.randn(W_MAX * shape["batch"], shape["seq"], shape["hidden"],
+                            generator=torch.Generator().manual_seed(2))[mine].contiguous()
+
+        def step(module) -> tuple:
+            for p in module.parameters():
+                p.grad = None
+            xi = x.detach().requires_grad_(True)
+            y = module(xi)
+            y = y[0] if isinstance(y, tuple) else y
+            loss = (y * probe).sum()
+            loss.backward()
+            return loss.detach(), xi.grad
+
+        parity = {}
+        for name, module in modules.items():
+            loss, dx = step(module)
+            both = torch.stack([loss.double(), dx.double().pow(2).sum()])
+            dist.all_reduce(both)
+            parity[name] = {"loss": both[0].item(), "dx_sumsq": both[1].item()}
+        names = list(modules)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        steps = args.steps or shape["steps"]
+        for i in range(args.warmup + steps):
+            for j in range(len(names)):
+                name = names[(i + j) % len(names)]
+                elapsed = timed_max(lambda m=modules[name]: step(m), world)
+                if i >= args.warmup:
+                    times[name].append(elapsed)
+            print(f"[ep_layer rank {rank}] peers {workload} iteration {i} done", file=sys.stderr, flush=True)
+        out["workloads"][workload] = {"step_s": times, "median_s": {n: statistics.median(v) for n, v in times.items()},
+                                      "parity": parity}
+        del modules
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"[ep_layer] {args.worker} worker finished", file=sys.stderr, flush=True)
+    return 0
+
+
+PEER_SYSTEMS = ("moepass", "transformers_a2a", "torchtitan_ep", "transformers_ep")
+
+
+def aggregate_peers(launches: list[dict], workloads: list[str]) -> dict:
+    """Per workload: each system's fwd+bwd (median and range of the launch medians) and moepass / the fastest
+    peer per launch (the fastest peer of that launch: the smallest median of the others), median and range."""
+    runs = [r for r in launches if r["key"] == PEERS_KEY]
+    results: dict = {}
+    for workload in workloads:
+        per = [r["workloads"][workload] for r in runs if workload in r["workloads"]]
+        if not per:
+            continue
+        systems = {n: _ms([p["median_s"][n] for p in per]) for n in per[0]["median_s"]}
+        ratios, fastest = [], []
+        for p in per:
+            peers = {n: v for n, v in p["median_s"].items() if n != "moepass"}
+            best = min(peers, key=peers.get)
+            fastest.append(best)
+            ratios.append(p["median_s"]["moepass"] / peers[best])
+        results[workload] = {
+            "systems": systems, "moepass_over_fastest_peer": {
+                "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "per_launch": ratios,
+                "fastest_peer_per_launch": fastest},
+            "parity": [p["parity"] for p in per],
+            "load1": [{"round": r["round"], "before": r["load1_before"], "after": r["load1_after"]} for r in runs]}
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,7 +535,7 @@ def aggregate(launches: list[dict], workloads: list[str], keys: list[str]) -> di
         ref = [r for r in launches if r["key"] == "original@W1"]
         ref_par = ref[0]["workloads"][workload]["parity"] if ref else None
         for world in (1, 2):
-            mine = [k for k in keys if LAUNCHES[k][1] == world]
+            mine = [k for k in keys if LAUNCHES[k][1] == world and k != PEERS_KEY]
             runs = [r for r in launches if r["key"] in mine]
             if not runs:
                 continue
@@ -434,6 +584,8 @@ def aggregate(launches: list[dict], workloads: list[str], keys: list[str]) -> di
                 entry["systems"][LAUNCHES[key][0]] = e
             results.setdefault(workload, {})[f"W{world}"] = entry
         # cross-system ratios of the medians, per W and phase
+        if workload not in results:
+            continue
         w1, w2 = results[workload].get("W1", {}).get("systems", {}), results[workload].get("W2", {}).get("systems", {})
         for world, mine in (("W1", w1), ("W2", w2)):
             if world not in results[workload]:
@@ -519,6 +671,12 @@ def orchestrate(args) -> int:
                     continue
                 res.update(round=rnd, wall_s=wall, load1_before=load_before, load1_after=load_after)
                 launches.append(res)
+                if key == PEERS_KEY:
+                    print(f"[{rnd}] {key:19s} " + "  ".join(f"{w} " + " ".join(
+                        f"{n} {1e3 * v:6.1f}" for n, v in res["workloads"][w]["median_s"].items())
+                        for w in args.workloads) + f" ms fwd+bwd  (load {load_before:.2f}->{load_after:.2f})",
+                        flush=True)
+                    continue
                 print(f"[{rnd}] {key:19s} " + "  ".join(
                     f"{w} fwd {1e3 * res['workloads'][w]['median_s']['fwd']:6.1f} fwd+bwd "
                     f"{1e3 * res['workloads'][w]['median_s']['fwd_bwd']:6.1f} (floor "
@@ -557,6 +715,12 @@ def orchestrate(args) -> int:
         "interleaved": "launch order " + ", ".join(keys) + " repeated per round; within a launch each iteration "
                        "times fwd, fwd_bwd, floor fwd, floor fwd_bwd, the grouped expert GEMMs in turn",
         "results": aggregate(launches, args.workloads, keys),
+        "peers": aggregate_peers(launches, args.workloads),
+        "peer_systems": {"moepass": ep_peers.DESCRIPTIONS["moepass"],
+                         "transformers_a2a": ep_peers.DESCRIPTIONS["transformers_a2a"],
+                         "torchtitan_ep": ep_peers.DESCRIPTIONS["torchtitan_ep"],
+                         "transformers_ep": "from_pretrained(distributed_config=DistributedConfig(ep_size=2, "
+                                            "fsdp_size=2, fsdp_plan={'model.layers.*.mlp': 'free_full_weight'}))"},
         "failures": failures,
         "exit_aborts": exit_aborts,
         "load_average": {"wait_load": args.wait_load, "waited_s": waited, "at_start": list(load_start),
@@ -566,12 +730,15 @@ def orchestrate(args) -> int:
         "wall_s": time.perf_counter() - t0,
         "launches": launches,
     }
+    for f in failures:
+        print(f"{f['launch']} round {f['round']} attempt {f['attempt']} FAILED:\n{f['log'][-3000:]}")
     out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "ep_layer_quick.json" if args.quick else OUT)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     table(doc)
     png = out.with_suffix(".png")
-    plot(doc, png)
+    if doc["results"]:
+        plot(doc, png)
     print(f"wrote {out} and {png} ({doc['wall_s']:.0f} s)")
     return 0 if not disabled else 1
 
@@ -601,6 +768,12 @@ def table(doc: dict) -> None:
             if grouped:
                 print(f"{workload:14s} {world[1:]:>2s} {'expert GEMMs':16s} {'':7s} {'':>15s} {grouped['median_ms']:10.1f} "
                       f"{'':>15s} {fl['median_ms']:8.1f} {grouped['ratio_to_floor']:7.2f}")
+    for workload, peers in doc.get("peers", {}).items():
+        r = peers["moepass_over_fastest_peer"]
+        print(f"{workload:14s}  W=2 one process group, interleaved per step: " + "  ".join(
+            f"{n} {v['median_ms']:.1f} [{v['min_ms']:.1f}, {v['max_ms']:.1f}]" for n, v in peers["systems"].items())
+            + f" ms; moepass / fastest peer {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}] "
+            f"(fastest: {', '.join(r['fastest_peer_per_launch'])})")
     print("x floor: fwd+bwd median / floor median at that W; x floor*: median of per-launch ratios; "
           "vs tr: moepass / transformers' path (W=1: the original block); vs orig: over the W=1 original")
     worst, compared = 0.0, 0

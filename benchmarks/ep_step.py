@@ -69,8 +69,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 OUT = Path(__file__).resolve().parent / "results" / "ep_step.json"
 W = 2
-SYSTEMS = ("moepass_ep", "transformers_ep", "original_2t", "original_1t")
-DISTRIBUTED = {"moepass_ep", "transformers_ep"}
+SYSTEMS = ("moepass_ep", "transformers_ep", "original_2t", "original_1t", "moepass_bare", "transformers_a2a",
+           "torchtitan_ep")
+# issue 32: moepass without DDP against the peers in their fastest configuration (ep_peers.py), no gradient sync
+PEER_RUN = {"moepass_bare": "moepass", "transformers_a2a": "transformers_a2a", "torchtitan_ep": "torchtitan_ep"}
+DISTRIBUTED = {"moepass_ep", "transformers_ep", *PEER_RUN}
 WORKLOADS = ("layer", "model")
 
 # shapes: full run / --quick
@@ -166,6 +169,15 @@ class Runner:
 
         model = MixtralForCausalLM.from_pretrained(path)
         model.train()
+        if self.system in PEER_RUN:
+            import ep_peers
+
+            peer = PEER_RUN[self.system]
+            if self.workload == "layer":
+                return ep_peers.build(peer, model.model.layers[0].mlp, W, copy_block=False)
+            if peer == "moepass":
+                return ep_peers.moepass_ep(model, W)
+            return ep_peers.replace_blocks(model, peer, W)
         module = model.model.layers[0].mlp if self.workload == "layer" else model
         if self.system != "moepass_ep":
             return module
@@ -354,7 +366,10 @@ def orchestrate(args) -> int:
                       + f"   (launch {wall:4.1f} s, load {load_before:.2f}->{load_after:.2f})", flush=True)
     load_end = os.getloadavg()
 
+    from ep_peers import DESCRIPTIONS as PEER_DESCRIPTIONS
+
     results: dict = {}
+    peer_ratios: dict = {}  # workload -> moepass_bare / fastest peer, per round
     for workload in WORKLOADS:
         per = {}
         for system in systems:
@@ -384,6 +399,16 @@ def orchestrate(args) -> int:
                 p["speedup_vs_original_2t"] = base / p["median_s"]
             if base1:
                 p["speedup_vs_original_1t"] = base1 / p["median_s"]
+        peer_launches = [[r for r in launches if r["system"] == sys_] for sys_ in ("transformers_a2a", "torchtitan_ep")]
+        mine = [r for r in launches if r["system"] == "moepass_bare"]
+        ratios = []
+        for rnd, r in enumerate(mine):  # per round: moepass / the fastest peer of that round
+            peers = [pl[rnd]["workloads"][workload]["median_s"] for pl in peer_launches if len(pl) > rnd]
+            if peers:
+                ratios.append(r["workloads"][workload]["median_s"] / min(peers))
+        if ratios:
+            peer_ratios[workload] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                                     "per_round": ratios}
         results[workload] = per
 
     loads = [r["load1_before"] for r in launches] + [r["load1_after"] for r in launches]
@@ -405,6 +430,13 @@ def orchestrate(args) -> int:
                                "fsdp_plan={'model.layers.*.mlp': 'free_full_weight'} so the block is its own FSDP unit)",
             "original_2t": "1 process x 2 threads, untouched model, whole global batch (W x per-rank batch)",
             "original_1t": "1 process x 1 thread, untouched model, whole global batch",
+            "moepass_bare": "torchrun 2 ranks x 1 thread; " + PEER_DESCRIPTIONS["moepass"],
+            "transformers_a2a": "torchrun 2 ranks x 1 thread; " + PEER_DESCRIPTIONS["transformers_a2a"]
+                                + " (model workload: on every decoder layer's block)",
+            "torchtitan_ep": "torchrun 2 ranks x 1 thread; " + PEER_DESCRIPTIONS["torchtitan_ep"]
+                             + " (model workload: in place of every decoder layer's block)",
+            "peer_note": "moepass_bare, transformers_a2a and torchtitan_ep synchronise no gradient (the same "
+                         "all-reduce of the replicated gradients would be added to each)",
         },
         "step_definition": ("zero_grad + forward + backward including gradient synchronisation (DDP all-reduce / "
                             "FSDP reduce-scatter / none); no optimizer step; distributed: barrier before each step, "
@@ -414,6 +446,7 @@ def orchestrate(args) -> int:
         "launches_per_system": args.launches,
         "interleaved": "launch order " + ", ".join(systems) + " repeated",
         "results": results,
+        "moepass_bare_over_fastest_peer": peer_ratios,
         "failures": failures,
         "exit_aborts": exit_aborts,
         "load_average": {
@@ -458,6 +491,9 @@ def _table(doc: dict) -> None:
             print(f"{workload:8s} {system:16s} {1e3 * p['median_s']:10.1f} {rng:>17s} "
                   f"{p.get('speedup_vs_original_2t', float('nan')):9.2f}x {p.get('speedup_vs_original_1t', float('nan')):9.2f}x "
                   f"{1e3 * p['best_step_s']:9.1f} {p['loss_step0'][0]:11.6f}")
+    for workload, r in doc.get("moepass_bare_over_fastest_peer", {}).items():
+        print(f"{workload:8s} moepass_bare / fastest peer (transformers_a2a, torchtitan_ep) per round: "
+              f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]")
     for f in doc["exit_aborts"]:
         last = [ln for ln in f["log"].splitlines() if "terminate" in ln or "Error" in ln or "Fatal" in ln][:2]
         print(f"{f['system']} launch {f['round']}: figures complete, then a process aborted at exit: {last}")

@@ -41,6 +41,23 @@ Where the host time went, and what was done:
     over rows padded to [E, N, ...] (no host read, a few ops whatever E); larger GEMMs keep `_grouped_mm`
     (one CUDA kernel, no sync). The capacity mask uses a scatter, not `F.one_hot` (which reads min/max).
   * The input check ran as a forward pre-hook (nn.Module's slow call path): it is now the forward's first call.
+  * Issue 29 item 8, second pass (tiny size, load 8, per step, moepass): loop 1291 aten ops / 72 item / 971
+    Python calls, ratio 1.03 [0.97, 1.15]; fused 1001 / 48 / 565, 2.09 [1.93, 2.69]; gshard 1001 / 48 / 582,
+    1.81 [1.64, 2.93]. The `aten::item` are CPU `torch._grouped_mm`'s own (one `.item()` of host memory and
+    ~13 ops per expert group; no device sync, and on CUDA `_grouped_mm` reads nothing). Tried: the per-expert
+    `torch.mm(out=)` loop on a CPU (same bits, 759 ops, 0 item) was slower at this size (the Python loop:
+    0.27 ms against 0.11 ms for the six GEMMs) and equal at the layer size: not kept. Kept: the gated
+    activations write their gradients into the halves of the one [N, 2F] gate/up gradient (no `torch.cat`) and
+    multiply in place: bit-identical, 1-2 fewer [N, F] buffers per call (what costs at the layer size, below).
+  * The layer-size loop sample (1.2-1.3x) is not arithmetic: moepass runs the same 375 `mm` calls, and the
+    excess is fresh-memory page faults (~1000-2000 per step against 0 for the original, each ~10-20 us on this
+    VM). moepass writes each role's weight gradient as one [E, F, D] buffer (4 MiB here; the original writes
+    per-expert [F, D] pieces): glibc's dynamic mmap threshold then returns those pages to the OS at every free
+    and the next step faults them in again. Evidence: with MALLOC_MMAP_THRESHOLD_=1000000000
+    MALLOC_TRIM_THRESHOLD_=4000000000 the faults go to 0 and the ratio to 0.94 (one run, load 4.5); one 16 MiB
+    allocation freed at start-up (which raises the threshold) takes them from ~1040 to ~128 per step. Not
+    worked around in moepass: the remedies (mallopt, a process-wide buffer cache) are process-global
+    allocator changes that only a CPU would need; on a GPU the caching allocator never returns the pages.
   * What remains is structural: moepass's graph runs route/permute/FFN/unpermute/combine and their backward
     in Python (~200 top-level ops per step against ~115 for the fused sample, whose backward is all C++
     autograd); at the layer size the GEMMs dominate and the op counts of both sides are alike.

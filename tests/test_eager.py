@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import warnings
 from collections import Counter
 
@@ -20,6 +21,9 @@ from torch.overrides import TorchFunctionMode
 import moepass
 from moepass import dialect, eager
 from samples.models import SampleConfig, make_moe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _dist import pool, shutdown  # noqa: E402
 
 STYLES = ("loop", "fused", "gshard")
 CFG = SampleConfig(dim=16, ffn_dim=32, num_experts=8, top_k=2)
@@ -120,3 +124,51 @@ def test_the_eager_code_is_rebuilt_after_a_recompile():
     gm.recompile()
     torch.testing.assert_close(gm(x), 2 * before, rtol=0, atol=0)
     assert copy.deepcopy(gm)(x).equal(gm(x))
+
+
+CUSTOM_NAMESPACES = ("moe", "moe_lowered", "moe_comm", "moe_sched", "moe_ep")
+
+
+@pytest.fixture(scope="module")
+def _pools():
+    yield
+    shutdown()
+
+
+def case_ep_eager(rank, world, style):
+    """EP at W ranks: the eager step equals the ops' step bit for bit (outputs, every gradient), and eagerly no
+    custom op of moepass (the exchange, the schedule marks, the local expert ids included) is dispatched."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block = moepass.compile(make_moe(style, CFG), moepass.Plan(form="ep"))
+    x = torch.randn(2, 4, CFG.dim, generator=torch.Generator().manual_seed(rank))
+    counted = []
+    for mode in (None, Passthrough()):
+        block.zero_grad()
+        xi = x.clone().requires_grad_()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            if mode is None:
+                y = block(xi)
+            else:
+                with mode:
+                    y = block(xi)
+            (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
+        ops = Counter(e.name for e in prof.events() if e.name.split("::")[0] in CUSTOM_NAMESPACES)
+        local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in block.parameters()
+                 if p.grad is not None]
+        counted.append(([y.detach(), xi.grad, *[g.clone() for g in local]], ops))
+    (fast, fast_ops), (slow, slow_ops) = counted
+    assert len(fast) == len(slow) > 3
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    assert fast_ops == {}, fast_ops
+    assert {"moe_comm::all_to_all", "moe_comm::exchange_counts", "moe_comm::host_splits"} <= set(slow_ops)
+    return dict(slow_ops)
+
+
+@pytest.mark.dist
+@pytest.mark.usefixtures("_pools")
+@pytest.mark.parametrize("style", ["loop", "fused"])
+def test_ep_eager_equals_the_ops_and_dispatches_none(style):
+    reports = pool(2).run(case_ep_eager, style)
+    assert len(reports) == 2

@@ -1,4 +1,4 @@
-"""The hierarchical (2D) all-to-all (`Plan(hierarchical_a2a=True)`, `moepass.runtime.collectives`): equal to
+"""The hierarchical (2D) all-to-all (`Plan(hierarchical_a2a=True)`, `moepass.runtime.hierarchical`): equal to
 the flat all-to-all exactly, its bytes per link and stage equal to `cost_model.hierarchical`, the graph at
 scale, and the Plan errors.
 
@@ -61,6 +61,7 @@ def case_ops(rank, world, counts_SB, extra_S, D, nodes=NODES):
     counts (they stay home): the flat dispatch + combine and the hierarchical ones on the same rows and output
     gradients must give bit-equal outputs and input gradients. Returns this rank's byte counters."""
     from moepass.runtime import collectives as comm
+    from moepass.runtime import hierarchical as hcomm
     from moepass.runtime.topology import Topology, ep_groups, node_groups
 
     groups = ep_groups(Topology(nodes, world // nodes), None, "cpu")
@@ -72,8 +73,8 @@ def case_ops(rank, world, counts_SB, extra_S, D, nodes=NODES):
     x = torch.randn(int(send_B.sum()) + extra_S[rank], D, generator=g)
     gy = torch.randn(int(recv_B.sum()), D, generator=g)
     gz = torch.randn(x.shape[0], D, generator=g)
-    totals = comm.node_count_totals(send_B, recv_B, hier.nodes, hier.ranks_per_node)
-    tables = comm.node_split_table(send_B, recv_B, _wait(comm.exchange_counts(totals, intra)), hier.nodes)
+    totals = hcomm.node_count_totals(send_B, recv_B, hier.nodes, hier.ranks_per_node)
+    tables = hcomm.node_split_table(send_B, recv_B, _wait(comm.exchange_counts(totals, intra)), hier.nodes)
     assert tables.device.type == "cpu" and tables.shape == (2, 3 * groups.ep_size)
     moepass.reset_comm_stats()
     results = {}
@@ -83,8 +84,8 @@ def case_ops(rank, world, counts_SB, extra_S, D, nodes=NODES):
             y = _wait(comm.all_to_all(xg, send_B, recv_B, ep, "flat_dispatch", -1))
             z = _wait(comm.all_to_all(y * 3.0, recv_B, send_B, ep, "flat_combine", x.shape[0]))
         else:
-            y = comm.hierarchical_all_to_all(xg, tables[0], intra, inter, "dispatch")
-            z = comm.hierarchical_all_to_all(y * 3.0, tables[1], intra, inter, "combine", x.shape[0])
+            y = hcomm.hierarchical_all_to_all(xg, tables[0], intra, inter, "dispatch")
+            z = hcomm.hierarchical_all_to_all(y * 3.0, tables[1], intra, inter, "combine", x.shape[0])
         ((y * gy).sum() + (z * gz).sum()).backward()
         results[how] = (y.detach(), z.detach(), xg.grad)
     for a, b, what in zip(results["flat"], results["hier"], ("dispatch out", "combine out", "x grad")):
@@ -130,6 +131,7 @@ def _exact_pair(model, plan_kw, step):
     import copy
 
     from moepass.runtime import collectives as comm
+    from moepass.runtime import hierarchical as hcomm
     from moepass.runtime.grads import all_reduce_replicated_grads
 
     got = {}
@@ -143,8 +145,8 @@ def _exact_pair(model, plan_kw, step):
         targets = [n.target for gm in cm_model.moepass_info.rewritten.values() for n in gm.graph.nodes]
         got[hierarchical] = ([o.detach() for o in outs], grads, targets)
     (flat_outs, flat_grads, flat_targets), (outs, grads, targets) = got[False], got[True]
-    blocks = targets.count(comm.INTER_NODE_ALL_TO_ALL) // 2
-    assert blocks >= 1 and targets.count(comm.INTRA_NODE_ALL_TO_ALL) == 2 * blocks, targets
+    blocks = targets.count(hcomm.INTER_NODE_ALL_TO_ALL) // 2
+    assert blocks >= 1 and targets.count(hcomm.INTRA_NODE_ALL_TO_ALL) == 2 * blocks, targets
     assert targets.count(comm.ALL_TO_ALL) == 0 and flat_targets.count(comm.ALL_TO_ALL) == 2 * blocks
     for a, b in zip(flat_outs, outs):
         assert torch.equal(a, b), (a - b).abs().max()
@@ -316,32 +318,32 @@ def test_ops_equal_flat_on_unequal_geometry(nodes):
 def test_stage_splits_pair_up():
     """Every stage's rows sent by a rank to a peer = the rows that peer expects from it (any geometry), from
     the node counts each rank would receive; bad tables are ValueErrors."""
-    from moepass.runtime import collectives as comm
+    from moepass.runtime import hierarchical as hcomm
 
     for nodes, per_node, L in ((2, 2, 1), (3, 2, 2), (2, 3, 1), (4, 4, 1)):
         P = nodes * per_node
         counts_SB = torch.from_numpy(np.random.default_rng(P).integers(0, 5, (P, P * L)))
         recv_SB = counts_SB.view(P, P, L).transpose(0, 1).reshape(P, P * L)  # what the count exchange delivers
-        totals = [comm.node_count_totals(counts_SB[p], recv_SB[p], nodes, per_node).view(per_node, -1)
+        totals = [hcomm.node_count_totals(counts_SB[p], recv_SB[p], nodes, per_node).view(per_node, -1)
                   for p in range(P)]
         node = [p // per_node for p in range(P)]
-        tables = [comm.node_split_table(counts_SB[p], recv_SB[p], torch.cat(
+        tables = [hcomm.node_split_table(counts_SB[p], recv_SB[p], torch.cat(
             [totals[node[p] * per_node + i][p % per_node] for i in range(per_node)]), nodes) for p in range(P)]
         for row in (0, 1):
             for stage, peers_of in (("intra", lambda p: [node[p] * per_node + i for i in range(per_node)]),
                                     ("inter", lambda p: [a * per_node + p % per_node for a in range(nodes)])):
                 peers = len(peers_of(0))
-                splits = [comm.stage_splits(stage, tables[p][row], peers) for p in range(P)]
+                splits = [hcomm.stage_splits(stage, tables[p][row], peers) for p in range(P)]
                 for p in range(P):
                     for g, q in enumerate(peers_of(p)):
                         assert splits[p].send[g] == splits[q].recv[peers_of(q).index(p)], (nodes, per_node, stage, p, q)
-            stage2_in = [sum(comm.stage_splits("intra", tables[p][row], per_node).recv) for p in range(P)]
-            assert stage2_in == [sum(comm.stage_splits("inter", tables[p][row], nodes).sizes) for p in range(P)]
+            stage2_in = [sum(hcomm.stage_splits("intra", tables[p][row], per_node).recv) for p in range(P)]
+            assert stage2_in == [sum(hcomm.stage_splits("inter", tables[p][row], nodes).sizes) for p in range(P)]
     with pytest.raises(ValueError, match="hierarchical stage 'cross' is invalid"):
-        comm.stage_splits("cross", torch.zeros(12, dtype=torch.int64), 2)
+        hcomm.stage_splits("cross", torch.zeros(12, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match=re.escape("the split table must be a row of node_split_table (a CPU vector "
                                                    "of 3*P entries, P a multiple of the group's 2 ranks), got (10,)")):
-        comm.stage_splits("intra", torch.zeros(10, dtype=torch.int64), 2)
+        hcomm.stage_splits("intra", torch.zeros(10, dtype=torch.int64), 2)
 
 
 @settings(max_examples=12, deadline=None)
@@ -434,6 +436,7 @@ def test_fake_pg_world_16_graph():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moepass.runtime import collectives as comm
+    from moepass.runtime import hierarchical as hcomm
     from moepass.runtime.topology import group_info, reset_groups
     from samples.models import tiny_mixtral
 
@@ -448,14 +451,14 @@ def test_fake_pg_world_16_graph():
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
         targets = [n.target for n in calls]
         assert targets.count(comm.ALL_TO_ALL) == 0
-        assert targets.count(comm.INTRA_NODE_ALL_TO_ALL) == targets.count(comm.INTER_NODE_ALL_TO_ALL) == 2
+        assert targets.count(hcomm.INTRA_NODE_ALL_TO_ALL) == targets.count(hcomm.INTER_NODE_ALL_TO_ALL) == 2
         assert targets.count(comm.EXCHANGE_COUNTS) == 2  # the flat count exchange + the node counts
         assert targets.count(comm.WAIT) == 6  # counts, node counts, 2 x (stage 1, stage 2)
         ops = sorted({t._opname for t in targets if isinstance(t, torch._ops.OpOverload) and t.namespace == "moe_comm"})
         # one host sync (node_split_table), no flat all_to_all or its split table left
         assert ops == ["exchange_counts", "inter_node_all_to_all", "intra_node_all_to_all", "node_split_table",
                        "wait"], ops
-        assert targets.count(comm.NODE_SPLIT_TABLE) == 1
+        assert targets.count(hcomm.NODE_SPLIT_TABLE) == 1
         by_name = {n.name: n for n in calls}
         order = [n.name for n in calls]
         assert order.index("dispatch_intra") < order.index("dispatch_staged_ND") < order.index("dispatch_inter") \
@@ -467,7 +470,7 @@ def test_fake_pg_world_16_graph():
         assert by_name["combine_intra"].args[2] == intra and by_name["combine_inter"].args[2] == inter
         assert by_name["exchange_node_counts"].args[1] == intra
         assert all(n.meta["moepass"]["pass"] == "ep" for n in calls if n.target in (
-            comm.INTRA_NODE_ALL_TO_ALL, comm.INTER_NODE_ALL_TO_ALL, comm.WAIT, comm.EXCHANGE_COUNTS))
+            hcomm.INTRA_NODE_ALL_TO_ALL, hcomm.INTER_NODE_ALL_TO_ALL, comm.WAIT, comm.EXCHANGE_COUNTS))
         mode = FakeTensorMode(shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True), allow_non_fake_inputs=True)
         FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(2, 5, 16)))
         vals = {n.name: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}

@@ -38,16 +38,17 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, fx
 
-from moepass import dialect, generic_experts
+from moepass import dialect, eager, generic_experts
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
 from moepass.operands import operand
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
+from moepass.runtime import hierarchical as hier
 from moepass.runtime.topology import EPGroups, NodeGroups, node_groups
 
 
-@torch.library.custom_op("moe_ep::local_expert_ids", mutates_args=())
+@eager.custom_op("moe_ep::local_expert_ids", mutates_args=())
 def local_expert_ids(recv_counts_E: Tensor, num_local: int, rows: int) -> Tensor:
     """Local bucket of each received row: rows arrive grouped by (source rank, local bucket)."""
     ids_E = torch.arange(recv_counts_E.shape[0], device=recv_counts_E.device) % num_local
@@ -203,17 +204,17 @@ def split_by_node(graph: fx.Graph, b: GraphBuilder, hierarchy: NodeGroups) -> No
     counts_U, recv_counts = operand(dispatch, "send_counts_E"), operand(dispatch, "recv_counts_E")
     intra, inter = hierarchy.intra_group.group_name, hierarchy.inter_group.group_name
     with graph.inserting_before(dispatch):
-        totals = b.fn(comm.node_count_totals, counts_U, recv_counts, hierarchy.nodes, hierarchy.ranks_per_node,
+        totals = b.fn(hier.node_count_totals, counts_U, recv_counts, hierarchy.nodes, hierarchy.ranks_per_node,
                       name="node_count_totals")
         node_counts = b.fn(comm.WAIT, b.fn(comm.EXCHANGE_COUNTS, totals, intra, name="exchange_node_counts"),
                            name="node_counts")
-        tables = b.fn(comm.NODE_SPLIT_TABLE, counts_U, recv_counts, node_counts, hierarchy.nodes, name="node_splits")
+        tables = b.fn(hier.NODE_SPLIT_TABLE, counts_U, recv_counts, node_counts, hierarchy.nodes, name="node_splits")
     for row, (kind, a2a) in enumerate((("dispatch", dispatch), ("combine", combine))):
         x, out_rows = operand(a2a, "x_XD"), operand(a2a, "out_rows")
         with graph.inserting_before(a2a):
             table = b.fn(operator.getitem, tables, row, name=f"{kind}_node_splits")
-            staged = b.fn(comm.INTRA_NODE_ALL_TO_ALL, x, table, intra, kind, -1, name=f"{kind}_intra")
+            staged = b.fn(hier.INTRA_NODE_ALL_TO_ALL, x, table, intra, kind, -1, name=f"{kind}_intra")
             x_staged_ND = b.fn(comm.WAIT, staged, name=f"{kind}_staged_ND")
-            stage2 = b.fn(comm.INTER_NODE_ALL_TO_ALL, x_staged_ND, table, inter, kind, out_rows, name=f"{kind}_inter")
+            stage2 = b.fn(hier.INTER_NODE_ALL_TO_ALL, x_staged_ND, table, inter, kind, out_rows, name=f"{kind}_inter")
         a2a.replace_all_uses_with(stage2)
         graph.erase_node(a2a)

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moepass import eager
 from moepass.dialect import WGRAD_SINK, WeightGradSink
 
 A2A = "all_to_all"
@@ -234,6 +235,7 @@ def _mark_impl(t: Tensor, name: str) -> Tensor:
 
 _lib.impl("mark", _mark_impl, "CompositeImplicitAutograd")
 MARK = torch.ops.moe_sched.mark.default
+eager.register(MARK, eager.EagerOp(MARK, _mark_impl))  # the eager path calls the autograd.Function directly
 COMBINE_REGION = "moe_combine"
 WGRAD_IN, WGRAD_OUT = "wgrad_in", "wgrad_out"  # backward marks around deferred expert weight GEMMs
 
@@ -278,6 +280,7 @@ def _defer_wgrad_impl(w: Tensor) -> Tensor:
 
 _lib.impl("defer_wgrad", _defer_wgrad_impl, "CompositeImplicitAutograd")
 DEFER_WGRAD = torch.ops.moe_sched.defer_wgrad.default
+eager.register(DEFER_WGRAD, eager.EagerOp(DEFER_WGRAD, _defer_wgrad_impl))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -298,8 +298,7 @@ def _allreduce(tl: Timeline, name: str, nbytes: float, dp: int, B: float, alpha:
     if dp == 1 or nbytes <= 0:
         return
     pieces = max(1, math.ceil(nbytes / bucket_bytes))
-    for j in range(pieces):
-        tl.add("other", f"{name}.ar{j}", ep_formulas.allreduce_time(nbytes / pieces, dp, B, alpha), deps)
+    tl.add("other", f"{name}.ar", pieces * ep_formulas.allreduce_time(nbytes / pieces, dp, B, alpha), deps, pieces)
 
 
 def _ring_half(nbytes: float, group: int, B: float, alpha: float) -> float:

@@ -63,8 +63,8 @@ import sympy
 
 from cost_model import fsep as fsep_formulas
 from cost_model import hp as hp_formulas
+from cost_model import model_cases, systems
 from cost_model import symbols as S
-from cost_model import systems
 from cost_model.ep import (
     LayerTerms,
     dense_allreduce_tail,
@@ -163,6 +163,9 @@ class Candidate:
     slots: int | None = None  # FSEP: expert slots per device (C)
     routing: tuple[Routed, ...] = ()  # FSEP: per block
     latent: tuple[Any, ...] = ()  # HP: per block, the `moepass.rewrite.latent.LatentShape` it converts to
+    # the per-layer formulas' terms (`cost_model.ep.ep_step`, `fsep_layer`, `hp_layer`): what `expression` writes
+    # out; `terms` is the step timeline's price (`cost_model.model_cases`), which ranks
+    formula: LayerTerms | None = None
 
     @property
     def step(self) -> float:
@@ -226,6 +229,7 @@ class SearchResult:
     not_modelled: dict[str, str] = field(default_factory=lambda: dict(NOT_MODELLED))
     schedule: str = "fair"  # how EP's all-to-all and gradient all-reduce share a link (`search`)
     links: list[dict[str, Any]] = field(default_factory=list)  # per block: P_d, q, u (`_link_figures`)
+    routing: str = "uniform"  # the routing priced (`cost_model.model_cases.routing_of`), as the table says it
 
     @functools.cached_property
     def expression(self) -> sympy.Expr | None:
@@ -278,7 +282,9 @@ class SearchResult:
     def table(self, limit: int = 12) -> str:
         head = (
             f"plans for W={self.world_size} ({self.nodes} node(s) x {self.ranks_per_node}), T={self.tokens} "
-            f"tokens/rank, hardware {self.hardware.name}" + ("" if self.hardware.calibrated else " (UNCALIBRATED)")
+            f"tokens/rank, hardware {self.hardware.name} ({self.hardware.flops.source})"
+            + ("" if self.hardware.calibrated else " (UNCALIBRATED)") + f", routing {self.routing}; each plan priced "
+            f"on the step timeline (cost_model.systems.price, as `python -m cost_model` prices a set-up)"
         )
         rows = [("#", "plan", "step ms", "compute", "exposed a2a", "other comm", "mem GB/rank", "notes")]
         for i, c in enumerate(self.ranked[:limit], 1):
@@ -307,7 +313,7 @@ class SearchResult:
             lines.append("no eligible plan: every candidate exceeds device memory, cannot run these blocks or "
                          "changes the math")
         if self.expression_substituted is not None:
-            lines.append(f"best step time [s] = {self.expression_substituted}")
+            lines.append(f"best, by the per-layer formulas: step time [s] = {self.expression_substituted}")
         hp = next((i for i, c in enumerate(self.ranked, 1) if c.form == "hp"), None)
         if hp is not None:
             c = self.ranked[hp - 1]
@@ -424,6 +430,8 @@ def search(
     dense_params: float | None = None,
     schedule: str = "fair",
     micro_op_bytes: int = MICRO_OP_BYTES,
+    trace: Any = None,
+    prefetch_depth: int = 2,
 ) -> SearchResult:
     """Ranked plans for `specs_or_model` on `topology` with `batch` = (batch, seq) tokens per rank.
 
@@ -444,6 +452,12 @@ def search(
     `schedule`: how the two share the link, "fair" (DDP: fair share, 25 MiB buckets; `Plan.grad_sync=
     "none"`) or "priority" (Lina's scheduler, `Plan.grad_sync="scheduler"`: the all-to-all waits behind at
     most one micro-op of `micro_op_bytes`, `Plan.micro_op_bytes`).
+
+    Every candidate is ranked by its price on the step timeline (`cost_model.model_cases`: the function the
+    scenario simulator prices with, `cost_model.systems.price`); `trace`: recorded routed rows [steps, source
+    ranks, E] (or [source ranks, E]) in place of `imbalance`, the last step priced, the steps before it the
+    history FSEP's planner sees; `prefetch_depth`: FSEP's (`Plan.prefetch_depth`). The per-layer formulas
+    (`Candidate.formula`) give `SearchResult.expression`.
     """
     nodes, per_node = topology_of(topology)
     W = world_size or nodes * per_node
@@ -533,9 +547,29 @@ def search(
             cands.append(_with_dense_tail(hp, dense_tail))
     if skipped:
         not_modelled["hp"] = "not priced: " + "; ".join(skipped)
+    if W != nodes * per_node:
+        raise ValueError(f"search got world_size={W} for {nodes} node(s) x {per_node} ranks: they must agree")
+    groups = model_cases.contexts(shapes, nodes, per_node, (int(batch[0]), int(batch[1])), hw, imbalance=imbalance,
+                                  trace=trace, heads=heads, head_dim=head_dim, recompute=recompute)
+    cands = [_on_timeline(c, groups, hw, schedule, micro_op_bytes, prefetch_depth) for c in cands]
     ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow_math_changes, c.step))
+    priced_routing = groups[0][1].trace("learned").description
     return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance, not_modelled,
-                        schedule=schedule, links=links)
+                        schedule=schedule, links=links, routing=priced_routing)
+
+
+def _on_timeline(c: Candidate, groups: list[Any], hw: Hardware, schedule: str, micro_op_bytes: int,
+                 prefetch: int) -> Candidate:
+    """`c` with its terms from the step timeline (`model_cases.timed`); feasible when it fits as moepass builds
+    it and its rewrite runs these blocks (the formulas' refusals kept)."""
+    plan = model_cases.step_plan(c.form, ep_size=c.ep_size, packing=c.packing, chunks=c.a2a_chunks,
+                                 capacity=c.capacity_factor, slots=c.slots, schedule=schedule,
+                                 micro_op_bytes=micro_op_bytes, prefetch=prefetch)
+    timed = model_cases.timed(plan, groups, hw)
+    kept = tuple(n for n in c.notes if not n.startswith(("needs ", "planner max/mean")))
+    refused = any(n in ZERO_COMPUTE_REFUSED.values() for n in c.notes)
+    return dataclasses.replace(c, terms=timed.terms, formula=c.terms, feasible=timed.fits and not refused,
+                               notes=timed.notes + kept)
 
 
 def _with_dense_tail(c: Candidate, tail: float) -> Candidate:

@@ -162,7 +162,7 @@ def predict(
         ep = case.ep // packing
         rows_SR = ep_formulas.rank_rows(counts_SE[:ep], ep)
     ep = rows_SR.shape[0]
-    layout = Layout(rows_SR, params=params, expert_grads=expert_grads)
+    layout = Layout(rows_SR, params=params, expert_grads=expert_grads, split_exchange=params is None)  # dropless EP
     tl, figures = timeline_step(case, hw, layout, chunks=chunks, policy=policy, bucket_bytes=bucket_bytes)
     m = ep_formulas.matmuls(case.gated)
     memory = case.layers * (
@@ -208,7 +208,7 @@ def _prediction(name: str, priced: Priced, ctx: CaseContext) -> Prediction:
         shown = {"single": True}
     elif plan.form == "fsep":
         shown = {"chunks": plan.chunks}
-    shown.update({k: v for k, v in priced.details.items() if k not in ("sharded_optimizer", "recompute")})
+    shown.update({k: v for k, v in priced.details.items() if k not in ("sharded_optimizer", "recompute", "replicated_bytes")})
     if plan.form in ("fsep", "hp"):
         shown["sched"] = plan.sched
     memory_mode = [w for w, on in (("zero-1", priced.details.get("sharded_optimizer")),

@@ -128,6 +128,19 @@ def routing_trace(routing: dict[str, Any], case: Case, router: str, assumptions:
     uniform = ep_formulas.zipf_counts(T, K, E, W, 0.0)
     if router == "hash":
         return static(uniform, "hash: uniform")
+    if routing.get("trace") is not None:
+        steps_HSE = np.asarray(routing["trace"], dtype=np.float64)
+        steps_HSE = steps_HSE[None] if steps_HSE.ndim == 2 else steps_HSE
+        if steps_HSE.ndim != 3 or steps_HSE.shape[-1] != E or (steps_HSE.sum(axis=2) <= 0).any():
+            raise ValueError(f"routing trace of shape {steps_HSE.shape} is invalid for {case.label}: give routed rows "
+                             f"[steps, source ranks, E={E}] (or [source ranks, E]), every row with some tokens")
+        steps_HSE = steps_HSE * (T * K / steps_HSE.sum(axis=2, keepdims=True))  # rescaled to this case's tokens
+        steps_HWE = steps_HSE[-steps:][:, np.arange(W) % steps_HSE.shape[1]]
+        if len(steps_HWE) == 1:
+            return static(steps_HWE[0], "recorded counts (one step: the planner sees it as its history)")
+        note(f"routing: a recorded trace of {len(steps_HSE)} steps; the last priced, the {len(steps_HWE) - 1} before "
+             f"it are the planners' history")
+        return RoutingTrace(steps_HWE, f"recorded trace ({len(steps_HWE)} steps)")
     if routing.get("counts") is not None:
         counts = np.asarray(routing["counts"], dtype=np.float64)
         counts = counts * (T * K / counts.sum(axis=1, keepdims=True))  # rescaled to this case's tokens
@@ -182,6 +195,7 @@ class StepPlan:
     fsdp: bool = False  # FSDP for the experts (over their replicas) and the dense part (over W)
     replicas: int = 0  # replication-based balancing: extra expert slots per device (FlexMoE)
     router: str = "learned"  # "hash", "switch", "locmoe", or the model's own ("learned")
+    capacity: float | None = None  # EP / single: capacity factor (rows per expert and source rank capped); None: dropless
     math_changing: bool = False
     builds: bool = True
     system: str | None = None
@@ -201,6 +215,8 @@ class StepPlan:
             text += f" {self.sched}" + (f" tp={self.tp}" if self.tp > 1 else "") + (" fsdp" if self.fsdp else "")
             text += f" +{self.replicas} replica slots" if self.replicas else ""
             text += f" router={self.router}" if self.router != "learned" else ""
+        if self.capacity is not None:
+            text += f" cf={self.capacity:g}"
         return text
 
     def plan_kwargs(self) -> dict[str, Any]:
@@ -257,7 +273,11 @@ class CaseContext:
         the learned routers' (switch and LocMoE: the measured skew), else the set-up's."""
         key = ("hash" if router == "hash" else "switch") if self.locality_setup else "learned"
         if key not in self.traces:
-            self.traces[key] = routing_trace(self.scenario.get("routing") or {}, self.case, key, self.assumptions)
+            trace = routing_trace(self.scenario.get("routing") or {}, self.case, key, self.assumptions)
+            phi = self.case.ffn_fraction
+            if phi < 1:  # the assignments that pick zero-compute experts are neither sent nor computed
+                trace = RoutingTrace(trace.steps_HWE * phi, f"{trace.description}, {phi:.3g} of them to FFN experts")
+            self.traces[key] = trace
         return self.traces[key]
 
     @property
@@ -324,6 +344,7 @@ class Layout:
     router_fwd: float = 0.0  # seconds of the gate GEMM per layer forward
     recompute: bool = False
     migration: float = 0.0  # seconds per layer of parameter moves on the "other" stream (amortised)
+    split_exchange: bool = False  # dropless EP: the split sizes are exchanged (one small all-to-all) before the dispatch
 
 
 def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, policy: str,
@@ -339,7 +360,13 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
     transfer = max(0.0, a2a_full - v["alpha"]) if ep > 1 else 0.0
     rows_max = float(dispatch.computed_rows.max())
     rate = v["R"] * v["eta"]
-    expert_fwd = ep_formulas.expert_flops(rows_max, case.D, case.F, m) / rate + layout.router_fwd
+    gemm_fwd = ep_formulas.expert_flops(rows_max, case.D, case.F, m) / rate
+    # host-side work of a layer step (`cost_model.ep.host_time`: 0 unless calibrated), a third in the forward as
+    # the GEMMs; the backward's GEMMs twice the forward's, plus the gate/up recomputed where the kernel does (r_c)
+    host = ep_formulas.host_time(rows_max, case.D, case.F, case.E, ep, c_layer=v["c_layer"], c_expert=v["c_expert"],
+                                 c_row=v["c_row"], c_act=v["c_act"])
+    expert_fwd = gemm_fwd + host / 3 + layout.router_fwd
+    expert_bwd = (2 + v["r_c"] * (m - 1) / m) * gemm_fwd + 2 * host / 3 + 2 * layout.router_fwd
     dense_fwd = dense_flops(case) / rate
     ar_bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
     expert_grads = layout.expert_grads or ExpertGrads(
@@ -355,6 +382,8 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
         t_a = v["alpha"] + transfer / chunks
         exp: list[int] = []
         comb: list[int] = []
+        if layout.split_exchange:
+            after = tl.add("a2a", f"{prefix}.splits", v["alpha"], [after])
         disp = [tl.add("a2a", f"{prefix}.dispatch0", t_a, [after])]
         for j in range(chunks):
             exp.append(tl.add("compute", f"{prefix}.experts{j}", compute / chunks, [disp[j], *weights] + exp[-1:]))
@@ -397,7 +426,7 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
     for layer in reversed(range(case.layers)):
         if layout.recompute:  # the layer's forward again, from its kept input (token rows cached)
             last = tl.add("compute", f"L{layer}.bwd.recompute", dense_fwd + expert_fwd, [last])
-        done = moe(f"L{layer}.bwd", 2 * expert_fwd, last, weights("bwd", layer))
+        done = moe(f"L{layer}.bwd", expert_bwd, last, weights("bwd", layer))
         if params is None:
             _allreduce(tl, f"L{layer}.expert_grads", expert_grads.nbytes, expert_grads.replicas, expert_grads.bandwidth,
                        v["alpha"], bucket_bytes, done)
@@ -552,6 +581,9 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
         ep = plan.ep
         if case.E % ep:
             raise ValueError(f"{case.label}: ep={ep} does not divide E={case.E}")
+        cf = plan.capacity if plan.capacity is not None else case.capacity
+        if cf is not None:  # each source rank sends an expert at most its capacity's rows
+            counts = np.minimum(counts, cf * case.tokens * case.K / case.E)
         rows_SR = ep_formulas.rank_rows(counts[:ep], ep)
         expert_params = case.layers * case.E / ep * S_e
         expert_dp = W // ep
@@ -584,7 +616,7 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
             details.update(fsdp=expert_dp)
         layout = Layout(rows_SR, params=params, expert_grads=expert_grads,
                         dense_grad_bytes=case.dense_params / plan.tp * v["b_g"], dense_dp=dense_dp, tp_comm=tp_comm,
-                        router_fwd=router_fwd, migration=migration)
+                        router_fwd=router_fwd, migration=migration, split_exchange=cf is None)
         rows_max = float(rows_SR.sum(axis=0).max())
 
         def memory_of(sharded: bool, recompute: bool) -> dict[str, float]:
@@ -598,12 +630,13 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
                                     sharded_optimizer=sharded, recompute=recompute, buffers=buffers)
 
     memory, sharded, recompute, feasible = _fit(memory_of, hw)
+    replicated_bytes = memory_of(False, False)["total"]  # as moepass builds a plan: what a model's search checks
     if recompute:
         layout = replace(layout, recompute=True)
     tl, figures = timeline_step(case, hw, layout, chunks=plan.chunks, policy=plan.sched, bucket_bytes=plan.bucket)
     breakdown = breakdown_of(tl, figures)
     breakdown.update(details.pop("extra_breakdown", {}))
-    details.update(sharded_optimizer=sharded, recompute=recompute)
+    details.update(sharded_optimizer=sharded, recompute=recompute, replicated_bytes=replicated_bytes)
     if not feasible:
         notes.append(f"{case.label} {plan.system or plan.label}: {memory['total'] / 1e9:.3g} GB/rank exceeds "
                      f"{float(hw.memory) / 1e9:.3g} GB even with the optimizer sharded and activations recomputed")
@@ -704,7 +737,7 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
                                 case.layers, dense_dp=ctx.W, rows_max=rows_max, sharded_optimizer=sharded,
                                 recompute=recompute)
 
-    return Layout(rows_SR, expert_grads=grads, router_fwd=router_fwd), memory_of
+    return Layout(rows_SR, expert_grads=grads, router_fwd=router_fwd, split_exchange=capacity is None), memory_of
 
 
 def _price_hp(plan: StepPlan, ctx: CaseContext) -> Priced:
@@ -747,6 +780,7 @@ def _price_hp(plan: StepPlan, ctx: CaseContext) -> Priced:
         return {"weights+grads+optimizer": states, "activations": acts, "buffers": 0.0, "total": states + acts}
 
     memory, sharded, recompute, feasible = _fit(memory_of, hw)
+    replicated_bytes = memory_of(False, False)["total"]  # as moepass builds a plan: what a model's search checks
     tl = Timeline()
     last = tl.add("compute", "start", 0.0)
     for layer in range(case.layers):
@@ -773,7 +807,8 @@ def _price_hp(plan: StepPlan, ctx: CaseContext) -> Priced:
                "token_a2a_bytes": case.layers * float(hp_formulas.step_bytes(T, H, h, P, v["b"]))}
     breakdown = breakdown_of(tl, figures)
     breakdown["projection_compute"] = case.layers * 3 * 2 * proj_fwd
-    details = {"hp": P, "heads": H, "head_dim": h, "ffn": F, "sharded_optimizer": sharded, "recompute": recompute}
+    details = {"hp": P, "heads": H, "head_dim": h, "ffn": F, "sharded_optimizer": sharded, "recompute": recompute,
+               "replicated_bytes": replicated_bytes}
     notes = [] if feasible else [f"{case.label} {plan.system or plan.label}: {memory['total'] / 1e9:.3g} GB/rank "
                                  f"exceeds {float(hw.memory) / 1e9:.3g} GB"]
     return Priced(plan, tl.step, breakdown, memory, feasible, details, notes)

@@ -221,7 +221,7 @@ def test_search_reads_the_dense_parameters():
     for r in (default, embeddings):  # FSEP and HP pay the last layer's dense all-reduce too
         tail = float(cm.dense_allreduce_tail({**A100.values(), **r.links[0]}, 8, cross_node=True))
         fsep, hp = (next(c for c in r.ranked if c.form == f) for f in ("fsep", "hp"))
-        assert float(fsep.terms.other_comm) >= tail and float(hp.terms.other_comm) >= tail
+        assert float(fsep.formula.other_comm) >= tail and float(hp.formula.other_comm) >= tail
     assert default.schedule == "fair" and search([shape], (1, 8), (8, 1024), profile=A100, schedule="priority",
                                                  micro_op_bytes=4 << 20).links[0]["u"] == 4 << 20
     with pytest.raises(ValueError, match=r"^search got schedule='fifo': use one of \['fair', 'priority'\]$"):

@@ -34,7 +34,7 @@ from cost_model.systems import CaseContext, Priced, StepPlan, price
 
 
 def routing_of(imbalance: float, trace: Any) -> dict[str, Any]:
-    """The scenario `routing` entry `systems.routing_trace` reads for a search's routing inputs."""
+    """The scenario `routing` entry `cost_model.routing.routing_trace` reads for a search's routing inputs."""
     if trace is not None:
         return {"trace": np.asarray(trace, dtype=np.float64)}
     if imbalance > 1:

@@ -99,7 +99,7 @@ def _grid(case: Case, hw, counts: np.ndarray, micro_op: float, packings) -> dict
 
 def _counts(case: Case, max_mean: float | None) -> np.ndarray:
     """The routed rows the simulator prices (`simulate`'s reading of the set-up's routing)."""
-    from cost_model.systems import routing_trace
+    from cost_model.routing import routing_trace
 
     routing = {} if max_mean is None else {"max_mean": max_mean}  # skewed: the drifting process's priced step
     return routing_trace(routing, case, "learned", []).current[: case.ep]

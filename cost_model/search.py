@@ -1,5 +1,11 @@
 """Plan search: rank the plans the cost model can price for a model, a topology and a batch.
 
+The ranking is the step timeline's: every candidate is priced by `cost_model.systems.price` (through
+`cost_model.model_cases`), the function `python -m cost_model <scenario>` reports, so a model's search,
+`Plan(form="auto")` and the simulator agree. The per-layer formulas described below price each candidate too
+(`Candidate.formula`) and give the winner's printed expression; where they and the timeline differ (the
+timeline lays out chunks, buckets and the dense compute step by step), the timeline ranks.
+
 Candidates: no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
 ep_size in the divisors of W, dropless or a capacity factor, a2a_chunks in powers of two, and expert
 packing, FSEP over all W ranks with C slots per device (ceil(E/W) .. ceil(E/W) + 2, only where

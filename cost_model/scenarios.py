@@ -47,11 +47,18 @@ class Case:
     seq: int | None
     ep: int
     embedding_params: int = 0  # vocab x D over every vocabulary the set-up lists (0: none given)
+    dense: float | None = None  # dense parameters per layer when known exactly (a detected model's), else below
+    # the share of the T*K routed assignments that reach FFN experts (zero-compute experts: identity / zero)
+    ffn_fraction: float = 1.0
+    capacity: float | None = None  # the block's own capacity factor (None: dropless)
 
     @property
     def dense_params(self) -> float:
-        """Dense parameters per layer, all-reduced over every rank: the attention projections (4 D^2; norms
-        ignored) and an even share of the embeddings (DDP all-reduces them in the same stream of buckets)."""
+        """Dense parameters per layer, all-reduced over every rank: `dense` when given, else the attention
+        projections (4 D^2; norms ignored) and an even share of the embeddings (DDP all-reduces them in the same
+        stream of buckets)."""
+        if self.dense is not None:
+            return self.dense
         return 4 * self.D**2 + self.embedding_params / self.layers
 
 

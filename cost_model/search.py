@@ -1,5 +1,11 @@
 """Plan search: rank the plans the cost model can price for a model, a topology and a batch.
 
+The ranking is the step timeline's: every candidate is priced by `cost_model.systems.price` (through
+`cost_model.model_cases`), the function `python -m cost_model <scenario>` reports, so a model's search,
+`Plan(form="auto")` and the simulator agree. The per-layer formulas described below price each candidate too
+(`Candidate.formula`) and give the winner's printed expression; where they and the timeline differ (the
+timeline lays out chunks, buckets and the dense compute step by step), the timeline ranks.
+
 Candidates: no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
 ep_size in the divisors of W, dropless or a capacity factor, a2a_chunks in powers of two, and expert
 packing, FSEP over all W ranks with C slots per device (ceil(E/W) .. ceil(E/W) + 2, only where
@@ -63,8 +69,8 @@ import sympy
 
 from cost_model import fsep as fsep_formulas
 from cost_model import hp as hp_formulas
+from cost_model import model_cases
 from cost_model import symbols as S
-from cost_model import systems
 from cost_model.ep import (
     LayerTerms,
     dense_allreduce_tail,
@@ -79,7 +85,12 @@ from cost_model.ep import (
 )
 from cost_model.ep import imbalance as ep_rows_imbalance
 from cost_model.presets import MICRO_OP_BYTES, Hardware, resolve_hardware
-from cost_model.scenarios import cases
+
+# the plan search on a published set-up, re-exported where `python -m moepass search --scenario` finds it
+from cost_model.scenario_search import ScenarioSearch as ScenarioSearch
+from cost_model.scenario_search import rank_case as rank_case
+from cost_model.scenario_search import scenario_contexts as scenario_contexts
+from cost_model.scenario_search import search_scenario as search_scenario
 from cost_model.schedule import DDP_BUCKET_BYTES, DEFAULT_CHUNKS, POLICIES
 
 CAPACITY_FACTORS: tuple[float | None, ...] = (None, 1.0, 1.25, 2.0)
@@ -163,6 +174,9 @@ class Candidate:
     slots: int | None = None  # FSEP: expert slots per device (C)
     routing: tuple[Routed, ...] = ()  # FSEP: per block
     latent: tuple[Any, ...] = ()  # HP: per block, the `moepass.rewrite.latent.LatentShape` it converts to
+    # the per-layer formulas' terms (`cost_model.ep.ep_step`, `fsep_layer`, `hp_layer`): what `expression` writes
+    # out; `terms` is the step timeline's price (`cost_model.model_cases`), which ranks
+    formula: LayerTerms | None = None
 
     @property
     def step(self) -> float:
@@ -226,6 +240,7 @@ class SearchResult:
     not_modelled: dict[str, str] = field(default_factory=lambda: dict(NOT_MODELLED))
     schedule: str = "fair"  # how EP's all-to-all and gradient all-reduce share a link (`search`)
     links: list[dict[str, Any]] = field(default_factory=list)  # per block: P_d, q, u (`_link_figures`)
+    routing: str = "uniform"  # the routing priced (`cost_model.model_cases.routing_of`), as the table says it
 
     @functools.cached_property
     def expression(self) -> sympy.Expr | None:
@@ -278,7 +293,9 @@ class SearchResult:
     def table(self, limit: int = 12) -> str:
         head = (
             f"plans for W={self.world_size} ({self.nodes} node(s) x {self.ranks_per_node}), T={self.tokens} "
-            f"tokens/rank, hardware {self.hardware.name}" + ("" if self.hardware.calibrated else " (UNCALIBRATED)")
+            f"tokens/rank, hardware {self.hardware.name} ({self.hardware.flops.source})"
+            + ("" if self.hardware.calibrated else " (UNCALIBRATED)") + f", routing {self.routing}; each plan priced "
+            f"on the step timeline (cost_model.systems.price, as `python -m cost_model` prices a set-up)"
         )
         rows = [("#", "plan", "step ms", "compute", "exposed a2a", "other comm", "mem GB/rank", "notes")]
         for i, c in enumerate(self.ranked[:limit], 1):
@@ -307,7 +324,7 @@ class SearchResult:
             lines.append("no eligible plan: every candidate exceeds device memory, cannot run these blocks or "
                          "changes the math")
         if self.expression_substituted is not None:
-            lines.append(f"best step time [s] = {self.expression_substituted}")
+            lines.append(f"best, by the per-layer formulas: step time [s] = {self.expression_substituted}")
         hp = next((i for i, c in enumerate(self.ranked, 1) if c.form == "hp"), None)
         if hp is not None:
             c = self.ranked[hp - 1]
@@ -424,6 +441,8 @@ def search(
     dense_params: float | None = None,
     schedule: str = "fair",
     micro_op_bytes: int = MICRO_OP_BYTES,
+    trace: Any = None,
+    prefetch_depth: int = 2,
 ) -> SearchResult:
     """Ranked plans for `specs_or_model` on `topology` with `batch` = (batch, seq) tokens per rank.
 
@@ -444,6 +463,12 @@ def search(
     `schedule`: how the two share the link, "fair" (DDP: fair share, 25 MiB buckets; `Plan.grad_sync=
     "none"`) or "priority" (Lina's scheduler, `Plan.grad_sync="scheduler"`: the all-to-all waits behind at
     most one micro-op of `micro_op_bytes`, `Plan.micro_op_bytes`).
+
+    Every candidate is ranked by its price on the step timeline (`cost_model.model_cases`: the function the
+    scenario simulator prices with, `cost_model.systems.price`); `trace`: recorded routed rows [steps, source
+    ranks, E] (or [source ranks, E]) in place of `imbalance`, the last step priced, the steps before it the
+    history FSEP's planner sees; `prefetch_depth`: FSEP's (`Plan.prefetch_depth`). The per-layer formulas
+    (`Candidate.formula`) give `SearchResult.expression`.
     """
     nodes, per_node = topology_of(topology)
     W = world_size or nodes * per_node
@@ -533,9 +558,29 @@ def search(
             cands.append(_with_dense_tail(hp, dense_tail))
     if skipped:
         not_modelled["hp"] = "not priced: " + "; ".join(skipped)
+    if W != nodes * per_node:
+        raise ValueError(f"search got world_size={W} for {nodes} node(s) x {per_node} ranks: they must agree")
+    groups = model_cases.contexts(shapes, nodes, per_node, (int(batch[0]), int(batch[1])), hw, imbalance=imbalance,
+                                  trace=trace, heads=heads, head_dim=head_dim, recompute=recompute)
+    cands = [_on_timeline(c, groups, hw, schedule, micro_op_bytes, prefetch_depth) for c in cands]
     ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow_math_changes, c.step))
+    priced_routing = groups[0][1].trace("learned").description
     return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance, not_modelled,
-                        schedule=schedule, links=links)
+                        schedule=schedule, links=links, routing=priced_routing)
+
+
+def _on_timeline(c: Candidate, groups: list[Any], hw: Hardware, schedule: str, micro_op_bytes: int,
+                 prefetch: int) -> Candidate:
+    """`c` with its terms from the step timeline (`model_cases.timed`); feasible when it fits as moepass builds
+    it and its rewrite runs these blocks (the formulas' refusals kept)."""
+    plan = model_cases.step_plan(c.form, ep_size=c.ep_size, packing=c.packing, chunks=c.a2a_chunks,
+                                 capacity=c.capacity_factor, slots=c.slots, schedule=schedule,
+                                 micro_op_bytes=micro_op_bytes, prefetch=prefetch)
+    timed = model_cases.timed(plan, groups, hw)
+    kept = tuple(n for n in c.notes if not n.startswith(("needs ", "planner max/mean")))
+    refused = any(n in ZERO_COMPUTE_REFUSED.values() for n in c.notes)
+    return dataclasses.replace(c, terms=timed.terms, formula=c.terms, feasible=timed.fits and not refused,
+                               notes=timed.notes + kept)
 
 
 def _with_dense_tail(c: Candidate, tail: float) -> Candidate:
@@ -718,95 +763,3 @@ def _hp_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, W: 
         substituted += formula({**_hp_figures(shape, latent, hw, 0, G, None), "T": S.T})
     return generic, sympy.simplify(substituted).evalf(4)
 
-
-SCENARIO_REFUSED = {
-    "capacity": "capacity factors are not searched for a set-up: its systems run dropless (math-changing)",
-    "hierarchical_a2a": "the two-stage all-to-all is not laid out on the step timeline yet (cost_model.hierarchical "
-                        "counts its bytes per stage): not searched",
-    "hp x ep": "HP x EP (heads over a node, experts over the nodes) is not laid out on the step timeline yet: not "
-               "searched",
-    "keep_restored / defer_expert_grads": "FSEP is priced with the runtime's defaults (restored experts freed after "
-                                          "the forward, gradient slices deferred)",
-}
-
-
-@dataclass
-class ScenarioSearch:
-    """The plans of one scenario case ranked by `cost_model.systems.price` (the simulator's function): the
-    set-up's systems as they run and the plans moepass builds (`systems.moepass_plans`)."""
-
-    label: str
-    ranked: list[Any]  # systems.Priced, fastest first (feasible first)
-    allowed_math_changes: frozenset[str]  # forms the set-up's systems name (HP, locality)
-    not_modelled: dict[str, str] = field(default_factory=lambda: dict(SCENARIO_REFUSED))
-
-    def eligible(self) -> list[Any]:
-        """What `best` may pick: feasible, built by moepass, math-changing only in a form the set-up compares."""
-        return [p for p in self.ranked if p.feasible and p.plan.builds
-                and (not p.plan.math_changing or p.plan.form in self.allowed_math_changes)]
-
-    @property
-    def best(self) -> Any:
-        eligible = self.eligible()
-        if not eligible:
-            raise ValueError(f"{self.label}: no feasible plan moepass builds (the table's notes say why)")
-        return eligible[0]
-
-    def table(self, limit: int = 12) -> str:
-        rows = [("#", "plan", "system", "step ms", "exposed a2a", "other comm", "mem GB/rank", "notes")]
-        eligible = {id(p) for p in self.eligible()}
-        for i, p in enumerate(self.ranked[:limit], 1):
-            why = [] if id(p) in eligible else [
-                "over memory" if not p.feasible else "baseline: moepass does not build it" if not p.plan.builds
-                else "math-changing"]
-            mem = "zero-1" if p.details.get("sharded_optimizer") else ""
-            mem += (" + recompute" if p.details.get("recompute") else "")
-            rows.append((str(i), p.plan.label, p.plan.system or "-", _ms(p.step_s), _ms(p.breakdown["exposed_a2a"]),
-                         _ms(p.breakdown["exposed_other"]), f"{p.memory_gb:.3g}" + (f" ({mem.strip()})" if mem else ""),
-                         "; ".join(why)))
-        widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-        if len(self.ranked) > limit:
-            lines.append(f"... {len(self.ranked) - limit} more")
-        if self.eligible():
-            top = self.best
-            lines.append(f"best: {top.plan.label}" + (f" ({top.plan.system})" if top.plan.system else "")
-                         + f": {_ms(top.step_s)} ms/step; Plan({', '.join(f'{k}={v!r}' for k, v in top.plan.plan_kwargs().items())})")
-        else:
-            lines.append("no eligible plan")
-        lines += [f"{name}: {why}" for name, why in self.not_modelled.items()]
-        return "\n".join(lines)
-
-
-def rank_case(ctx: Any) -> ScenarioSearch:
-    """Every plan of one scenario case priced by `systems.price` and ranked (`ScenarioSearch`); on a tie the
-    set-up's system comes first, then the order `systems.moepass_plans` lists."""
-    plans: list[Any] = []
-    for system in ctx.scenario.get("systems") or []:
-        family = systems.system_plans(system, ctx)
-        plans += family
-        ctx.system_fsep += [p for p in family if p.form == "fsep"]
-    plans += systems.moepass_plans(ctx)
-    priced = [systems.price(p, ctx) for p in plans]
-    order = sorted(range(len(priced)), key=lambda i: (not priced[i].feasible, priced[i].step_s,
-                                                       priced[i].plan.system is None, i))
-    allowed = frozenset(s.get("form") for s in ctx.scenario.get("systems") or [] if s.get("form") in ("hp", "locality"))
-    return ScenarioSearch(ctx.case.label, [priced[i] for i in order], allowed)
-
-
-def scenario_contexts(scenario: Any) -> tuple[Any, list[Any]]:
-    """A scenario read (`cost_model.scenarios.cases`) and one `systems.CaseContext` per case."""
-    read = cases(scenario)
-    return read, [systems.CaseContext(case, read.hardware, read.scenario, read.assumptions) for case in read.cases]
-
-
-def search_scenario(scenario: Any) -> list[tuple[str, ScenarioSearch]]:
-    """The plan search for every case of a published set-up (`../shared/scenarios/*.json`): (case label, ranking).
-
-    Each case is priced as the simulator prices it (`cost_model.systems.price`: the step timeline, the set-up's
-    routing over steps, its hardware, its systems' options); the ranking holds the set-up's systems as they run
-    and every plan moepass builds for the case (`systems.moepass_plans`). `best` is the fastest feasible plan
-    moepass builds, HP or locality routing only where a system of the set-up uses them.
-    """
-    _, contexts = scenario_contexts(scenario)
-    return [(ctx.case.label, rank_case(ctx)) for ctx in contexts]

@@ -28,23 +28,12 @@ import numpy as np
 
 from cost_model import ep as ep_formulas
 from cost_model.presets import Hardware
+from cost_model.scenario_search import rank_case, scenario_contexts
 from cost_model.scenarios import Case
 from cost_model.schedule import DDP_BUCKET_BYTES
-from cost_model.search import rank_case, scenario_contexts
-from cost_model.systems import (
-    CaseContext,
-    ExpertGrads,
-    Layout,
-    ParamTraffic,
-    Priced,
-    best,
-    breakdown_of,
-    is_lina,
-    micro_op_bytes,
-    price,
-    system_plans,
-    timeline_step,
-)
+from cost_model.step_timeline import ExpertGrads, Layout, ParamTraffic, breakdown_of, timeline_step
+from cost_model.system_plans import best, is_lina, micro_op_bytes, system_plans
+from cost_model.systems import CaseContext, Priced, price
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "scenarios"
 MODELLED_FORMS = ("ep", "fsep", "hp", "locality")
@@ -64,7 +53,7 @@ class Prediction:
     memory_gb: float | None = None
     plan: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    memory: dict[str, float] = field(default_factory=dict)  # bytes per rank by part (`systems.memory_breakdown`)
+    memory: dict[str, float] = field(default_factory=dict)  # bytes per rank by part (`step_timeline.memory_breakdown`)
     feasible: bool = True
     builds: bool = True  # moepass builds this plan (else a published baseline priced for comparison)
 
@@ -154,7 +143,7 @@ def predict(
     expert_grads: ExpertGrads | None = None,
 ) -> tuple[float, dict[str, float], float]:
     """(step seconds, breakdown, memory bytes per rank) of one EP configuration on the step timeline
-    (`cost_model.systems.timeline_step`), from [src rank, expert] counts: the first case.ep / packing ranks
+    (`cost_model.step_timeline.timeline_step`), from [src rank, expert] counts: the first case.ep / packing ranks
     form the EP group; or of a layout given by its routed rows and parameter collectives (memory: the EP
     layout's, replicated state, no recomputation)."""
     v = hw.values()
@@ -162,7 +151,7 @@ def predict(
         ep = case.ep // packing
         rows_SR = ep_formulas.rank_rows(counts_SE[:ep], ep)
     ep = rows_SR.shape[0]
-    layout = Layout(rows_SR, params=params, expert_grads=expert_grads)
+    layout = Layout(rows_SR, params=params, expert_grads=expert_grads, split_exchange=params is None)  # dropless EP
     tl, figures = timeline_step(case, hw, layout, chunks=chunks, policy=policy, bucket_bytes=bucket_bytes)
     m = ep_formulas.matmuls(case.gated)
     memory = case.layers * (
@@ -208,7 +197,7 @@ def _prediction(name: str, priced: Priced, ctx: CaseContext) -> Prediction:
         shown = {"single": True}
     elif plan.form == "fsep":
         shown = {"chunks": plan.chunks}
-    shown.update({k: v for k, v in priced.details.items() if k not in ("sharded_optimizer", "recompute")})
+    shown.update({k: v for k, v in priced.details.items() if k not in ("sharded_optimizer", "recompute", "replicated_bytes")})
     if plan.form in ("fsep", "hp"):
         shown["sched"] = plan.sched
     memory_mode = [w for w, on in (("zero-1", priced.details.get("sharded_optimizer")),

@@ -8,6 +8,10 @@ communication stream ("other": gradient all-reduce) share the network:
 - "priority" (Lina): an "other" op starts only when no all-to-all is ready or running; one already
   running is not pre-empted, so an all-to-all waits behind at most one micro-op.
 
+An op may be `pieces` equal pieces issued back to back (a gradient all-reduce in DDP buckets or Lina's
+micro-ops): the same as that many ops, one after the other, but laid out as one, so a step of many
+buckets stays cheap to simulate. Under "priority" it yields to a ready all-to-all between its pieces.
+
 Work is in seconds at full speed. A fluid model: rates change only when an op starts or ends.
 """
 
@@ -19,7 +23,7 @@ STREAMS = ("compute", "a2a", "other")
 POLICIES = ("fair", "priority")
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     stream: str
     name: str
@@ -28,68 +32,119 @@ class Op:
     ready: float = -1.0  # when its dependencies were done (set while simulating)
     start: float = -1.0
     end: float = -1.0
+    pieces: int = 1  # equal pieces run back to back (`Timeline.add`)
+    busy: float = 0.0  # seconds it ran (end - start less the pauses between its pieces)
 
 
 @dataclass
 class Timeline:
     ops: list[Op] = field(default_factory=list)
 
-    def add(self, stream: str, name: str, work: float, deps: tuple[int, ...] | list[int] = ()) -> int:
+    def add(self, stream: str, name: str, work: float, deps: tuple[int, ...] | list[int] = (), pieces: int = 1) -> int:
+        """An op of `work` seconds after `deps`; `pieces` > 1: that many equal pieces of work / pieces, back to
+        back (between two of them a "priority" timeline lets a ready all-to-all go first)."""
         if stream not in STREAMS:
             raise ValueError(f"stream={stream!r} is invalid: use one of {list(STREAMS)}")
-        self.ops.append(Op(stream, name, max(0.0, float(work)), tuple(deps)))
+        if pieces < 1:
+            raise ValueError(f"pieces={pieces!r} is invalid: an op is one or more pieces")
+        self.ops.append(Op(stream, name, max(0.0, float(work)), tuple(deps), pieces=int(pieces)))
         return len(self.ops) - 1
 
     def run(self, policy: str = "fair") -> Timeline:
-        """Simulate in place; returns self."""
+        """Simulate in place; returns self. Each op counts its dependencies not yet done (an op finishing
+        decrements its users'), so a stream's head is ready when its count is 0. Streams by index:
+        0 compute, 1 a2a, 2 other (`STREAMS`)."""
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is invalid: use one of {list(POLICIES)}")
-        queues = {s: [i for i, op in enumerate(self.ops) if op.stream == s] for s in STREAMS}
-        head = dict.fromkeys(STREAMS, 0)
-        running: dict[str, int] = {}
-        remaining: dict[int, float] = {}
-        done = [False] * len(self.ops)
+        ops = self.ops
+        n = len(ops)
+        index = {s: k for k, s in enumerate(STREAMS)}
+        queues: list[list[int]] = [[], [], []]
+        users: list[list[int]] = [[] for _ in ops]
+        pending = [len(op.deps) for op in ops]
+        for i, op in enumerate(ops):
+            queues[index[op.stream]].append(i)
+            for d in op.deps:
+                users[d].append(i)
+        head = [0, 0, 0]
+        running = [-1, -1, -1]  # the op running on each stream, -1: none
+        paused = [-1, -1, -1]  # a pieced op that yielded to an all-to-all, resumed first on its stream
+        remaining = [0.0] * n  # of the running piece
+        left = [op.pieces - 1 for op in ops]  # pieces after the running one
+        busy = [0.0] * n
+        finished = 0
         now = 0.0
+        priority = policy == "priority"
 
-        def next_ready(stream: str) -> int | None:
-            q = queues[stream]
-            if head[stream] >= len(q):
-                return None
-            i = q[head[stream]]
-            return i if all(done[d] for d in self.ops[i].deps) else None
+        def next_ready(k: int) -> int:
+            if paused[k] >= 0:
+                return paused[k]
+            q = queues[k]
+            h = head[k]
+            if h >= len(q):
+                return -1
+            i = q[h]
+            return i if pending[i] == 0 else -1
 
         while True:
-            for stream in STREAMS:  # start what may start
-                if stream in running:
+            for k in (0, 1, 2):  # start what may start
+                if running[k] >= 0:
                     continue
-                i = next_ready(stream)
-                if i is None:
+                i = next_ready(k)
+                if i < 0:
                     continue
-                op = self.ops[i]
+                op = ops[i]
                 if op.ready < 0:
                     op.ready = now
-                if policy == "priority" and stream == "other" and ("a2a" in running or next_ready("a2a") is not None):
+                if priority and k == 2 and (running[1] >= 0 or next_ready(1) >= 0):
                     continue
-                if policy == "priority" and stream == "a2a" and "other" in running:
+                if priority and k == 1 and running[2] >= 0:
+                    continue
+                running[k] = i
+                if paused[k] == i:
+                    paused[k] = -1
                     continue
                 op.start = now
-                running[stream] = i
-                remaining[i] = op.work
-                head[stream] += 1
-            if not running:
+                remaining[i] = op.work / op.pieces
+                head[k] += 1
+            if running[0] < 0 and running[1] < 0 and running[2] < 0:
                 break
-            shared = 0.5 if ("a2a" in running and "other" in running) else 1.0
-            rate = {s: (shared if s != "compute" else 1.0) for s in running}
-            dt = min(remaining[i] / rate[s] for s, i in running.items())
+            shared = 0.5 if (running[1] >= 0 and running[2] >= 0) else 1.0
+            dt = float("inf")
+            for k in (0, 1, 2):
+                i = running[k]
+                if i >= 0:
+                    t = remaining[i] / (1.0 if k == 0 else shared)
+                    if t < dt:
+                        dt = t
             now += dt
-            for s, i in list(running.items()):
-                remaining[i] -= dt * rate[s]
+            between: list[int] = []  # streams whose pieced op is at the end of a piece, more to come
+            for k in (0, 1, 2):
+                i = running[k]
+                if i < 0:
+                    continue
+                remaining[i] -= dt * (1.0 if k == 0 else shared)
+                busy[i] += dt
                 if remaining[i] <= 1e-15:
-                    self.ops[i].end = now
-                    done[i] = True
-                    del running[s]
-        if not all(done):
-            stuck = next(op.name for op, d in zip(self.ops, done) if not d)
+                    if left[i] > 0:
+                        between.append(k)
+                        continue
+                    ops[i].end = now
+                    finished += 1
+                    for u in users[i]:
+                        pending[u] -= 1
+                    running[k] = -1
+            for k in between:  # the next piece, unless (priority) a ready all-to-all goes before an "other" one
+                i = running[k]
+                left[i] -= 1
+                remaining[i] = ops[i].work / ops[i].pieces
+                if priority and k == 2 and running[1] < 0 and next_ready(1) >= 0:
+                    running[k] = -1
+                    paused[k] = i
+        for op, b in zip(ops, busy):
+            op.busy = b
+        if finished < n:
+            stuck = next(op.name for op in ops if op.end < 0)
             raise ValueError(f"timeline deadlocked at {stuck!r}: a dependency is issued after its user on its stream")
         return self
 
@@ -100,7 +155,7 @@ class Timeline:
         return max((op.end for op in self.ops), default=0.0)
 
     def busy(self, stream: str) -> float:
-        return sum(op.end - op.start for op in self.ops if op.stream == stream)
+        return sum(op.busy for op in self.ops if op.stream == stream)
 
     def breakdown(self) -> dict[str, float]:
         """compute (busy), exposed a2a (compute idle before its last op), exposed other comm (the tail)."""

@@ -145,9 +145,10 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
     search result or None). The gradient all-reduce shares the all-to-all's link as the plan runs it
     (`Plan(grad_sync="scheduler")`: priority, micro-ops of `Plan.micro_op_bytes`; otherwise DDP's fair
     sharing), with `model`'s dense parameters (all but the detected experts, embeddings included; without
-    a model, the attention projections). A `Plan.slots_per_device` given with form="auto" is the only C the search
-    prices for FSEP. auto never picks a math-changing form (HP, capacity on a dropless block: docs/DESIGN.md, only by
-    name): HP is priced with `Plan.heads` / `Plan.head_dim` and shown. Every field that does not act under the
+    a model, the attention projections), and the routing `Plan.routing_skew` gives (uniform when None: a skew or a
+    recorded trace lets the search pick FSEP for its balance). A `Plan.slots_per_device` given with form="auto" is
+    the only C the search prices for FSEP. auto never picks a math-changing form (HP, capacity on a dropless block:
+    docs/DESIGN.md, only by name): HP is priced with `Plan.heads` / `Plan.head_dim` and shown. Every field that does not act under the
     chosen form (`moepass.plan.ACTS_UNDER`: the FSEP fields when EP wins, ...) is put back at its default."""
     if plan.form != "auto":
         return plan, None
@@ -159,11 +160,14 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
     topology = plan.topology if plan.topology is not None else default_topology()
     slots = None if plan.slots_per_device is None else (plan.slots_per_device,)
     tokens = plan.batch[0] * plan.batch[1]
+    skew = plan.routing_skew
+    imbalance, trace = (float(skew), None) if isinstance(skew, (int, float)) else (1.0, skew)
     dense = dense_params_of(model, [BlockShape.of(spec, tokens) for spec in report.blocks]) if model is not None else None
     result = (search(report.blocks, topology, plan.batch, profile=plan.hardware, recompute=plan.expert_recompute,
                      slots=slots, heads=plan.heads, head_dim=plan.head_dim, allow_math_changes=False,
                      dense_params=dense, schedule="priority" if plan.grad_sync == "scheduler" else "fair",
-                     micro_op_bytes=plan.micro_op_bytes)
+                     micro_op_bytes=plan.micro_op_bytes, imbalance=imbalance, trace=trace,
+                     prefetch_depth=plan.prefetch_depth)
               if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
     return plan.as_form(**chosen), result  # the fields that do not act under the chosen form back at their defaults

@@ -75,6 +75,7 @@ ACTS_UNDER: dict[str, tuple[tuple[str, ...], str]] = {
     "hardware": (("ep", "fsep", "auto"), "the cost model prices with it: form='auto', and a2a_chunks='auto' / "
                                          "packing='auto' / FSEP's planner under form='ep' and 'fsep'"),
     "strict": (FORMS, "refuses blocks compile would leave as they are"),
+    "routing_skew": (("auto",), "the cost model of form='auto' prices with it"),
 }
 
 
@@ -135,6 +136,10 @@ class Plan:
     # it would leave as it is (rejected by detection) and why; False leaves them, with a UserWarning under a
     # distributed form (they train replicated on every rank)
     strict: bool = False
+    # form="auto": the routing the cost model prices with: max/mean routed rows per rank under EP (a number >= 1),
+    # or recorded routed rows [steps, ranks, E] or [ranks, E] (stored as nested tuples; the last step is priced,
+    # the steps before it are FSEP's planner history); None: uniform routing
+    routing_skew: Any = None
 
     def __init__(self, **kwargs: Any) -> None:
         names = [f.name for f in fields(self)]
@@ -193,6 +198,7 @@ class Plan:
         for name in ("expert_recompute", "keep_restored", "defer_expert_grads", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Plan.{name}={getattr(self, name)!r} is invalid: use True or False.")
+        _routing_skew(self)
         _locality(self)
         _hierarchical(self)
         _hardware(self.hardware)
@@ -338,6 +344,29 @@ def _hardware(value: object) -> None:
         raise PlanError(f"Plan.hardware={value!r} is invalid: use a preset name {list(PRESET_NAMES)}, a calibration "
                         f"profile path (.json), a cost_model.presets.Hardware, or None for this machine's profile "
                         f"(~/.cache/moepass/profile.json, else CPU defaults).{nearest(value, PRESET_NAMES)}")
+
+
+def _routing_skew(plan: Plan) -> None:
+    """Plan.routing_skew: a number >= 1, or routed rows [steps, ranks, E] / [ranks, E] (kept as nested tuples)."""
+    value = plan.routing_skew
+    if value is None:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 1:
+            raise PlanError(f"Plan.routing_skew={value!r} is invalid: a max/mean of routed rows per rank is >= 1 "
+                            f"(1: uniform routing), or give recorded routed rows [steps, ranks, E].")
+        return
+    import numpy as np
+
+    try:
+        rows = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        rows = np.zeros(0)
+    if rows.ndim not in (2, 3) or rows.size == 0 or (rows < 0).any() or not np.isfinite(rows).all():
+        raise PlanError(f"Plan.routing_skew of type {type(value).__name__} is invalid: give a max/mean >= 1, or "
+                        f"recorded routed rows [steps, ranks, E] or [ranks, E] (non-negative counts).")
+    object.__setattr__(plan, "routing_skew", tuple(map(tuple, rows.tolist())) if rows.ndim == 2
+                       else tuple(tuple(map(tuple, step)) for step in rows.tolist()))
 
 
 def _count_or_auto(name: str, value: object) -> None:

@@ -99,7 +99,7 @@ def _grid(case: Case, hw, counts: np.ndarray, micro_op: float, packings) -> dict
 
 def _counts(case: Case, max_mean: float | None) -> np.ndarray:
     """The routed rows the simulator prices (`simulate`'s reading of the set-up's routing)."""
-    from cost_model.systems import routing_trace
+    from cost_model.routing import routing_trace
 
     routing = {} if max_mean is None else {"max_mean": max_mean}  # skewed: the drifting process's priced step
     return routing_trace(routing, case, "learned", []).current[: case.ep]
@@ -221,7 +221,7 @@ def test_search_reads_the_dense_parameters():
     for r in (default, embeddings):  # FSEP and HP pay the last layer's dense all-reduce too
         tail = float(cm.dense_allreduce_tail({**A100.values(), **r.links[0]}, 8, cross_node=True))
         fsep, hp = (next(c for c in r.ranked if c.form == f) for f in ("fsep", "hp"))
-        assert float(fsep.terms.other_comm) >= tail and float(hp.terms.other_comm) >= tail
+        assert float(fsep.formula.other_comm) >= tail and float(hp.formula.other_comm) >= tail
     assert default.schedule == "fair" and search([shape], (1, 8), (8, 1024), profile=A100, schedule="priority",
                                                  micro_op_bytes=4 << 20).links[0]["u"] == 4 << 20
     with pytest.raises(ValueError, match=r"^search got schedule='fifo': use one of \['fair', 'priority'\]$"):

@@ -83,17 +83,17 @@ def test_ep_prices_only_the_assignments_that_reach_ffn_experts():
     for label, c in zero.items():
         ep = c.ep_size
         sent = L * rows * D * v["b"] * (ep - 1) / ep  # per rank and direction: the FFN rows bound for other ranks
-        assert float(c.terms.a2a_bytes) == pytest.approx(sent, rel=1e-12), label
-        assert float(c.terms.a2a_bytes) == pytest.approx(8 / 12 * float(plain[label].terms.a2a_bytes), rel=1e-12)
-        assert float(c.terms.compute) == pytest.approx(L * 3 * rows * per_row, rel=1e-12), label
-        assert float(c.terms.compute) == pytest.approx(8 / 12 * float(plain[label].terms.compute), rel=1e-12)
+        assert float(c.formula.a2a_bytes) == pytest.approx(sent, rel=1e-12), label
+        assert float(c.formula.a2a_bytes) == pytest.approx(8 / 12 * float(plain[label].formula.a2a_bytes), rel=1e-12)
+        assert float(c.formula.compute) == pytest.approx(L * 3 * rows * per_row, rel=1e-12), label
+        assert float(c.formula.compute) == pytest.approx(8 / 12 * float(plain[label].formula.compute), rel=1e-12)
         # the experts' weights do not shrink (zero-compute experts have none); the activations kept do
         memory = L * (E * m * D * F / ep * v["s"] + rows * (2 * D + m * F) * v["b"])
-        assert float(c.terms.memory) == pytest.approx(memory, rel=1e-12), label
+        assert float(c.formula.memory) == pytest.approx(memory, rel=1e-12), label
         assert c.feasible == (memory <= float(A100.memory)) and c.step < plain[label].step, label
     # EP over the 8 ranks, one chunk: dispatch and combine, forward and backward, not hidden, + the split sizes
     step = L * (3 * rows * per_row + 4 * (v["alpha"] + rows * (W - 1) / W * D * v["b"] / v["B_intra"]) + v["alpha"])
-    assert zero["ep=8 dropless n=1"].step == pytest.approx(step, rel=1e-12)
+    assert float(zero["ep=8 dropless n=1"].formula.step) == pytest.approx(step, rel=1e-12)
 
 
 def test_the_formulas_stay_symbolic_in_phi():
@@ -123,7 +123,8 @@ def test_the_formulas_stay_symbolic_in_phi():
     plain_result = search([PLAIN] * L, (1, W), BATCH, **common)
     assert S.phi in zero_result.expression.free_symbols and S.phi not in plain_result.expression.free_symbols
     assert zero_result.expression_substituted.free_symbols <= {S.T}
-    assert float(zero_result.expression_substituted.subs(S.T, T)) == pytest.approx(zero_result.best.step, rel=1e-3)
+    assert float(zero_result.expression_substituted.subs(S.T, T)) == pytest.approx(float(zero_result.best.formula.step),
+                                                                                 rel=1e-3)
 
 
 def test_block_shape_refuses_a_fraction_outside_0_1():
@@ -150,8 +151,8 @@ def test_fsep_plans_the_ffn_rows_and_is_never_picked():
     assert {c.slots for c in fsep} == {1, 2, 3}
     for c in fsep:
         step, memory = fsep_by_hand(fsep_cm.integer_rows(counts), A100, C=c.slots, G=W, D=D, F=F, m=m, layers=L)
-        assert c.step == pytest.approx(step, rel=1e-9), c.label
-        assert float(c.terms.memory) == pytest.approx(memory, rel=1e-9), c.label
+        assert float(c.formula.step) == pytest.approx(step, rel=1e-9), c.label
+        assert float(c.formula.memory) == pytest.approx(memory, rel=1e-9), c.label
         assert not c.feasible and ZERO_COMPUTE_REFUSED["fsep"] in c.notes, c.label
     # its rewrite refuses the block: best is EP although FSEP would be cheaper, and the table says why
     assert zero.best.form == "ep" and min(c.step for c in fsep) < zero.best.step
@@ -166,10 +167,10 @@ def test_fsep_under_uniform_routing_is_the_plain_blocks_at_phi():
     uniform = np.full((W, E), T * K * 8 // 12 // E, dtype=np.int64)  # 2048 FFN rows per expert and rank
     for label, c in zero.items():
         assert c.routing[0].rho == 1.0 and c.routing[0].a2a_rows == plain[label].routing[0].a2a_rows
-        assert float(c.terms.a2a_bytes) == pytest.approx(PHI * float(plain[label].terms.a2a_bytes), rel=1e-12)
-        assert float(c.terms.compute) == pytest.approx(PHI * float(plain[label].terms.compute), rel=1e-12)
+        assert float(c.formula.a2a_bytes) == pytest.approx(PHI * float(plain[label].formula.a2a_bytes), rel=1e-12)
+        assert float(c.formula.compute) == pytest.approx(PHI * float(plain[label].formula.compute), rel=1e-12)
         step, _ = fsep_by_hand(uniform, A100, C=c.slots, G=W, D=D, F=F, m=m, layers=L)
-        assert c.step == pytest.approx(step, rel=1e-9), label
+        assert float(c.formula.step) == pytest.approx(step, rel=1e-9), label
 
 
 def test_capacity_is_priced_on_the_ffn_rows_and_never_picked():
@@ -186,7 +187,7 @@ def test_capacity_is_priced_on_the_ffn_rows_and_never_picked():
     for c in capped:  # cf * T*K*phi / E slots per FFN expert: the padded buffers of the FFN rows
         ep = c.ep_size // c.packing
         sent = c.capacity_factor * 4096 * 2 * PHI * 512 * b * (ep - 1) / ep
-        assert float(c.terms.a2a_bytes) == pytest.approx(sent, rel=1e-12), c.label
+        assert float(c.formula.a2a_bytes) == pytest.approx(sent, rel=1e-12), c.label
 
 
 # ---- specs from the zoo, and form="auto" ----------------------------------------------------------------------
@@ -213,7 +214,7 @@ def test_the_fraction_of_zoo_blocks_and_form_auto():
     assert result.shapes[0].ffn_fraction == 4 / 6 and chosen.form == result.best.form
     ep = next(c for c in result.ranked if c.label == "ep=2 dropless n=1")
     bytes_ = H100.values()["b"]
-    assert float(ep.terms.a2a_bytes) == pytest.approx(2048 * 2 * 4 / 6 * 16 * bytes_ / 2, rel=1e-12)
+    assert float(ep.formula.a2a_bytes) == pytest.approx(2048 * 2 * 4 / 6 * 16 * bytes_ / 2, rel=1e-12)
     # a Mixtral-sized zero-compute block, 32 layers on 2 x 8 A100: only FSEP's shards would fit (as for the
     # plain block in tests/test_cost_model.py), but its rewrite refuses the block: no plan, and the reason
     big = identity.replace(experts=dataclasses.replace(identity.experts, hidden_dim=4096, ffn_dim=14336))
@@ -225,7 +226,7 @@ def test_the_fraction_of_zoo_blocks_and_form_auto():
     result = search([big] * 32, (2, 8), (1, 1024), profile="a100")
     fsep = [c for c in result.ranked if c.form == "fsep"]
     assert fsep and all(ZERO_COMPUTE_REFUSED["fsep"] in c.notes for c in fsep)
-    assert any(float(c.terms.memory) <= float(A100.memory) for c in fsep)  # fits: refused, not too large
+    assert any(float(c.formula.memory) <= float(A100.memory) for c in fsep)  # fits: refused, not too large
     assert not any(c.feasible for c in result.ranked if c.form in ("ep", "single"))
 
 
@@ -263,9 +264,9 @@ def test_simulate_prices_the_same_rows_as_search(phi):
                     chunks=(1,), packings=(1,))
     c = next(c for c in result.ranked if c.label == "ep=8 dropless n=1")
     # the busiest rank's dispatch and combine, forward and backward: 4 times the search's bytes per direction
-    assert breakdown["token_a2a_bytes"] == pytest.approx(4 * float(c.terms.a2a_bytes), rel=1e-12)
+    assert breakdown["token_a2a_bytes"] == pytest.approx(4 * float(c.formula.a2a_bytes), rel=1e-12)
     assert breakdown["token_a2a_bytes"] == pytest.approx(4 * L * 8192 * 2 * phi * 2048 * 2 * 7 / 8, rel=1e-12)
-    assert breakdown["expert_compute"] == pytest.approx(float(c.terms.compute), rel=1e-9)
+    assert breakdown["expert_compute"] == pytest.approx(float(c.formula.compute), rel=1e-9)
 
 
 # (hardware, nodes, ranks per node, D, F, gated, Z, tokens per rank), E = 8 FFN experts: set-ups where pricing
@@ -302,8 +303,9 @@ def test_lina_choice_on_the_ffn_rows_is_the_timeline_best(name):
         c = next(c for c in result.ranked if c.form == "ep")
         return c.a2a_chunks, c.packing
 
-    assert steps[pick(phi)] / steps[best] - 1 <= TOLERANCE, (pick(phi), best)
-    assert steps[pick(1.0)] / steps[best] - 1 > TOLERANCE, (pick(1.0), best)  # every assignment priced: slower
+    # the search prices its candidates on this timeline (`cost_model.model_cases`): its pick on the FFN rows is the
+    # timeline's best (every assignment priced, phi = 1, it prices another step: its pick may differ)
+    assert steps[pick(phi)] / steps[best] - 1 <= 1e-9, (pick(phi), best)
 
 
 # ---- the exact byte formula on the FFN counts is the runtime's counters ------------------------------------------

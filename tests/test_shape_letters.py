@@ -18,6 +18,8 @@ PENDING = {
     "moepass/runtime/grad_sync.py", "moepass/runtime/fsep_ops.py", "moepass/runtime/placement.py",
     "moepass/runtime/fsep.py", "cost_model/hierarchical.py", "cost_model/locality.py", "cost_model/systems.py",
     "cost_model/ep.py", "cost_model/fsep.py",
+    # split out of cost_model/systems.py with its legend (S/R source/destination ranks, H history steps)
+    "cost_model/model_cases.py", "cost_model/routing.py", "cost_model/step_timeline.py",
 }
 
 

@@ -30,10 +30,6 @@ from samples import hf_hub as H  # noqa: E402
 
 # family -> (verdict it was read under, cause, way out): what reading the family's code found
 CAUSES: dict[str, tuple[str, str, str]] = {
-    "dbrx": ("rejected", "the experts are 2-D parameters [E*F, D] (`w1`, `v1`, `w2`) viewed as [E, F, D] in the "
-             "forward: the recorded forward finds the block and reports the flattened tensors, but no TensorSource "
-             "reads a parameter reshaped", "a reshape in TensorSource (EP can shard dim 0 of [E*F, D] in place; FSEP "
-             "cannot)"),
     "jetmoe": ("rejected", "its MoE MLP is exact (experts over two sibling modules and an output bias, found from the "
                "recorded forward); its attention is a mixture of attention heads, called with **kwargs, which "
                "moepass does not pass through", "attention experts are out of scope of an MoE-block rewrite; leave "
@@ -51,11 +47,6 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                     "layer is rejected: probed without its optional `input_ids`",
                     "the rewritten block accepts (and ignores) optional keyword inputs the captured graph never "
                     "read; probe optional inputs with token ids when the block fails without them"),
-    "switch_transformers": ("mismatch", "an expert no token reaches keeps `grad=None` in the original (its loop "
-                            "skips it) and gets a zero gradient in the rewrite: equal values, but an optimizer "
-                            "with weight decay or momentum steps the zero-gradient expert",
-                            "leave experts that received no token without a gradient (or document the "
-                            "difference); tests/test_hf_families.py's sizes route every expert"),
     "gemma4_text": ("rejected", "router and experts sit directly in the decoder layer's own forward, beside its "
                     "attention: the recorded forward anchors the block at the whole layer, which no MoESpec "
                     "reproduces (attention inside)", "a region rewrite inside a module (as the torch.compile backend "
@@ -94,9 +85,11 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                        "(`indexer_budget`, `indexer_compress_ratio`, `indexer_n_heads`, ...)", "a complete tiny QSA config"),
     "vitpose_backbone": ("not built", "no model class takes its config (a backbone); its `num_experts` linears are "
                          "picked by a dataset index passed in (`indices == i`), not by a router", "not a routed MoE"),
-    "inkling2_text": ("rejected", "its experts' activation is a softcapped SwiGLU (`Inkling2SoftcappedSwiGLU`: tanh "
-                      "softcaps bound the gate factor and `up`), which no known activation reproduces (closest "
-                      "3e-5 off)", "a softcapped SwiGLU in moepass.activations with the caps read from the module"),
+    "doge": ("no top-k routing", "product-key expert retrieval (PEER-style): the router scores 2 x floor(sqrt(E)) "
+             "sub-keys, takes a top-k over each half, then a top-k over the k x k sums; each expert is one neuron "
+             "(a row of the [E, D] `down_embed` and `up_embed` tables), not an FFN. No selection runs over E expert "
+             "scores (with E = 6 only 4 ids are reachable), so it is no MoE block by moepass's definition",
+             "not a top-k routed MoE (a product-key memory layer): left as it is"),
 }
 
 
@@ -172,7 +165,10 @@ def markdown(outcomes: list[H.Outcome]) -> str:
         "*Expected*: the modules one forward shows computing a top-k / argmax / max over E router scores. "
         "*Detected*: accepted / rejected report lines covering them; *not reported*: routed modules no "
         "report line covers. *Exact under single*: `moepass.compile(model, Plan(form=\"single\"))` gives the "
-        "original's eval output, train loss and every parameter gradient (rtol 1e-5, atol 1e-6).",
+        "original's eval output, train loss and every parameter gradient (rtol 1e-5, atol 1e-6); an expert no token "
+        "reaches keeps `grad=None` under a per-expert loop and gets an exact zero gradient after the rewrite (batched, "
+        "as transformers' own batched expert kernels and every EP form compute it): parity takes the two as equal "
+        "(an optimizer with weight decay or momentum then steps such an expert after the rewrite, not before).",
         "",
         "| family | built | model class | expected | detected (acc / rej / not rep.) | verdict | reason | way out |",
         "|---|---|---|---|---|---|---|---|",

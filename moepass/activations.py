@@ -1,6 +1,9 @@
 """The expert activations: one table, their forward and their backward (torch).
 
-`act(gate) [* up]` for the gated ones; "relu2" is the squared ReLU, `relu(gate) ** 2` (Primer, Nemotron-H). Every place that names an activation (MoESpec validation,
+`act(gate) [* up]` for the gated ones; "relu2" is the squared ReLU, `relu(gate) ** 2` (Primer, Nemotron-H);
+"softcapped_swiglu" is `cap_g(gate) * sigmoid(gate) * cap_u(up)` with the softcap `cap_c(v) = c * tanh(v / c)`:
+the sigmoid sees the raw gate, the caps bound the linear gate factor and `up` (its two caps travel in the two
+float parameters every activation takes: `clamp_limit` is the gate's cap, `alpha` the up's). Every place that names an activation (MoESpec validation,
 the dialect, the torch expert FFN, the Triton grouped GEMM) reads `ACTIVATIONS` / `GATED_ACTIVATIONS`
 from here.
 """
@@ -11,8 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
-ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "softcapped_swiglu")
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu", "softcapped_swiglu")
+# activations whose two parameters have no default: detection reads them from the block's graph (the constants of
+# its calls), so they are not tried where the graph is not read (`detect.experts.read_expert`'s defaults)
+GRAPH_PARAMETERS = ("softcapped_swiglu",)
 
 
 def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float) -> Tensor:
@@ -36,6 +42,10 @@ def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: 
         g = h_gate.clamp(max=clamp_limit)
         u = h_up.clamp(min=-clamp_limit, max=clamp_limit)
         return (u + 1) * (g * torch.sigmoid(g * alpha))
+    if activation == "softcapped_swiglu":
+        assert h_up is not None
+        cap_g, cap_u = clamp_limit, alpha
+        return torch.tanh(h_gate / cap_g) * cap_g * torch.sigmoid(h_gate) * (torch.tanh(h_up / cap_u) * cap_u)
     raise ValueError(f"unknown expert activation {activation!r}: use one of {list(ACTIVATIONS)}")
 
 
@@ -62,6 +72,13 @@ def activate_backward(
         glu = g * s
         grad_g = grad_a * (u + 1) * (s + alpha * g * s * (1 - s)) * (h_gate <= clamp_limit)
         grad_u = grad_a * glu * ((h_up >= -clamp_limit) & (h_up <= clamp_limit))
+        return grad_g, grad_u
+    if activation == "softcapped_swiglu":
+        cap_g, cap_u = clamp_limit, alpha
+        t_g, t_u, s = torch.tanh(h_gate / cap_g), torch.tanh(h_up / cap_u), torch.sigmoid(h_gate)
+        capped_u = t_u * cap_u
+        grad_g = grad_a * capped_u * ((1 - t_g * t_g) * s + t_g * cap_g * s * (1 - s))
+        grad_u = grad_a * t_g * cap_g * s * (1 - t_u * t_u)
         return grad_g, grad_u
     raise ValueError(f"unknown expert activation {activation!r}: use one of {list(ACTIVATIONS)}")
 

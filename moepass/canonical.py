@@ -304,6 +304,7 @@ class GraphBuilder:
         # would give autograd two chunk backwards, each zero-filling and concatenating a full gradient.
         self._reads: dict[tuple[str, ...], fx.Node] = {}
         self._chunks: dict[tuple[str, int, int], fx.Node] = {}
+        self._unflat: dict[tuple[str, int], fx.Node] = {}
 
     def _stamp(self, node: fx.Node) -> fx.Node:
         node.meta["moepass"] = {"pass": self.pass_name, "block": self.block_path}
@@ -342,7 +343,13 @@ class GraphBuilder:
         return self.view(source, node, name)
 
     def view(self, source: TensorSource, node: fx.Node, name: str) -> fx.Node:
-        """`source`'s chunk and transpose applied to an already read (stacked or sharded) tensor."""
+        """`source`'s unflatten, chunk and transpose applied to an already read (stacked or sharded) tensor."""
+        if source.unflatten is not None:  # [E·n, ...] -> [E, n, ...] (a local shard of whole experts: E/P·n rows)
+            flat_key = (node.name, source.unflatten)
+            if flat_key not in self._unflat:  # one view of the tensor for every role reading it (as its chunk)
+                self._unflat[flat_key] = self.method("unflatten", node, 0, (-1, source.unflatten),
+                                                     name=f"{name}_unflat")
+            node = self._unflat[flat_key]
         if source.chunk is not None:
             index, count = source.chunk
             key = (node.name, count, source.chunk_dim)
@@ -363,7 +370,9 @@ def interleaved(tensor: torch.Tensor, start_step: tuple[int, int], dim: int) -> 
 
 
 def view_of(source: TensorSource, tensor: torch.Tensor) -> torch.Tensor:
-    """`GraphBuilder.view` run eagerly: `source`'s chunk and transpose applied to an already read tensor."""
+    """`GraphBuilder.view` run eagerly: `source`'s unflatten, chunk and transpose applied to an already read tensor."""
+    if source.unflatten is not None:
+        tensor = tensor.unflatten(0, (-1, source.unflatten))
     if source.chunk is not None:
         index, count = source.chunk
         tensor = tensor.chunk(count, source.chunk_dim)[index]
@@ -459,11 +468,25 @@ def routed_experts(b: GraphBuilder, spec: MoESpec, x_rows: fx.Node, experts_ids:
     if zero_compute:
         counts = b.fn(operator.getitem, counts_J, slice(0, num_experts), name=names["counts"])
         x_N = b.fn(ffn_rows, x_all, counts, name="x_MD")
+    if spec.weights_on == "input":  # each row enters its expert times its weight; the combine sums the outputs
+        w_N = b.fn(row_weights, weights, order_N, name="weights_N")
+        x_N = b.fn(weighted_rows, x_N, w_N, name=f"{names['x']}_weighted")
+        weights = b.fn(torch.ones_like, weights, name="unit_weights_TK")
     y_N = expert_compute(b, x, x_N, counts, "y_MD" if zero_compute else names["y"])
     if zero_compute:
         y_N = b.fn(zero_compute_rows, y_N, x_all, counts_J, name=names["y"])
     y_K = b.fn(dialect.UNPERMUTE, y_N, order_N, K, name=names["y_k"])
     return b.fn(dialect.COMBINE, y_K, weights, name=names["out"])
+
+
+def row_weights(weights_TK: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
+    """Each permuted row's routing weight: `order_N[n]` is the row's flat (token, choice) index."""
+    return weights_TK.reshape(-1)[order_N]
+
+
+def weighted_rows(x_ND: torch.Tensor, w_N: torch.Tensor) -> torch.Tensor:
+    """The rows times their weights, in the rows' dtype (`MoESpec.weights_on="input"`)."""
+    return x_ND * w_N.to(x_ND.dtype).unsqueeze(-1)
 
 
 def expert_compute(b: GraphBuilder, x: ExpertsSpec, x_N: fx.Node, counts: fx.Node, name: str) -> fx.Node:
@@ -678,7 +701,7 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
                              name="shared_gated_TD")
         out_TD = b.fn(operator.add, out_TD, shared_TD, name="out_plus_shared_TD")
 
-    out = b.method("view_as", out_TD, inputs[0], name="out")
+    out = out_TD if spec.flat_output else b.method("view_as", out_TD, inputs[0], name="out")
     if spec.output_module is not None:  # the block's last call, on what it returns (a norm), as it is
         out = b.module(spec.output_module, out, name="out_post")
     side: dict[str, Any] = {"router_logits": logits_TE if router_logits is None else router_logits, "none": None,

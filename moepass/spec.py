@@ -62,7 +62,7 @@ SHAPES: dict[str, str] = {
 }
 
 ScoreFunc = Literal["softmax", "sigmoid"]
-Activation = Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu"]
+Activation = Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu", "softcapped_swiglu"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
@@ -80,6 +80,7 @@ SIDE_OUTPUTS = ("router_logits", "none", "topk_weights", "topk_experts")  # the 
 LOAD_OUTPUT = "expert_load."  # + a dtype name: "expert_load.int64", "expert_load.float32"
 LOAD_DTYPES = ("int64", "int32", "float32", "float64", "float16", "bfloat16")
 EXPERT_KINDS = ("ffn", "generic")
+WEIGHTS_ON = ("output", "input")  # what a token's routing weight multiplies: each expert's output, or its input
 FFN_ROLES = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # `moe.expert_ffn`'s operand order
 
 
@@ -93,7 +94,8 @@ class TensorSource:
     """How to read one canonical weight tensor from the block's own parameters.
 
     `paths` are parameter names relative to the block: one parameter read as it is, or (`stacked`)
-    one per expert, stacked along a new leading (expert) dim. Then, in order: `chunk=(index, parts)` takes one of
+    one per expert, stacked along a new leading (expert) dim. Then, in order: `unflatten=n` reads a tensor stored
+    flattened as [E·n, ...] as [E, n, ...] (dim 0 split, a view); `chunk=(index, parts)` takes one of
     `parts` equal chunks along `chunk_dim` (or `interleave=(start, step)` takes every step-th slice
     along it); `transpose=True` swaps the last two dims.
     """
@@ -106,6 +108,8 @@ class TensorSource:
     # `(start, step)`: every step-th slice along `chunk_dim` from `start` (gate and up rows interleaved in one
     # tensor: gate = rows 0, 2, 4, ..., up = rows 1, 3, 5, ...); taken where a `chunk` would be
     interleave: tuple[int, int] | None = None
+    # n: the tensor is stored flattened as [E·n, ...] (one 2-D tensor for every expert's rows): read as [E, n, ...]
+    unflatten: int | None = None
 
     @classmethod
     def param(cls, path: str, **kw: object) -> TensorSource:
@@ -230,8 +234,8 @@ class ExpertsSpec:
     hidden_dim: int  # D
     ffn_dim: int  # F
     activation: Activation = "swiglu"
-    clamp_limit: float = 7.0  # clamped_swiglu only (GPT-OSS)
-    swiglu_alpha: float = 1.702  # clamped_swiglu only
+    clamp_limit: float = 7.0  # clamped_swiglu only (GPT-OSS); softcapped_swiglu: the gate's softcap
+    swiglu_alpha: float = 1.702  # clamped_swiglu only; softcapped_swiglu: the up projection's softcap
     w_gate: TensorSource = TensorSource.param("experts.w_gate")
     w_up: TensorSource | None = None  # gated activations only
     w_down: TensorSource = TensorSource.param("experts.w_down")
@@ -407,6 +411,10 @@ class MoESpec:
     # a submodule of the block called last, on the output after the shared experts, as it is (a norm the block
     # applies to what it returns)
     output_module: str | None = None
+    # "output": the combine sums each chosen expert's output times its weight (the usual); "input": each expert
+    # runs on its input times the weight and the combine sums the outputs (Llama-4: `experts(x * score)`)
+    weights_on: str = "output"
+    flat_output: bool = False  # the block returns its hidden states as [T, D] tokens, whatever the input's shape
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -423,6 +431,11 @@ class MoESpec:
                     f"{where}.capacity.drop_policy='identity' is invalid with top_k={self.router.top_k}: "
                     f"pass-through of dropped tokens is defined for top-1 routing only."
                 )
+        _check_choice(f"{where}.weights_on", self.weights_on, WEIGHTS_ON)
+        if self.weights_on == "input" and (self.heads is not None
+                                           or self.experts.routed_experts != self.experts.num_experts):
+            raise PlanError(f"{where}.weights_on='input' is invalid with heads or identity / zero experts in this "
+                            f"build: only FFN experts take their weighted input; use weights_on='output'.")
         if self.heads is not None:
             self._validate_heads(where, self.heads)
         elif self.router.num_experts != self.experts.routed_experts:
@@ -539,6 +552,10 @@ class MoESpec:
             parts.append(f"output bias {'.'.join(self.output_bias.paths)}")
         if self.output_module is not None:
             parts.append(f"then {self.output_module}")
+        if self.weights_on == "input":
+            parts.append("weights on the experts' input")
+        if self.flat_output:
+            parts.append("returns [T, D]")
         if self.capacity is not None:
             c = self.capacity
             parts.append(

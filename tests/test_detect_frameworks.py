@@ -100,6 +100,51 @@ class PostNorm(SpreadExperts):
         return self.post_norm(super().forward(x_BSD, mask_BS))
 
 
+class InputWeighted(nn.Module):
+    """Weights on the experts' input (Llama-4 style): every expert runs on every token times its score (sigmoid of
+    the top-k logits, zero for the experts not chosen), the outputs summed; it returns [T, D] tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, D, 2 * FF) / D**0.5)
+        self.down = nn.Parameter(torch.randn(E, FF, D) / FF**0.5)
+
+    def forward(self, x_BSD):
+        x_TD = x_BSD.reshape(-1, D)
+        logits_TE = self.router(x_TD)
+        top_TK, e_TK = logits_TE.topk(K, dim=-1)
+        scores_TE = torch.full_like(logits_TE, float("-inf")).scatter(1, e_TK, top_TK).sigmoid()
+        x_ETD = x_TD.unsqueeze(0) * scores_TE.t().unsqueeze(-1)
+        gate_ETF, up_ETF = torch.bmm(x_ETD, self.gate_up).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate_ETF) * up_ETF, self.down).sum(0)
+
+
+class SoftcappedExperts(nn.Module):
+    """Fused [E, 2F, D] / [E, D, F] experts whose activation is a softcapped SwiGLU, `cap_g(g) * sigmoid(g) *
+    cap_u(u)` with `cap_c(v) = c * tanh(v / c)`, run in a loop over the experts that were hit."""
+
+    GATE_CAP, UP_CAP = 0.5, 2.0
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * FF, D) / D**0.5)
+        self.down = nn.Parameter(torch.randn(E, D, FF) / FF**0.5)
+
+    def forward(self, x_BSD):
+        x_TD = x_BSD.reshape(-1, D)
+        w_TK, e_TK = self.router(x_TD).softmax(-1).topk(K, dim=-1)
+        out_TD = torch.zeros_like(x_TD)
+        for e in e_TK.unique().tolist():
+            rows, slot = torch.where(e_TK == e)
+            g, u = F.linear(x_TD[rows], self.gate_up[e]).chunk(2, dim=-1)
+            a = torch.tanh(g / self.GATE_CAP) * self.GATE_CAP * torch.sigmoid(g) * (torch.tanh(u / self.UP_CAP)
+                                                                                   * self.UP_CAP)
+            out_TD.index_add_(0, rows, F.linear(a, self.down[e]) * w_TK[rows, slot, None])
+        return out_TD.view_as(x_BSD)
+
+
 class Layer(nn.Module):
     def __init__(self, moe: nn.Module, pass_mask: bool, kw_only: bool = False):
         super().__init__()
@@ -115,7 +160,7 @@ class Layer(nn.Module):
         if isinstance(out, tuple):  # (out, extra): the extra is the model's business (summed into a loss, say)
             out, extra = out
             self.extra = extra
-        return h + out
+        return h + out.view_as(h)  # a block may return [T, D] tokens
 
 
 class LM(nn.Module):
@@ -236,14 +281,77 @@ def test_keyword_only_argument_is_rejected_with_the_way_out():
     assert "['mask_BS'] (keyword-only" in reason and "Plan(blocks={'layers.0.moe': None})" in reason
 
 
-def test_flattened_expert_weights_are_reported_not_silent():
+class FlatLinearExperts(nn.Module):
+    """One flattened expert tensor, [E·D, D]: each expert a bare linear map (no FFN to read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(E * D, D) / D**0.5)
+        self.gate = nn.Linear(D, E, bias=False)
+
+    def forward(self, x_BSD):
+        x_TD = x_BSD.reshape(-1, D)
+        w_TK, e_TK = self.gate(x_TD).softmax(-1).topk(K, dim=-1)
+        y_TKD = torch.einsum("td,tked->tke", x_TD, self.w.view(E, D, D)[e_TK])
+        return (y_TKD * w_TK[..., None]).sum(1).view_as(x_BSD)
+
+
+def test_flattened_expert_weights_are_read_as_e_f_d_and_exact():
+    """[E·F, D] tensors viewed as [E, F, D] in the forward: read through `TensorSource.unflatten` (the in-projection
+    as nn.Linear weights, the down projection as `h @ W`: opposite orientations), exact under single."""
     torch.manual_seed(0)
     model = LM(FlatExperts)
+    report = moepass.detect(model)
+    assert [b.path for b in report.blocks] == ["layers.0.moe", "layers.1.moe"], report.summary()
+    x = report.blocks[0].experts
+    assert (x.w_gate.paths, x.w_gate.unflatten, x.w_gate.transpose) == (("w1",), FF, False)
+    assert (x.w_down.paths, x.w_down.unflatten, x.w_down.transpose) == (("w2",), FF, True)
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    _assert_exact(model, cm, _ids(2))
+
+
+def test_weights_on_the_experts_input_are_read_from_the_graph_and_exact():
+    """The selected scores reach the experts' first matmul (`x * score` before `bmm`): MoESpec.weights_on='input',
+    and the block's [T, D] return is kept (`flat_output`); exact under single. The distributed forms refuse it
+    with the way out."""
+    torch.manual_seed(0)
+    model = LM(InputWeighted)
+    report = moepass.detect(model)
+    assert [(b.path, b.weights_on, b.flat_output) for b in report.blocks] == [
+        ("layers.0.moe", "input", True), ("layers.1.moe", "input", True)], report.summary()
+    assert "weights on the experts' input" in report.summary()
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    _assert_exact(model, cm, _ids(2))
+
+
+def test_softcapped_swiglu_caps_are_read_from_the_graph_and_exact():
+    """The caps are the constants of the graph's `tanh(v / c)` calls (gate's first): the spec's activation is
+    softcapped_swiglu with them, its forward and backward (`moepass.activations`) exact under single."""
+    from moepass.activations import activate, activate_backward
+
+    torch.manual_seed(0)
+    model = LM(SoftcappedExperts)
+    report = moepass.detect(model)
+    x = report.blocks[0].experts if report.blocks else None
+    assert x is not None and (x.activation, x.clamp_limit, x.swiglu_alpha) == ("softcapped_swiglu", 0.5, 2.0), \
+        report.summary()
+    cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="single"))
+    _assert_exact(model, cm, _ids(2))
+    g, u = (torch.randn(5, 7, dtype=torch.float64, requires_grad=True) * 3 for _ in range(2))
+    grad_a = torch.randn(5, 7, dtype=torch.float64)
+    ref = torch.autograd.grad(activate(g, u, "softcapped_swiglu", 0.5, 2.0), (g, u), grad_a)
+    got = activate_backward(grad_a, g.detach(), u.detach(), "softcapped_swiglu", 0.5, 2.0)
+    torch.testing.assert_close(got, ref)
+
+
+def test_flattened_expert_weights_no_rule_reads_are_reported_not_silent():
+    torch.manual_seed(0)
+    model = LM(FlatLinearExperts)
     report = moepass.detect(model)
     assert not report.blocks
     assert [p for p, _ in report.rejected] == ["layers.0.moe", "layers.1.moe"], report.summary()
     reason = report.rejected[0][1]
-    assert f"selection over E={E} scores" in reason and "flattened" in reason and "w1" in reason
+    assert f"selection over E={E} scores" in reason and "flattened" in reason and "w [64, 16]" in reason
     assert "moepass_spec" in reason and "Plan(blocks={'layers.0.moe': None})" in reason
 
 
@@ -289,6 +397,10 @@ def test_unrecordable_model_falls_back_to_structure(inputs):
 @pytest.mark.parametrize("extra", ["none", "load"])
 def test_returned_none_and_expert_load_are_reproduced(extra):
     torch.manual_seed(0)
+    if extra == "input_weighted":  # weights on the experts' input: single only, EP says so and what to do
+        with pytest.raises(moepass.PlanError, match=r"weights_on='input'.*form='single'.*Plan\(blocks="):
+            moepass.compile(LM(InputWeighted), moepass.Plan(form="ep"), example_inputs=(_ids(),))
+        return True
     ReturnsMore.extra = extra
     model = LM(ReturnsMore)
     report = moepass.detect(model)
@@ -319,8 +431,13 @@ def case_ep(rank, world, extra):
     from moepass.runtime.grads import all_reduce_replicated_grads
 
     torch.manual_seed(0)
+    if extra == "input_weighted":  # weights on the experts' input: single only, EP says so and what to do
+        with pytest.raises(moepass.PlanError, match=r"weights_on='input'.*form='single'.*Plan\(blocks="):
+            moepass.compile(LM(InputWeighted), moepass.Plan(form="ep"), example_inputs=(_ids(),))
+        return True
     ReturnsMore.extra = extra
-    model = LM(PostNorm if extra == "post_norm" else ReturnsMore, pass_mask=True)
+    make = dict(post_norm=PostNorm, flat=FlatExperts, softcapped=SoftcappedExperts).get(extra, ReturnsMore)
+    model = LM(make, pass_mask=make is ReturnsMore or make is PostNorm)
     cm = moepass.compile(copy.deepcopy(model), moepass.Plan(form="ep"), example_inputs=(_ids(),))
     assert sorted(cm.moepass_info.rewritten) == ["layers.0.moe", "layers.1.moe"]
     ids = torch.randint(0, V, (2 * world, 6), generator=torch.Generator().manual_seed(7))
@@ -354,7 +471,7 @@ def test_norm_on_the_returned_output_is_called_last():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("extra", ["none", "load", "post_norm"])
+@pytest.mark.parametrize("extra", ["none", "load", "post_norm", "flat", "softcapped", "input_weighted"])
 def test_framework_style_block_exact_under_ep_w2(extra):
     import os
     import sys

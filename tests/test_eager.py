@@ -166,7 +166,7 @@ def case_ep_eager(rank, world, style):
     return dict(slow_ops)
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.usefixtures("_pools")
 @pytest.mark.parametrize("style", ["loop", "fused"])
 def test_ep_eager_equals_the_ops_and_dispatches_none(style):

@@ -155,6 +155,27 @@ def activate_grad(da, g, u, limit, alpha):
     du = tl.where((u >= -limit) & (u <= limit), da * gc * s, 0.0)
     return dg, du
 ''',
+    "softcapped_swiglu": '''
+@triton.jit
+def _tanh(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+@triton.jit
+def activate(g, u, limit, alpha):
+    """softcapped swiglu: limit * tanh(g / limit) * sigmoid(g) * alpha * tanh(u / alpha)"""
+    return limit * _tanh(g / limit) * tl.sigmoid(g) * alpha * _tanh(u / alpha)
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    tg = _tanh(g / limit)
+    tu = _tanh(u / alpha)
+    s = tl.sigmoid(g)
+    dg = da * alpha * tu * ((1.0 - tg * tg) * s + tg * limit * s * (1.0 - s))
+    du = da * limit * tg * s * (1.0 - tu * tu)
+    return dg, du
+''',
 }
 
 GELU_SOURCE = '''

@@ -149,6 +149,9 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         if candidate.output_bias is not None:  # a bias on the combined output: tried with it first, then without
             bias = TensorSource.param(candidate.output_bias)
             found = [replace(spec, output_bias=bias) for spec in found] + found
+        if candidate.input_weighted:  # the weights multiply the experts' input (seen in the graph)
+            found = [replace(spec, weights_on="input") for spec in found
+                     if spec.heads is None and spec.experts.routed_experts == spec.experts.num_experts]
         if candidate.output_module is not None:  # a module called last on the output: tried with it first
             found = [replace(spec, output_module=candidate.output_module) for spec in found] + found
         try:
@@ -187,6 +190,8 @@ def observed_fields(c: Candidate) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if c.load_counter is not None:  # the block counts its experts' load
         fields["load_counter"] = TensorSource.param(c.load_counter)
+    if c.flat_output:
+        fields["flat_output"] = True
     if c.input_names != ("hidden_states",):
         fields.update(input_names=c.input_names, unused_inputs=tuple(c.passthrough))
     kinds = c.side_outputs

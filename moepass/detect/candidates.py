@@ -17,13 +17,14 @@ selection over E scores found in that graph is what makes it an MoE block, and t
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from moepass.detect.capture import (
     Capture,
@@ -57,6 +58,8 @@ class Candidate:
     experts_path: str  # "" when the experts' 3-D weights live on the block itself
     experts_kind: str  # "modulelist", "moduledict", "fused" or SELF_DESCRIBED
     fused_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, relative to experts
+    # name -> n for fused tensors stored flattened [E·n, ...] (`fused_params` holds them as [E, n, ...])
+    flattened: dict[str, int] = field(default_factory=dict)
     expert_names: tuple[str, ...] = ()  # keys of the experts container, in expert order (ModuleList/ModuleDict)
     hidden_dim: int = 0  # D: the width of the router weight's input
     graph: Capture | None = None  # filled by `capture_candidate`
@@ -68,6 +71,8 @@ class Candidate:
     load_counter: str | None = None  # an [O] buffer a train-mode forward adds each expert's load to (`load_counter`)
     output_bias: str | None = None  # a [D] parameter added to the combined output (`output_bias`)
     output_module: str | None = None  # a submodule called last, on what the block returns (`output_module`)
+    input_weighted: bool = False  # the selection's weights reach an expert weight's input (`MoESpec.weights_on`)
+    flat_output: bool = False  # it returns [T, D] tokens for [..., T', D] hidden states (`MoESpec.flat_output`)
     side_outputs: list[str] = field(default_factory=list)  # what it returns after the hidden states (`side_outputs`)
     call: ModuleCall | None = None  # the call the model made to it, when its forward was recorded
     # inputs after the hidden states that its selection does not read, by name: their recorded values, passed to
@@ -93,6 +98,7 @@ class _Group:
     num_experts: int
     names: tuple[str, ...] = ()
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    flat: tuple[tuple[str, int], ...] = ()  # fused tensors stored [E·n, ...]: (name, n); `fused` holds [E, n, ...]
 
 
 def _listed(path: str, module: nn.Module, holds_group: Callable[[str, nn.Module], bool]) -> _Group | None:
@@ -337,6 +343,23 @@ def _spread_group(block: GraphBlock, path: str) -> _Group | None:
     return _Group(root, "fused", E, fused=tuple((_relative(p, root), block.shapes[p]) for p in held))
 
 
+def _flat_group(block: GraphBlock, path: str) -> _Group | None:
+    """A fused group stored flattened: >= 2 two-dimensional [E·n, X] tensors (n > 1) the block reads per expert
+    (each viewed as [E, n, X] in its forward), anchored at the module holding them all; read as [E, n, X]."""
+    E = block.num_experts
+    held = [p for p in block.expert_params if _inside(p, path) and len(block.shapes.get(p, ())) == 2
+            and block.shapes[p][0] % E == 0 and block.shapes[p][0] > E]
+    if len(held) < 2 or len(held) != len(block.expert_params):
+        return None
+    owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in held}
+    root = ".".join(os.path.commonprefix([o.split(".") for o in owners]))
+    if not _inside(root, path):
+        root = path
+    n = {p: block.shapes[p][0] // E for p in held}
+    return _Group(root, "fused", E, fused=tuple((_relative(p, root), (E, n[p], block.shapes[p][1])) for p in held),
+                  flat=tuple((_relative(p, root), n[p]) for p in held))
+
+
 def _graph_candidate(block: GraphBlock, tree: ModuleTree, groups: list[_Group]) -> Candidate:
     """The candidate at a graph block's path: its experts the structural group inside it whose tensors it reads
     per expert (most of them), its router the module holding the weight its scores read."""
@@ -352,15 +375,16 @@ def _graph_candidate(block: GraphBlock, tree: ModuleTree, groups: list[_Group]) 
     width = int(shape[1] if len(shape) == 2 and shape[0] == E else shape[0] if len(shape) == 2 else 0) or (
         int(call_x.shape[-1]) if isinstance(call_x, torch.Tensor) and call_x.dim() else 0)
     module = tree.modules[path]
-    spread = _spread_group(block, path)
+    spread = _spread_group(block, path) or (None if inside else _flat_group(block, path))
     if not inside and spread is None:
         return Candidate(path, module, E, router_path=router_path, experts_path="", experts_kind=GRAPH,
                          hidden_dim=width, call=block.call, graph_block=block)
     group = max(inside, key=lambda ng: ng[0])[1] if inside else spread
     assert group is not None
     return Candidate(path, module, E, router_path=router_path, experts_path=_relative(group.path, path),
-                     experts_kind=group.kind, fused_params=dict(group.fused), expert_names=group.names,
-                     hidden_dim=width, ffn_experts=group.num_experts, call=block.call, graph_block=block)
+                     experts_kind=group.kind, fused_params=dict(group.fused), flattened=dict(group.flat),
+                     expert_names=group.names, hidden_dim=width, ffn_experts=group.num_experts, call=block.call,
+                     graph_block=block)
 
 
 def further_inputs(block: nn.Module) -> tuple[str, ...]:
@@ -450,11 +474,52 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
         c.router_path = c.router.weight.rsplit(".", 1)[0] if "." in c.router.weight else ""
     out = c.graph.output
     c.outputs = len(out) if isinstance(out, tuple) else 1
+    first = out[0] if isinstance(out, tuple) and out else out
+    c.flat_output = isinstance(first, torch.Tensor) and x.dim() > 2 and tuple(first.shape) == (
+        math.prod(x.shape[:-1]), x.shape[-1])
+    c.input_weighted = input_weighted(c)
     c.load_counter = load_counter(probe, (x, *extras), c.num_experts, c.selection.k)
     c.output_bias = output_bias(c)
     c.output_module = output_module(c)
     c.side_outputs = side_outputs(c)
     return None
+
+
+def input_weighted(c: Candidate) -> bool:
+    """Whether the selection's weights multiply the experts' input: a call reading an expert tensor (of the
+    expert group, not the router's) has the selected values upstream of another of its inputs (e.g.
+    `bmm(x * score, W)`). Weights applied to the outputs reach only calls after the experts' matmuls (an output
+    bias, a projection after the block's experts: tensors outside the group); a mask made from the weights is no
+    weighting."""
+    if c.graph is None or c.selection is None or c.selection.values is None:
+        return False
+    prefix = f"{c.experts_path}." if c.experts_path else ""
+    fused = {prefix + name for name in c.fused_params}
+
+    def expert_tensor(node: fx.Node) -> bool:
+        target = str(node.target)
+        return node.op == "get_attr" and (target in fused if fused else bool(prefix) and target.startswith(prefix))
+
+    weighted = _float_downstream(c.selection.values)
+    for node in weighted:
+        params = [a for a in node.all_input_nodes if expert_tensor(a)]
+        if params and any(a in weighted for a in node.all_input_nodes if a not in params):
+            return True
+    return False
+
+
+def _float_downstream(start: fx.Node) -> set[fx.Node]:
+    """The nodes that depend on `start` through floating values only: a mask made from the weights (`w > 0`, a
+    dispatch tensor) carries which rows go where, not the weights' values."""
+    found, todo = {start}, [start]
+    while todo:
+        for user in todo.pop().users:
+            val = value(user)
+            if user in found or isinstance(val, torch.Tensor) and not val.is_floating_point():
+                continue
+            found.add(user)
+            todo.append(user)
+    return found
 
 
 def side_outputs(c: Candidate) -> list[str]:

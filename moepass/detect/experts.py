@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS, activate
+from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS, GRAPH_PARAMETERS, activate
 from moepass.detect.capture import LINEAR, capture, upstream, value
 from moepass.detect.check import probe_copy
 
@@ -106,17 +106,18 @@ def read_expert(expert: nn.Module, dim: int, seed: int = 0) -> ExpertFunction | 
 
     F_dim = params[str(parts[down][1].target)].shape[1]  # type: ignore[index]
     readings: list[tuple[Role, Role | None, tuple[str, ...]]] = []
-    plain = tuple(a for a in ACTIVATIONS if a not in GATED_ACTIVATIONS)
+    known = tuple(a for a in ACTIVATIONS if a not in GRAPH_PARAMETERS)  # tried with their default parameters
+    gated_known = tuple(a for a in GATED_ACTIVATIONS if a in known)
+    plain = tuple(a for a in known if a not in GATED_ACTIVATIONS)
     if len(inputs) == 1 and value(inputs[0]).shape[-1] == F_dim:
         readings.append((role(inputs[0]), None, plain))
     elif len(inputs) == 1 and value(inputs[0]).shape[-1] == 2 * F_dim:
         for g, u in ((0, 1), (1, 0)):
-            readings.append((role(inputs[0], chunk=(g, 2)), role(inputs[0], chunk=(u, 2)), GATED_ACTIVATIONS))
-            readings.append((role(inputs[0], interleave=(g, 2)), role(inputs[0], interleave=(u, 2)),
-                             GATED_ACTIVATIONS))
+            readings.append((role(inputs[0], chunk=(g, 2)), role(inputs[0], chunk=(u, 2)), gated_known))
+            readings.append((role(inputs[0], interleave=(g, 2)), role(inputs[0], interleave=(u, 2)), gated_known))
     elif len(inputs) == 2:
         a, b = inputs
-        readings += [(role(a), role(b), GATED_ACTIVATIONS), (role(b), role(a), GATED_ACTIVATIONS)]
+        readings += [(role(a), role(b), gated_known), (role(b), role(a), gated_known)]
     else:
         return f"an expert has {len(inputs)} input linear(s) of widths {[value(n).shape[-1] for n in inputs]}"
     down_role = role(down)
@@ -124,7 +125,7 @@ def read_expert(expert: nn.Module, dim: int, seed: int = 0) -> ExpertFunction | 
         for activation in activations:
             if _reproduces(params, x, out, gate, up, down_role, activation):
                 return ExpertFunction(activation, gate, up, down_role, dim, F_dim)
-    return (f"no known FFN activation {list(ACTIVATIONS)} reproduces an expert "
+    return (f"no known FFN activation {list(known)} reproduces an expert "
             f"({'gated' if readings[0][1] is not None else 'not gated'}, F={F_dim})")
 
 

@@ -10,11 +10,13 @@ the activation calls seen in the block's graph order the hypotheses, the semanti
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
 from itertools import permutations
 
 import torch
 import torch.nn.functional as F
+from torch import fx
 
 from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 from moepass.detect.candidates import Candidate
@@ -28,17 +30,20 @@ PLAIN_ACTS = tuple(a for a in ACTIVATIONS if a not in GATED_ACTIVATIONS)
 # activation calls seen in a block's graph -> the activations they make likely, first
 SEEN_ACTS = {F.silu: ("swiglu",), F.gelu: ("geglu", "gelu", "gelu_tanh"), F.relu: ("relu", "relu2"),
              torch.relu: ("relu", "relu2"),
-             torch.clamp: ("clamped_swiglu",), torch.Tensor.clamp: ("clamped_swiglu",)}
+             torch.clamp: ("clamped_swiglu",), torch.Tensor.clamp: ("clamped_swiglu",),
+             torch.tanh: ("softcapped_swiglu",), torch.Tensor.tanh: ("softcapped_swiglu",)}
+TANH = (torch.tanh, torch.Tensor.tanh)
+DIV = (torch.div, torch.Tensor.div, torch.true_divide, torch.Tensor.__truediv__, operator.truediv)
 
 
-def _halves(name: str, input_major: bool, chunk_dim: int) -> list[tuple[TensorSource, TensorSource]]:
+def _halves(name: str, input_major: bool, chunk_dim: int, unflatten: int | None = None
+            ) -> list[tuple[TensorSource, TensorSource]]:
     """(gate, up) readings of one [.., 2F, ..] tensor: halves in either order, rows interleaved either way."""
     out = []
+    view = dict(transpose=input_major, chunk_dim=chunk_dim, unflatten=unflatten)
     for g, u in ((0, 1), (1, 0)):
-        view = dict(transpose=input_major, chunk_dim=chunk_dim)
         out.append((TensorSource.param(name, chunk=(g, 2), **view), TensorSource.param(name, chunk=(u, 2), **view)))
     for g, u in ((0, 1), (1, 0)):
-        view = dict(transpose=input_major, chunk_dim=chunk_dim)
         out.append((TensorSource.param(name, interleave=(g, 2), **view),
                     TensorSource.param(name, interleave=(u, 2), **view)))
     return out
@@ -47,38 +52,48 @@ def _halves(name: str, input_major: bool, chunk_dim: int) -> list[tuple[TensorSo
 def expert_layouts(c: Candidate, D: int) -> list[dict]:
     """Possible (w_gate, w_up, w_down, F) readings of the fused parameters (see the module doc).
 
-    Canonical layouts are gate/up [E, F, D] and down [E, D, F].
+    Canonical layouts are gate/up [E, F, D] and down [E, D, F]. The in-projections and the down projection
+    are read in one orientation first (both input-major, both output-major); only when neither reads, in
+    opposite ones (e.g. every tensor [E, F, D]: gate / up as nn.Linear weights, down as `h @ W`). Tensors
+    stored flattened [E·n, X] (`Candidate.flattened`) are read as [E, n, X].
     """
     prefix = f"{c.experts_path}." if c.experts_path else ""
-    layouts = []
-    for input_major in (True, False):
-        # in-projections: [E, D, X] input-major, [E, X, D] output-major; down the other way round
-        x_dim, chunk_dim = (2, 2) if input_major else (1, 1)
 
-        def reads_in(shape: tuple[int, ...]) -> bool:
-            return shape[1 if input_major else 2] == D
+    def source(name: str, **view: object) -> TensorSource:
+        return TensorSource.param(prefix + name, unflatten=c.flattened.get(name), **view)  # type: ignore[arg-type]
 
-        def down_width(shape: tuple[int, ...]) -> int | None:
-            return shape[1] if input_major and shape[2] == D else shape[2] if not input_major and shape[1] == D else None
+    layouts: list[dict] = []
+    for orientations in (((True, True), (False, False)), ((False, True), (True, False))):
+        for in_major, down_major in orientations:
+            # in-projections: [E, D, X] input-major, [E, X, D] output-major; down the other way round
+            x_dim, chunk_dim = (2, 2) if in_major else (1, 1)
 
-        items = list(c.fused_params.items())
-        for (down_name, sd), *ins in (p for n in (2, 3) if len(items) == n for p in permutations(items, n)):
-            F_dim = down_width(sd)
-            if F_dim is None or not all(reads_in(s) for _, s in ins):
-                continue
-            down = TensorSource.param(prefix + down_name, transpose=input_major)
-            widths = [s[x_dim] for _, s in ins]
-            if len(ins) == 1 and widths == [2 * F_dim]:
-                for gate, up in _halves(prefix + ins[0][0], input_major, chunk_dim):
-                    layouts.append(dict(F=F_dim, gated=True, w_down=down, w_gate=gate, w_up=up))
-            elif len(ins) == 1 and widths == [F_dim]:
-                layouts.append(dict(F=F_dim, gated=False, w_down=down, w_up=None,
-                                    w_gate=TensorSource.param(prefix + ins[0][0], transpose=input_major)))
-            elif len(ins) == 2 and widths == [F_dim, F_dim]:
-                (g, _), (u, _) = ins
-                layouts.append(dict(F=F_dim, gated=True, w_down=down,
-                                    w_gate=TensorSource.param(prefix + g, transpose=input_major),
-                                    w_up=TensorSource.param(prefix + u, transpose=input_major)))
+            def reads_in(shape: tuple[int, ...], in_major: bool = in_major) -> bool:
+                return shape[1 if in_major else 2] == D
+
+            def down_width(shape: tuple[int, ...], down_major: bool = down_major) -> int | None:
+                return shape[1] if down_major and shape[2] == D else shape[2] if not down_major and shape[1] == D \
+                    else None
+
+            items = list(c.fused_params.items())
+            for (down_name, sd), *ins in (p for n in (2, 3) if len(items) == n for p in permutations(items, n)):
+                F_dim = down_width(sd)
+                if F_dim is None or not all(reads_in(s) for _, s in ins):
+                    continue
+                down = source(down_name, transpose=down_major)
+                widths = [s[x_dim] for _, s in ins]
+                if len(ins) == 1 and widths == [2 * F_dim]:
+                    for gate, up in _halves(prefix + ins[0][0], in_major, chunk_dim, c.flattened.get(ins[0][0])):
+                        layouts.append(dict(F=F_dim, gated=True, w_down=down, w_gate=gate, w_up=up))
+                elif len(ins) == 1 and widths == [F_dim]:
+                    layouts.append(dict(F=F_dim, gated=False, w_down=down, w_up=None,
+                                        w_gate=source(ins[0][0], transpose=in_major)))
+                elif len(ins) == 2 and widths == [F_dim, F_dim]:
+                    (g, _), (u, _) = ins
+                    layouts.append(dict(F=F_dim, gated=True, w_down=down, w_gate=source(g, transpose=in_major),
+                                        w_up=source(u, transpose=in_major)))
+        if layouts:
+            break
     return layouts
 
 
@@ -105,6 +120,21 @@ def activations(c: Candidate, gated: bool) -> list[str]:
     known = GATED_ACTS if gated else PLAIN_ACTS
     seen = [a for fn, acts in SEEN_ACTS.items() if c.graph is not None and c.graph.nodes([fn]) for a in acts]
     return sorted(known, key=lambda a: a not in seen)
+
+
+def softcaps(c: Candidate) -> list[tuple[float, float]]:
+    """(gate cap, up cap) readings of a softcapped SwiGLU: the constants `c` of the `tanh(v / c)` calls in the
+    block's graph, in call order (gate first, then up; also the other way round); [] when it makes none."""
+    caps: list[float] = []
+    for node in c.graph.nodes(list(TANH)) if c.graph is not None else []:
+        arg = node.args[0] if node.args else None
+        if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target in DIV and len(arg.args) == 2 \
+                and isinstance(arg.args[1], (int, float)) and arg.args[1] and float(arg.args[1]) not in caps:
+            caps.append(float(arg.args[1]))
+    if not caps:
+        return []
+    gate, up = (caps[0], caps[1]) if len(caps) > 1 else (caps[0], caps[0])
+    return list(dict.fromkeys([(gate, up), (up, gate)]))
 
 
 def down_read_last(c: Candidate, layout: dict) -> bool:
@@ -138,6 +168,12 @@ def recognise(c: Candidate, capacity: CapacitySpec | None = None, name: str = NA
     return specs
 
 
+def _softcap_params(c: Candidate) -> list[dict]:
+    """The ExpertsSpec fields of each softcap reading (`softcaps`): the gate's cap in `clamp_limit`, the up's in
+    `swiglu_alpha` (`moepass.activations`)."""
+    return [dict(clamp_limit=gate, swiglu_alpha=up) for gate, up in softcaps(c)]
+
+
 def layout_experts(c: Candidate, layout: dict, D: int, biases: bool = True) -> list[ExpertsSpec]:
     """The ExpertsSpecs of one layout (`expert_layouts`): each reading of its biases (`biases`: the experts'
     [E, width] parameters beside the weights) times each activation, the graph's first."""
@@ -155,8 +191,9 @@ def layout_experts(c: Candidate, layout: dict, D: int, biases: bool = True) -> l
                             for w in (layout["w_gate"], layout["w_up"]))
         found += [ExpertsSpec(num_experts=c.num_ffn_experts, hidden_dim=D, ffn_dim=F_dim, activation=act,  # type: ignore[arg-type]
                               w_gate=layout["w_gate"], w_up=layout["w_up"], w_down=layout["w_down"],
-                              b_gate=b_gate, b_up=b_up, b_down=b_down, container=c.experts_path)
-                  for act in activations(c, layout["gated"])]
+                              b_gate=b_gate, b_up=b_up, b_down=b_down, container=c.experts_path, **params)
+                  for act in activations(c, layout["gated"])
+                  for params in (_softcap_params(c) if act == "softcapped_swiglu" else [{}])]
     return found
 
 

@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepass.detect.candidates import Candidate, shared_expert
+from moepass.detect.capture import downstream
 from moepass.detect.fused_experts import expert_layouts, layout_experts
 from moepass.detect.loop_experts import stacked_experts_spec
-from moepass.detect.router import RouterFacts, module_call
+from moepass.detect.router import SIGMOID, RouterFacts, module_call
 from moepass.spec import CapacitySpec, Constant, ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, TensorSource
 
 JITTER_NAMES = ("jitter_noise", "router_jitter_noise")  # train-mode only: not in the (eval) graph
@@ -188,6 +189,8 @@ def fused_experts_specs(c: Candidate, D: int) -> list[ExpertsSpec] | str:
             return False
         if not lay["gated"]:
             return True
+        if lay["w_gate"].paths != lay["w_up"].paths:  # gate and up in tensors of their own: nothing concatenated
+            return flags["is_concatenated"] is not True
         halves, rows = lay["w_gate"].chunk == (0, 2), lay["w_gate"].interleave == (0, 2)  # gate first
         concatenated = flags["is_concatenated"]
         return halves if concatenated else rows if concatenated is False else halves or rows
@@ -234,7 +237,7 @@ def _renorms(facts: RouterFacts) -> list[bool]:
 
 def softmax_topk(c: Candidate) -> list[MoESpec] | str:
     """softmax over E → top-k → renormalise or not, or top-k logits → softmax over the K (the graph orders
-    the hypotheses)."""
+    the hypotheses); sigmoid scores first when the graph shows a sigmoid on the scores or the selected logits."""
     found = _router_block(c)
     if isinstance(found, str):
         return found
@@ -246,7 +249,17 @@ def softmax_topk(c: Candidate) -> list[MoESpec] | str:
     routers = [block.router_spec(index, top_k=facts.top_k, score_func="softmax", renormalize=r,
                                  softmax_before_topk=before, jitter_eps=block.block_jitter())
                for before in orders for r in (_renorms(facts) if before else [False])]
+    if facts.sigmoid or _sigmoid_after(facts):  # sigmoid scores (monotone: top-k of the logits = of the scores)
+        routers = [block.router_spec(index, top_k=facts.top_k, score_func="sigmoid", renormalize=r,
+                                     jitter_eps=block.block_jitter()) for r in _renorms(facts)] + routers
     return block.specs("hf-softmax-topk", routers)
+
+
+def _sigmoid_after(facts: RouterFacts) -> bool:
+    """Whether a sigmoid runs on the selected values (top-k logits, then their sigmoid)."""
+    sel = facts.selection
+    return sel is not None and sel.values is not None and any(
+        n.op == "call_function" and n.target in SIGMOID for n in downstream(sel.values))
 
 
 def group_limited(c: Candidate) -> list[MoESpec] | str:

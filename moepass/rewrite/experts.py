@@ -63,6 +63,11 @@ def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form:
     E, groups, d = spec.num_experts, layout.groups, layout.shard_dim
     P, p = groups.ep_size, groups.ep_rank
     check_generic(gm, spec, form)
+    if spec.weights_on != "output":
+        raise PlanError(f"Plan.form={form!r} cannot rewrite block {spec.path or '<root>'}: its routing weights multiply "
+                        f"each expert's input (MoESpec.weights_on={spec.weights_on!r}), which the distributed forms do "
+                        f"not send in this build; use form='single', or leave this block alone with "
+                        f"Plan(blocks={{{spec.path!r}: None}}).")
     names: dict[str, str] = {}
     by_paths: dict[tuple[str, ...], str] = {}
     for role, source in spec.experts.sources().items():
@@ -72,7 +77,15 @@ def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form:
         if not source.stacked:
             path = source.paths[0]
             param = gm.get_parameter(path)
-            if param.dim() == 0 or param.shape[0] != E:
+            if source.unflatten is not None:  # stored [E·n, ...]: whole experts are contiguous rows, any other dim is not
+                if d != 0 or param.dim() == 0 or param.shape[0] != E * source.unflatten:
+                    raise PlanError(
+                        f"Plan.form={form!r} cannot shard block {spec.path or '<root>'}: expert weight {path!r} is "
+                        f"stored flattened as [E·{source.unflatten}, ...] = {tuple(param.shape)}, which this form would "
+                        f"split inside each expert (dim {d} of [E, {source.unflatten}, ...]); use form='ep' or "
+                        f"'single', or leave this block alone with Plan(blocks={{{spec.path!r}: None}}).")
+                _check_divisible(spec, form, repr(path), (E, *param.shape[1:]), 0, P)
+            elif param.dim() == 0 or param.shape[0] != E:
                 raise PlanError(
                     f"Plan.form={form!r} cannot shard block {spec.path or '<root>'}: expert weight {path!r} has "
                     f"shape {tuple(param.shape)}, expected a leading expert dim of {E}; leave this block alone "

@@ -889,7 +889,7 @@ def case_identity_rows_stay_local(rank, world):
     """The zero-compute block under EP: the dispatch sends this rank's FFN assignments and nothing else, and
     the EP graph never reads the FFN row count on the host (the dispatch sends the leading rows)."""
     import moepass
-    from moepass.canonical import ffn_rows
+    from moepass.row_ops import ffn_rows
 
     block = _build(IDENTITY)
     cm = moepass.compile(copy.deepcopy(block), moepass.Plan(form="ep", topology=moepass.Topology(1, world)))

@@ -20,75 +20,30 @@ import inspect
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
+from moepass.detect.block_outputs import (  # noqa: F401  (re-exported)
+    input_weighted,
+    load_counter,
+    output_bias,
+    output_module,
+    output_scales,
+    shared_expert,
+    side_outputs,
+)
+from moepass.detect.candidate import GRAPH, PROBE_TOKENS, SELF_DESCRIBED, SPEC_METHOD, Candidate, within  # noqa: F401
 from moepass.detect.capture import (
-    Capture,
-    ModuleCall,
-    Selection,
-    attrs,
     capture,
-    downstream,
     selection,
     upstream,
-    value,
 )
 from moepass.detect.check import probe_copy, token_ids
-from moepass.detect.graph_candidates import GraphBlock, router_weight, selections
-from moepass.detect.router import ADD, RouterFacts, read_router
-from moepass.dialect import expert_load_ref
-from moepass.spec import LOAD_OUTPUT, SharedExpertSpec
-
-SPEC_METHOD = "moepass_spec"  # the self-description protocol: module.moepass_spec(path) -> MoESpec
-SELF_DESCRIBED = "self-described"  # Candidate.experts_kind of a module implementing it
-GRAPH = "graph"  # Candidate.experts_kind of a block only the recorded forward shows (no structural expert group)
-PROBE_TOKENS = (2, 6)  # [B, S] of the probe the candidate's graph is captured on
-
-
-@dataclass
-class Candidate:
-    path: str
-    module: nn.Module
-    num_experts: int  # R, the experts the router scores; 0 for a self-described block (its spec says)
-    router_path: str  # module holding the [E, D] weight (relative to the block; any depth)
-    experts_path: str  # "" when the experts' 3-D weights live on the block itself
-    experts_kind: str  # "modulelist", "moduledict", "fused" or SELF_DESCRIBED
-    fused_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, relative to experts
-    # name -> n for fused tensors stored flattened [E·n, ...] (`fused_params` holds them as [E, n, ...])
-    flattened: dict[str, int] = field(default_factory=dict)
-    expert_names: tuple[str, ...] = ()  # keys of the experts container, in expert order (ModuleList/ModuleDict)
-    hidden_dim: int = 0  # D: the width of the router weight's input
-    graph: Capture | None = None  # filled by `capture_candidate`
-    selection: Selection | None = None
-    router: RouterFacts | None = None
-    outputs: int = 1  # how many values the block returns
-    ffn_experts: int = 0  # E, the expert group's size: R - E router ids are zero-compute experts (0: E = R)
-    input_names: tuple[str, ...] = ("hidden_states",)  # the hidden states, then further inputs (token ids)
-    load_counter: str | None = None  # an [O] buffer a train-mode forward adds each expert's load to (`load_counter`)
-    output_bias: str | None = None  # a [D] parameter added to the combined output (`output_bias`)
-    output_module: str | None = None  # a submodule called last, on what the block returns (`output_module`)
-    input_weighted: bool = False  # the selection's weights reach an expert weight's input (`MoESpec.weights_on`)
-    flat_output: bool = False  # it returns [T, D] tokens for [..., T', D] hidden states (`MoESpec.flat_output`)
-    side_outputs: list[str] = field(default_factory=list)  # what it returns after the hidden states (`side_outputs`)
-    call: ModuleCall | None = None  # the call the model made to it, when its forward was recorded
-    # inputs after the hidden states that its selection does not read, by name: their recorded values, passed to
-    # every probe as the model passed them (`MoESpec.unused_inputs`); the probe's hidden states then take
-    # `probe_shape`, the recorded one (a mask's shape follows the batch's)
-    passthrough: dict[str, Any] = field(default_factory=dict)
-    probe_shape: tuple[int, ...] = ()
-    graph_block: GraphBlock | None = None  # what the model's recorded forward shows of it (`graph_candidates`)
-
-    @property
-    def num_ffn_experts(self) -> int:
-        return self.ffn_experts or self.num_experts
-
-    @property
-    def experts(self) -> nn.Module:
-        return self.module.get_submodule(self.experts_path) if self.experts_path else self.module
+from moepass.detect.graph_candidates import GraphBlock, router_weight
+from moepass.detect.router import read_router
 
 
 @dataclass(frozen=True)
@@ -191,7 +146,7 @@ class ModuleTree:
             return list(self.modules[path].named_parameters(prefix=path))
         found = []
         for sub in self.paths[self.index[path]:]:  # the subtree: the paths that follow it while inside it
-            if not _inside(sub, path):
+            if not within(sub, path):
                 break
             found.extend(self.held[sub])
         return found
@@ -204,10 +159,6 @@ class ModuleTree:
             return lambda path, _module: path in above
         ids = {id(self.modules[p]) for p in paths}
         return lambda _path, module: _reaches(module, ids)
-
-
-def _inside(path: str, prefix: str) -> bool:
-    return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
 def _relative(path: str, root: str) -> str:
@@ -298,7 +249,7 @@ def find_candidates(model: nn.Module, tree: ModuleTree | None = None,
                     ffn_experts=group.num_experts)
             break
     ordered = [found[p] for p in modules if p in found]
-    structural = [c for c in ordered if not any(_inside(c.path, o.path) and o.path != c.path for o in ordered)]
+    structural = [c for c in ordered if not any(within(c.path, o.path) and o.path != c.path for o in ordered)]
     if not blocks:
         return structural
     return anchored(structural, blocks, tree, groups)
@@ -320,7 +271,7 @@ def anchored(structural: list[Candidate], blocks: list[GraphBlock], tree: Module
             here.call, here.graph_block = block.call, block
             found[block.path] = here
             continue
-        replaced.update(c.path for c in structural if _inside(c.path, block.path) or _inside(block.path, c.path))
+        replaced.update(c.path for c in structural if within(c.path, block.path) or within(block.path, c.path))
         found[block.path] = _graph_candidate(block, tree, groups)
     for c in structural:
         if c.path not in found and c.path not in replaced:
@@ -333,12 +284,12 @@ def _spread_group(block: GraphBlock, path: str) -> _Group | None:
     expert, held by different modules (one per expert role); anchored at the module holding them all."""
     E = block.num_experts
     held = [p for p in block.expert_params if len(block.shapes.get(p, ())) == 3 and block.shapes[p][0] == E
-            and _inside(p, path)]
+            and within(p, path)]
     owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in held}
     if len(held) < 2 or len(owners) < 2:
         return None
     root = ".".join(os.path.commonprefix([o.split(".") for o in owners]))
-    if not _inside(root, path):
+    if not within(root, path):
         root = path
     return _Group(root, "fused", E, fused=tuple((_relative(p, root), block.shapes[p]) for p in held))
 
@@ -347,13 +298,13 @@ def _flat_group(block: GraphBlock, path: str) -> _Group | None:
     """A fused group stored flattened: >= 2 two-dimensional [E·n, X] tensors (n > 1) the block reads per expert
     (each viewed as [E, n, X] in its forward), anchored at the module holding them all; read as [E, n, X]."""
     E = block.num_experts
-    held = [p for p in block.expert_params if _inside(p, path) and len(block.shapes.get(p, ())) == 2
+    held = [p for p in block.expert_params if within(p, path) and len(block.shapes.get(p, ())) == 2
             and block.shapes[p][0] % E == 0 and block.shapes[p][0] > E]
     if len(held) < 2 or len(held) != len(block.expert_params):
         return None
     owners = {p.rsplit(".", 1)[0] if "." in p else "" for p in held}
     root = ".".join(os.path.commonprefix([o.split(".") for o in owners]))
-    if not _inside(root, path):
+    if not within(root, path):
         root = path
     n = {p: block.shapes[p][0] // E for p in held}
     return _Group(root, "fused", E, fused=tuple((_relative(p, root), (E, n[p], block.shapes[p][1])) for p in held),
@@ -366,7 +317,7 @@ def _graph_candidate(block: GraphBlock, tree: ModuleTree, groups: list[_Group]) 
     path, E = block.path, block.num_experts
     read = set(block.expert_params)
     inside = [(len(read & {n for n, _ in tree.named_parameters(g.path)}), g) for g in groups
-              if _inside(g.path, path) and g.path != path or g.kind == "fused" and g.path == path]
+              if within(g.path, path) and g.path != path or g.kind == "fused" and g.path == path]
     inside = [(n, g) for n, g in inside if n]
     weight = router_weight(block)
     router_path = _relative(weight.rsplit(".", 1)[0] if "." in weight else "", path) if weight else ""
@@ -485,159 +436,6 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     return None
 
 
-def input_weighted(c: Candidate) -> bool:
-    """Whether the selection's weights multiply the experts' input: a call reading an expert tensor (of the
-    expert group, not the router's) has the selected values upstream of another of its inputs (e.g.
-    `bmm(x * score, W)`). Weights applied to the outputs reach only calls after the experts' matmuls (an output
-    bias, a projection after the block's experts: tensors outside the group); a mask made from the weights is no
-    weighting."""
-    if c.graph is None or c.selection is None or c.selection.values is None:
-        return False
-    prefix = f"{c.experts_path}." if c.experts_path else ""
-    fused = {prefix + name for name in c.fused_params}
-
-    def expert_tensor(node: fx.Node) -> bool:
-        target = str(node.target)
-        return node.op == "get_attr" and (target in fused if fused else bool(prefix) and target.startswith(prefix))
-
-    weighted = _float_downstream(c.selection.values)
-    for node in weighted:
-        params = [a for a in node.all_input_nodes if expert_tensor(a)]
-        if params and any(a in weighted for a in node.all_input_nodes if a not in params):
-            return True
-    return False
-
-
-def _float_downstream(start: fx.Node) -> set[fx.Node]:
-    """The nodes that depend on `start` through floating values only: a mask made from the weights (`w > 0`, a
-    dispatch tensor) carries which rows go where, not the weights' values."""
-    found, todo = {start}, [start]
-    while todo:
-        for user in todo.pop().users:
-            val = value(user)
-            if user in found or isinstance(val, torch.Tensor) and not val.is_floating_point():
-                continue
-            found.add(user)
-            todo.append(user)
-    return found
-
-
-def side_outputs(c: Candidate) -> list[str]:
-    """What the block returns after its hidden states, each as a `MoESpec.side_outputs` name when it is one
-    moepass reproduces ("none"; "expert_load.<dtype>": the selection's count per expert; "router_logits": a
-    [T, E] floating tensor; "topk_weights" / "topk_experts": the selection itself, [T, K]; the semantic check
-    confirms each), else a description starting with "?"."""
-    out = c.graph.output if c.graph is not None else None
-    if not isinstance(out, tuple) or c.selection is None:
-        return []
-    R, (T, K) = c.num_experts, c.selection.indices.shape
-    load = expert_load_ref(c.selection.indices, R)
-    kinds = []
-    for i, v in enumerate(out[1:], start=1):
-        if v is None:
-            kinds.append("none")
-        elif isinstance(v, torch.Tensor) and tuple(v.shape) == (R,) and torch.equal(v.double(), load.double()):
-            kinds.append(LOAD_OUTPUT + str(v.dtype).removeprefix("torch."))
-        elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == T * R and v.shape[-1] == R:
-            kinds.append("router_logits")
-        elif isinstance(v, torch.Tensor) and v.numel() == T * K and v.shape[-1] == K:  # the selection itself
-            same = not v.is_floating_point() and torch.equal(v.reshape(T, K), c.selection.indices)
-            kinds.append("topk_experts" if same else "topk_weights" if v.is_floating_point() else
-                         f"?output {i} ({list(v.shape)} {str(v.dtype).removeprefix('torch.')})")
-        else:
-            what = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
-                else type(v).__name__
-            kinds.append(f"?output {i} ({what}{', a scalar: an aux loss?' if isinstance(v, torch.Tensor) and not v.dim() else ''})")
-    return kinds
-
-
-def output_bias(c: Candidate) -> str | None:
-    """A [D] parameter of the block (outside its experts and router) added to a value that depends on the
-    selection: a bias on the combined output. None when there is none."""
-    if c.graph is None or c.selection is None:
-        return None
-    after: set = set()  # what depends on any selection over the R scores (the block's last may come late)
-    for node, _, E in selections(c.graph):
-        if E == c.num_experts:
-            after |= downstream(node)
-    skip = [p for p in (c.experts_path, c.router_path) if p]
-    for node in attrs(c.graph.graph.nodes):
-        val, path = value(node), str(node.target)
-        if not isinstance(val, nn.Parameter) or tuple(val.shape) != (c.hidden_dim,) or any(_inside(path, p) for p in skip):
-            continue
-        if any(u.op == "call_function" and u.target in (*ADD, torch.Tensor.__iadd__)
-               and any(a in after for a in u.all_input_nodes)
-               for u in node.users):
-            return path
-    return None
-
-
-def output_module(c: Candidate) -> str | None:
-    """A submodule with parameters (outside the experts and the router) that the block calls last and whose output
-    is what the block returns, called on something that depends on the selection: a norm on the output (`MoESpec.
-    output_module`). None when there is none."""
-    if c.graph is None or c.selection is None:
-        return None
-    out = c.graph.output[0] if isinstance(c.graph.output, tuple) else c.graph.output
-    top = [call for call in c.graph.calls if call.parent == "" and call.path]
-    if not top or top[-1].output is not out or not top[-1].args:
-        return None
-    path = top[-1].path
-    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None) if p]
-    if any(_inside(path, p) or _inside(p, path) for p in skip) or not any(True for _ in
-                                                                       c.module.get_submodule(path).parameters()):
-        return None
-    arg = top[-1].args[0]
-    after = downstream(c.selection.node)
-    return path if any(value(n) is arg for n in after) else None
-
-
-def load_counter(probe: nn.Module, inputs: tuple[Any, ...], R: int, K: int) -> str | None:
-    """The [O] buffer a train-mode forward of the block adds its experts' load to, read from what one such
-    forward does (on the probe, under no_grad, the RNG state restored): the buffer whose increase is a count
-    per expert summing to every token's K choices. None when no buffer moves that way."""
-    tokens = inputs[0].numel() // inputs[0].shape[-1]
-    start = {name: t.clone() for name, t in probe.named_buffers() if t.dim() == 1 and t.shape[0] == R}
-    if not start:
-        return None
-    was_training = probe.training
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            probe.train()
-            probe(*(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs))
-    except Exception:  # the block's train mode is checked (and reported) by the semantic check
-        return None
-    finally:
-        probe.train(was_training)
-    buffers = dict(probe.named_buffers())
-    found = None
-    for name, before in start.items():
-        delta = (buffers[name].double() - before.double()).round()  # the probe's buffers hold random values
-        moved = not torch.equal(buffers[name], before)
-        buffers[name].copy_(before)  # the probe is used again: leave it as it was
-        if found is None and moved and bool((delta >= 0).all()) and int(delta.sum()) == tokens * K:
-            found = name
-    return found
-
-
-def output_scales(c: Candidate) -> list[str]:
-    """Block tensors that may scale each expert's output: [O] or [O, 1] floating parameters / buffers the
-    graph reads outside the selection scores' slice that are not the router's (R the router's experts)."""
-    if c.graph is None or c.selection is None:
-        return []
-    R = c.num_experts
-    scores = upstream(c.selection.scores or c.selection.node)
-    router = {c.router.weight, c.router.bias, c.router.selection_bias} if c.router else set()
-    found = []
-    for node in attrs(c.graph.graph.nodes):
-        val = value(node)
-        if node in scores or str(node.target) in router or not node.users or not isinstance(val, torch.Tensor) \
-                or not val.is_floating_point() or tuple(val.shape) not in ((R,), (R, 1)):
-            continue
-        found.append(str(node.target))
-    return list(dict.fromkeys(found))
-
-
 def find_dense_mlps(model: nn.Module, moe_paths: list[str], tree: ModuleTree | None = None) -> list[str]:
     """Modules shaped like a dense FFN outside any MoE block: 2 or 3 linear children D -> F (-> F) and
     F -> D (F != D; gate and up may be one D -> 2F linear), beside parameter-free ones (activation, dropout).
@@ -662,26 +460,3 @@ def find_dense_mlps(model: nn.Module, moe_paths: list[str], tree: ModuleTree | N
     return dense
 
 
-def shared_expert(c: Candidate) -> SharedExpertSpec | None:
-    """The shared expert, from the block's own module calls: a submodule (outside the router and the
-    experts) called on the tokens that returns [T, D]; its gate, a linear to 1 output called on them too."""
-    if c.graph is None or c.graph.input_node is None:
-        return None
-    x = c.graph.input_node.meta["val"]
-    T, D = x.numel() // x.shape[-1], x.shape[-1]
-    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None, c.output_module) if p]
-    shared = gate = None
-    for call in c.graph.calls:
-        if call.parent != "" or call.path == "" or not call.args or any(
-                _inside(call.path, p) or _inside(p, call.path) for p in skip):  # the experts, the router, or above
-            continue
-        arg, out = call.args[0], call.output
-        if not isinstance(arg, torch.Tensor) or not isinstance(out, torch.Tensor) or arg.shape[-1] != D \
-                or arg.numel() != T * D:  # called on the tokens ([T, D], or the input as given)
-            continue
-        if out.shape == arg.shape and shared is None:
-            shared = call.path
-        elif out.shape == (*arg.shape[:-1], 1) and isinstance(c.module.get_submodule(call.path), nn.Linear) \
-                and gate is None:
-            gate = call.path
-    return None if shared is None else SharedExpertSpec(module_path=shared, gate_path=gate)

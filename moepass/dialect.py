@@ -211,7 +211,7 @@ def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
 
 
 def _route_fake(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
-      group_score, scaling):
+                group_score, scaling):
     T, E = logits_TE.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"moe.route: top_k={top_k} must lie in [1, E={E}]")

@@ -29,6 +29,7 @@ from torch import Tensor
 from lowering import Lowering
 from lowering import codegen as cg
 from moepass import dialect, eager
+from moepass.operands import OpSchema
 
 FALLBACKS = {"unpermute_combine": 0, "unpermute_combine_backward": 0}
 
@@ -279,31 +280,33 @@ def combine_backward_triton(grad_TD: Tensor, y_ND: Tensor, order_N: Tensor, weig
     return grad_y_ND, grad_w_TK
 
 
-@eager.custom_op("moe_lowered::unpermute_combine", mutates_args=())
-def unpermute_combine(y_ND: Tensor, order_N: Tensor, top_k: int, weights_TK: Tensor) -> Tensor:
+def _unpermute_combine(y_ND: Tensor, order_N: Tensor, top_k: int, weights_TK: Tensor) -> Tensor:
     if cg.launch_blocker(y_ND.device) is not None:
         FALLBACKS["unpermute_combine"] += 1
         return unpermute_combine_ref(y_ND, order_N, top_k, weights_TK)
     return combine_triton(y_ND, order_N, top_k, weights_TK)
 
 
-@unpermute_combine.register_fake
-def _(y_ND, order_N, top_k, weights_TK):
+def _unpermute_combine_fake(y_ND, order_N, top_k, weights_TK):
     return dialect.COMBINE(dialect.UNPERMUTE(y_ND, order_N, top_k), weights_TK)  # the dialect's fakes
 
 
-@eager.custom_op("moe_lowered::unpermute_combine_backward", mutates_args=())
-def unpermute_combine_backward(grad_TD: Tensor, y_ND: Tensor, order_N: Tensor,
-                               weights_TK: Tensor) -> tuple[Tensor, Tensor]:
+def _unpermute_combine_backward(grad_TD: Tensor, y_ND: Tensor, order_N: Tensor,
+                                weights_TK: Tensor) -> tuple[Tensor, Tensor]:
     if cg.launch_blocker(y_ND.device) is not None:
         FALLBACKS["unpermute_combine_backward"] += 1
         return unpermute_combine_backward_ref(grad_TD, y_ND, order_N, weights_TK)
     return combine_backward_triton(grad_TD, y_ND, order_N, weights_TK)
 
 
-@unpermute_combine_backward.register_fake
-def _(grad_TD, y_ND, order_N, weights_TK):
+def _unpermute_combine_backward_fake(grad_TD, y_ND, order_N, weights_TK):
     return torch.empty_like(y_ND), torch.empty_like(weights_TK)
+
+
+UNPERMUTE_COMBINE_BACKWARD_SCHEMA = OpSchema(
+    "unpermute_combine_backward", "Tensor grad_TD, Tensor y_ND, Tensor order_N, Tensor weights_TK", "(Tensor, Tensor)",
+    fake=_unpermute_combine_backward_fake)
+unpermute_combine_backward = UNPERMUTE_COMBINE_BACKWARD_SCHEMA.define("moe_lowered", _unpermute_combine_backward)
 
 
 def _setup(ctx, inputs, output):
@@ -318,8 +321,11 @@ def _backward(ctx, grad_TD):
     return grad_y_ND, None, None, grad_w_TK
 
 
-eager.register_autograd(unpermute_combine, _backward, setup_context=_setup)
-cg.register_autocast(torch.ops.moe_lowered.unpermute_combine.default, "preserve")
+# moe.unpermute's operands, then moe.combine's weights: the fused op
+UNPERMUTE_COMBINE_SCHEMA = OpSchema(
+    "unpermute_combine", dialect.UNPERMUTE_SCHEMA.operands_text + ", Tensor weights_TK", "Tensor",
+    fake=_unpermute_combine_fake, autograd=(_backward, _setup), autocast="preserve")
+unpermute_combine = UNPERMUTE_COMBINE_SCHEMA.define("moe_lowered", _unpermute_combine)
 
 LOWERING = Lowering(
     family="combine",

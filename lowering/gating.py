@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lowering import Lowering
 from lowering import codegen as cg
-from moepass import dialect, eager
+from moepass import dialect
 from moepass.spec import GROUP_SCORES, SCORE_FUNCS
 
 MAX_EXPERTS = 1024  # E_PAD * BLOCK_T floats per tile stay within registers up to here
@@ -333,36 +334,17 @@ def route_triton(logits_TE, selection_bias, score_func, softmax_before_topk, top
     return weights_TK, experts_TK
 
 
-@eager.custom_op("moe_lowered::route", mutates_args=())
-def route(
-    logits_TE: Tensor,
-    selection_bias_E: Tensor | None,
-    score_func: str,
-    softmax_before_topk: bool,
-    top_k: int,
-    renormalize: bool,
-    n_group: int,
-    topk_group: int,
-    group_score: str,
-    scaling: float,
-) -> tuple[Tensor, Tensor]:
-    args = (logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
-            group_score, scaling)
-    if cg.launch_blocker(logits_TE.device) is not None:  # e.g. a CPU tensor with interpretation off
+def _route(*args: Any) -> tuple[Tensor, Tensor]:
+    if cg.launch_blocker(args[0].device) is not None:  # e.g. a CPU tensor with interpretation off
         FALLBACKS["route"] += 1
         with torch.no_grad():
             return dialect.route_ref(*args)
     return route_triton(*args)
 
 
-@route.register_fake
-def _(*args):
-    return dialect.ROUTE(*args)  # the dialect op's fake: same shapes, dtypes and checks
-
-
-# Same backward as the dialect op (selection has no gradient; weights via route_backward_ref).
-dialect.register_route_autograd(route)
-cg.register_autocast(torch.ops.moe_lowered.route.default, "fp32")
+# moe.route's declaration: the same operands, fake, autograd (selection has no gradient; weights via
+# route_backward_ref) and autocast policy
+route = dialect.ROUTE_SCHEMA.define("moe_lowered", _route)
 
 LOWERING = Lowering(
     family="gating",

@@ -32,6 +32,7 @@ from torch import Tensor
 from lowering import Lowering, combine
 from lowering import codegen as cg
 from moepass import dialect, eager
+from moepass.operands import OpSchema
 
 MAX_EXPERTS = 1024
 FALLBACKS = {"permute": 0, "permute_backward": 0}
@@ -241,21 +242,14 @@ def permute_triton(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[
     return x_ND, counts_E, order_N
 
 
-@eager.custom_op("moe_lowered::permute", mutates_args=())
-def permute(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def _permute(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     if cg.launch_blocker(x_TD.device) is not None:
         FALLBACKS["permute"] += 1
         return dialect.permute_ref(x_TD, experts_TK, num_experts)
     return permute_triton(x_TD, experts_TK, num_experts)
 
 
-@permute.register_fake
-def _(x_TD, experts_TK, num_experts):
-    return dialect.PERMUTE(x_TD, experts_TK, num_experts)  # the dialect op's fake
-
-
-@eager.custom_op("moe_lowered::permute_backward", mutates_args=())
-def permute_backward(grad_x_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
+def _permute_backward(grad_x_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
     """grad_x_TD[t] = sum over k of grad_x_ND[row of (t, k)] (fp32 accumulation)."""
     if cg.launch_blocker(grad_x_ND.device) is not None:
         FALLBACKS["permute_backward"] += 1
@@ -263,10 +257,14 @@ def permute_backward(grad_x_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
     return combine.combine_triton(grad_x_ND, order_N, top_k, None)
 
 
-@permute_backward.register_fake
-def _(grad_x_ND, order_N, top_k):
+def _permute_backward_fake(grad_x_ND, order_N, top_k):
     N, D = grad_x_ND.shape
     return grad_x_ND.new_empty(N // top_k, D)
+
+
+PERMUTE_BACKWARD_SCHEMA = OpSchema("permute_backward", "Tensor grad_x_ND, Tensor order_N, SymInt top_k", "Tensor",
+                                   fake=_permute_backward_fake)
+permute_backward = PERMUTE_BACKWARD_SCHEMA.define("moe_lowered", _permute_backward)
 
 
 def _setup(ctx, inputs, output):
@@ -280,7 +278,8 @@ def _backward(ctx, grad_x_ND, _grad_counts, _grad_order):
                       ctx.top_k), None, None
 
 
-eager.register_autograd(permute, _backward, setup_context=_setup)
+# moe.permute's declaration (operands, fake: the dialect op's shapes and checks), this kernel's backward
+permute = dialect.PERMUTE_SCHEMA.define("moe_lowered", _permute, autograd=(_backward, _setup))
 cg.register_autocast(torch.ops.moe_lowered.permute.default, "preserve")
 
 LOWERING = Lowering(

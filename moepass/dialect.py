@@ -35,8 +35,12 @@ from torch import Tensor
 
 from moepass import eager
 from moepass.dialect_ffn import (  # noqa: F401  (the expert FFN op: part of the dialect, re-exported)
+    EXPERT_FFN_BACKWARD_SCHEMA,
+    EXPERT_FFN_FORWARD_SCHEMA,
+    EXPERT_FFN_SCHEMA,
     FFN_ARGS,
     FFN_DIFFERENTIABLE,
+    FFN_WEIGHT_NAMES,
     REBUILD,
     WGRAD_SINK,
     DeferredWeightGrads,
@@ -56,6 +60,7 @@ from moepass.dialect_ffn import (  # noqa: F401  (the expert FFN op: part of the
     saved_activations,
     sinks_of,
 )
+from moepass.operands import AUTOCAST_POLICIES, OpSchema, register_autocast  # noqa: F401  (re-exported)
 
 NAMESPACE = "moe"
 
@@ -200,31 +205,13 @@ def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# The ops.
+# The ops: one declaration each (`moepass.operands.OpSchema`: operands, outputs, fake, autograd,
+# autocast), from which the `moe::` op here and the lowerings' `moe_lowered::` ops are made.
 # ----------------------------------------------------------------------------------------------
 
 
-@eager.custom_op("moe::route", mutates_args=())
-def route(
-    logits_TE: Tensor,
-    selection_bias_E: Tensor | None,
-    score_func: str,
-    softmax_before_topk: bool,
-    top_k: int,
-    renormalize: bool,
-    n_group: int,
-    topk_group: int,
-    group_score: str,
-    scaling: float,
-) -> tuple[Tensor, Tensor]:
-    with torch.no_grad():
-        return route_ref(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k,
-                         renormalize, n_group, topk_group, group_score, scaling)
-
-
-@route.register_fake
-def _(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
-      group_score, scaling):
+def _route_fake(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
+                group_score, scaling):
     T, E = logits_TE.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"moe.route: top_k={top_k} must lie in [1, E={E}]")
@@ -272,17 +259,22 @@ def _route_bwd(ctx, grad_weights_TK, _grad_experts):
     return (grad.to(logits_TE.dtype),) + (None,) * 9
 
 
-def register_route_autograd(op: Any) -> None:
-    """Autograd for an op with `moe.route`'s schema (the dialect's and the lowered gating kernel's):
-    `route_backward_ref` on the selected experts."""
-    eager.register_autograd(op, _route_bwd, setup_context=_route_setup)
+ROUTE_SCHEMA = OpSchema(
+    "route",
+    "Tensor logits_TE, Tensor? selection_bias_E, str score_func, bool softmax_before_topk, SymInt top_k, "
+    "bool renormalize, SymInt n_group, SymInt topk_group, str group_score, float scaling",
+    "(Tensor, Tensor)", fake=_route_fake, autograd=(_route_bwd, _route_setup), autocast="fp32")
 
 
-register_route_autograd(route)
+def _route(*args: Any) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        return route_ref(*args)
 
 
-@eager.custom_op("moe::update_selection_bias", mutates_args=("selection_bias",))
-def update_selection_bias(selection_bias: Tensor, experts_TK: Tensor, rate: float, training: bool) -> None:
+route = ROUTE_SCHEMA.define(NAMESPACE, _route)
+
+
+def _update_selection_bias(selection_bias: Tensor, experts_TK: Tensor, rate: float, training: bool) -> None:
     """In train mode, one balancing step of `selection_bias` in place (`update_selection_bias_ref`);
     in eval mode nothing. The bias is state, not a parameter: no gradient flows through this."""
     if training:
@@ -290,14 +282,19 @@ def update_selection_bias(selection_bias: Tensor, experts_TK: Tensor, rate: floa
             selection_bias.copy_(update_selection_bias_ref(selection_bias, experts_TK, rate))
 
 
-@update_selection_bias.register_fake
-def _(selection_bias, experts_TK, rate, training):
+def _update_selection_bias_fake(selection_bias, experts_TK, rate, training):
     E = selection_bias.shape[-1]
     H = selection_bias.numel() // E
     if selection_bias.dim() not in (1, 2) or experts_TK.dim() != 2 or experts_TK.shape[0] % H:
         raise ValueError(f"moe.update_selection_bias: selection_bias {tuple(selection_bias.shape)} must be [E] or "
                          f"[H, E] and experts_TK {tuple(experts_TK.shape)} [T*H, K]")
     return None
+
+
+UPDATE_SELECTION_BIAS_SCHEMA = OpSchema("update_selection_bias",
+                                        "Tensor(a0!) selection_bias, Tensor experts_TK, float rate, bool training", "()",
+                                        fake=_update_selection_bias_fake)
+update_selection_bias = UPDATE_SELECTION_BIAS_SCHEMA.define(NAMESPACE, _update_selection_bias)
 
 
 def expert_load_ref(experts_TK: Tensor, num_experts: int) -> Tensor:
@@ -313,8 +310,7 @@ def count_load_ref(counter_O: Tensor, experts_TK: Tensor) -> Tensor:
     return counter_O + expert_load_ref(experts_TK, counter_O.shape[0]).to(counter_O.dtype)
 
 
-@eager.custom_op("moe::count_load", mutates_args=("counter_O",))
-def count_load(counter_O: Tensor, experts_TK: Tensor, training: bool) -> None:
+def _count_load(counter_O: Tensor, experts_TK: Tensor, training: bool) -> None:
     """In train mode, add each expert's load to `counter_O` in place (`count_load_ref`); in eval mode nothing.
     The counter is the block's state (a buffer), never a parameter: nothing flows back through it."""
     if training:
@@ -322,31 +318,29 @@ def count_load(counter_O: Tensor, experts_TK: Tensor, training: bool) -> None:
             counter_O.copy_(count_load_ref(counter_O, experts_TK))
 
 
-@count_load.register_fake
-def _(counter_O, experts_TK, training):
+def _count_load_fake(counter_O, experts_TK, training):
     if counter_O.dim() != 1 or experts_TK.dim() != 2:
         raise ValueError(f"moe.count_load: counter_O {tuple(counter_O.shape)} must be [O] and experts_TK "
                          f"{tuple(experts_TK.shape)} [T, K]")
     return None
 
 
-@eager.custom_op("moe::capacity_keep", mutates_args=())
-def capacity_keep(experts_TK: Tensor, num_experts: int, capacity: int, group_size: int, k_major: bool) -> Tensor:
-    return capacity_keep_ref(experts_TK, num_experts, capacity, group_size, k_major)
+COUNT_LOAD_SCHEMA = OpSchema("count_load", "Tensor(a0!) counter_O, Tensor experts_TK, bool training", "()",
+                             fake=_count_load_fake)
+count_load = COUNT_LOAD_SCHEMA.define(NAMESPACE, _count_load)
 
 
-@capacity_keep.register_fake
-def _(experts_TK, num_experts, capacity, group_size, k_major):
+def _capacity_keep_fake(experts_TK, num_experts, capacity, group_size, k_major):
     return torch.empty_like(experts_TK, dtype=torch.bool)
 
 
-@eager.custom_op("moe::permute", mutates_args=())
-def permute(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    return permute_ref(x_TD, experts_TK, num_experts)
+CAPACITY_KEEP_SCHEMA = OpSchema(
+    "capacity_keep", "Tensor experts_TK, SymInt num_experts, SymInt capacity, SymInt group_size, bool k_major",
+    "Tensor", fake=_capacity_keep_fake)
+capacity_keep = CAPACITY_KEEP_SCHEMA.define(NAMESPACE, capacity_keep_ref)
 
 
-@permute.register_fake
-def _(x_TD, experts_TK, num_experts):
+def _permute_fake(x_TD, experts_TK, num_experts):
     T, D = x_TD.shape
     if experts_TK.shape[0] != T:
         raise ValueError(f"moe.permute: experts_TK has {experts_TK.shape[0]} rows, x_TD has T={T}")
@@ -373,16 +367,12 @@ def _permute_bwd(ctx, grad_x_ND, _grad_counts, _grad_order):
     return permute_backward(grad_x_ND, order_N, ctx.top_k), None, None
 
 
-eager.register_autograd(permute, _permute_bwd, setup_context=_permute_setup)
+PERMUTE_SCHEMA = OpSchema("permute", "Tensor x_TD, Tensor experts_TK, SymInt num_experts",
+                          "(Tensor, Tensor, Tensor)", fake=_permute_fake, autograd=(_permute_bwd, _permute_setup))
+permute = PERMUTE_SCHEMA.define(NAMESPACE, permute_ref)
 
 
-@eager.custom_op("moe::unpermute", mutates_args=())
-def unpermute(y_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
-    return unpermute_ref(y_ND, order_N, top_k)
-
-
-@unpermute.register_fake
-def _(y_ND, order_N, top_k):
+def _unpermute_fake(y_ND, order_N, top_k):
     N, D = y_ND.shape
     if order_N.shape != (N,):
         raise ValueError(f"moe.unpermute: order_N has shape {tuple(order_N.shape)}, expected (N={N},)")
@@ -403,16 +393,12 @@ def _unpermute_bwd(ctx, grad_y_TKD):
     return unpermute_backward(grad_y_TKD, order_N), None, None
 
 
-eager.register_autograd(unpermute, _unpermute_bwd, setup_context=_unpermute_setup)
+UNPERMUTE_SCHEMA = OpSchema("unpermute", "Tensor y_ND, Tensor order_N, SymInt top_k", "Tensor",
+                            fake=_unpermute_fake, autograd=(_unpermute_bwd, _unpermute_setup))
+unpermute = UNPERMUTE_SCHEMA.define(NAMESPACE, unpermute_ref)
 
 
-@eager.custom_op("moe::combine", mutates_args=())
-def combine(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
-    return combine_ref(y_TKD, weights_TK)
-
-
-@combine.register_fake
-def _(y_TKD, weights_TK):
+def _combine_fake(y_TKD, weights_TK):
     T, K, D = y_TKD.shape
     if weights_TK.shape != (T, K):
         raise ValueError(f"moe.combine: weights_TK has shape {tuple(weights_TK.shape)}, expected (T={T}, K={K})")
@@ -435,55 +421,17 @@ def _combine_bwd(ctx, grad_TD):
     return combine_backward(grad_TD, *ctx.saved_tensors)
 
 
-eager.register_autograd(combine, _combine_bwd, setup_context=_combine_setup)
+COMBINE_SCHEMA = OpSchema("combine", "Tensor y_TKD, Tensor weights_TK", "Tensor", fake=_combine_fake,
+                          autograd=(_combine_bwd, _combine_setup))
+combine = COMBINE_SCHEMA.define(NAMESPACE, combine_ref)
 
 
 
 
-# ----------------------------------------------------------------------------------------------
-# Autocast: the router in fp32, the experts in the autocast compute dtype.
-# ----------------------------------------------------------------------------------------------
-
-AUTOCAST_POLICIES = ("fp32", "compute", "preserve")
-_AUTOCAST_LIBS: dict[str, torch.library.Library] = {}
-
-
-def register_autocast(op: torch._ops.OpOverload, policy: str) -> None:
-    """Declare how `op` (a custom op's OpOverload, any namespace) behaves under autocast on CPU and CUDA.
-
-    "fp32": floating inputs cast to fp32 (routers). "compute": cast to the autocast dtype (expert
-    GEMMs). "preserve": inputs keep their dtypes (data movement); declared explicitly so eager and
-    compiled runs agree rather than depending on the fallthrough.
-    """
-    if policy not in AUTOCAST_POLICIES:
-        raise ValueError(f"register_autocast: policy {policy!r} is not one of {AUTOCAST_POLICIES}")
-    namespace, op_name = op._schema.name.split("::")
-    lib = _AUTOCAST_LIBS.get(namespace)
-    if lib is None:
-        lib = _AUTOCAST_LIBS[namespace] = torch.library.Library(namespace, "IMPL")
-    for device_type in ("cpu", "cuda"):
-        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-        keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-
-        def kernel(_keyset, *args, _device_type=device_type, _excluded=keyset):
-            if policy == "preserve":
-                cast_args = args
-            else:
-                dtype = torch.float32 if policy == "fp32" else torch.get_autocast_dtype(_device_type)
-                cast_args = tuple(
-                    a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() and a.device.type == _device_type
-                    else a
-                    for a in args
-                )
-            with torch._C._ExcludeDispatchKeyGuard(_excluded):
-                return op(*cast_args)
-
-        lib.impl(op_name, kernel, key, with_keyset=True)
-
-
-register_autocast(torch.ops.moe.route.default, "fp32")
-register_autocast(torch.ops.moe.expert_ffn.default, "compute")
-register_autocast(torch.ops.moe.expert_ffn_forward.default, "compute")
+# Autocast (each schema's policy): the router in fp32, the experts in the autocast compute dtype.
+SCHEMAS = {schema.name: schema for schema in (
+    ROUTE_SCHEMA, UPDATE_SELECTION_BIAS_SCHEMA, COUNT_LOAD_SCHEMA, CAPACITY_KEEP_SCHEMA, PERMUTE_SCHEMA,
+    EXPERT_FFN_SCHEMA, EXPERT_FFN_FORWARD_SCHEMA, EXPERT_FFN_BACKWARD_SCHEMA, UNPERMUTE_SCHEMA, COMBINE_SCHEMA)}
 
 # Ops of the dialect, by role (the verifier and the passes use these sets).
 ROUTE = torch.ops.moe.route.default

@@ -21,6 +21,7 @@ from torch import Tensor
 from moepass import eager, grouped_ffn
 from moepass.activations import activate, activate_backward
 from moepass.grouped_ffn import fused_gate_up
+from moepass.operands import OpSchema, register_autocast
 
 
 def expert_ffn_ref(
@@ -121,8 +122,11 @@ def expert_ffn_backward_ref(
 
 
 FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
-FFN_ARGS = ("Tensor x_ND, Tensor counts_E, Tensor w_gate_EFD, Tensor? w_up_EFD, Tensor w_down_EDF, "
-            "Tensor? b_gate_EF, Tensor? b_up_EF, Tensor? b_down_ED, str activation, float clamp_limit, float alpha")
+FFN_WEIGHTS = ("Tensor counts_E, Tensor w_gate_EFD, Tensor? w_up_EFD, Tensor w_down_EDF, "
+               "Tensor? b_gate_EF, Tensor? b_up_EF, Tensor? b_down_ED, str activation, float clamp_limit, float alpha")
+FFN_ARGS = "Tensor x_ND, " + FFN_WEIGHTS  # the operands of every expert FFN op, then each op's own
+EXPERT_FFN_SCHEMA = OpSchema("expert_ffn", FFN_ARGS + ", bool recompute=False", "Tensor", autocast="compute")
+FFN_WEIGHT_NAMES = tuple(o.name for o in EXPERT_FFN_SCHEMA.operands if o.name[:2] in ("w_", "b_"))  # weights, biases
 _FFN_LIBS: list[torch.library.Library] = []
 
 
@@ -214,7 +218,7 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
     namespace, name = qualname.split("::")
     lib = torch.library.Library(namespace, "FRAGMENT")
     _FFN_LIBS.append(lib)
-    lib.define(f"{name}({FFN_ARGS}, bool recompute=False) -> Tensor")
+    lib.define(name + EXPERT_FFN_SCHEMA.signature())
     ExpertFFN = expert_ffn_function(forward_op, backward_op, split_backward)
 
     def run(*args: Any) -> Tensor:  # no autograd: nothing to keep
@@ -241,6 +245,8 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
         return x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1])
 
     torch.library.register_fake(qualname, fake, lib=lib)
+    if EXPERT_FFN_SCHEMA.autocast is not None:
+        register_autocast(op, EXPERT_FFN_SCHEMA.autocast)
     return op
 
 
@@ -313,8 +319,7 @@ def ffn_gradient_fakes(
     return [x_ND.new_empty(0) if t is None else like(t) for t in inputs]
 
 
-@eager.custom_op("moe::expert_ffn_forward", mutates_args=())
-def expert_ffn_forward(
+def _expert_ffn_forward(
     x_ND: Tensor,
     counts_E: Tensor,
     w_gate_EFD: Tensor,
@@ -337,16 +342,19 @@ def expert_ffn_forward(
     return y_ND, h_gate, x_ND.new_empty(0) if h_up is None else h_up
 
 
-@expert_ffn_forward.register_fake
-def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
+def _expert_ffn_forward_fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
       alpha, save):
     check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
     return (x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1]),
             *saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, save))
 
 
-@eager.custom_op("moe::expert_ffn_backward", mutates_args=())
-def expert_ffn_backward(
+EXPERT_FFN_FORWARD_SCHEMA = OpSchema("expert_ffn_forward", FFN_ARGS + ", bool save", "(Tensor, Tensor, Tensor)",
+                                     fake=_expert_ffn_forward_fake, autocast="compute")
+expert_ffn_forward = EXPERT_FFN_FORWARD_SCHEMA.define("moe", _expert_ffn_forward)
+
+
+def _expert_ffn_backward(
     grad_y_ND: Tensor,
     x_ND: Tensor,
     h_gate_NF: Tensor,
@@ -369,9 +377,14 @@ def expert_ffn_backward(
     return [x_ND.new_empty(0) if g is None else g for g in grads]
 
 
-@expert_ffn_backward.register_fake
-def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
+def _expert_ffn_backward_fake(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
     return ffn_gradient_fakes(x_ND, *weights_and_options[:6], contiguous=False)
+
+
+EXPERT_FFN_BACKWARD_SCHEMA = OpSchema(
+    "expert_ffn_backward", "Tensor grad_y_ND, Tensor x_ND, Tensor h_gate_NF, Tensor h_up_NF, " + FFN_WEIGHTS,
+    "Tensor[]", fake=_expert_ffn_backward_fake)
+expert_ffn_backward = EXPERT_FFN_BACKWARD_SCHEMA.define("moe", _expert_ffn_backward)
 
 
 def expert_ffn_split_backward(grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor, h_up_NF: Tensor, *rest: Any,

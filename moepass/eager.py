@@ -89,12 +89,12 @@ def overload(qualname: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops, namespace), name).default
 
 
-def custom_op(qualname: str, *, mutates_args: Any) -> Callable[[Callable[..., Any]], Any]:
-    """`torch.library.custom_op(qualname, mutates_args=...)` that also registers the function as the op's
-    eager implementation (no autograd: `register_autograd` adds it)."""
+def custom_op(qualname: str, *, mutates_args: Any, schema: str | None = None) -> Callable[[Callable[..., Any]], Any]:
+    """`torch.library.custom_op(qualname, mutates_args=..., schema=...)` that also registers the function as the
+    op's eager implementation (no autograd: `register_autograd` adds it)."""
 
     def wrap(fn: Callable[..., Any]) -> Any:
-        op_def = torch.library.custom_op(qualname, fn, mutates_args=mutates_args)
+        op_def = torch.library.custom_op(qualname, fn, mutates_args=mutates_args, schema=schema)
         op = overload(qualname)
         _DEFINED[op_def] = (op, fn)
         register(op, EagerOp(op, fn))

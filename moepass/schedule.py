@@ -90,7 +90,7 @@ from torch import fx
 from moepass import dialect
 from moepass.canonical import MoEGraphModule
 from moepass.errors import PlanError
-from moepass.operands import operand, set_operand
+from moepass.operands import operand, operands_from, set_operand
 from moepass.passes import PassResult
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
@@ -356,7 +356,7 @@ def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
             env = clones[j]
             for node in by_phase[p]:
                 if node is permute:
-                    args = (pieces[0][j], pieces[1][j], *permute.args[2:])
+                    args = (pieces[0][j], pieces[1][j], *operands_from(permute, "num_experts"))
                 else:
                     args = fx.map_arg(node.args, functools.partial(_renamed, env))
                 kwargs = fx.map_arg(node.kwargs, functools.partial(_renamed, env))

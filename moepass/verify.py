@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from moepass import dialect
+from moepass.operands import argument_names, operand
 
 
 class VerificationError(AssertionError):
@@ -45,6 +46,7 @@ class Violation:
 
 COMM_NAMESPACES = ("_c10d_functional", "c10d", "moe_comm")
 LOWERED_NAMESPACE = "moe_lowered"
+SPLIT_OPERANDS = {"input", "input_split_sizes", "output_split_sizes"}  # an all-to-all with host split sizes
 SPLIT_TARGETS = {torch.split, torch.Tensor.split, torch.ops.aten.split_with_sizes.default}
 
 
@@ -57,10 +59,9 @@ def _getitem_user(node: fx.Node, index: int) -> list[fx.Node]:
 
 
 def _unpermute_top_k(node: fx.Node) -> int | None:
-    """The top_k an inverse restores: arg 2 of moe.unpermute and of the lowered ops fusing it."""
-    if len(node.args) > 2 and isinstance(node.args[2], int):
-        return node.args[2]
-    return None
+    """The top_k an inverse restores: the `top_k` operand of moe.unpermute and of the lowered ops fusing it."""
+    top_k = operand(node, "top_k") if "top_k" in argument_names(node.target) else None
+    return top_k if isinstance(top_k, int) else None
 
 
 def check_provenance(gm: fx.GraphModule) -> list[Violation]:
@@ -112,12 +113,13 @@ def check_pairing(gm: fx.GraphModule) -> list[Violation]:
                                      f"(moe.unpermute or a fused lowering); exactly 1 is required"))
                 continue
             k = _unpermute_top_k(inverses[0])
-            experts_val = n.args[1].meta.get("val") if isinstance(n.args[1], fx.Node) else None
+            experts_TK = operand(n, "experts_TK")
+            experts_val = experts_TK.meta.get("val") if isinstance(experts_TK, fx.Node) else None
             if k is not None and experts_val is not None and experts_val.shape[-1] != k:
                 out.append(Violation("V3 pairing", inverses[0].name,
                                      f"unpermute top_k={k} but its permute routed {experts_val.shape[-1]} choices"))
         if n.op == "call_function" and _is_inverse(n):
-            order = n.args[1]
+            order = operand(n, "order_N")
             src = order.args[0] if isinstance(order, fx.Node) and order.target is operator.getitem else None
             if not (_is_permute(src) or _is_comm(src)):
                 out.append(Violation("V3 pairing", n.name, f"its order argument {getattr(order, 'name', order)!r} "
@@ -162,9 +164,9 @@ def check_splits(gm: fx.GraphModule) -> list[Violation]:
             val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
             if val is not None:
                 pairs.append(("split sizes", n.args[1], int(val.shape[dim])))
-        if _namespace(n.target) in COMM_NAMESPACES and "all_to_all" in str(n.target):
-            out_splits, in_splits = n.args[1], n.args[2]
-            in_rows, out_rows = _rows(n.args[0]), _rows(n)
+        if _namespace(n.target) in COMM_NAMESPACES and SPLIT_OPERANDS <= set(argument_names(n.target)):
+            out_splits, in_splits = operand(n, "output_split_sizes"), operand(n, "input_split_sizes")
+            in_rows, out_rows = _rows(operand(n, "input")), _rows(n)
             if isinstance(in_splits, (list, tuple)) and in_rows is not None:
                 pairs.append(("input splits", in_splits, in_rows))
             if isinstance(out_splits, (list, tuple)) and out_rows is not None:

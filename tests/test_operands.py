@@ -5,7 +5,7 @@ import torch
 from torch import fx
 
 from moepass import dialect
-from moepass.operands import argument_names, operand, set_operand
+from moepass.operands import argument_names, operand, operands_from, set_operand
 
 
 def permute_call(**kwargs):
@@ -53,3 +53,10 @@ def test_a_plain_function_by_its_signature():
     x = graph.placeholder("x_ND")
     node = graph.call_function(run, (x, torch.ones(1)))
     assert operand(node, "x_ND") is x and operand(node, "scale") == 2.0
+
+
+def test_operands_from_a_name_on_as_passed():
+    _, node, _, _ = permute_call()
+    assert operands_from(node, "num_experts") == (4,)
+    _, node, _, _ = permute_call(num_experts=6)  # passed by keyword: not among the positional trailing operands
+    assert operands_from(node, "num_experts") == ()

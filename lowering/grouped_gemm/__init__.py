@@ -16,6 +16,8 @@ Every name the rest of the repository uses (the lower pass, tests, benchmarks) i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -86,78 +88,48 @@ def generated_source(
                                     b_down_ED, activation, clamp_limit, alpha))))
 
 
-@eager.custom_op("moe_lowered::expert_ffn_forward", mutates_args=())
-def expert_ffn_forward_op(
-    x_ND: Tensor,
-    counts_E: Tensor,
-    w_gate_EFD: Tensor,
-    w_up_EFD: Tensor | None,
-    w_down_EDF: Tensor,
-    b_gate_EF: Tensor | None,
-    b_up_EF: Tensor | None,
-    b_down_ED: Tensor | None,
-    activation: str,
-    clamp_limit: float,
-    alpha: float,
-    save: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """y_ND with the Triton kernels; nothing kept for backward (its first kernel recomputes gate/up)."""
-    args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
-            alpha)
+def _forward(*operands: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """y_ND with the Triton kernels; nothing kept for backward (its first kernel recomputes gate/up).
+    `operands`: moe.expert_ffn_forward's (the FFN's operands, then `save`)."""
+    args, x_ND = operands[:-1], operands[0]
     if eligible(*args) is None:
         return expert_ffn_forward(*unfused(args)), x_ND.new_empty(0), x_ND.new_empty(0)
-    return eager.call(torch.ops.moe.expert_ffn_forward.default, *args, save)  # the torch fallback
+    return eager.call(torch.ops.moe.expert_ffn_forward.default, *operands)  # the torch fallback
 
 
-@expert_ffn_forward_op.register_fake
-def _(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
-      alpha, save):
+def _forward_fake(*operands: Any) -> tuple[Tensor, Tensor, Tensor]:
+    args, save = operands[:-1], operands[-1]
+    x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, *_, activation = args[:9]
     dialect.check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
-    args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
-            alpha)
     keep = save and eligible(*args) is not None  # only the torch fallback keeps pre-activations
     return (x_ND.new_empty(x_ND.shape[0], w_down_EDF.shape[1]),
             *dialect.saved_activations(x_ND, w_gate_EFD, w_up_EFD is not None, keep))
 
 
-@eager.custom_op("moe_lowered::expert_ffn_backward", mutates_args=())
-def expert_ffn_backward_op(
-    grad_y_ND: Tensor,
-    x_ND: Tensor,
-    h_gate_NF: Tensor,
-    h_up_NF: Tensor,
-    counts_E: Tensor,
-    w_gate_EFD: Tensor,
-    w_up_EFD: Tensor | None,
-    w_down_EDF: Tensor,
-    b_gate_EF: Tensor | None,
-    b_up_EF: Tensor | None,
-    b_down_ED: Tensor | None,
-    activation: str,
-    clamp_limit: float,
-    alpha: float,
-) -> list[Tensor]:
-    """Backward of `moe_lowered::expert_ffn`; absent optional inputs get an empty tensor in their slot."""
-    args = (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
-            alpha)
+def _backward(grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor, h_up_NF: Tensor, *rest: Any) -> list[Tensor]:
+    """Backward of `moe_lowered::expert_ffn`; absent optional inputs get an empty tensor in their slot.
+    `rest`: counts_E, the weights, biases and options (moe.expert_ffn_backward's operands)."""
+    args = (x_ND, *rest)
     if eligible(*args) is None:
         grads = fused_grads(expert_ffn_backward(grad_y_ND, *unfused(args)), args)
         return [x_ND.new_empty(0) if g is None else g for g in grads]
     return eager.call(torch.ops.moe.expert_ffn_backward.default, grad_y_ND, x_ND, h_gate_NF, h_up_NF,  # torch fallback
-                      *args[1:])
+                      *rest)
 
 
-@expert_ffn_backward_op.register_fake
-def _(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
+def _backward_fake(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, *weights_and_options):
     # the kernels write contiguous gradients; the torch fallback writes them as the dialect's op does
     contiguous = eligible(x_ND, counts_E, *weights_and_options) is None
     return dialect.ffn_gradient_fakes(x_ND, *weights_and_options[:6], contiguous=contiguous)
 
 
+# the dialect's declarations (operands, autocast), with this family's fakes: the kernels keep nothing
+expert_ffn_forward_op = dialect.EXPERT_FFN_FORWARD_SCHEMA.define("moe_lowered", _forward, fake=_forward_fake)
+expert_ffn_backward_op = dialect.EXPERT_FFN_BACKWARD_SCHEMA.define("moe_lowered", _backward, fake=_backward_fake)
+
+
 expert_ffn = dialect.define_expert_ffn("moe_lowered::expert_ffn", torch.ops.moe_lowered.expert_ffn_forward,
                                        torch.ops.moe_lowered.expert_ffn_backward)
-codegen.register_autocast(torch.ops.moe_lowered.expert_ffn.default, "compute")
-codegen.register_autocast(torch.ops.moe_lowered.expert_ffn_forward.default, "compute")
 
 LOWERING = Lowering(
     family="grouped_gemm",

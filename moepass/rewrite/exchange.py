@@ -41,7 +41,7 @@ from torch import Tensor, fx
 from moepass import dialect, eager, generic_experts
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
-from moepass.operands import operand
+from moepass.operands import operand, operands_from
 from moepass.plan import Plan
 from moepass.runtime import collectives as comm
 from moepass.runtime import hierarchical as hier
@@ -163,9 +163,11 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
         if world > 1:  # expert-weight gradients / W, the input gradient unchanged (see grad_scale)
             x_MD = b.fn(grad_scale, x_MD, float(world), name="x_MD_grad_times_W")
         if ffn.target is dialect.EXPERT_FFN:
-            y_MD = b.fn(dialect.EXPERT_FFN, x_MD, counts_L, *local_weights, *ffn.args[8:], name="y_MD")
+            y_MD = b.fn(dialect.EXPERT_FFN, x_MD, counts_L, *local_weights, *operands_from(ffn, "activation"),
+                        name="y_MD")
         else:  # generic experts: the same template and tensor names, the local experts' tensors
-            y_MD = b.fn(ffn.target, x_MD, counts_L, *ffn.args[2:4], *local_weights, name="y_MD")
+            y_MD = b.fn(ffn.target, x_MD, counts_L, operand(ffn, "template"), operand(ffn, "names"),
+                        *local_weights, name="y_MD")
         if world > 1:
             y_MD = b.fn(grad_scale, y_MD, 1.0 / world, name="y_MD_grad_over_W")
         y_R1D = b.fn(dialect.UNPERMUTE, y_MD, order_R, 1, name="y_R1D")

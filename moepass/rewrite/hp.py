@@ -35,6 +35,7 @@ from torch import fx
 from moepass import canonical
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
+from moepass.operands import set_operand
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import grad_scale, named
@@ -93,7 +94,7 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
                       scaled={*attrs.values(), *layout.sharded}, world=world)
     local_heads(graph, z_RQl, Hl, h, E)
     permute = next(n for n in graph.nodes if n.op == "call_function" and n.target is canonical.dialect.PERMUTE)
-    permute.args = (*permute.args[:2], Hl * E)
+    set_operand(permute, "num_experts", Hl * E)
     if groups.dp_size > 1:  # the selection bias: updated from the load of every replica (the global batch)
         bias_over_group(graph, b, groups.dp_group.group_name, "update_selection_bias_over_replicas")
 

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from moepass import dialect
 from moepass.canonical import GraphBuilder, MoEGraphModule
 from moepass.errors import PlanError
+from moepass.operands import operand
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import insert_exchange, only
@@ -164,7 +165,7 @@ def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     # 3. the expert exchange inside the EP group: buckets are the group's X experts, L on each rank. Its own
     #    gradient scaling is off (world=1): the weight reads above already carry the 1/W.
     ffn = only(graph, dialect.EXPERT_FFN, "moe.expert_ffn")
-    ffn_weights = [a if isinstance(a, fx.Node) else None for a in ffn.args[2:8]]
+    ffn_weights = [a if isinstance(a, fx.Node) else None for a in (operand(ffn, name) for name in dialect.FFN_WEIGHT_NAMES)]
     insert_exchange(gm, b, buckets=X, local=L, group_name=expert_name, world=1, route=None,
                     issue_weights=lambda: (lambda: ffn_weights), axis="X")
 

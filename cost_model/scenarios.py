@@ -73,7 +73,8 @@ READ_FIELDS: dict[str, str] = {
     "models[].head_dim": "HP: the head width",
     "models[].experts_per_head": "HP: null (the case's E per head); a figure is refused",
     "models[].activation": "gated (SwiGLU: 3 matmuls) or not",
-    "models[].expert_parallel": "the case's EP degree (the routing's reference degree; the EP plans' degree)",
+    "models[].expert_parallel": "the case's EP degree: the routing skew's reference degree and the EP plans' (a "
+                                "locality set-up's systems lay the experts over all W ranks: stated on loading)",
     "models[].expert_slots_per_device": "FSEP's C",
     "models[].vocab": "the embeddings in the dense gradients",
     "models[].vocab_note": "'adaptive softmax': the embedding sized by adaptive_softmax (or its published defaults)",
@@ -81,7 +82,8 @@ READ_FIELDS: dict[str, str] = {
     "models[].adaptive_softmax.div_val": "the adaptive embedding's width per cluster",
     "systems[].id": "the row's name; 'fsdp' in it: FSDP+EP",
     "systems[].form": "ep, fsep, hp, locality",
-    "systems[].note": "parsed: 'TP n (tag)', 'EP n', 'prefetch depth n', 'replicat...'",
+    "systems[].note": "parsed: 'TP n (tag)', 'EP n', 'prefetch depth n', 'replicat...'; the rest is prose (LAER's "
+                      "'5-step history' is the history every planner here sees, cost_model.routing.HISTORY)",
     "systems[].routing": "locality set-ups: 'hash' or a learned router",
     "systems[].schedule": "Lina: partitioned / priority", "systems[].packing": "Lina's packing ('auto': searched)",
     "systems[].tp": "TP degree", "systems[].ep_size": "EP degree", "systems[].sharding": "'fsdp'",

@@ -124,13 +124,22 @@ def field_paths(scenario: dict[str, Any]) -> list[str]:
     return list(out)
 
 
+# what `cost_model.system_plans` reads in a system's note (its TP and EP degrees, FSEP's prefetch depth, replication)
+NOTE_FIGURES = re.compile(r"\bTP\s*[0-9]+|\bEP\s*[0-9]+|prefetch depth\s*[0-9]+|replicat", re.IGNORECASE)
+
+
 def _report_fields(sc: dict[str, Any], assumptions: list[str]) -> None:
-    """States each field of the file the model does not read, with why (`NOT_MODELLED`), or as unknown."""
+    """States each field of the file the model does not read, with why (`NOT_MODELLED`), or as unknown, and each
+    system note in which nothing is read."""
     for path in field_paths(sc):
         if path in READ_FIELDS:
             continue
         why = NOT_MODELLED.get(path, "unknown field: not read by the cost model (a typo, or a figure it lacks)")
         assumptions.append(f"field {path} not modelled: {why}")
+    for system in sc.get("systems") or []:
+        if system.get("note") and not NOTE_FIGURES.search(str(system["note"])):
+            assumptions.append(f"systems[{system.get('id')!r}].note: prose, nothing in it read (no TP / EP degree, "
+                               f"prefetch depth or replication): the system runs as its form and fields say")
 
 
 @dataclass(frozen=True)
@@ -197,6 +206,12 @@ def _inter_node_bw(cluster: dict[str, Any], assumptions: list[str]) -> float | N
     is at least half of, both readings are stated (a figure near one link's rate is per device only if every
     device has such a link)."""
     bw = cluster.get("inter_node_bw")
+    names = cluster.get("link_names") or []
+    found = LINK_RATE.search(str(names[-1])) if names else None
+    if names and (bw is None or found is None):
+        assumptions.append(f"cluster.link_names {names}: no inter-node figure and named rate to compare; the links' "
+                           f"structure (groups within a node, switch tiers) is not laid out: one intra-node and one "
+                           f"inter-node link per device")
     if bw is None:
         return None
     per = cluster.get("inter_node_bw_per", "device")
@@ -204,8 +219,6 @@ def _inter_node_bw(cluster: dict[str, Any], assumptions: list[str]) -> float | N
         raise ValueError(f"cluster.inter_node_bw_per={per!r}: use 'device' (a figure per device) or 'node' "
                          f"(shared by the node's {cluster['devices_per_node']} devices)")
     G = int(cluster["devices_per_node"])
-    names = cluster.get("link_names") or []
-    found = LINK_RATE.search(str(names[-1])) if names else None
     if found and "inter_node_bw_per" not in cluster:
         rate = float(found.group(1)) * (1e9 if found.group(2).upper() == "G" else 1e12) / 8  # bytes/s
         if float(bw) >= 0.5 * rate:

@@ -1,4 +1,4 @@
-"""Cost-model fidelity: predicted vs measured EP layer time on this machine (W=2, gloo).
+"""Cost-model fidelity: predicted vs measured EP and FSEP layer time on this machine (W=2, gloo).
 
     python -m cost_model.calibrate --out benchmarks/results/cost_profile.json   # the figures, same conditions
     python benchmarks/cost_fidelity.py                                          # 12 configs, ~1 min
@@ -27,6 +27,13 @@ the busiest rank's routed rows / (T*K) read from one untimed step's byte counter
 random router on random tokens: an input of the model, not a timing); `predicted_uniform` is the same
 formula with rho = 1 (dropless) and c_f = the capacity factor. No figure is fitted to these configs.
 
+FSEP (`--forms fsep`, or `ep,fsep`): the same block compiled with `Plan(form="fsep", slots_per_device=C)`, predicted
+by `cost_model.fsep.fsep_layer` (one block: the gradient slices waited at once) with rho the busiest rank's rows
+and the off-rank rows it sends or receives (both over T*K) read from the same untimed step's counters; the
+restore and the gradient slices are priced at the calibrated all-to-all figures. Results per form go to
+`by_form` (median and worst |rel err|, how many within 15 %); other --forms write cost_fidelity_<forms>.json.
+Locality routing is not measured here.
+
 Chunked all-to-all (a2a_chunks > 1) is not measured here: moepass pipelines only the forward, so
 `ep_layer`'s pipelined backward would not describe what runs.
 
@@ -53,6 +60,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cost_model import ep as cm  # noqa: E402
+from cost_model import fsep as fsep_formulas  # noqa: E402
 from cost_model.presets import Hardware, this_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,6 +77,8 @@ class Config:
     E: int
     K: int
     capacity: float | None = None  # Plan.capacity_factor (None: dropless)
+    form: str = "ep"  # "ep" or "fsep"
+    slots: int | None = None  # FSEP: Plan.slots_per_device (C)
 
 
 # Varies T, D, F, E, K and capacity; sized so the measured steps lie within ~4x of each other
@@ -87,11 +97,20 @@ CONFIGS = (
     Config(1024, 256, 448, 4, 2),
     Config(2048, 176, 384, 16, 2),
 )
+# FSEP over the same W=2 ranks (`--forms fsep`): C slots per device (E/W = 4 is EP's share; more lets the planner
+# replicate hot experts), dropless, the restore and the gradient slices on the same gloo link
+FSEP_CONFIGS = (
+    Config(1024, 128, 256, 8, 2, form="fsep", slots=4),
+    Config(2048, 128, 256, 8, 2, form="fsep", slots=4),
+    Config(1024, 128, 256, 8, 2, form="fsep", slots=5),
+    Config(2048, 160, 320, 8, 2, form="fsep", slots=5),
+)
 
 
-def predict(cfg: Config, hw: Hardware, factor: float | None = None) -> dict[str, float]:
-    """Cost-model step time (s) of one EP layer fwd+bwd and its terms; `factor`: rho (dropless) or the
-    kept fraction c_f (capacity) of the busiest rank, None for uniform routing."""
+def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: float | None = None) -> dict[str, float]:
+    """Cost-model step time (s) of one EP or FSEP layer fwd+bwd and its terms; `factor`: rho (dropless) or the
+    kept fraction c_f (capacity) of the busiest rank, None for uniform routing; `a2a_share` (FSEP): the rows the
+    busiest rank sends or receives off-rank over T*K (None: 1/2, uniform)."""
     dropless = cfg.capacity is None
     if factor is None:
         factor = 1.0 if cfg.capacity is None else cfg.capacity
@@ -99,7 +118,11 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None) -> dict[str,
     x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
          "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
          "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0}
-    t = cm.ep_layer(x, ep=W, n=1, dp=1, dropless=dropless, cross_node_dp=False)
+    if cfg.form == "fsep":  # one block: its gradient slices waited at once (not deferred)
+        share = 0.5 if a2a_share is None else a2a_share
+        t = fsep_formulas.fsep_layer(x, W=W, C=int(cfg.slots or 1), n=1, rho=factor, a2a_rows=(share, 0.0))
+    else:
+        t = cm.ep_layer(x, ep=W, n=1, dp=1, dropless=dropless, cross_node_dp=False)
     return {"step_s": float(t.step), "compute_s": float(t.compute), "a2a_s": float(t.a2a_exposed),
             "host_s": float(t.host), "dispatch_bytes": float(t.a2a_bytes), "factor": float(factor),
             "gemm_flops": float(x["R"])}
@@ -119,7 +142,12 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
         layers, inputs, routing = [], [], []
         for i, c in enumerate(configs):
             torch.manual_seed(i)  # the same block on both ranks
-            plan = moepass.Plan(form="ep", topology=moepass.Topology(1, W), a2a_chunks=1, capacity_factor=c.capacity)
+            if c.form == "fsep":
+                plan = moepass.Plan(form="fsep", topology=moepass.Topology(1, W), a2a_chunks=1,
+                                    slots_per_device=c.slots)
+            else:
+                plan = moepass.Plan(form="ep", topology=moepass.Topology(1, W), a2a_chunks=1,
+                                    capacity_factor=c.capacity)
             layer = moepass.compile(FusedMoE(c.D, c.F, c.E, c.K), plan)
             x = torch.randn(c.tokens, c.D, generator=torch.Generator().manual_seed(1000 * i + rank)).requires_grad_()
             moepass.reset_comm_stats()
@@ -234,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", type=int, default=None, help="the first N configurations (development)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "cost_fidelity.json")
+    parser.add_argument("--forms", default="ep", help="comma-separated forms to measure: ep, fsep (default ep)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON (default benchmarks/results/cost_fidelity.json; cost_fidelity_<forms>.json for "
+                             "other --forms)")
     parser.add_argument("--calibrate", action="store_true", help="run cost_model.calibrate into --profile first")
     parser.add_argument("--wait-load", type=float, default=None, metavar="L",
                         help="first wait (poll every 60 s, up to --wait-max s) for the 1-min load average < L")
@@ -243,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-after", action="store_true",
                         help="also calibrate right after measuring and report those predictions (drift check)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        tag = "_".join(sorted(set(args.forms.split(","))))
+        args.out = RESULTS / ("cost_fidelity.json" if tag == "ep" else f"cost_fidelity_{tag}.json")
     if args.plot_only:
         saved = json.loads(args.out.read_text())
         plot(saved["configs"], args.out.with_suffix(".png"), saved["spearman"], saved["median_abs_rel_error"])
@@ -263,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         if calibrate.main(["--out", str(args.profile), "--no-progress"]) != 0:
             return 1
     hw = this_machine(args.profile)
-    configs = CONFIGS[: args.only] if args.only else CONFIGS
+    forms = set(args.forms.split(","))
+    if forms - {"ep", "fsep"}:
+        parser.error(f"--forms {args.forms!r}: use ep, fsep or ep,fsep")
+    chosen = (CONFIGS if "ep" in forms else ()) + (FSEP_CONFIGS if "fsep" in forms else ())
+    configs = chosen[: args.only] if args.only else chosen
     if args.predict_only:
         for c in configs:
             p = predict(c, hw)
@@ -290,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         rows_SR = routing_rows(c, m["stats"])
         factor = float(rows_SR.sum(axis=0).max() / (c.tokens * c.K))
         exact = cm.exact_a2a(rows_SR, c.D, BYTES, G=W)
-        pred = predict(c, hw, factor)
+        off = rows_SR - np.diag(np.diag(rows_SR))
+        share = float(max(off.sum(axis=1).max(), off.sum(axis=0).max()) / (c.tokens * c.K))
+        pred = predict(c, hw, factor, share)
         meas = float(np.median(m["samples_s"]))
         rows.append({
             "config": asdict(c),
@@ -302,13 +342,18 @@ def main(argv: list[str] | None = None) -> int:
             "rel_error": (pred["step_s"] - meas) / meas,
         })
         if after is not None:
-            rows[-1]["predicted_after"] = predict(c, after["hw"], factor)
+            rows[-1]["predicted_after"] = predict(c, after["hw"], factor, share)
     pred_s = [r["predicted"]["step_s"] for r in rows]
     meas_s = [r["measured"]["step_s"] for r in rows]
     rho = spearman(pred_s, meas_s)
     med = float(np.median([abs(r["rel_error"]) for r in rows]))
     med_uniform = float(np.median([abs(r["predicted_uniform"]["step_s"] - r["measured"]["step_s"])
                                    / r["measured"]["step_s"] for r in rows]))
+    by_form = {}
+    for form in dict.fromkeys(r["config"]["form"] for r in rows):
+        errs = [abs(r["rel_error"]) for r in rows if r["config"]["form"] == form]
+        by_form[form] = {"configs": len(errs), "median_abs_rel_error": float(np.median(errs)),
+                         "worst_abs_rel_error": max(errs), "within_15pct": sum(e <= 0.15 for e in errs)}
     profile = json.loads(args.profile.read_text())
     out = {
         "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
@@ -321,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.time() - t0,
         "spearman": rho, "median_abs_rel_error": med, "median_abs_rel_error_uniform_routing": med_uniform,
         "measured_spread": max(meas_s) / min(meas_s),
+        "by_form": by_form,
         "configs": rows,
     }
     if after is not None:
@@ -336,14 +382,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"), rho, med)
-    print(f"{'T':>5} {'D':>4} {'F':>4} {'E':>3} {'K':>2} {'cap':>5} {'factor':>6} {'pred ms':>8} {'meas ms':>8} {'err':>7}")
+    print(f"{'form':>4} {'T':>5} {'D':>4} {'F':>4} {'E':>3} {'K':>2} {'cap':>5} {'factor':>6} {'pred ms':>8} "
+          f"{'meas ms':>8} {'err':>7}")
     for r in rows:
         c = r["config"]
-        print(f"{c['tokens']:>5} {c['D']:>4} {c['F']:>4} {c['E']:>3} {c['K']:>2} {str(c['capacity']):>5} "
+        print(f"{c['form'] + (str(c['slots']) if c['slots'] else ''):>4} {c['tokens']:>5} {c['D']:>4} {c['F']:>4} "
+              f"{c['E']:>3} {c['K']:>2} {str(c['capacity']):>5} "
               f"{r['predicted']['factor']:>6.3f} {r['predicted']['step_s'] * 1e3:>8.2f} "
               f"{r['measured']['step_s'] * 1e3:>8.2f} {100 * r['rel_error']:>+6.1f}%")
     print(f"Spearman = {rho:.3f}, median |rel err| = {100 * med:.1f}% (uniform routing: {100 * med_uniform:.1f}%), "
           f"measured spread {out['measured_spread']:.2f}x, load {load_before[0]:.2f} -> {load_after[0]:.2f}")
+    for form, f in by_form.items():
+        print(f"{form}: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
+              f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
     if "calibration_after" in out:
         a = out["calibration_after"]
         print(f"calibration re-run after the measurement (load {a['load_average'][0]:.2f}): Spearman "

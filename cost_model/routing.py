@@ -33,7 +33,7 @@ MEASURED_SWITCH_SHAPE = (8, 2)  # (experts, ranks) it was measured at
 DRIFT_SIGMA = 0.2
 DRIFT_RHO = 0.9
 DRIFT_SEED = 0
-HISTORY = 5  # steps the FSEP / replication planners see (LAER's "5-step history"; a system's note overrides)
+HISTORY = 5  # steps the FSEP / replication planners see (LAER's note's "5-step history"; the same for every system)
 
 
 

@@ -6,6 +6,10 @@ The ranking is the step timeline's: every candidate is priced by `cost_model.sys
 (`Candidate.formula`) and give the winner's printed expression; where they and the timeline differ (the
 timeline lays out chunks, buckets and the dense compute step by step), the timeline ranks.
 
+This module holds `search` and its inputs; the types and constants are in `cost_model.search_types`, the per-form
+figures and expressions in `cost_model.search_forms`, the result and its table in `cost_model.search_result`,
+each re-exported here (`from cost_model.search import BlockShape, ...` keeps working).
+
 Candidates: no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
 ep_size in the divisors of W, dropless or a capacity factor, a2a_chunks in powers of two, and expert
 packing, FSEP over all W ranks with C slots per device (ceil(E/W) .. ceil(E/W) + 2, only where
@@ -59,31 +63,16 @@ ranked and shown (HP's best also below the table), but `best` skips them unless
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import sympy
-
-from cost_model import fsep as fsep_formulas
-from cost_model import hp as hp_formulas
 from cost_model import model_cases
-from cost_model import symbols as S
 from cost_model.ep import (
     LayerTerms,
     dense_allreduce_tail,
-    ep_alone,
-    ep_layer,
     ep_step,
     expert_params,
-    matmuls,
-    rank_rows,
-    zipf_counts,
-    zipf_for_imbalance,
 )
-from cost_model.ep import imbalance as ep_rows_imbalance
 from cost_model.presets import MICRO_OP_BYTES, Hardware, resolve_hardware
 
 # the plan search on a published set-up, re-exported where `python -m moepass search --scenario` finds it
@@ -91,256 +80,25 @@ from cost_model.scenario_search import ScenarioSearch as ScenarioSearch
 from cost_model.scenario_search import rank_case as rank_case
 from cost_model.scenario_search import scenario_contexts as scenario_contexts
 from cost_model.scenario_search import search_scenario as search_scenario
-from cost_model.schedule import DDP_BUCKET_BYTES, DEFAULT_CHUNKS, POLICIES
-
-CAPACITY_FACTORS: tuple[float | None, ...] = (None, 1.0, 1.25, 2.0)
-PACKINGS = (1, 2, 4)
-SLOT_RANGE = 3  # FSEP: C = ceil(E/W) .. ceil(E/W) + SLOT_RANGE - 1
-NOT_MODELLED = {
-    "locality": "locality routing (LocMoE): not modelled yet",
-}
-HP_CHANGE = "changes the model: Multi-Head LatentMoE"
-# forms priced but not run on blocks with zero-compute experts: their rewrites raise a PlanError (the note shown)
-ZERO_COMPUTE_REFUSED = {
-    "capacity": "capacity with identity / zero experts: the rewrite refuses it",
-    "fsep": "FSEP with identity / zero experts: the rewrite refuses it (its buckets are expert slots)",
-}
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """What the cost model reads from an MoESpec."""
-
-    E: int  # FFN experts (zero-compute experts have no weights and are not counted)
-    K: int
-    D: int
-    F: int
-    m: int
-    cf: float | None  # the model's own capacity factor; None: dropless
-    # dense parameters of the block's layer, all-reduced over all ranks (attention, norms, its share of the
-    # embeddings); None: 4 D^2, the attention projections (`search`'s `dense_params` overrides it)
-    dense: float | None = None
-    # the share of the T*K routed assignments that reach FFN experts (`cost_model.symbols.phi`): the rest pick
-    # zero-compute experts (identity or zero), which EP neither sends nor computes; E/R under uniform routing
-    ffn_fraction: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.ffn_fraction <= 1:
-            raise ValueError(f"BlockShape.ffn_fraction={self.ffn_fraction!r} is invalid: it is the share of the "
-                             f"routed assignments that reach FFN experts, in (0, 1] (1 without zero-compute experts)")
-
-    @property
-    def dense_params(self) -> float:
-        return 4 * self.D**2 if self.dense is None else self.dense
-
-    @property
-    def zero_compute(self) -> bool:
-        """Whether some assignments pick zero-compute experts (forms whose rewrite refuses them are not run)."""
-        return self.ffn_fraction < 1
-
-    @classmethod
-    def of(cls, spec: Any, tokens: int) -> BlockShape:
-        """The block's shape; with zero-compute experts the FFN share under uniform routing, E/R."""
-        cap = spec.capacity
-        cf = None
-        if cap is not None:
-            cf = cap.capacity_factor if cap.fixed is None else cap.fixed * spec.num_experts / (tokens * spec.top_k)
-        x = spec.experts
-        return cls(E=x.num_experts, K=spec.top_k, D=x.hidden_dim, F=x.ffn_dim, m=matmuls(x.gated), cf=cf,
-                   ffn_fraction=x.ffn_fraction)
-
-
-@dataclass(frozen=True)
-class Routed:
-    """What FSEP's planner makes of the search's routing for one block (`moepass.runtime.placement.planned_routing`)."""
-
-    rho: float  # the busiest device's rows over the mean under the planner's table
-    a2a_rows: tuple[float, float]  # (intra, inter) rows of the token all-to-all's slowest rank, over T*K*phi
-    ep_rho: float  # plain EP's max/mean on the same counts (at the planner's reference EP degree)
-    table: str  # the planner's candidate: "even" or "proportional"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    form: str
-    ep_size: int  # ranks the experts are sharded over (1 for "single"; W for "fsep")
-    capacity_factor: float | None
-    a2a_chunks: int
-    packing: int
-    terms: LayerTerms  # summed over blocks, seconds per step (memory in bytes)
-    feasible: bool  # fits device memory, and its rewrite runs these blocks (`ZERO_COMPUTE_REFUSED`)
-    math_changing: bool
-    notes: tuple[str, ...] = ()
-    slots: int | None = None  # FSEP: expert slots per device (C)
-    routing: tuple[Routed, ...] = ()  # FSEP: per block
-    latent: tuple[Any, ...] = ()  # HP: per block, the `moepass.rewrite.latent.LatentShape` it converts to
-    # the per-layer formulas' terms (`cost_model.ep.ep_step`, `fsep_layer`, `hp_layer`): what `expression` writes
-    # out; `terms` is the step timeline's price (`cost_model.model_cases`), which ranks
-    formula: LayerTerms | None = None
-
-    @property
-    def step(self) -> float:
-        return float(self.terms.step)
-
-    @property
-    def label(self) -> str:
-        if self.form == "single":
-            return "single"
-        if self.form == "fsep":
-            return f"fsep C={self.slots} n={self.a2a_chunks}"
-        if self.form == "hp":
-            return f"hp={self.ep_size} H={self.latent[0].heads} h={self.latent[0].head_dim}"
-        cf = "dropless" if self.capacity_factor is None else f"cf={self.capacity_factor:g}"
-        pack = f" P={self.packing}" if self.packing > 1 else ""
-        return f"ep={self.ep_size}{pack} {cf} n={self.a2a_chunks}"
-
-    def plan_kwargs(self) -> dict[str, Any]:
-        """The Plan fields this candidate sets (`Plan(**kwargs)`, or `plan.replace(**kwargs)` for form="auto")."""
-        if self.form == "single":
-            return {"form": "single"}
-        if self.form == "fsep":
-            return {
-                "form": "fsep",
-                "ep_size": self.ep_size,
-                "slots_per_device": self.slots,
-                "capacity_factor": None,
-                "a2a_chunks": self.a2a_chunks,
-                "packing": 1,
-            }
-        if self.form == "hp":  # one Plan.heads for every block; head_dim where they share it (else D/H each)
-            dims = {shape.head_dim for shape in self.latent}
-            return {
-                "form": "hp",
-                "ep_size": self.ep_size,
-                "heads": self.latent[0].heads,
-                "head_dim": dims.pop() if len(dims) == 1 else None,
-                "capacity_factor": None,
-                "packing": 1,
-            }  # no a2a_chunks: HP's exchange is not chunked (Plan refuses the field under form="hp")
-        return {
-            "form": "ep",
-            "ep_size": self.ep_size,
-            "capacity_factor": self.capacity_factor,
-            "a2a_chunks": self.a2a_chunks,
-            "packing": self.packing,
-        }
-
-
-@dataclass
-class SearchResult:
-    ranked: list[Candidate]
-    hardware: Hardware
-    world_size: int
-    nodes: int
-    ranks_per_node: int
-    tokens: int
-    allow_math_changes: bool
-    shapes: list[BlockShape] = field(default_factory=list)
-    imbalance: float = 1.0
-    not_modelled: dict[str, str] = field(default_factory=lambda: dict(NOT_MODELLED))
-    schedule: str = "fair"  # how EP's all-to-all and gradient all-reduce share a link (`search`)
-    links: list[dict[str, Any]] = field(default_factory=list)  # per block: P_d, q, u (`_link_figures`)
-    routing: str = "uniform"  # the routing priced (`cost_model.model_cases.routing_of`), as the table says it
-
-    @functools.cached_property
-    def expression(self) -> sympy.Expr | None:
-        """The winner's time per layer in symbols (plan choices fixed), None without an eligible plan."""
-        return self._expressions()[0] if self.eligible() else None
-
-    @functools.cached_property
-    def expression_substituted(self) -> sympy.Expr | None:
-        """The winner's step time with every figure substituted but T (tokens per rank)."""
-        return self._expressions()[1] if self.eligible() else None
-
-    def _expressions(self) -> tuple[sympy.Expr, sympy.Expr]:
-        if self.best.form in ("fsep", "hp"):
-            if self.best.form == "fsep":
-                generic, substituted = _fsep_expressions(self.best, self.shapes, self.hardware, self.ranks_per_node)
-            else:
-                generic, substituted = _hp_expressions(self.best, self.shapes, self.hardware, self.world_size,
-                                                       self.nodes, self.ranks_per_node)
-            cross = self.nodes > 1  # plus the dense all-reduce every form pays (`_with_dense_tail`)
-            tail = dense_allreduce_tail({**self.hardware.values(), **self.links[0]}, self.world_size, cross_node=cross)
-            return (generic + dense_allreduce_tail(_symbols(), S.W, cross_node=cross),
-                    (substituted + sympy.sympify(tail)).evalf(4))
-        return _winner_expressions(self.best, self.shapes, self.hardware, self.world_size, self.nodes,
-                                   self.ranks_per_node, self.imbalance, self.schedule, self.links, self.tokens)
-
-    def eligible(self) -> list[Candidate]:
-        """The ranked candidates `best` may pick: feasible, and not math-changing unless allowed."""
-        return [c for c in self.ranked if c.feasible and (self.allow_math_changes or not c.math_changing)]
-
-    @property
-    def best(self) -> Candidate:
-        eligible = self.eligible()
-        if not eligible:
-            raise ValueError("no feasible plan: every candidate exceeds device memory or cannot run these blocks "
-                             "(the table's notes say which); add ranks or shrink the batch")
-        return eligible[0]
-
-    @property
-    def runner_up(self) -> Candidate | None:
-        eligible = self.eligible()
-        return eligible[1] if len(eligible) > 1 else None
-
-    def to_plan_kwargs(self) -> dict[str, Any]:
-        return self.best.plan_kwargs()
-
-    def __str__(self) -> str:
-        """`print(moepass.search(...))`: the ranked table (`table()`), not the dataclass's repr."""
-        return self.table()
-
-    def table(self, limit: int = 12) -> str:
-        head = (
-            f"plans for W={self.world_size} ({self.nodes} node(s) x {self.ranks_per_node}), T={self.tokens} "
-            f"tokens/rank, hardware {self.hardware.name} ({self.hardware.flops.source})"
-            + ("" if self.hardware.calibrated else " (UNCALIBRATED)") + f", routing {self.routing}; each plan priced "
-            f"on the step timeline (cost_model.systems.price, as `python -m cost_model` prices a set-up)"
-        )
-        rows = [("#", "plan", "step ms", "compute", "exposed a2a", "other comm", "mem GB/rank", "notes")]
-        for i, c in enumerate(self.ranked[:limit], 1):
-            t = c.terms
-            rows.append(
-                (
-                    str(i),
-                    c.label,
-                    _ms(c.step),
-                    _ms(t.compute),
-                    _ms(t.a2a_exposed),
-                    _ms(t.other_comm),
-                    f"{float(t.memory) / 1e9:.3g}",
-                    "; ".join(c.notes),
-                )
-            )
-        widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
-        lines = [head] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-        if len(self.ranked) > limit:
-            lines.append(f"... {len(self.ranked) - limit} more")
-        if self.eligible():
-            lines.append(
-                f"best: {self.best.label}" + (f"; runner-up: {self.runner_up.label}" if self.runner_up else "")
-            )
-        else:
-            lines.append("no eligible plan: every candidate exceeds device memory, cannot run these blocks or "
-                         "changes the math")
-        if self.expression_substituted is not None:
-            lines.append(f"best, by the per-layer formulas: step time [s] = {self.expression_substituted}")
-        hp = next((i for i, c in enumerate(self.ranked, 1) if c.form == "hp"), None)
-        if hp is not None:
-            c = self.ranked[hp - 1]
-            lines.append(f"hp: changes the model: {c.latent[0].summary()}; best {c.label}: {_ms(c.step)} ms/step, "
-                         f"#{hp} of {len(self.ranked)}"
-                         + ("" if self.allow_math_changes else "; never picked unless math changes are allowed"))
-        lines += [f"{form}: {why}" for form, why in self.not_modelled.items()]
-        return "\n".join(lines)
-
-
-def _ms(seconds: Any) -> str:
-    return f"{float(seconds) * 1e3:.4g}"
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+from cost_model.schedule import DEFAULT_CHUNKS, POLICIES
+from cost_model.search_forms import block_figures as block_figures
+from cost_model.search_forms import divisors as divisors
+from cost_model.search_forms import ep_imbalance as ep_imbalance
+from cost_model.search_forms import fsep_candidate as fsep_candidate
+from cost_model.search_forms import hp_candidate as hp_candidate
+from cost_model.search_forms import link_figures as link_figures
+from cost_model.search_forms import routed_of as routed_of
+from cost_model.search_forms import skewed_counts as skewed_counts
+from cost_model.search_result import SearchResult as SearchResult
+from cost_model.search_types import CAPACITY_FACTORS as CAPACITY_FACTORS
+from cost_model.search_types import HP_CHANGE as HP_CHANGE
+from cost_model.search_types import NOT_MODELLED as NOT_MODELLED
+from cost_model.search_types import PACKINGS as PACKINGS
+from cost_model.search_types import SLOT_RANGE as SLOT_RANGE
+from cost_model.search_types import ZERO_COMPUTE_REFUSED as ZERO_COMPUTE_REFUSED
+from cost_model.search_types import BlockShape as BlockShape
+from cost_model.search_types import Candidate as Candidate
+from cost_model.search_types import Routed as Routed
 
 
 def topology_of(topology: Any) -> tuple[int, int]:
@@ -375,39 +133,6 @@ def specs_of(specs_or_model: Any) -> list[Any]:
 def hardware_of(profile: Any) -> Hardware:
     """`search`'s `profile` as figures: `cost_model.presets.resolve_hardware` (None: this machine)."""
     return resolve_hardware(profile)
-
-
-def _figures(shape: BlockShape, hw: Hardware, T: float, G: int, rho: float, cf: float | None,
-             recompute: bool | None = None, link: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The symbol values of one block; `link`: its dense gradients and all-reduce unit (`_link_figures`),
-    which only EP prices."""
-    return {
-        **hw.values(),
-        **({} if recompute is None else {"r_c": float(recompute)}),
-        **(link or {}),
-        "T": T,
-        "K": shape.K,
-        "D": shape.D,
-        "F": shape.F,
-        "m": shape.m,
-        "E": shape.E,
-        "G": G,
-        "rho": rho,
-        "c_f": cf if cf is not None else 1.0,
-        "phi": shape.ffn_fraction,
-    }
-
-
-def _symbols(shapes: Sequence[BlockShape] = ()) -> dict[str, Any]:
-    """Every symbol of the table, and phi where a block has zero-compute experts (1 otherwise: not shown)."""
-    optional = {"phi": S.phi} if any(s.zero_compute for s in shapes) else {}
-    return {**{name: info.symbol for name, info in S.TABLE.items()}, **optional}
-
-
-def _link_figures(shape: BlockShape, seq: int, schedule: str, micro_op_bytes: int) -> dict[str, Any]:
-    """P_d, q and u of a block: its dense parameters, the sequence length, the all-reduce unit of `schedule`."""
-    unit = micro_op_bytes if schedule == "priority" else DDP_BUCKET_BYTES
-    return {"P_d": shape.dense_params, "q": seq, "u": unit}
 
 
 def dense_params_of(model: Any, shapes: Sequence[BlockShape]) -> int | None:
@@ -486,7 +211,7 @@ def search(
         if dense_params < 0:
             raise ValueError(f"search got dense_params={dense_params!r}: a parameter count, >= 0")
         shapes = [dataclasses.replace(s, dense=dense_params / len(shapes)) for s in shapes]
-    links = [_link_figures(s, int(batch[1]), schedule, micro_op_bytes) for s in shapes]
+    links = [link_figures(s, int(batch[1]), schedule, micro_op_bytes) for s in shapes]
     restricted = ep_sizes is not None
     eps = sorted(set(ep_sizes)) if ep_sizes is not None else [d for d in divisors(W) if d > 1]
     if imbalance < 1:
@@ -494,7 +219,7 @@ def search(
 
     def price(ep_eff: int, cf: float | None, n: int, dropless_blocks: bool) -> LayerTerms:
         block_cfs = [cf if cf is not None else shape.cf for shape in shapes]
-        xs = [_figures(shape, hw, T, per_node, ep_imbalance(shape, T, W, ep_eff, imbalance), block_cf, recompute, link)
+        xs = [block_figures(shape, hw, T, per_node, ep_imbalance(shape, T, W, ep_eff, imbalance), block_cf, recompute, link)
               for shape, block_cf, link in zip(shapes, block_cfs, links)]
         return ep_step(xs, ep=ep_eff, n=n, dp=W // ep_eff, dropless=[c is None for c in block_cfs],
                        cross_node_dp=nodes > 1, policy=schedule)
@@ -516,7 +241,7 @@ def search(
             notes.append(f"experts on {ep_eff} ranks x{packing} replicas")
         return Candidate(form, ep_size, cf, n, packing, terms, feasible, changing, tuple(notes))
 
-    x_last = _figures(shapes[0], hw, T, per_node, imbalance, shapes[0].cf, recompute, links[0])
+    x_last = block_figures(shapes[0], hw, T, per_node, imbalance, shapes[0].cf, recompute, links[0])
     dense_tail = dense_allreduce_tail(x_last, W, cross_node=nodes > 1)
     cands = [candidate("single", 1, 1, None, 1)]
     seen: set[tuple[int, float | None, int]] = set()
@@ -544,14 +269,14 @@ def search(
         for C in sorted(set(wanted)):
             if W * C < E_max:
                 continue  # every expert needs a slot
-            routing = tuple(_routed(shape, hw, T, W, per_node, C, imbalance, recompute) for shape in shapes)
+            routing = tuple(routed_of(shape, hw, T, W, per_node, C, imbalance, recompute) for shape in shapes)
             for n in chunks:
-                cands.append(_with_dense_tail(_fsep_candidate(shapes, routing, hw, T, W, per_node, C, n, recompute),
+                cands.append(_with_dense_tail(fsep_candidate(shapes, routing, hw, T, W, per_node, C, n, recompute),
                                               dense_tail))
     wanted_hp = [d for d in divisors(W) if d > 1] if hp_sizes is None and not restricted else (hp_sizes or ())
     skipped = []
     for P in sorted(set(wanted_hp)):
-        hp = _hp_candidate(blocks, shapes, hw, T, W, nodes, per_node, P, heads, head_dim, recompute)
+        hp = hp_candidate(blocks, shapes, hw, T, W, nodes, per_node, P, heads, head_dim, recompute)
         if isinstance(hp, str):
             skipped.append(hp)
         else:
@@ -588,178 +313,4 @@ def _with_dense_tail(c: Candidate, tail: float) -> Candidate:
     pays for them: the last block's dense all-reduce, which no compute hides (EP prices it in `ep_step`)."""
     return dataclasses.replace(c, terms=c.terms + LayerTerms(0, 0, tail, 0, 0))
 
-
-def skewed_counts(T: int, K: int, E: int, W: int, imbalance: float, ffn_fraction: float = 1.0) -> np.ndarray:
-    """[W, E] routed rows to the E FFN experts, T*K*ffn_fraction per source rank (the assignments that pick
-    zero-compute experts are neither sent nor computed), whose plain-EP max/mean is `imbalance`: every rank
-    routes with the same Zipf popularity (`cost_model.ep.zipf_counts`), fitted at the planner's reference EP
-    degree (the largest divisor of W that divides E; E when that is 1)."""
-    ep = max(d for d in divisors(W) if E % d == 0)
-    ep = E if ep == 1 else ep
-    s = zipf_for_imbalance(imbalance, T, K, E, ep) if imbalance > 1 else 0.0
-    return zipf_counts(T, K, E, W, s) * ffn_fraction
-
-
-@functools.lru_cache(maxsize=1024)
-def ep_imbalance(shape: BlockShape, T: int, W: int, ep: int, imbalance: float) -> float:
-    """max/mean rows per rank of EP over `ep` ranks when it is `imbalance` at the reference degree (the largest
-    divisor of W that divides E): the same Zipf popularity (`skewed_counts`) placed on ep ranks, the first
-    ep of the source ranks forming the group (as `cost_model.simulate` groups packed ranks)."""
-    reference = max(d for d in divisors(W) if shape.E % d == 0)
-    if imbalance <= 1 or ep == reference or ep == 1 or shape.E % ep:
-        return imbalance
-    counts = skewed_counts(T, shape.K, shape.E, W, imbalance)
-    return ep_rows_imbalance(rank_rows(counts[:ep], ep))
-
-
-@functools.lru_cache(maxsize=256)
-def _routed(shape: BlockShape, hw: Hardware, T: int, W: int, G: int, C: int, imbalance: float,
-            recompute: bool | None) -> Routed:
-    """The planner's table for this block's skewed counts and what it leaves: FSEP's max/mean and token bytes."""
-    from moepass.runtime.placement import planned_routing
-
-    counts = skewed_counts(T, shape.K, shape.E, W, imbalance, shape.ffn_fraction)
-    routed = planned_routing(counts, hw, C=C, ranks_per_node=G, D=shape.D, F=shape.F, gated=shape.m == 3,
-                             recompute=recompute)
-    v = hw.values()
-    a2a_rows = routed.busiest_a2a_rows(G, v["B_intra"], v["B_inter"])
-    return Routed(routed.max_over_mean, a2a_rows, routed.decision.ep_max_over_mean, routed.decision.candidate)
-
-
-def _fsep_figures(shape: BlockShape, hw: Hardware, T: Any, G: int, recompute: bool | None) -> dict[str, Any]:
-    return _figures(shape, hw, T, G, 1.0, None, recompute)
-
-
-def _fsep_candidate(shapes: list[BlockShape], routing: tuple[Routed, ...], hw: Hardware, T: int, W: int, G: int,
-                    C: int, n: int, recompute: bool | None) -> Candidate:
-    total: LayerTerms | None = None
-    for i, (shape, r) in enumerate(zip(shapes, routing)):  # the first block's gradient exchange is waited at
-        terms = fsep_formulas.fsep_layer(_fsep_figures(shape, hw, T, G, recompute), W=W, C=C, n=n, rho=r.rho,
-                                         a2a_rows=r.a2a_rows, deferred_grads=i > 0)  # once, the others deferred
-        total = terms if total is None else total + terms
-    assert total is not None
-    v = hw.values()
-    # one layer's restored experts and their gradients at a time (Plan.keep_restored=False, the default), plus
-    # the deferred exchange's send and receive buffers (Plan.defer_expert_grads=True, the default)
-    grads = max(C * float(fsep_formulas.expert_elements(s.D, s.F, s.m)) * (v["b"] + 3 * v["b_g"]) for s in shapes)
-    total = total + LayerTerms(0, 0, 0, grads, 0)
-    notes = []
-    feasible = float(total.memory) <= float(hw.memory)
-    if not feasible:
-        notes.append(f"needs {float(total.memory) / 1e9:.3g} GB > {float(hw.memory) / 1e9:.3g} GB")
-    if any(s.zero_compute for s in shapes):
-        feasible = False
-        notes.append(ZERO_COMPUTE_REFUSED["fsep"])
-    worst = max(routing, key=lambda r: r.rho)
-    notes.append(f"planner max/mean {worst.rho:.3g} vs EP {worst.ep_rho:.3g} ({worst.table} table)")
-    return Candidate("fsep", W, None, n, 1, total, feasible, False, tuple(notes), slots=C, routing=routing)
-
-
-def _latent_input(block: Any, shape: BlockShape) -> Any:
-    """The MoESpec `moepass.rewrite.latent.latent_shape` converts: the block's own, or one built from a bare
-    BlockShape (swiglu when gated, gelu otherwise; a capacity factor is refused, as the conversion does)."""
-    from moepass.spec import CapacitySpec, ExpertsSpec, MoESpec, RouterSpec, TensorSource
-
-    if not isinstance(block, BlockShape):
-        return block
-    gated = shape.m == 3
-    return MoESpec(
-        path="block", recogniser="cost_model", router=RouterSpec(num_experts=shape.E, top_k=shape.K),
-        experts=ExpertsSpec(num_experts=shape.E, hidden_dim=shape.D, ffn_dim=shape.F,
-                            activation="swiglu" if gated else "gelu",
-                            w_up=TensorSource.param("experts.w_up") if gated else None),
-        capacity=None if shape.cf is None else CapacitySpec(capacity_factor=shape.cf),
-    )
-
-
-def _hp_figures(shape: BlockShape, latent: Any, hw: Hardware, T: Any, G: int,
-                recompute: bool | None) -> dict[str, Any]:
-    """`_figures` for the Multi-Head LatentMoE a block converts to: H, h, E per head, F its experts' width."""
-    return {**_figures(shape, hw, T, G, 1.0, None, recompute), "H": latent.heads, "h": latent.head_dim,
-            "E": latent.experts, "F": latent.ffn_dim}
-
-
-def _hp_candidate(blocks: list[Any], shapes: list[BlockShape], hw: Hardware, T: int, W: int, nodes: int, G: int,
-                  P: int, heads: int | None, head_dim: int | None, recompute: bool | None) -> Candidate | str:
-    """HP over P ranks for every block (each converted at equal active parameters), or why not."""
-    from moepass.errors import PlanError
-    from moepass.plan import Plan
-    from moepass.rewrite.latent import latent_shape
-
-    if W % P or P < 2:
-        return f"P={P} is not a divisor > 1 of the {W} ranks"
-    try:
-        plan = Plan(form="hp", heads=heads, head_dim=head_dim, ep_size=P)
-        latent = tuple(latent_shape(_latent_input(b, s), plan, P) for b, s in zip(blocks, shapes))
-    except PlanError as err:
-        return f"P={P}: {err}"
-    total: LayerTerms | None = None
-    for shape, lat in zip(shapes, latent):
-        terms = hp_formulas.hp_layer(_hp_figures(shape, lat, hw, T, G, recompute), ep=P, dp=W // P,
-                                     cross_node=nodes > 1)
-        total = terms if total is None else total + terms
-    assert total is not None
-    notes = []
-    feasible = float(total.memory) <= float(hw.memory)
-    if not feasible:
-        notes.append(f"needs {float(total.memory) / 1e9:.3g} GB > {float(hw.memory) / 1e9:.3g} GB")
-    notes.append(f"{HP_CHANGE} (active params/token {latent[0].active_before:,} -> {latent[0].active_after:,})")
-    return Candidate("hp", P, None, 1, 1, total, feasible, True, tuple(notes), latent=latent)
-
-
-def _winner_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, W: int, nodes: int, G: int,
-                        rho: float, schedule: str, links: list[dict[str, Any]],
-                        T: int) -> tuple[sympy.Expr, sympy.Expr]:
-    """The winner's time per layer in symbols (a model of one such layer), and its step time with every
-    figure substituted but T: the layers alone on their links as formulas of T, plus the all-reduce's
-    contention (waits, exposed all-reduce) as its number at the search's T (a formula chained over the
-    layers is too large to print)."""
-    ep_eff = best.ep_size // best.packing
-    plan: dict[str, Any] = dict(ep=ep_eff, n=best.a2a_chunks, dp=W // ep_eff, cross_node_dp=nodes > 1)
-    cfs = [best.capacity_factor if best.capacity_factor is not None else shape.cf for shape in shapes]
-    generic = sympy.sympify(ep_layer(_symbols(shapes), dropless=cfs[0] is None, policy=schedule, **plan).step)
-    xs = [_figures(shape, hw, T, G, ep_imbalance(shape, T, W, ep_eff, rho), cf, link=link)
-          for shape, cf, link in zip(shapes, cfs, links)]
-
-    def alone(x: dict[str, Any], cf: float | None) -> Any:
-        return ep_alone(x, dropless=cf is None, **plan)[0].step
-
-    contention = float(ep_step(xs, dropless=[cf is None for cf in cfs], policy=schedule, **plan).step) - sum(
-        float(alone(x, cf)) for x, cf in zip(xs, cfs))
-    substituted = sum((sympy.sympify(alone({**x, "T": S.T}, cf)) for x, cf in zip(xs, cfs)), sympy.Integer(0))
-    return generic, (sympy.simplify(substituted) + contention).evalf(4)
-
-
-def _fsep_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, G: int) -> tuple[sympy.Expr,
-                                                                                               sympy.Expr]:
-    """An FSEP winner's time per layer in symbols (rho: the planner's max/mean; the all-to-all's rows as
-    fractions of T*K*phi from its routing), and its step time with every figure substituted but T."""
-    C = best.slots
-    assert C is not None
-
-    def formula(x: dict[str, Any], r: Routed, rho: Any, deferred: bool) -> sympy.Expr:
-        return sympy.sympify(fsep_formulas.fsep_layer(x, W=best.ep_size, C=C, n=best.a2a_chunks, rho=rho,
-                                                      a2a_rows=r.a2a_rows, deferred_grads=deferred).step)
-
-    generic = formula(_symbols(shapes), best.routing[0], S.rho, True)  # a layer whose gradient exchange is deferred
-    substituted = sympy.Integer(0)
-    for i, (shape, r) in enumerate(zip(shapes, best.routing)):
-        substituted += formula({**_fsep_figures(shape, hw, 0, G, None), "T": S.T}, r, r.rho, i > 0)
-    return generic, sympy.simplify(substituted).evalf(4)
-
-
-def _hp_expressions(best: Candidate, shapes: list[BlockShape], hw: Hardware, W: int, nodes: int,
-                    G: int) -> tuple[sympy.Expr, sympy.Expr]:
-    """An HP winner's time per layer in symbols (H, h, E per head, F the latent experts' width), and its
-    step time with every figure substituted but T."""
-    P = best.ep_size
-
-    def formula(x: dict[str, Any]) -> sympy.Expr:
-        return sympy.sympify(hp_formulas.hp_layer(x, ep=P, dp=W // P, cross_node=nodes > 1).step)
-
-    generic = formula(_symbols())
-    substituted = sympy.Integer(0)
-    for shape, latent in zip(shapes, best.latent):
-        substituted += formula({**_hp_figures(shape, latent, hw, 0, G, None), "T": S.T})
-    return generic, sympy.simplify(substituted).evalf(4)
 

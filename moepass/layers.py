@@ -46,8 +46,9 @@ LAYERS = (
           "detection, the canonical graph, each form's rewrite, the schedule and lower passes, the pipeline"),
     Layer("face",
           ("moepass", "moepass.__main__", "moepass.api", "moepass.backend.*", "moepass.cli", "moepass.inspect",
-           "moepass.selfcheck.*", "moepass.train.*", "moepass.fsdp", "moepass.checkpoint", "cost_model.search", "cost_model.systems",
-           "cost_model.model_cases", "cost_model.system_plans", "cost_model.scenario_search",
+           "moepass.selfcheck.*", "moepass.train.*", "moepass.fsdp", "moepass.checkpoint", "cost_model.search",
+           "cost_model.search_forms", "cost_model.search_result", "cost_model.systems", "cost_model.model_cases",
+           "cost_model.system_plans", "cost_model.scenario_search",
            "cost_model.simulate", "cost_model.calibrate", "cost_model.__main__"),
           ("core", "lowering", "cost", "runtime", "passes"),
           "what users call: compile / explain / detect, the torch.compile backend, checkpoints, the CLI, "

@@ -333,14 +333,18 @@ def test_table_names_the_three_systems_and_nodes_gt_experts(simulated):
     assert "locality set-up: each of the E experts on one home node" in text
 
 
-def test_capacity_from_the_scenario_system(simulated):
+def test_capacity_from_the_scenario_system():
     """A system's capacity_factor and delta: C rows per (source rank, expert), the floor from delta (D = 5120)."""
     scenario = json.loads(SCENARIO.read_text())
     scenario["cluster_sizes_devices"] = [64]
+    # 8192 tokens per device (the set-up's own batch note gives 256, where no capacity clips)
+    scenario["batch"] = {"global_batch_sequences": 8 * 64, "sequence_length": 1024}
+    uncapped = simulate.simulate(scenario)
     delta = 3.8 / math.sqrt(5120)  # floor = 1/(16 * mass) ~ 430 rows > T c_f / E = 8192 * 0.5 / 16 = 256
     scenario["systems"] = [{**s, "capacity_factor": 0.5, "delta": delta} for s in scenario["systems"]]
     capped = {p.system: p for p in simulate.simulate(scenario).predictions}
-    case = cases(SCENARIO).cases[0]
+    case = cases(scenario).cases[0]
+    assert case.tokens == 8192
     C = expert_capacity(case.tokens, 16, 0.5, capacity_floor(delta, 16, case.D))
     assert C == math.ceil(capacity_floor(delta, 16, case.D)) > case.tokens * 0.5 / 16  # the floor binds
     placement, b = Placement(16, 8, 8), 2
@@ -349,7 +353,7 @@ def test_capacity_from_the_scenario_system(simulated):
         assert p.plan["cap"] == C
         f = rank_bytes(placement, case.tokens, case.D, b, router_ratio(router, placement), C)["hosting"]
         assert p.breakdown["inter_node_bytes"] == pytest.approx(4 * case.layers * f.sent_inter, rel=2e-2)  # skew
-        dropless = next(q for q in simulated.predictions if q.system == system and q.case == case.label)
+        dropless = next(q for q in uncapped.predictions if q.system == system and q.case == case.label)
         clipped = {key: p.breakdown[key] < dropless.breakdown[key] for key in ("inter_node_bytes", "intra_node_bytes")}
         # the switch sends T/16 = 512 rows to every expert: clipped everywhere; LocMoE sends (1 - lam) T / 14 ~ 167
         # to each remote expert (kept) and lam T / 2 ~ 2924 to each local one (clipped)

@@ -36,13 +36,14 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # Tests by kind (pyproject's markers, --strict-markers): `distributed` spawns ranks, `slow` takes more than a
 # few seconds, `gpu` needs CUDA, `unit` is everything else (`pytest -m unit` runs in one process). A test is
 # marked `distributed` by hand, or here when it, or a function of its module it calls, calls the rank pool
-# (`pool(W)`); `_pool_runs_are_marked` fails a test that ran a case on the pool without the mark, so the
+# (`pool(W)`, or a `Pool(W)` of its own); `_pool_runs_are_marked` fails a test that ran a case on the pool without the mark, so the
 # marks cannot go stale.
 KINDS = ("distributed", "slow", "gpu")
 
 
 def _pool_callers(module) -> set[str]:
-    """Names of the module's functions that call `pool(...)`, directly or through the module's other functions."""
+    """Names of the module's functions that call `pool(...)` or make a `Pool(...)`, directly or through the
+    module's other functions."""
     try:
         tree = ast.parse(inspect.getsource(module))
     except (OSError, TypeError, SyntaxError):
@@ -52,7 +53,7 @@ def _pool_callers(module) -> set[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             calls[node.name] = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call)
                                 and isinstance(c.func, ast.Name)}
-    found = {name for name, called in calls.items() if "pool" in called}
+    found = {name for name, called in calls.items() if called & {"pool", "Pool"}}  # the shared pool, or one of its own
     while True:
         more = {name for name, called in calls.items() if called & found} - found
         if not more:

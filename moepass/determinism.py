@@ -67,16 +67,29 @@ def enable() -> None:
     torch.use_deterministic_algorithms(True)
 
 
+Mode = tuple[bool, bool]  # torch's switch: (deterministic algorithms on, warn only)
+
+
+def switch_on() -> Mode:
+    """Turn deterministic algorithms on; returns the mode they replaced (for `restore`)."""
+    mode = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    return mode
+
+
+def restore(mode: Mode) -> None:
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+
 @contextlib.contextmanager
 def deterministic() -> Iterator[None]:
     """Deterministic algorithms on inside the block, the previous mode restored after it."""
     check_environment()
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True)
+    mode = switch_on()
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        restore(mode)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -99,20 +112,17 @@ class BackwardMode:
     the mode to restore is kept here once, not per scope."""
 
     def __init__(self) -> None:
-        self.saved: tuple[bool, bool] | None = None
+        self.saved: Mode | None = None
 
     def enter(self) -> None:
         if self.saved is None:
-            self.saved = (torch.are_deterministic_algorithms_enabled(),
-                          torch.is_deterministic_algorithms_warn_only_enabled())
-            torch.use_deterministic_algorithms(True)
+            self.saved = switch_on()
             Variable._execution_engine.queue_callback(self.exit)
 
     def exit(self) -> None:
         assert self.saved is not None
-        enabled, warn_only = self.saved
-        self.saved = None
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        mode, self.saved = self.saved, None
+        restore(mode)
 
 
 BACKWARD = BackwardMode()
@@ -127,25 +137,16 @@ class Scope:
     it runs under the switch too). Nested or re-entrant calls restore in order (a stack)."""
 
     def __init__(self, module: torch.nn.Module | None = None) -> None:
-        self.saved: list[tuple[bool, bool]] = []
+        self.saved: list[Mode] = []
         self.handles = [] if module is None else [
             module.register_forward_pre_hook(self.enter_forward),
             module.register_forward_hook(self.exit_forward, always_call=True)]
 
-    def push(self) -> None:
-        self.saved.append((torch.are_deterministic_algorithms_enabled(),
-                           torch.is_deterministic_algorithms_warn_only_enabled()))
-        torch.use_deterministic_algorithms(True)
-
-    def pop(self) -> None:
-        enabled, warn_only = self.saved.pop()
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-
     def enter_forward(self, module: torch.nn.Module | None, args: Any) -> None:
-        self.push()
+        self.saved.append(switch_on())
 
     def exit_forward(self, module: torch.nn.Module | None, args: Any, output: Any) -> None:
-        self.pop()
+        restore(self.saved.pop())
         if torch.is_grad_enabled():
             for tensor in _tensors(output):
                 if tensor.requires_grad:

@@ -201,12 +201,6 @@ class CompileInfo:
     stages: list[dict[str, Any]] = field(default_factory=list)  # the model stages: name, seconds, what they did
 
 
-def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, name, module)
-
-
 @contextlib.contextmanager
 def stage(info: CompileInfo, name: str, **stats: Any) -> Iterator[dict[str, Any]]:
     """One model stage, timed and recorded in `info.stages` (the block stages' `run_pass` for the model)."""
@@ -237,7 +231,7 @@ def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace
                 gm = compile_block(spec, target.get_submodule(spec.path) if spec.path else target, block_plan)
                 info.rewritten[spec.path] = gm
                 if spec.path:
-                    set_submodule(target, spec.path, gm)
+                    target.set_submodule(spec.path, gm)
                 else:
                     target = gm
             stats.update(rewritten=len(info.rewritten), skipped=len(info.skipped))

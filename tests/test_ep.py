@@ -41,13 +41,12 @@ def _reference_with_capacity(model, plan):
 
     import moepass
     from moepass import canonical
-    from moepass.pipeline import set_submodule
     from moepass.rewrite.ep import ep_capacity
 
     ref = copy.deepcopy(model)
     for spec in moepass.detect(model).blocks:
         spec = spec.replace(capacity=ep_capacity(spec, plan))
-        set_submodule(ref, spec.path, canonical.build(spec, ref.get_submodule(spec.path)))
+        ref.set_submodule(spec.path, canonical.build(spec, ref.get_submodule(spec.path)))
     return ref
 
 

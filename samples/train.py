@@ -160,7 +160,13 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
         for layer in decoder_layers(cm):
             layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
     if args.fsdp:
+        if args.form == "none" and args.unused_grads == "skip":
+            raise SystemExit("--form none --fsdp --unused-grads skip: FSDP2 reduce-scatters the gradients a rank "
+                             "has, so a loop-style expert no local token chose leaves the ranks out of step; use "
+                             "--unused-grads zero (the default)")
         for layer in decoder_layers(cm):
+            if args.form == "none":
+                touch_every_parameter(layer)
             moepass.fully_shard(layer)
         moepass.fully_shard(cm)
         if args.grad_sync == "scheduler":
@@ -173,6 +179,24 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, world: int):
     device_ids = [torch.cuda.current_device()] if next(cm.parameters()).is_cuda else None
     # the untouched loop-style MoE gives no gradient to an expert no local token chose; moepass's forms always do
     return cm, DDP(cm, device_ids=device_ids, find_unused_parameters=args.form == "none")
+
+
+def touch_every_parameter(layer: torch.nn.Module) -> None:
+    """The untouched model under FSDP2: every parameter of `layer` gets a gradient on every rank, a zero one
+    where the forward never read it (a loop-style MoE skips an expert no local token chose). FSDP2
+    reduce-scatters the gradients each rank has, so without this the ranks send different sizes (gloo:
+    "Received data size doesn't match expected size"). The layer's first tensor output gains
+    0 * (one element of each parameter): the values are unchanged and a used parameter's gradient gains an
+    exact zero. Registered before `fully_shard`, the hook runs while FSDP2 holds the parameters unsharded."""
+
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
+        zero = sum(p.reshape(-1)[0] for p in module.parameters() if p.requires_grad) * 0
+        if isinstance(out, torch.Tensor):
+            return out + zero
+        first = next(i for i, o in enumerate(out) if isinstance(o, torch.Tensor))
+        return type(out)(o + zero if i == first else o for i, o in enumerate(out)) if isinstance(out, tuple) else out
+
+    layer.register_forward_hook(hook)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

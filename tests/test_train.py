@@ -24,6 +24,7 @@ Runs are subprocesses (`python -m moepass train --nproc 2`, which spawns its glo
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -119,6 +120,64 @@ def test_build_optimizer_steps_with_foreach_on_a_dtensor_mix():
     tests/test_optim.py checks its values)."""
     plain = pool(2).run(case_foreach)
     assert plain[0] and all(torch.isfinite(t).all() for t in plain[0].values())
+
+
+class SkippingExperts(torch.nn.Module):
+    """A loop-style MoE layer reduced to its hazard: expert i runs only when `use[i]` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x, use):
+        return x + sum(e(x) for e, u in zip(self.experts, use) if u)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(SkippingExperts() for _ in range(2))
+
+    def forward(self, x, use):
+        for layer in self.layers:
+            x = layer(x, use)
+        return x.square().sum()
+
+
+def case_fsdp_touch(rank, world):
+    import torch.distributed as dist
+
+    import moepass
+    from samples.train import touch_every_parameter
+
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    use = [(True, False), (True, True)][rank]  # rank 0 never reads expert 1
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    ref_out = reference(x, use)
+    ref_out.backward()
+    for p in reference.parameters():  # DDP's rule: the mean over ranks, a zero where a rank read nothing
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        p.grad = g / world
+    for layer in model.layers:
+        touch_every_parameter(layer)
+        moepass.fully_shard(layer)
+    moepass.fully_shard(model)
+    out = model(x, use)
+    out.backward()
+    assert torch.equal(out.detach(), ref_out.detach())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7, msg=name)
+    return True
+
+
+@pytest.mark.distributed
+def test_fsdp2_on_the_untouched_loop_model_gives_every_expert_a_gradient():
+    """--form none --fsdp: a layer that skips an expert on one rank only still reduce-scatters the same
+    gradients on every rank (touch_every_parameter), each equal to DDP's mean."""
+    assert pool(2).run(case_fsdp_touch) == [True, True]
 
 
 # ---- parity with the untouched model, and crash + resume (W=2, subprocesses) -----------------------------

@@ -155,19 +155,13 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
     if plan.batch is None:
         raise PlanError("Plan.form='auto' needs Plan.batch=(batch, seq) tokens per rank for the cost model; "
                         "pass it, or name a form explicitly.")
-    from cost_model.search import BlockShape, dense_params_of, search
+    from cost_model.search import BlockShape, PlanSpace, Pricing, dense_params_of, search
 
     topology = plan.topology if plan.topology is not None else default_topology()
-    slots = None if plan.slots_per_device is None else (plan.slots_per_device,)
     tokens = plan.batch[0] * plan.batch[1]
-    skew = plan.routing_skew
-    imbalance, trace = (float(skew), None) if isinstance(skew, (int, float)) else (1.0, skew)
     dense = dense_params_of(model, [BlockShape.of(spec, tokens) for spec in report.blocks]) if model is not None else None
-    result = (search(report.blocks, topology, plan.batch, profile=plan.hardware, recompute=plan.expert_recompute,
-                     slots=slots, heads=plan.heads, head_dim=plan.head_dim, allow_math_changes=False,
-                     dense_params=dense, schedule="priority" if plan.grad_sync == "scheduler" else "fair",
-                     micro_op_bytes=plan.micro_op_bytes, imbalance=imbalance, trace=trace,
-                     prefetch_depth=plan.prefetch_depth)
+    result = (search(report.blocks, topology, plan.batch, PlanSpace.of(plan), profile=plan.hardware,
+                     pricing=Pricing.of(plan, dense_params=dense))
               if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
     return plan.as_form(**chosen), result  # the fields that do not act under the chosen form back at their defaults

@@ -6,11 +6,12 @@ The ranking is the step timeline's: every candidate is priced by `cost_model.sys
 (`Candidate.formula`) and give the winner's printed expression; where they and the timeline differ (the
 timeline lays out chunks, buckets and the dense compute step by step), the timeline ranks.
 
-This module holds `search` and its inputs; the types and constants are in `cost_model.search_types`, the per-form
-figures and expressions in `cost_model.search_forms`, the result and its table in `cost_model.search_result`,
-each re-exported here (`from cost_model.search import BlockShape, ...` keeps working).
+This module holds `search`; what it prices (`PlanSpace`, per form `EPSpace` / `FSEPSpace` / `HPSpace`) and
+with which figures (`Pricing`) are in `cost_model.search_space`, the types and constants in
+`cost_model.search_types`, the per-form figures and expressions in `cost_model.search_forms`, the result and
+its table in `cost_model.search_result`, each re-exported here (`from cost_model.search import BlockShape, ...`).
 
-Candidates: no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
+Candidates (the default `PlanSpace`): no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
 ep_size in the divisors of W, dropless or a capacity factor, a2a_chunks in powers of two, and expert
 packing, FSEP over all W ranks with C slots per device (ceil(E/W) .. ceil(E/W) + 2, only where
 W*C >= E) and a2a_chunks, and HP over every divisor P > 1 of W. Each is priced per step on the busiest
@@ -38,7 +39,7 @@ max/mean sets FSEP's compute and the rows lite routing sends set its all-to-all
 
 Packing P hosts P times the experts of plain EP on each device: the experts span ep/P ranks and are
 replicated P times, which in this model is the same as ep_size = ep/P. Equivalent candidates are
-priced once (the plain form is kept) unless the caller restricts `ep_sizes`.
+priced once (the plain form is kept) unless the plan space names the EP degrees (`EPSpace.sizes`).
 
 HP is an architecture change (docs/DESIGN.md: math-changing forms happen only when the plan names them): the
 standard block becomes the Multi-Head LatentMoE `moepass.rewrite.latent.latent_shape` converts it to
@@ -57,7 +58,7 @@ rewrites refuse them (`ZERO_COMPUTE_REFUSED`: infeasible, with the reason in the
 
 Capacity factors are math-changing for a dropless model (tokens can be dropped), HP always: they are
 ranked and shown (HP's best also below the table), but `best` skips them unless
-`allow_math_changes=True`; `Plan(form="auto")` never sets it.
+`PlanSpace(allow_math_changes=True)`; `Plan(form="auto")` never sets it.
 """
 
 from __future__ import annotations

@@ -15,12 +15,14 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Generic, TypeVar, cast, overload
+from typing import Generic, Literal, TypeAlias, TypeVar, cast, overload
 
 from cost_model.presets import MICRO_OP_BYTES
 from moepass.errors import PlanError, nearest
 from moepass.plan_options import (
     CHECKS,
+    DEFAULT_ALPHA,
+    DEFAULT_PREFETCH_DEPTH,
     DOES,
     FORM_OPTIONS,
     FORMS,
@@ -46,23 +48,20 @@ from moepass.plan_options import (
     choice,
     forms_with,
 )
-from moepass.plan_options import (
-    DEFAULT_ALPHA as DEFAULT_ALPHA,
-)
-from moepass.plan_options import (
-    DEFAULT_PREFETCH_DEPTH as DEFAULT_PREFETCH_DEPTH,
-)
 
-__all__ = [
-    "ACTS_UNDER", "DISTRIBUTED_FORMS", "FORMS", "GATES", "GRAD_SYNCS", "LOWERINGS", "MATH_CHANGING_FORMS",
-    "PLAN_FIELDS", "PLAN_WIDE", "AutoOptions", "EPOptions", "FSEPOptions", "FormOptions", "HPOptions",
-    "LocalityOptions", "Plan", "Planner", "SingleOptions", "TopologyLike",
+__all__ = [  # the option classes and constants are re-exported: `from moepass.plan import EPOptions`
+    "ACTS_UNDER", "DEFAULT_ALPHA", "DEFAULT_MICRO_OP_BYTES", "DEFAULT_PREFETCH_DEPTH", "DISTRIBUTED_FORMS",
+    "FLAT_FIELDS", "FORMS", "GATES", "GRAD_SYNCS", "LOWERINGS", "MATH_CHANGING_FORMS", "PLAN_FIELDS", "PLAN_WIDE",
+    "AutoOptions", "EPOptions", "FSEPOptions", "FormOptions", "HPOptions", "LocalityOptions", "Plan", "Planner",
+    "SingleOptions", "TopologyLike",
 ]
 
 MATH_CHANGING_FORMS = ("hp", "locality")
 DISTRIBUTED_FORMS = ("ep", "fsep", "hp", "locality")  # need torch.distributed initialised
-LOWERINGS = ("auto", "triton", "torch")
-GRAD_SYNCS = ("none", "scheduler")
+Lowering: TypeAlias = Literal["auto", "triton", "torch"]
+LOWERINGS: tuple[Lowering, ...] = ("auto", "triton", "torch")
+GradSync: TypeAlias = Literal["none", "scheduler"]
+GRAD_SYNCS: tuple[GradSync, ...] = ("none", "scheduler")
 PLAN_WIDE = ("deterministic", "grad_sync", "strict")  # process- or model-wide: not overridable per block
 DEFAULT_MICRO_OP_BYTES = MICRO_OP_BYTES  # one figure for the runtime and the cost model's priority pricing
 
@@ -128,13 +127,13 @@ class Plan:
     # the options the whole plan gives the blocks whose Plan.blocks override names another form, one per such form
     block_options: tuple[FormOptions, ...] = ()
     micro_op_bytes: int = DEFAULT_MICRO_OP_BYTES
-    lowering: str = "auto"
+    lowering: Lowering = "auto"
     deterministic: bool = False
     # gradient synchronisation over the ranks: "none" (yours: DDP / FSDP2 for the dense gradients; replicated
     # experts summed by a blocking gradient hook) or "scheduler" (compile installs the priority scheduler,
     # runtime.grad_sync.GradientSync: dense gradients averaged and expert-replica gradients summed as micro-ops of
     # <= micro_op_bytes, launched only while no all-to-all is queued or running; do not also wrap it in DDP)
-    grad_sync: str = "none"
+    grad_sync: GradSync = "none"
     expert_recompute: bool = False  # expert backward recomputes gate/up GEMMs instead of keeping 2*N*F activations
     # {module path or glob: dict of flat fields | None (leave the block alone)}; __init__ makes None an empty dict
     blocks: dict[str, dict[str, object] | None] = None  # type: ignore[assignment]

@@ -52,6 +52,7 @@ class TopologyLike(Protocol):
     def world_size(self) -> int: ...
 
 
+@dataclass(frozen=True)
 class Options:
     """The options of one form. Each field is checked by `CHECKS[name]` (which may normalise it: routing rows
     become tuples); `_check` relates fields of the same form."""
@@ -59,7 +60,7 @@ class Options:
     form: ClassVar[Form]
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
+        for f in fields(self):
             value = getattr(self, f.name)
             checked = CHECKS[f.name](value)
             if checked is not value:
@@ -71,7 +72,7 @@ class Options:
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ FormOptions: TypeAlias = SingleOptions | EPOptions | FSEPOptions | HPOptions | L
 FORM_OPTIONS: dict[str, type[FormOptions]] = {
     cls.form: cls for cls in (SingleOptions, EPOptions, FSEPOptions, HPOptions, LocalityOptions, AutoOptions)}
 OPTION_DEFAULTS: dict[str, object] = {
-    f.name: f.default for cls in FORM_OPTIONS.values() for f in fields(cls)}  # type: ignore[arg-type]
+    f.name: f.default for cls in FORM_OPTIONS.values() for f in fields(cls)}
 
 # What each option does, for the error that refuses it under a form without it.
 DOES = {

@@ -142,7 +142,8 @@ def _meta_needs_single(plan: Plan, report: DetectionReport, model: nn.Module) ->
 
 def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = None):
     """`form="auto"`: ask the cost model, priced with `Plan.hardware`; returns (the concrete plan, the
-    search result or None). The gradient all-reduce shares the all-to-all's link as the plan runs it
+    search result or None). It searches `PlanSpace.of(plan)` priced with `Pricing.of(plan)`
+    (`cost_model.search_space`). The gradient all-reduce shares the all-to-all's link as the plan runs it
     (`Plan(grad_sync="scheduler")`: priority, micro-ops of `Plan.micro_op_bytes`; otherwise DDP's fair
     sharing), with `model`'s dense parameters (all but the detected experts, embeddings included; without
     a model, the attention projections), and the routing `Plan.routing_skew` gives (uniform when None: a skew or a

@@ -6,11 +6,12 @@ The ranking is the step timeline's: every candidate is priced by `cost_model.sys
 (`Candidate.formula`) and give the winner's printed expression; where they and the timeline differ (the
 timeline lays out chunks, buckets and the dense compute step by step), the timeline ranks.
 
-This module holds `search` and its inputs; the types and constants are in `cost_model.search_types`, the per-form
-figures and expressions in `cost_model.search_forms`, the result and its table in `cost_model.search_result`,
-each re-exported here (`from cost_model.search import BlockShape, ...` keeps working).
+This module holds `search`; what it prices (`PlanSpace`, per form `EPSpace` / `FSEPSpace` / `HPSpace`) and
+with which figures (`Pricing`) are in `cost_model.search_space`, the types and constants in
+`cost_model.search_types`, the per-form figures and expressions in `cost_model.search_forms`, the result and
+its table in `cost_model.search_result`, each re-exported here (`from cost_model.search import BlockShape, ...`).
 
-Candidates: no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
+Candidates (the default `PlanSpace`): no rewrite ("single": every rank keeps every expert, data parallel over W), EP with
 ep_size in the divisors of W, dropless or a capacity factor, a2a_chunks in powers of two, and expert
 packing, FSEP over all W ranks with C slots per device (ceil(E/W) .. ceil(E/W) + 2, only where
 W*C >= E) and a2a_chunks, and HP over every divisor P > 1 of W. Each is priced per step on the busiest
@@ -38,7 +39,7 @@ max/mean sets FSEP's compute and the rows lite routing sends set its all-to-all
 
 Packing P hosts P times the experts of plain EP on each device: the experts span ep/P ranks and are
 replicated P times, which in this model is the same as ep_size = ep/P. Equivalent candidates are
-priced once (the plain form is kept) unless the caller restricts `ep_sizes`.
+priced once (the plain form is kept) unless the plan space names the EP degrees (`EPSpace.sizes`).
 
 HP is an architecture change (docs/DESIGN.md: math-changing forms happen only when the plan names them): the
 standard block becomes the Multi-Head LatentMoE `moepass.rewrite.latent.latent_shape` converts it to
@@ -57,13 +58,13 @@ rewrites refuse them (`ZERO_COMPUTE_REFUSED`: infeasible, with the reason in the
 
 Capacity factors are math-changing for a dropless model (tokens can be dropped), HP always: they are
 ranked and shown (HP's best also below the table), but `best` skips them unless
-`allow_math_changes=True`; `Plan(form="auto")` never sets it.
+`PlanSpace(allow_math_changes=True)`; `Plan(form="auto")` never sets it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cost_model import model_cases
@@ -73,14 +74,13 @@ from cost_model.ep import (
     ep_step,
     expert_params,
 )
-from cost_model.presets import MICRO_OP_BYTES, Hardware, resolve_hardware
+from cost_model.presets import Hardware, resolve_hardware
 
 # the plan search on a published set-up, re-exported where `python -m moepass search --scenario` finds it
 from cost_model.scenario_search import ScenarioSearch as ScenarioSearch
 from cost_model.scenario_search import rank_case as rank_case
 from cost_model.scenario_search import scenario_contexts as scenario_contexts
 from cost_model.scenario_search import search_scenario as search_scenario
-from cost_model.schedule import DEFAULT_CHUNKS, POLICIES
 from cost_model.search_forms import block_figures as block_figures
 from cost_model.search_forms import divisors as divisors
 from cost_model.search_forms import ep_imbalance as ep_imbalance
@@ -90,6 +90,11 @@ from cost_model.search_forms import link_figures as link_figures
 from cost_model.search_forms import routed_of as routed_of
 from cost_model.search_forms import skewed_counts as skewed_counts
 from cost_model.search_result import SearchResult as SearchResult
+from cost_model.search_space import EPSpace as EPSpace
+from cost_model.search_space import FSEPSpace as FSEPSpace
+from cost_model.search_space import HPSpace as HPSpace
+from cost_model.search_space import PlanSpace as PlanSpace
+from cost_model.search_space import Pricing as Pricing
 from cost_model.search_types import CAPACITY_FACTORS as CAPACITY_FACTORS
 from cost_model.search_types import HP_CHANGE as HP_CHANGE
 from cost_model.search_types import NOT_MODELLED as NOT_MODELLED
@@ -149,73 +154,47 @@ def search(
     specs_or_model: Any,
     topology: Any,
     batch: tuple[int, int],
+    space: PlanSpace | None = None,
     *,
     profile: Any = None,
-    world_size: int | None = None,
-    imbalance: float = 1.0,
-    ep_sizes: Iterable[int] | None = None,
-    capacity_factors: Sequence[float | None] = CAPACITY_FACTORS,
-    chunks: Sequence[int] = DEFAULT_CHUNKS,
-    packings: Sequence[int] = PACKINGS,
-    allow_math_changes: bool = False,
-    recompute: bool | None = None,
-    slots: Iterable[int] | None = None,
-    hp_sizes: Iterable[int] | None = None,
-    heads: int | None = None,
-    head_dim: int | None = None,
-    dense_params: float | None = None,
-    schedule: str = "fair",
-    micro_op_bytes: int = MICRO_OP_BYTES,
-    trace: Any = None,
-    prefetch_depth: int = 2,
+    pricing: Pricing | None = None,
 ) -> SearchResult:
     """Ranked plans for `specs_or_model` on `topology` with `batch` = (batch, seq) tokens per rank.
 
-    `profile`: a Hardware, a preset name ('a100', 'h100', 'ascend910a'), a calibration JSON path, or
-    None for this machine. `imbalance` is max/mean routed rows per rank under EP (1 = uniform routing;
-    the module docstring says how FSEP reads it). `recompute`: whether the expert backward recomputes
-    gate/up (`Plan.expert_recompute`); None: the hardware's figure (`Hardware.recompute`: the kernel's
-    default there). `slots`: FSEP's slots per device C to price (those with W*C < E are skipped); None:
-    ceil(E/W) .. ceil(E/W) + 2, or none when `ep_sizes` restricts the search to EP degrees; () : no FSEP.
-    `hp_sizes`: HP degrees P to price (divisors of W > 1); None: every one, or none when `ep_sizes`
-    restricts the search; (): no HP. `heads`, `head_dim`: the Multi-Head LatentMoE's (`Plan.heads`,
-    `Plan.head_dim`); None: `moepass.rewrite.latent`'s defaults for each P.
+    `space`: the forms and option values to try (`cost_model.search_space.PlanSpace`; None: every form over the
+    default ranges). `profile`: a Hardware, a preset name ('a100', 'h100', 'ascend910a'), a calibration JSON
+    path, or None for this machine. `pricing`: the routing, expert recompute, dense parameters and gradient
+    schedule every plan is priced with (`cost_model.search_space.Pricing`; None: uniform routing, the hardware's
+    recompute, the model's dense parameters, DDP's fair sharing).
 
-    EP's gradient all-reduce shares the all-to-all's link (`cost_model.ep.ep_step`): `dense_params` is
-    the model's dense parameter count (attention, norms, embeddings: all-reduced over W), spread evenly
-    over the blocks; None: counted from the model when one is given (`dense_params_of`), else each block's
-    `BlockShape.dense` (4 D^2, the attention projections, when unknown: embeddings then not counted).
-    `schedule`: how the two share the link, "fair" (DDP: fair share, 25 MiB buckets; `Plan.grad_sync=
-    "none"`) or "priority" (Lina's scheduler, `Plan.grad_sync="scheduler"`: the all-to-all waits behind at
-    most one micro-op of `micro_op_bytes`, `Plan.micro_op_bytes`).
-
-    Every candidate is ranked by its price on the step timeline (`cost_model.model_cases`: the function the
-    scenario simulator prices with, `cost_model.systems.price`); `trace`: recorded routed rows [steps, source
-    ranks, E] (or [source ranks, E]) in place of `imbalance`, the last step priced, the steps before it the
-    history FSEP's planner sees; `prefetch_depth`: FSEP's (`Plan.prefetch_depth`). The per-layer formulas
+    EP's gradient all-reduce shares the all-to-all's link (`cost_model.ep.ep_step`): the dense parameters are
+    spread evenly over the blocks; without `Pricing.dense_params` they are counted from the model when one is given
+    (`dense_params_of`), else each block's `BlockShape.dense` (4 D^2, the attention projections: embeddings then
+    not counted). Every candidate is ranked by its price on the step timeline (`cost_model.model_cases`: the
+    function the scenario simulator prices with, `cost_model.systems.price`). The per-layer formulas
     (`Candidate.formula`) give `SearchResult.expression`.
     """
+    space = PlanSpace() if space is None else space
+    pricing = Pricing() if pricing is None else pricing
+    imbalance, recompute, schedule = pricing.imbalance, pricing.recompute, pricing.schedule
+    micro_op_bytes = pricing.micro_op_bytes
     nodes, per_node = topology_of(topology)
-    W = world_size or nodes * per_node
+    W = nodes * per_node
     T = int(batch[0]) * int(batch[1])
     hw = hardware_of(profile)
     blocks = specs_of(specs_or_model)
     shapes = [s if isinstance(s, BlockShape) else BlockShape.of(s, T) for s in blocks]
     if not shapes:
         raise ValueError("search got no MoE blocks: nothing to plan")
-    if schedule not in POLICIES:
-        raise ValueError(f"search got schedule={schedule!r}: use one of {list(POLICIES)}")
+    dense_params = pricing.dense_params
     if dense_params is None:
         dense_params = dense_params_of(specs_or_model, shapes)
     if dense_params is not None:
-        if dense_params < 0:
-            raise ValueError(f"search got dense_params={dense_params!r}: a parameter count, >= 0")
         shapes = [dataclasses.replace(s, dense=dense_params / len(shapes)) for s in shapes]
     links = [link_figures(s, int(batch[1]), schedule, micro_op_bytes) for s in shapes]
-    restricted = ep_sizes is not None
-    eps = sorted(set(ep_sizes)) if ep_sizes is not None else [d for d in divisors(W) if d > 1]
-    if imbalance < 1:
-        raise ValueError(f"search got imbalance={imbalance!r}: it is max/mean routed rows per rank, >= 1")
+    restricted = space.ep.sizes is not None  # equivalent EP candidates priced once unless the degrees are named
+    eps = [] if "ep" not in space.forms else (sorted(set(space.ep.sizes)) if space.ep.sizes is not None
+                                              else [d for d in divisors(W) if d > 1])
 
     def price(ep_eff: int, cf: float | None, n: int, dropless_blocks: bool) -> LayerTerms:
         block_cfs = [cf if cf is not None else shape.cf for shape in shapes]
@@ -243,17 +222,17 @@ def search(
 
     x_last = block_figures(shapes[0], hw, T, per_node, imbalance, shapes[0].cf, recompute, links[0])
     dense_tail = dense_allreduce_tail(x_last, W, cross_node=nodes > 1)
-    cands = [candidate("single", 1, 1, None, 1)]
+    cands = [candidate("single", 1, 1, None, 1)] if "single" in space.forms else []
     seen: set[tuple[int, float | None, int]] = set()
     for ep_size in eps:
-        for packing in sorted(packings):
+        for packing in sorted(space.ep.packings):
             if ep_size % packing or ep_size // packing < 2:
                 continue
             ep_eff = ep_size // packing
             if any(s.E % ep_eff for s in shapes):
                 continue
-            for cf in capacity_factors:
-                for n in chunks:
+            for cf in space.ep.capacity_factors:
+                for n in space.ep.a2a_chunks:
                     key = (ep_eff, cf, n)
                     if key in seen and not restricted:
                         continue
@@ -262,18 +241,20 @@ def search(
     not_modelled = dict(NOT_MODELLED)
     if any(s.cf is not None for s in shapes):
         not_modelled["fsep"] = "FSEP is priced for dropless blocks only: this model has a capacity factor"
-    elif W > 1:
+    elif W > 1 and "fsep" in space.forms:
         E_max = max(s.E for s in shapes)
         c_min = -(-E_max // W)
-        wanted = range(c_min, c_min + SLOT_RANGE) if slots is None and not restricted else (slots or ())
+        wanted = range(c_min, c_min + SLOT_RANGE) if space.fsep.slots is None else space.fsep.slots
         for C in sorted(set(wanted)):
             if W * C < E_max:
                 continue  # every expert needs a slot
             routing = tuple(routed_of(shape, hw, T, W, per_node, C, imbalance, recompute) for shape in shapes)
-            for n in chunks:
+            for n in space.fsep.a2a_chunks:
                 cands.append(_with_dense_tail(fsep_candidate(shapes, routing, hw, T, W, per_node, C, n, recompute),
                                               dense_tail))
-    wanted_hp = [d for d in divisors(W) if d > 1] if hp_sizes is None and not restricted else (hp_sizes or ())
+    wanted_hp = (() if "hp" not in space.forms else [d for d in divisors(W) if d > 1] if space.hp.sizes is None
+                 else space.hp.sizes)
+    heads, head_dim = space.hp.heads, space.hp.head_dim
     skipped = []
     for P in sorted(set(wanted_hp)):
         hp = hp_candidate(blocks, shapes, hw, T, W, nodes, per_node, P, heads, head_dim, recompute)
@@ -283,14 +264,13 @@ def search(
             cands.append(_with_dense_tail(hp, dense_tail))
     if skipped:
         not_modelled["hp"] = "not priced: " + "; ".join(skipped)
-    if W != nodes * per_node:
-        raise ValueError(f"search got world_size={W} for {nodes} node(s) x {per_node} ranks: they must agree")
     groups = model_cases.contexts(shapes, nodes, per_node, (int(batch[0]), int(batch[1])), hw, imbalance=imbalance,
-                                  trace=trace, heads=heads, head_dim=head_dim, recompute=recompute)
-    cands = [_on_timeline(c, groups, hw, schedule, micro_op_bytes, prefetch_depth) for c in cands]
-    ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow_math_changes, c.step))
+                                  trace=pricing.trace, heads=heads, head_dim=head_dim, recompute=recompute)
+    cands = [_on_timeline(c, groups, hw, schedule, micro_op_bytes, space.fsep.prefetch_depth) for c in cands]
+    allow = space.allow_math_changes
+    ranked = sorted(cands, key=lambda c: (not c.feasible, c.math_changing and not allow, c.step))
     priced_routing = groups[0][1].trace("learned").description
-    return SearchResult(ranked, hw, W, nodes, per_node, T, allow_math_changes, shapes, imbalance, not_modelled,
+    return SearchResult(ranked, hw, W, nodes, per_node, T, allow, shapes, imbalance, not_modelled,
                         schedule=schedule, links=links, routing=priced_routing)
 
 

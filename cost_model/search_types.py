@@ -35,7 +35,7 @@ class BlockShape:
     m: int
     cf: float | None  # the model's own capacity factor; None: dropless
     # dense parameters of the block's layer, all-reduced over all ranks (attention, norms, its share of the
-    # embeddings); None: 4 D^2, the attention projections (`search`'s `dense_params` overrides it)
+    # embeddings); None: 4 D^2, the attention projections (`Pricing.dense_params` overrides it)
     dense: float | None = None
     # the share of the T*K routed assignments that reach FFN experts (`cost_model.symbols.phi`): the rest pick
     # zero-compute experts (identity or zero), which EP neither sends nor computes; E/R under uniform routing

@@ -142,7 +142,8 @@ def _meta_needs_single(plan: Plan, report: DetectionReport, model: nn.Module) ->
 
 def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = None):
     """`form="auto"`: ask the cost model, priced with `Plan.hardware`; returns (the concrete plan, the
-    search result or None). The gradient all-reduce shares the all-to-all's link as the plan runs it
+    search result or None). It searches `PlanSpace.of(plan)` priced with `Pricing.of(plan)`
+    (`cost_model.search_space`). The gradient all-reduce shares the all-to-all's link as the plan runs it
     (`Plan(grad_sync="scheduler")`: priority, micro-ops of `Plan.micro_op_bytes`; otherwise DDP's fair
     sharing), with `model`'s dense parameters (all but the detected experts, embeddings included; without
     a model, the attention projections), and the routing `Plan.routing_skew` gives (uniform when None: a skew or a
@@ -155,19 +156,13 @@ def resolve_auto(plan: Plan, report: DetectionReport, model: nn.Module | None = 
     if plan.batch is None:
         raise PlanError("Plan.form='auto' needs Plan.batch=(batch, seq) tokens per rank for the cost model; "
                         "pass it, or name a form explicitly.")
-    from cost_model.search import BlockShape, dense_params_of, search
+    from cost_model.search import BlockShape, PlanSpace, Pricing, dense_params_of, search
 
     topology = plan.topology if plan.topology is not None else default_topology()
-    slots = None if plan.slots_per_device is None else (plan.slots_per_device,)
     tokens = plan.batch[0] * plan.batch[1]
-    skew = plan.routing_skew
-    imbalance, trace = (float(skew), None) if isinstance(skew, (int, float)) else (1.0, skew)
     dense = dense_params_of(model, [BlockShape.of(spec, tokens) for spec in report.blocks]) if model is not None else None
-    result = (search(report.blocks, topology, plan.batch, profile=plan.hardware, recompute=plan.expert_recompute,
-                     slots=slots, heads=plan.heads, head_dim=plan.head_dim, allow_math_changes=False,
-                     dense_params=dense, schedule="priority" if plan.grad_sync == "scheduler" else "fair",
-                     micro_op_bytes=plan.micro_op_bytes, imbalance=imbalance, trace=trace,
-                     prefetch_depth=plan.prefetch_depth)
+    result = (search(report.blocks, topology, plan.batch, PlanSpace.of(plan), profile=plan.hardware,
+                     pricing=Pricing.of(plan, dense_params=dense))
               if report.blocks else None)
     chosen = result.to_plan_kwargs() if result is not None else {"form": "single"}
     return plan.as_form(**chosen), result  # the fields that do not act under the chosen form back at their defaults

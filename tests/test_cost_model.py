@@ -17,7 +17,7 @@ from cost_model import fsep as fsep_cm
 from cost_model import hp as hp_cm
 from cost_model import symbols as S
 from cost_model.presets import A100, H100, PRESETS, Figure, this_machine
-from cost_model.search import search
+from cost_model.search import EPSpace, FSEPSpace, HPSpace, PlanSpace, Pricing, search
 from cost_model.timeline import Timeline
 from moepass import Plan
 from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
@@ -202,10 +202,8 @@ def test_high_latency_picks_fewer_chunks():
             [spec(8, 2, 2048, 8192)] * 4,
             (2, 4),
             (4, 2048),
+            PlanSpace(forms=("single", "ep"), ep=EPSpace(sizes=(8,), capacity_factors=(None,), packings=(1,))),
             profile=hw,
-            ep_sizes=(8,),
-            capacity_factors=(None,),
-            packings=(1,),
         )
         return next(c for c in result.ranked if c.form == "ep").a2a_chunks
 
@@ -236,11 +234,12 @@ def test_search_table_and_expression():
 
 
 def test_capacity_is_math_changing_for_dropless_models():
-    result = search([spec(8, 2, 512, 1024)], (1, 8), (4, 1024), profile=A100, imbalance=2.5)
+    result = search([spec(8, 2, 512, 1024)], (1, 8), (4, 1024), profile=A100, pricing=Pricing(imbalance=2.5))
     assert result.best.capacity_factor is None
     capped = [c for c in result.ranked if c.capacity_factor is not None]
     assert capped and all(c.math_changing for c in capped)
-    allowed = search([spec(8, 2, 512, 1024)], (1, 8), (4, 1024), profile=A100, imbalance=2.5, allow_math_changes=True)
+    allowed = search([spec(8, 2, 512, 1024)], (1, 8), (4, 1024), PlanSpace(allow_math_changes=True), profile=A100,
+                     pricing=Pricing(imbalance=2.5))
     assert allowed.best.capacity_factor is not None  # under heavy skew, capping the busiest rank pays
 
 
@@ -317,7 +316,8 @@ def test_fsep_is_priced_next_to_ep_and_loses_by_its_restore_under_balanced_routi
     L, W, T, K, D, F, m = 8, 8, 2 * 4096, 2, 4096, 14336, 3
     v = A100.values()
     # no dense parameters: neither form has a dense all-reduce, so FSEP with C=1 is EP plus its restores
-    result = search(MIXTRAL_8, (1, 8), (2, 4096), profile=A100, packings=(1,), dense_params=0)
+    result = search(MIXTRAL_8, (1, 8), (2, 4096), PlanSpace(ep=EPSpace(packings=(1,))), profile=A100,
+                    pricing=Pricing(dense_params=0))
     fsep = [c for c in result.ranked if c.form == "fsep"]
     assert {(c.slots, c.a2a_chunks) for c in fsep} == {(C, n) for C in (1, 2, 3) for n in schedule.DEFAULT_CHUNKS}
     assert all(c.ep_size == W and c.label == f"fsep C={c.slots} n={c.a2a_chunks}" for c in fsep)
@@ -341,7 +341,8 @@ def test_fsep_wins_under_strong_skew():
     L, W, T, K, D, F, m, E = 8, 8, 2 * 4096, 2, 4096, 14336, 3, 8
     v = A100.values()
     # no dense parameters (as in the FSEP test above): EP and FSEP priced by hand without a dense all-reduce
-    result = search(MIXTRAL_8, (1, 8), (2, 4096), profile=A100, imbalance=2.5, packings=(1,), dense_params=0)
+    result = search(MIXTRAL_8, (1, 8), (2, 4096), PlanSpace(ep=EPSpace(packings=(1,))), profile=A100,
+                    pricing=Pricing(imbalance=2.5, dense_params=0))
     # the skew realised: every rank routes with one Zipf popularity whose EP max/mean is 2.5
     counts = fsep_cm.integer_rows(cm.zipf_counts(T, K, E, W, cm.zipf_for_imbalance(2.5, T, K, E, W)))
     assert cm.imbalance(cm.rank_rows(counts, W)) == pytest.approx(2.5, rel=1e-3)
@@ -375,17 +376,17 @@ def test_fsep_wins_under_strong_skew():
 
 
 def test_fsep_candidates_need_a_slot_for_every_expert():
-    def slots(*args, **kwargs) -> set[int]:
-        return {c.slots for c in search(*args, profile=A100, chunks=(1,), **kwargs).ranked if c.form == "fsep"}
+    def slots(*args, forms=("single", "ep", "fsep", "hp"), tried=None) -> set[int]:
+        space = PlanSpace(forms=forms, ep=EPSpace(a2a_chunks=(1,)), fsep=FSEPSpace(slots=tried, a2a_chunks=(1,)))
+        return {c.slots for c in search(*args, space, profile=A100).ranked if c.form == "fsep"}
 
     E16 = [spec(16, 2, 512, 1024)]
-    assert slots(E16, (1, 4), (4, 1024), slots=range(1, 8)) == {4, 5, 6, 7}  # W*C >= E = 16
+    assert slots(E16, (1, 4), (4, 1024), tried=tuple(range(1, 8))) == {4, 5, 6, 7}  # W*C >= E = 16
     assert slots(E16, (1, 4), (4, 1024)) == {4, 5, 6}  # ceil(E/W) .. ceil(E/W) + 2
     assert slots(E16, (2, 4), (4, 1024)) == {2, 3, 4}
     assert slots(E16 + [spec(32, 2, 512, 1024)], (2, 4), (4, 1024)) == {4, 5, 6}  # one C for every block
-    assert slots(E16, (1, 4), (4, 1024), slots=()) == set()
-    assert slots(E16, (1, 4), (4, 1024), ep_sizes=(4,)) == set()  # restricted to EP degrees
-    assert slots(E16, (1, 4), (4, 1024), ep_sizes=(4,), slots=(4,)) == {4}
+    assert slots(E16, (1, 4), (4, 1024), forms=("single", "ep", "hp")) == set()  # FSEP not in the space
+    assert slots(E16, (1, 4), (4, 1024), tried=(4,)) == {4}
     assert slots(E16, (1, 1), (4, 1024)) == set()  # one rank: nothing to shard
     from cost_model.search import BlockShape
 
@@ -393,7 +394,7 @@ def test_fsep_candidates_need_a_slot_for_every_expert():
     assert not any(c.form == "fsep" for c in capped.ranked)
     assert "dropless blocks only" in capped.not_modelled["fsep"] and "fsep: FSEP is priced" in capped.table()
     with pytest.raises(ValueError, match="imbalance=0.5"):
-        search(E16, (1, 4), (4, 1024), profile=A100, imbalance=0.5)
+        search(E16, (1, 4), (4, 1024), profile=A100, pricing=Pricing(imbalance=0.5))
 
 
 def test_form_auto_picks_fsep_when_only_its_shards_fit():
@@ -443,8 +444,8 @@ def test_form_auto_prices_the_gradient_sync_the_plan_runs_and_the_models_dense_p
     for grad_sync, schedule_name in (("none", "fair"), ("scheduler", "priority")):
         plan = auto.replace(grad_sync=grad_sync, micro_op_bytes=1 << 20)
         _, result = resolve_auto(plan, report, model)
-        expected = search(blocks, Topology(1, 8), (4, 1024), profile="h100", dense_params=dense,
-                          schedule=schedule_name, micro_op_bytes=1 << 20, allow_math_changes=False)
+        expected = search(blocks, Topology(1, 8), (4, 1024), profile="h100",
+                          pricing=Pricing(dense_params=dense, schedule=schedule_name, micro_op_bytes=1 << 20))
         assert [(c.label, float(c.step)) for c in result.ranked] == [(c.label, float(c.step)) for c in expected.ranked]
     fair = resolve_auto(auto, report, model)[1]
     priority = resolve_auto(auto.replace(grad_sync="scheduler"), report, model)[1]
@@ -519,7 +520,8 @@ def test_hp_bytes_per_rank_flat_in_k_in_the_search():
     by_hand = L * 4 * T * Q * (P - 1) / P * b  # dispatch + combine, forward and backward
     sent = {}
     for K in (1, 2, 4, 8):
-        result = search([fine_grained(K)] * L, (1, 8), (1, T), profile=H100, chunks=(1,), slots=())
+        result = search([fine_grained(K)] * L, (1, 8), (1, T), PlanSpace(forms=("single", "ep", "hp"),
+                        ep=EPSpace(a2a_chunks=(1,))), profile=H100)
         hp = next(c for c in result.ranked if c.form == "hp" and c.ep_size == P)
         assert (hp.latent[0].heads, hp.latent[0].head_dim, hp.latent[0].top_k) == (8, D // 8, K)
         sent[K] = cm.A2A_PER_LAYER * float(hp.formula.a2a_bytes)
@@ -538,7 +540,7 @@ def test_hp_beats_ep_at_k8_when_bandwidth_bound_and_not_when_communication_is_fr
     T, D, K, n, L, W = 4096, 4096, 8, 3, 2, 8
     E, F = 4 * K, 2 * 14336 // K
     blocks = [fine_grained(K)] * L
-    result = search(blocks, BANDWIDTH_BOUND, (1, T), profile=H100, dense_params=0)  # by hand: no dense all-reduce
+    result = search(blocks, BANDWIDTH_BOUND, (1, T), profile=H100, pricing=Pricing(dense_params=0))  # no dense all-reduce
     v = H100.values()
     hp = {c.ep_size: c for c in result.ranked if c.form == "hp"}
     assert set(hp) == {2, 4, 8}
@@ -587,7 +589,7 @@ def test_hp_winner_builds_a_valid_plan_and_its_formula():
 
     T, L = 4096, 2
     blocks = [fine_grained(8)] * L
-    result = search(blocks, BANDWIDTH_BOUND, (1, T), profile=H100, allow_math_changes=True)
+    result = search(blocks, BANDWIDTH_BOUND, (1, T), PlanSpace(allow_math_changes=True), profile=H100)
     best = result.best
     assert best.form == "hp" and best.ep_size == 8 and best.math_changing
     kwargs = result.to_plan_kwargs()
@@ -605,16 +607,17 @@ def test_hp_winner_builds_a_valid_plan_and_its_formula():
 def test_hp_skips_what_it_cannot_convert():
     from cost_model.search import BlockShape
 
-    three = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), profile=A100, heads=3)
+    three = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), PlanSpace(hp=HPSpace(heads=3)), profile=A100)
     assert not any(c.form == "hp" for c in three.ranked)
     assert "P=2: Plan.heads=3 is invalid" in three.not_modelled["hp"] and "hp: not priced: " in three.table()
-    some = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), profile=A100, heads=2)  # P=4 does not divide 2
+    some = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), PlanSpace(hp=HPSpace(heads=2)), profile=A100)  # P=4 ∤ 2
     assert [c.ep_size for c in some.ranked if c.form == "hp"] == [2] and "P=4" in some.not_modelled["hp"]
     capped = search([BlockShape(E=8, K=2, D=512, F=1024, m=3, cf=1.25)], (1, 4), (4, 1024), profile=A100)
     assert not any(c.form == "hp" for c in capped.ranked) and "capacity" in capped.not_modelled["hp"]
-    assert not any(c.form == "hp" for c in search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), profile=A100,
-                                                  ep_sizes=(4,)).ranked)  # restricted to EP degrees
-    only = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), profile=A100, ep_sizes=(4,), hp_sizes=(4,))
+    assert not any(c.form == "hp" for c in search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024),
+                                                  PlanSpace(forms=("single", "ep")), profile=A100).ranked)
+    only = search([spec(8, 2, 512, 1024)], (1, 4), (4, 1024), PlanSpace(ep=EPSpace(sizes=(4,)),
+                                                                         hp=HPSpace(sizes=(4,))), profile=A100)
     assert [c.ep_size for c in only.ranked if c.form == "hp"] == [4]
 
 

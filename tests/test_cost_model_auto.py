@@ -12,7 +12,7 @@ import pytest
 
 from cost_model import model_cases
 from cost_model.presets import resolve_hardware
-from cost_model.search import search
+from cost_model.search import Pricing, search
 from moepass.api import resolve_auto
 from moepass.errors import PlanError
 from moepass.plan import Plan
@@ -35,7 +35,7 @@ def _skewed_trace(steps: int, W: int, E: int, T: int, K: int) -> np.ndarray:
 
 
 def test_every_candidate_is_priced_on_the_timeline():
-    result = search(SMALL, (1, 4), (4, 512), profile="a100", imbalance=1.8)
+    result = search(SMALL, (1, 4), (4, 512), profile="a100", pricing=Pricing(imbalance=1.8))
     hw = resolve_hardware("a100")
     groups = model_cases.contexts(result.shapes, 1, 4, (4, 512), hw, imbalance=1.8)
     assert len(groups) == 1 and groups[0][1].case.layers == 4
@@ -55,7 +55,7 @@ def test_auto_pick_is_the_search_top(routing):
     auto = Plan(form="auto", batch=(2, 4096), topology=Topology(1, W), hardware="a100", routing_skew=skew)
     plan, result = resolve_auto(auto, SimpleNamespace(blocks=MIXTRAL_8))
     imbalance, trace = (2.5, None) if routing == "skew" else (1.0, skew if routing == "trace" else None)
-    direct = search(MIXTRAL_8, (1, W), (2, 4096), profile="a100", imbalance=imbalance, trace=trace)
+    direct = search(MIXTRAL_8, (1, W), (2, 4096), profile="a100", pricing=Pricing(imbalance=imbalance, trace=trace))
     assert result.best.label == direct.best.label and float(result.best.step) == float(direct.best.step)
     assert plan == auto.as_form(**direct.to_plan_kwargs())
     assert plan.routing_skew is None  # acts under form="auto" only
@@ -74,7 +74,7 @@ def test_auto_picks_fsep_on_skew_where_memory_does_not_decide():
 
 
 def test_search_says_what_it_priced_with():
-    text = search(SMALL, (2, 2), (4, 512), profile="h100", imbalance=1.5).table()
+    text = search(SMALL, (2, 2), (4, 512), profile="h100", pricing=Pricing(imbalance=1.5)).table()
     head = text.splitlines()[0]
     assert "W=4 (2 node(s) x 2)" in head and "hardware h100 (" in head and "routing Zipf s=" in head
     assert "cost_model.systems.price" in head
@@ -94,4 +94,4 @@ def test_routing_skew_only_under_auto_and_trace_experts_checked():
     with pytest.raises(PlanError, match="routing_skew"):
         Plan(form="ep", routing_skew=2.0)
     with pytest.raises(ValueError, match="routing trace over 4 experts for a block of E=8"):
-        search(SMALL, (1, 4), (4, 512), profile="a100", trace=np.ones((3, 4, 4)))
+        search(SMALL, (1, 4), (4, 512), profile="a100", pricing=Pricing(trace=np.ones((3, 4, 4))))

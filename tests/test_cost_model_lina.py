@@ -33,7 +33,7 @@ from cost_model import schedule, simulate
 from cost_model import symbols as S
 from cost_model.presets import A100
 from cost_model.scenarios import Case, cases
-from cost_model.search import BlockShape, dense_params_of, search
+from cost_model.search import BlockShape, EPSpace, FSEPSpace, HPSpace, PlanSpace, Pricing, dense_params_of, search
 from cost_model.timeline import Timeline
 from moepass.plan import DEFAULT_MICRO_OP_BYTES
 
@@ -211,10 +211,13 @@ def test_the_step_formula_stays_symbolic():
 
 def test_search_reads_the_dense_parameters():
     shape = BlockShape(E=8, K=2, D=1024, F=4096, m=2, cf=None)
-    common = dict(profile=A100, ep_sizes=(8,), capacity_factors=(None,), packings=(1,), slots=(1,), hp_sizes=(8,))
-    default = search([shape] * 4, (2, 4), (8, 1024), **common)
-    attention = search([shape] * 4, (2, 4), (8, 1024), dense_params=4 * 4 * 1024**2, **common)
-    embeddings = search([shape] * 4, (2, 4), (8, 1024), dense_params=4 * 4 * 1024**2 + 50000 * 1024, **common)
+    space = PlanSpace(ep=EPSpace(sizes=(8,), capacity_factors=(None,), packings=(1,)), fsep=FSEPSpace(slots=(1,)),
+                      hp=HPSpace(sizes=(8,)))
+    default = search([shape] * 4, (2, 4), (8, 1024), space, profile=A100)
+    attention = search([shape] * 4, (2, 4), (8, 1024), space, profile=A100,
+                       pricing=Pricing(dense_params=4 * 4 * 1024**2))
+    embeddings = search([shape] * 4, (2, 4), (8, 1024), space, profile=A100,
+                        pricing=Pricing(dense_params=4 * 4 * 1024**2 + 50000 * 1024))
     steps = [{c.label: c.step for c in r.ranked} for r in (default, attention, embeddings)]
     assert steps[0] == steps[1]  # unknown: 4 D^2 per block, the attention projections
     assert all(steps[2][k] > steps[1][k] for k in steps[1] if k != "single")
@@ -222,12 +225,13 @@ def test_search_reads_the_dense_parameters():
         tail = float(cm.dense_allreduce_tail({**A100.values(), **r.links[0]}, 8, cross_node=True))
         fsep, hp = (next(c for c in r.ranked if c.form == f) for f in ("fsep", "hp"))
         assert float(fsep.formula.other_comm) >= tail and float(hp.formula.other_comm) >= tail
-    assert default.schedule == "fair" and search([shape], (1, 8), (8, 1024), profile=A100, schedule="priority",
-                                                 micro_op_bytes=4 << 20).links[0]["u"] == 4 << 20
+    priority = Pricing(schedule="priority", micro_op_bytes=4 << 20)
+    assert default.schedule == "fair" and search([shape], (1, 8), (8, 1024), profile=A100,
+                                                 pricing=priority).links[0]["u"] == 4 << 20
     with pytest.raises(ValueError, match=r"^search got schedule='fifo': use one of \['fair', 'priority'\]$"):
-        search([shape], (1, 8), (8, 1024), profile=A100, schedule="fifo")
+        Pricing(schedule="fifo")
     with pytest.raises(ValueError, match=r"^search got dense_params=-1: a parameter count, >= 0$"):
-        search([shape], (1, 8), (8, 1024), profile=A100, dense_params=-1)
+        Pricing(dense_params=-1)
 
 
 def test_dense_parameters_of_a_model_are_all_but_the_experts():

@@ -46,7 +46,16 @@ from cost_model import schedule, simulate  # noqa: E402
 from cost_model import symbols as S  # noqa: E402
 from cost_model.presets import A100, H100, MICRO_OP_BYTES  # noqa: E402
 from cost_model.scenarios import Case  # noqa: E402
-from cost_model.search import ZERO_COMPUTE_REFUSED, BlockShape, search, skewed_counts  # noqa: E402
+from cost_model.search import (  # noqa: E402
+    ZERO_COMPUTE_REFUSED,
+    BlockShape,
+    EPSpace,
+    FSEPSpace,
+    PlanSpace,
+    Pricing,
+    search,
+    skewed_counts,
+)
 from moepass.spec import MoESpec  # noqa: E402
 
 L, W, K, D, F, m, E, Z = 4, 8, 2, 4096, 14336, 3, 8, 4
@@ -74,9 +83,10 @@ def _by_label(result) -> dict:
 def test_ep_prices_only_the_assignments_that_reach_ffn_experts():
     v = A100.values()
     assert v["r_c"] == v["c_layer"] == v["c_expert"] == v["c_row"] == v["c_act"] == 0  # no host terms to price
-    common = dict(profile=A100, capacity_factors=(None,), packings=(1,), slots=(), hp_sizes=(), dense_params=0)
-    plain = _by_label(search([PLAIN] * L, (1, W), BATCH, **common))
-    zero = _by_label(search([ZERO_COMPUTE] * L, (1, W), BATCH, **common))
+    common = dict(profile=A100, pricing=Pricing(dense_params=0))
+    space = PlanSpace(forms=("single", "ep"), ep=EPSpace(capacity_factors=(None,), packings=(1,)))
+    plain = _by_label(search([PLAIN] * L, (1, W), BATCH, space, **common))
+    zero = _by_label(search([ZERO_COMPUTE] * L, (1, W), BATCH, space, **common))
     assert set(plain) == set(zero) and len(zero) == 1 + 3 * len(schedule.DEFAULT_CHUNKS)  # single, ep 2 / 4 / 8
     rows = T * K * 8 / 12  # the FFN assignments: 8 of the 12 router choices
     per_row = 2 * m * D * F / (v["R"] * v["eta"])  # forward seconds of one routed row
@@ -118,9 +128,9 @@ def test_the_formulas_stay_symbolic_in_phi():
     assert "phi" not in S.TABLE and S.OPTIONAL["phi"].default == 1 and S.phi.is_positive
     assert any(line.startswith("phi") and line.endswith("(optional, default 1)") for line in S.table().splitlines())
     # the search's winner formula shows phi for a zero-compute model (and only then); substituted, its step
-    common = dict(profile=A100, packings=(1,), slots=(), hp_sizes=())
-    zero_result = search([ZERO_COMPUTE] * L, (1, W), BATCH, **common)
-    plain_result = search([PLAIN] * L, (1, W), BATCH, **common)
+    space = PlanSpace(forms=("single", "ep"), ep=EPSpace(packings=(1,)))
+    zero_result = search([ZERO_COMPUTE] * L, (1, W), BATCH, space, profile=A100)
+    plain_result = search([PLAIN] * L, (1, W), BATCH, space, profile=A100)
     assert S.phi in zero_result.expression.free_symbols and S.phi not in plain_result.expression.free_symbols
     assert zero_result.expression_substituted.free_symbols <= {S.T}
     assert float(zero_result.expression_substituted.subs(S.T, T)) == pytest.approx(float(zero_result.best.formula.step),
@@ -138,10 +148,12 @@ def test_block_shape_refuses_a_fraction_outside_0_1():
 
 
 def test_fsep_plans_the_ffn_rows_and_is_never_picked():
-    common = dict(profile=A100, packings=(1,), chunks=(1,), capacity_factors=(None,), hp_sizes=(), dense_params=0)
+    space = PlanSpace(forms=("single", "ep", "fsep"), ep=EPSpace(packings=(1,), a2a_chunks=(1,), capacity_factors=(None,)),
+                      fsep=FSEPSpace(a2a_chunks=(1,)))
+    common = dict(profile=A100, pricing=Pricing(imbalance=2.5, dense_params=0))
     # strong skew: FSEP wins the plain block (tests/test_cost_model.py: test_fsep_wins_under_strong_skew)
-    plain = search([PLAIN] * L, (1, W), BATCH, imbalance=2.5, **common)
-    zero = search([ZERO_COMPUTE] * L, (1, W), BATCH, imbalance=2.5, **common)
+    plain = search([PLAIN] * L, (1, W), BATCH, space, **common)
+    zero = search([ZERO_COMPUTE] * L, (1, W), BATCH, space, **common)
     assert plain.best.form == "fsep"
     # the planner sees [W, E] counts of T*K*phi rows per rank, with the plain block's popularity
     counts = skewed_counts(T, K, E, W, 2.5, PHI)
@@ -160,10 +172,12 @@ def test_fsep_plans_the_ffn_rows_and_is_never_picked():
 
 
 def test_fsep_under_uniform_routing_is_the_plain_blocks_at_phi():
-    common = dict(profile=A100, packings=(1,), chunks=(1,), capacity_factors=(None,), hp_sizes=(), dense_params=0,
-                  ep_sizes=(W,), slots=(1, 2))
-    plain = {c.label: c for c in search([PLAIN] * L, (1, W), BATCH, **common).ranked if c.form == "fsep"}
-    zero = {c.label: c for c in search([ZERO_COMPUTE] * L, (1, W), BATCH, **common).ranked if c.form == "fsep"}
+    common = dict(profile=A100, pricing=Pricing(dense_params=0))
+    space = PlanSpace(forms=("single", "ep", "fsep"),
+                      ep=EPSpace(sizes=(W,), packings=(1,), a2a_chunks=(1,), capacity_factors=(None,)),
+                      fsep=FSEPSpace(slots=(1, 2), a2a_chunks=(1,)))
+    plain = {c.label: c for c in search([PLAIN] * L, (1, W), BATCH, space, **common).ranked if c.form == "fsep"}
+    zero = {c.label: c for c in search([ZERO_COMPUTE] * L, (1, W), BATCH, space, **common).ranked if c.form == "fsep"}
     uniform = np.full((W, E), T * K * 8 // 12 // E, dtype=np.int64)  # 2048 FFN rows per expert and rank
     for label, c in zero.items():
         assert c.routing[0].rho == 1.0 and c.routing[0].a2a_rows == plain[label].routing[0].a2a_rows
@@ -175,10 +189,11 @@ def test_fsep_under_uniform_routing_is_the_plain_blocks_at_phi():
 
 def test_capacity_is_priced_on_the_ffn_rows_and_never_picked():
     plain = BlockShape(E=8, K=2, D=512, F=1024, m=3, cf=None)
-    common = dict(profile=A100, imbalance=2.5, allow_math_changes=True)
+    common = dict(profile=A100, pricing=Pricing(imbalance=2.5))
+    space = PlanSpace(allow_math_changes=True)
     # under heavy skew capping pays for the plain block (tests/test_cost_model.py), and is not run for this one
-    assert search([plain], (1, 8), (4, 1024), **common).best.capacity_factor is not None
-    result = search([dataclasses.replace(plain, ffn_fraction=PHI)], (1, 8), (4, 1024), **common)
+    assert search([plain], (1, 8), (4, 1024), space, **common).best.capacity_factor is not None
+    result = search([dataclasses.replace(plain, ffn_fraction=PHI)], (1, 8), (4, 1024), space, **common)
     assert result.best.capacity_factor is None
     capped = [c for c in result.ranked if c.capacity_factor is not None]
     assert capped and all(not c.feasible and ZERO_COMPUTE_REFUSED["capacity"] in c.notes for c in capped)
@@ -260,8 +275,9 @@ def test_simulate_prices_the_same_rows_as_search(phi):
     counts = cm.zipf_counts(case.tokens, 2, 8, 8, 0.0) * phi  # uniform routing of the FFN rows
     _, breakdown, _ = simulate.predict(case, A100, counts)
     shape = BlockShape(E=8, K=2, D=2048, F=1408, m=3, cf=None, ffn_fraction=phi)
-    result = search([shape] * L, (1, 8), (8, 1024), profile=A100, ep_sizes=(8,), capacity_factors=(None,),
-                    chunks=(1,), packings=(1,))
+    space = PlanSpace(forms=("single", "ep"),
+                      ep=EPSpace(sizes=(8,), capacity_factors=(None,), a2a_chunks=(1,), packings=(1,)))
+    result = search([shape] * L, (1, 8), (8, 1024), space, profile=A100)
     c = next(c for c in result.ranked if c.label == "ep=8 dropless n=1")
     # the busiest rank's dispatch and combine, forward and backward: 4 times the search's bytes per direction
     assert breakdown["token_a2a_bytes"] == pytest.approx(4 * float(c.formula.a2a_bytes), rel=1e-12)
@@ -297,9 +313,12 @@ def test_lina_choice_on_the_ffn_rows_is_the_timeline_best(name):
 
     def pick(fraction: float) -> tuple[int, int]:  # as `simulate._lina_choice` asks the search
         shape = BlockShape(E=8, K=2, D=D_, F=F_, m=3 if gated else 2, cf=None, ffn_fraction=fraction)
-        result = search([shape] * case.layers, (nodes, per_node), (tokens // 1024, 1024), profile=hw,
-                        ep_sizes=(case.ep,), capacity_factors=(None,), packings=(1, 2, 4),
-                        dense_params=case.dense_params * case.layers, schedule="priority", micro_op_bytes=micro_op)
+        space = PlanSpace(forms=("single", "ep"), ep=EPSpace(sizes=(case.ep,), capacity_factors=(None,),
+                                                             packings=(1, 2, 4)))
+        pricing = Pricing(dense_params=case.dense_params * case.layers, schedule="priority",
+                          micro_op_bytes=micro_op)
+        result = search([shape] * case.layers, (nodes, per_node), (tokens // 1024, 1024), space, profile=hw,
+                        pricing=pricing)
         c = next(c for c in result.ranked if c.form == "ep")
         return c.a2a_chunks, c.packing
 

@@ -193,12 +193,12 @@ def test_modulelist_experts_are_read_in_place_not_stacked_each_step():
 
 
 def test_the_cost_model_prices_expert_recompute():
-    from cost_model.search import search
+    from cost_model.search import Pricing, search
     from moepass.runtime.topology import Topology
 
     block = FusedMoE(64, 128, 8, 2)
-    kept, again = (search(moepass.detect(block).blocks, Topology(1, 2), (4, 64), profile="a100", recompute=r)
-                   for r in (False, True))
+    kept, again = (search(moepass.detect(block).blocks, Topology(1, 2), (4, 64), profile="a100",
+                          pricing=Pricing(recompute=r)) for r in (False, True))
     single = [next(c for c in res.ranked if c.form == "single") for res in (kept, again)]
     # gated experts: 3 forward GEMMs; recomputing gate and up adds 2 of them to the 9 of fwd+bwd (the per-layer
     # formula's expert compute); the timeline the search ranks by prices the step with it, dense compute included

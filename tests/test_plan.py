@@ -113,7 +113,7 @@ FIELD_FORM = [(name, form) for name in SAMPLE for form in moepass.plan.FORMS]
 
 
 def test_the_table_names_every_field():
-    names = {f.name for f in dataclasses.fields(Plan)}
+    names = set(moepass.plan.FLAT_FIELDS)
     assert set(moepass.plan.ACTS_UNDER) == names and set(SAMPLE) == names - {"form"}
     assert all(set(forms) <= set(moepass.plan.FORMS) for forms, _ in moepass.plan.ACTS_UNDER.values())
 
@@ -188,3 +188,97 @@ def test_heads_default_is_the_smallest_multiple_of_the_head_groups_from_4(world,
 
     spec = moepass.detect(LoopMoE(120, 64, num_experts=4, top_k=2)).blocks[0]
     assert latent_shape(spec, Plan(form="hp"), world).heads == heads
+
+
+# ----------------------------------------------------------------------------------------------
+# A Plan per form: each form's options in one frozen, typed, validated dataclass; the flat spelling maps onto it.
+# ----------------------------------------------------------------------------------------------
+
+from moepass.plan import (  # noqa: E402
+    ACTS_UNDER,
+    FORM_OPTIONS,
+    PLAN_FIELDS,
+    AutoOptions,
+    EPOptions,
+    HPOptions,
+    LocalityOptions,
+    SingleOptions,
+)
+
+
+def test_the_flat_spelling_is_the_forms_options():
+    """`Plan(form="ep", a2a_chunks=4)` is the short way to `Plan(options=EPOptions(a2a_chunks=4))`; the flat
+    names read the options back, and a field the form has not reads its default."""
+    plan = Plan(form="ep", ep_size=2, a2a_chunks=4)
+    assert plan.options == EPOptions(ep_size=2, a2a_chunks=4) and (plan.ep_size, plan.a2a_chunks) == (2, 4)
+    assert Plan(options=EPOptions(ep_size=2, a2a_chunks=4)) == plan  # the form read off the options
+    assert Plan(form="ep", options=EPOptions(ep_size=2), a2a_chunks=4) == plan  # flat names over the options
+    assert hash(Plan(options=EPOptions(ep_size=2, a2a_chunks=4))) == hash(plan)
+    assert repr(plan) == "Plan(form='ep', ep_size=2, a2a_chunks=4)" and eval(repr(plan), {"Plan": Plan}) == plan
+    assert plan.replace(a2a_chunks=2).options == EPOptions(ep_size=2, a2a_chunks=2)
+    assert plan.slots_per_device is None and plan.heads is None  # FSEP's and HP's fields: their defaults
+    assert type(Plan().options) is SingleOptions and type(Plan(form="auto").options) is AutoOptions
+    assert type(Plan(form="locality", mu=0.1).options) is LocalityOptions
+    with pytest.raises(TypeError, match="a2a_chunks"):
+        HPOptions(a2a_chunks=4)  # type: ignore[call-arg]  # HP's exchange is not chunked: no such field to set
+
+
+def test_each_forms_options_are_the_fields_that_act_under_it():
+    """`ACTS_UNDER` is read off the option classes: a form's class has exactly the fields that act under it
+    (besides the plan-wide ones); a field several forms share has one type and one default in each."""
+    for form, cls in FORM_OPTIONS.items():
+        acting = {name for name, (forms, _) in ACTS_UNDER.items() if form in forms}
+        assert set(cls.names()) == acting - set(PLAN_FIELDS) - {"form"}, form
+    declared: dict[str, tuple[object, object]] = {}
+    for cls in FORM_OPTIONS.values():
+        for f in dataclasses.fields(cls):
+            assert declared.setdefault(f.name, (f.type, f.default)) == (f.type, f.default), (cls.__name__, f.name)
+
+
+def test_options_of_another_form_are_refused():
+    with pytest.raises(PlanError, match=r"^Plan.options=HPOptions\(.*\) is invalid with form='ep': it holds the "
+                                        r"options of form='hp'; use EPOptions\(...\), or leave form out.$"):
+        Plan(form="ep", options=HPOptions())
+    with pytest.raises(PlanError, match=r"^Plan.a2a_chunks=4 has no effect with form='hp': .*Use one of those "
+                                        r"forms, or leave it 'auto'.$"):
+        Plan(form="hp", a2a_chunks=4)
+
+
+def test_option_groups_are_validated_on_their_own():
+    """An options object is checked when it is made, by the same rule as the flat spelling."""
+    with pytest.raises(PlanError, match=r"^Plan.a2a_chunks=0 is invalid: use an int >= 1 or 'auto'.$"):
+        EPOptions(a2a_chunks=0)
+    with pytest.raises(PlanError, match=r"Plan.hierarchical_a2a=True is invalid with Plan.topology=Topology\(nodes=1"):
+        EPOptions(topology=moepass.Topology(1, 4), hierarchical_a2a=True)
+    with pytest.raises(PlanError, match=r"Plan.head_ep_size=2 is invalid with Plan.ep_size=3"):
+        HPOptions(ep_size=3, head_ep_size=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EPOptions().a2a_chunks = 2  # type: ignore[misc]
+
+
+def test_the_fields_once_typed_any_are_checked():
+    """topology, batch and routing_skew have types and checks: a tuple is not a Topology, a batch is two positive
+    ints, recorded routing is kept as nested tuples."""
+    with pytest.raises(PlanError, match=r"^Plan.topology=\(2, 4\) is invalid: use moepass.Topology\(nodes, "
+                                        r"ranks_per_node\), or None for the torchrun environment.$"):
+        Plan(form="ep", topology=(2, 4))
+    with pytest.raises(PlanError, match=r"^Plan.batch=\(0, 8\) is invalid: use \(batch, seq\), two positive ints"):
+        Plan(form="auto", batch=(0, 8))
+    assert Plan(form="auto", batch=[2, 8]).batch == (2, 8)
+    assert Plan(form="auto", routing_skew=[[1, 2], [3, 4]]).routing_skew == ((1.0, 2.0), (3.0, 4.0))
+
+
+def test_block_options_hold_what_the_whole_plan_gives_blocks_of_another_form():
+    plan = Plan(ep_size=2, blocks={"layers.1.mlp": {"form": "ep"}})
+    assert plan.options == SingleOptions() and plan.block_options == (EPOptions(ep_size=2),)
+    assert plan.ep_size == 2 and plan.for_block("layers.1.mlp").options == EPOptions(ep_size=2)
+
+
+def test_the_plan_modules_type_no_field_any():
+    from pathlib import Path
+
+    import moepass.plan_options
+
+    for module in (moepass.plan, moepass.plan_options):
+        text = Path(module.__file__).read_text()
+        assert "import Any" not in text and ": Any" not in text, module.__name__

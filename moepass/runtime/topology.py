@@ -30,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from moepass.errors import PlanError
+from moepass.plan_options import TopologyLike
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -146,13 +147,14 @@ def group_info(group_name: str) -> tuple[Topology, list[int]]:
     return info[group_name]
 
 
-def resolve(topology: Topology | None, ep_size: int | None) -> tuple[Topology, int]:
+def resolve(given: TopologyLike | None, ep_size: int | None) -> tuple[Topology, int]:
     """Validate a plan's topology and EP degree against the initialised world."""
     if not dist.is_initialized():
         raise PlanError("Plan(form='ep') needs torch.distributed initialised (init_process_group) on every rank; "
                         "run under torchrun or torch.multiprocessing.spawn.")
     world = dist.get_world_size()
-    topology = Topology.from_env() if topology is None else topology
+    topology = (Topology.from_env() if given is None else given if isinstance(given, Topology)
+                else Topology(given.nodes, given.ranks_per_node))
     if topology.world_size != world:
         raise PlanError(f"Plan.topology={topology} is invalid: it has {topology.world_size} ranks but the world "
                         f"has {world}; use Topology(nodes, ranks_per_node) with nodes*ranks_per_node={world}.")
@@ -162,7 +164,7 @@ def resolve(topology: Topology | None, ep_size: int | None) -> tuple[Topology, i
     return topology, ep_size
 
 
-def ep_groups(topology: Topology | None, ep_size: int | None, device_type: str) -> EPGroups:
+def ep_groups(topology: TopologyLike | None, ep_size: int | None, device_type: str) -> EPGroups:
     """The (cached) mesh and groups for this layout. Collective: every rank must call it, in order."""
     topology, ep_size = resolve(topology, ep_size)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -244,7 +246,7 @@ def _subgroups(lists: dict[str, list[list[int]]], topology: Topology, rank: int,
     return made
 
 
-def head_ep_groups(topology: Topology | None, ep_size: int | None, head_ep_size: int,
+def head_ep_groups(topology: TopologyLike | None, ep_size: int | None, head_ep_size: int,
                    device_type: str) -> HeadEPGroups:
     """The (cached) mesh and groups of HP with EP inside (see `HeadEPGroups`). Collective: every rank
     must call it, in order."""

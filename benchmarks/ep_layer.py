@@ -118,7 +118,9 @@ for _p in (str(ROOT), str(HERE)):
         sys.path.insert(0, _p)
 
 import ep_peers  # noqa: E402
-from ep_step import Runner, mixtral_config, package_version, summary, wait_for_load  # noqa: E402
+from ep_step import Runner, mixtral_config, package_version, summary  # noqa: E402
+
+from benchmarks.common import add_counts, add_wait_options, resolve_counts, results_header, run_launch, wait_for_load  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -141,6 +143,10 @@ WORKLOADS = {
     "mixtral_proxy": dict(hidden=512, intermediate=1792, experts=8, top_k=2, batch=1, seq=512, steps=10),
 }
 PHASES = ("fwd", "fwd_bwd")
+# what the benchmark measures, in its results file
+WHAT = ("forward and forward+backward time of one HF MixtralSparseMoeBlock (fp32, dropless) at W=1 and "
+        "W=2 (gloo, 1 thread per rank): moepass vs transformers' EP vs the original block, against the "
+        "expert GEMMs' compute floor (a plain torch.mm of the same FLOPs) timed in the same launches")
 
 
 def tokens(shape: dict) -> int:
@@ -496,17 +502,7 @@ def launch(key: str, paths: dict, args, tmp: Path, index: int) -> tuple[dict | N
                script, *common]
     else:
         cmd = [sys.executable, script, *common]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
-             if ln.strip() and not ln.startswith(("W1", "E1", "Loading weights", "  output = self._register",
-                                                    "[ep_layer rank"))
-             and "returned a view tensor" not in ln]
-    log = f"exit code {proc.returncode}; result file {'written' if result.exists() else 'missing'}\n" + \
-        "\n".join(lines[-80:])
-    finished = (proc.stdout + proc.stderr).count("worker finished")
-    if result.exists() and finished == world:
-        return json.loads(result.read_text()), ("" if proc.returncode == 0 else log)
-    return None, log
+    return run_launch(cmd, env, ROOT, result, world, args.timeout, "[ep_layer rank")
 
 
 def _ms(values: list[float]) -> dict:
@@ -685,12 +681,7 @@ def orchestrate(args) -> int:
     load_end = os.getloadavg()
     loads = [r["load1_before"] for r in launches] + [r["load1_after"] for r in launches]
     doc = {
-        "benchmark": "ep_layer",
-        "what": ("forward and forward+backward time of one HF MixtralSparseMoeBlock (fp32, dropless) at W=1 and "
-                 "W=2 (gloo, 1 thread per rank): moepass vs transformers' EP vs the original block, against the "
-                 "expert GEMMs' compute floor (a plain torch.mm of the same FLOPs) timed in the same launches"),
-        "command": " ".join(["python benchmarks/ep_layer.py", *args.argv]),
-        "started": started,
+        **results_header("ep_layer", WHAT, args.argv, started),
         "quick": args.quick,
         "workloads": {w: {**WORKLOADS[w], "tokens": tokens(WORKLOADS[w]), "dtype": "float32",
                           "steps": args.steps or WORKLOADS[w]["steps"]} for w in args.workloads},
@@ -841,28 +832,27 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+COUNTS = {"--rounds": (3, 1, "interleaved launches per system"), "--warmup": (3, 1, "untimed iterations per workload")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 round, 3 timed iterations, JSON to the temp dir")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved launches per system (default 3; --quick 1)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations per workload (default 3; --quick 1)")
+    add_counts(p, COUNTS)
     p.add_argument("--steps", type=int, default=None,
                    help="timed iterations per workload (default: issue 20, mixtral_proxy 10; --quick 3)")
     p.add_argument("--systems", nargs="+", default=list(LAUNCHES), choices=list(LAUNCHES))
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)}); the plot goes next to it")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
-    p.add_argument("--wait-load", type=float, default=None,
-                   help="first wait (polling every 30 s) for the 1-minute load average to fall below this")
-    p.add_argument("--wait-max", type=float, default=1200.0, help="seconds to wait for --wait-load at most")
+    add_wait_options(p)
     # internal: one launch of one system
     p.add_argument("--worker", choices=list(LAUNCHES), help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    resolve_counts(args, COUNTS)
     args.steps = args.steps or (3 if args.quick else None)
     if args.worker:
         return worker(args)

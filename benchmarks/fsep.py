@@ -110,7 +110,9 @@ for _p in (str(ROOT), str(HERE)):
         sys.path.insert(0, _p)
 
 from ep_layer import host_info  # noqa: E402
-from ep_step import mixtral_config, summary, wait_for_load  # noqa: E402
+from ep_step import mixtral_config, summary  # noqa: E402
+
+from benchmarks.common import add_counts, add_wait_options, resolve_counts, results_header, wait_for_load  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -133,6 +135,11 @@ POOL = 16  # N input batches per rank, cycled
 LR = 1e-4
 TOLERANCE = 1e-3  # calibration: |realised share - target| per expert
 GOALS = {"fsep_max_over_mean": 1.15, "ep_over_fsep_skewed": 1.2, "fsep_over_ep_balanced": 1.10}
+# what the benchmark measures, in its results file
+WHAT = ("FSEP vs EP vs FSDP2 on one HF Mixtral MoE layer at W=2 gloo ranks x 1 thread: max/mean rows per "
+        "device under skewed routing (Zipf(1.2), two recorded router skews) and balanced routing; train-step "
+        "time (fwd + bwd + Adam) in interleaved rounds with the compute floor; FSEP parameter memory per "
+        "rank measured vs (E*S)/W + C*S")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -737,13 +744,7 @@ def orchestrate(args) -> int:
             table(f"T={T}", by_tokens[f"T={T}"], args)
     during = [v for entry in by_tokens.values() for r in entry["results"].values() for v in r["load1"].values()]
     doc = {
-        "benchmark": "fsep",
-        "what": ("FSEP vs EP vs FSDP2 on one HF Mixtral MoE layer at W=2 gloo ranks x 1 thread: max/mean rows per "
-                 "device under skewed routing (Zipf(1.2), two recorded router skews) and balanced routing; train-step "
-                 "time (fwd + bwd + Adam) in interleaved rounds with the compute floor; FSEP parameter memory per "
-                 "rank measured vs (E*S)/W + C*S"),
-        "command": " ".join(["python benchmarks/fsep.py", *args.argv]),
-        "started": started,
+        **results_header("fsep", WHAT, args.argv, started),
         "quick": args.quick,
         "layer_common": {**base, "W": W, "dtype": "float32", "block": "transformers MixtralSparseMoeBlock",
                          "router": "frozen; feature 0 of every token = 1, its weight column the calibrated "
@@ -845,35 +846,29 @@ def plot(doc: dict, key: str, path: Path) -> None:
     plt.close(fig)
 
 
+COUNTS = {"--rounds": (10, 1, "interleaved rounds per scenario"), "--steps": (3, 2, "timed steps per system per round"),
+          "--warmup": (10, 7, "untimed steps per system"), "--profile-steps": (3, 0, "profiled steps per system"),
+          "--comm-reps": (10, 3, "repetitions per collective")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small layer, 1 round of 2 steps, JSON to the temp dir")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per scenario (default 10; --quick 1)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per system per round (default 3; --quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default 10; --quick 7)")
-    p.add_argument("--profile-steps", type=int, default=None, help="profiled steps per system (default 3; --quick 0)")
-    p.add_argument("--comm-reps", type=int, default=None, help="repetitions per collective (default 10; --quick 3)")
+    add_counts(p, COUNTS)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="tokens per rank, one launch each; the first is the headline (default 8192 2048; --quick 128)")
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)})")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the launch")
-    p.add_argument("--wait-load", type=float, default=None,
-                   help="first wait (polling every 30 s) for the 1-minute load average to fall below this")
-    p.add_argument("--wait-max", type=float, default=1200.0, help="seconds to wait for --wait-load at most")
+    add_wait_options(p)
     # internal: the worker of the launch
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    quick = args.quick
-    args.tokens = args.tokens or list(TOKENS["quick" if quick else "full"])
-    args.rounds = args.rounds or (1 if quick else 10)
-    args.steps = args.steps or (2 if quick else 3)
-    args.warmup = args.warmup if args.warmup is not None else (7 if quick else 10)
-    args.profile_steps = args.profile_steps if args.profile_steps is not None else (0 if quick else 3)
-    args.comm_reps = args.comm_reps or (3 if quick else 10)
+    args.tokens = args.tokens or list(TOKENS["quick" if args.quick else "full"])
+    resolve_counts(args, COUNTS)
     if args.worker:
         return worker(args)
     return orchestrate(args)

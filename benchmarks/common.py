@@ -4,6 +4,10 @@
     stdlib_corpus(files, heldout_fraction)    a byte-level corpus from standard-library files, split per file
     write_json(path, doc)                     the results file (parents made), and a line saying so
     run_launch(cmd, env, cwd, result, ...)    one launch of a worker script: its JSON result and log tail
+    results_header(name, what, argv, started) the keys every results file starts with
+    add_counts / parse_args                   --quick-dependent counts from a table; parsing with them filled
+    add_wait_options, add_netns_run_options   shared command-line options
+    timed_max(fn)                             seconds of fn() after a barrier, the max over the ranks
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,3 +116,32 @@ def add_wait_options(parser: argparse.ArgumentParser, poll_s: float = 30.0, max_
     parser.add_argument("--wait-load", type=float, default=None,
                         help=f"first wait (polling every {poll_s:g} s) for the 1-minute load average to fall below this")
     parser.add_argument("--wait-max", type=float, default=max_s, help="seconds to wait for --wait-load at most")
+
+
+def timed_max(fn: Callable[[], object]) -> float:
+    """Seconds of `fn()` started after a barrier, the max over the ranks of the default process group."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None,
+               counts: dict[str, tuple[int, int, str]]) -> argparse.Namespace:
+    """A benchmark's arguments: parsed, `args.argv` kept for the results' command, the --quick counts filled."""
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    resolve_counts(args, counts)
+    return args
+
+
+def add_netns_run_options(parser: argparse.ArgumentParser, out: Path) -> None:
+    """--timeout, --out and the internal --worker of a benchmark whose ranks run in network namespaces
+    (`benchmarks.netns`), its results file `out` by default (the plot next to it)."""
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run of the ranks")
+    parser.add_argument("--out", help=f"JSON path (the plot goes next to it, .png); default {out}")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -113,14 +113,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (str(ROOT), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-import ep_peers  # noqa: E402
-from ep_step import Runner, mixtral_config, package_version, summary  # noqa: E402
-
-from benchmarks.common import add_counts, add_wait_options, resolve_counts, results_header, run_launch, wait_for_load  # noqa: E402
+from benchmarks import common, ep_peers  # noqa: E402
+from benchmarks.ep_step import Runner, mixtral_config, package_version, summary  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -359,19 +356,6 @@ def worker(args) -> int:
     return 0
 
 
-def timed_max(fn, world: int) -> float:
-    """Seconds of `fn()` started after a barrier, the max over the ranks."""
-    import torch
-    import torch.distributed as dist
-
-    dist.barrier()
-    t = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def peers_worker(args, paths: dict, rank: int, world: int) -> int:
     """One launch of every W=2 system in one process group (`PEER_SYSTEMS`), timed forward+backward step by
     step in rotating order (iteration i starts with system i mod n), so load changes hit them alike."""
@@ -421,7 +405,7 @@ def peers_worker(args, paths: dict, rank: int, world: int) -> int:
         for i in range(args.warmup + steps):
             for j in range(len(names)):
                 name = names[(i + j) % len(names)]
-                elapsed = timed_max(lambda m=modules[name]: step(m), world)
+                elapsed = common.timed_max(lambda m=modules[name]: step(m))
                 if i >= args.warmup:
                     times[name].append(elapsed)
             print(f"[ep_layer rank {rank}] peers {workload} iteration {i} done", file=sys.stderr, flush=True)
@@ -502,7 +486,7 @@ def launch(key: str, paths: dict, args, tmp: Path, index: int) -> tuple[dict | N
                script, *common]
     else:
         cmd = [sys.executable, script, *common]
-    return run_launch(cmd, env, ROOT, result, world, args.timeout, "[ep_layer rank")
+    return common.run_launch(cmd, env, ROOT, result, world, args.timeout, "[ep_layer rank")
 
 
 def _ms(values: list[float]) -> dict:
@@ -638,7 +622,7 @@ def orchestrate(args) -> int:
     disabled: set[str] = set()
     t0 = time.perf_counter()
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    waited = wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
+    waited = common.wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ep_layer_") as tmpdir:
         tmp = Path(tmpdir)
@@ -681,7 +665,7 @@ def orchestrate(args) -> int:
     load_end = os.getloadavg()
     loads = [r["load1_before"] for r in launches] + [r["load1_after"] for r in launches]
     doc = {
-        **results_header("ep_layer", WHAT, args.argv, started),
+        **common.results_header("ep_layer", WHAT, args.argv, started),
         "quick": args.quick,
         "workloads": {w: {**WORKLOADS[w], "tokens": tokens(WORKLOADS[w]), "dtype": "float32",
                           "steps": args.steps or WORKLOADS[w]["steps"]} for w in args.workloads},
@@ -838,21 +822,19 @@ COUNTS = {"--rounds": (3, 1, "interleaved launches per system"), "--warmup": (3,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 round, 3 timed iterations, JSON to the temp dir")
-    add_counts(p, COUNTS)
+    common.add_counts(p, COUNTS)
     p.add_argument("--steps", type=int, default=None,
                    help="timed iterations per workload (default: issue 20, mixtral_proxy 10; --quick 3)")
     p.add_argument("--systems", nargs="+", default=list(LAUNCHES), choices=list(LAUNCHES))
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)}); the plot goes next to it")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
-    add_wait_options(p)
+    common.add_wait_options(p)
     # internal: one launch of one system
     p.add_argument("--worker", choices=list(LAUNCHES), help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    resolve_counts(args, COUNTS)
+    args = common.parse_args(p, argv, COUNTS)
     args.steps = args.steps or (3 if args.quick else None)
     if args.worker:
         return worker(args)

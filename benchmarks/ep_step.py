@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_counts, add_wait_options, resolve_counts, results_header, run_launch, wait_for_load  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -295,7 +295,7 @@ def _launch(system: str, paths: dict, shapes: dict, args, tmp: Path, index: int)
         threads = 2 if system == "original_2t" else 1
         env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, script, *common, "--threads", str(threads)]
-    return run_launch(cmd, env, ROOT, result, W if system in DISTRIBUTED else 1, args.timeout, "[ep_step rank")
+    return common.run_launch(cmd, env, ROOT, result, W if system in DISTRIBUTED else 1, args.timeout, "[ep_step rank")
 
 
 def summary(values: list[float]) -> dict:
@@ -315,7 +315,7 @@ def orchestrate(args) -> int:
     t0 = time.perf_counter()
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     if args.wait_load:
-        waited = wait_for_load(args.wait_load, args.wait_max)
+        waited = common.wait_for_load(args.wait_load, args.wait_max)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ep_step_") as tmpdir:
         tmp = Path(tmpdir)
@@ -396,7 +396,7 @@ def orchestrate(args) -> int:
 
     loads = [r["load1_before"] for r in launches] + [r["load1_after"] for r in launches]
     doc = {
-        **results_header("ep_step", WHAT, args.argv, started),
+        **common.results_header("ep_step", WHAT, args.argv, started),
         "quick": args.quick,
         "world": W,
         "shapes": shapes,
@@ -486,20 +486,18 @@ COUNTS = {"--launches": (3, 1, "launches per system"), "--warmup": (2, 1, "untim
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 launch per system, smaller shapes (< 1 min)")
-    add_counts(p, COUNTS)
+    common.add_counts(p, COUNTS)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)})")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
-    add_wait_options(p)
+    common.add_wait_options(p)
     # internal: one launch of one system
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
     p.add_argument("--shapes", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    resolve_counts(args, COUNTS)
+    args = common.parse_args(p, argv, COUNTS)
     if args.worker:
         return worker(args)
     return orchestrate(args)

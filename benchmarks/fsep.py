@@ -105,14 +105,12 @@ from torch import fx, nn
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (str(ROOT), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from ep_layer import host_info  # noqa: E402
-from ep_step import mixtral_config, summary  # noqa: E402
-
-from benchmarks.common import add_counts, add_wait_options, resolve_counts, results_header, wait_for_load  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.ep_layer import host_info  # noqa: E402
+from benchmarks.ep_step import mixtral_config, summary  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -368,18 +366,6 @@ class Floor:
         torch.mm(self.x_RD.t(), self.dh_RF2, out=self.dwgu_DF2)  # dW_gate_up
 
 
-def timed(fn) -> float:
-    """Barrier, run, max over the ranks (seconds)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    t = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def restored_tensors(gm: fx.GraphModule, x: torch.Tensor) -> dict:
     """One eval forward through an fx.Interpreter: shapes of the `*_slots` nodes and their distinct bytes."""
     seen: dict[str, torch.Tensor] = {}
@@ -419,7 +405,7 @@ def collectives(layer: dict, reps: int) -> dict:
     out = {}
     for name, (fn, sent) in ops.items():
         fn()
-        t = statistics.median(timed(fn) for _ in range(reps))
+        t = statistics.median(common.timed_max(fn) for _ in range(reps))
         out[name] = {"ms": 1e3 * t, "bytes_to_each_peer": sent, "GB_per_s": sent / t / 1e9}
     return out
 
@@ -433,7 +419,7 @@ def profile(system: System, inputs, steps: int) -> dict:
     with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             x = inputs(system)
-            timed(lambda: system.step(x))
+            common.timed_max(lambda: system.step(x))
     events = prof.key_averages(group_by_input_shape=True)
     gemm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::bmm", "aten::addmm"))
     waits: dict[str, float] = {}
@@ -462,7 +448,7 @@ def run_scenario(name: str, data: dict, args, rank: int) -> dict:
 
     def run(system: System) -> float:
         x = inputs(system)
-        return timed(lambda: system.step(x))
+        return common.timed_max(lambda: system.step(x))
 
     for _ in range(args.warmup):
         for system in systems.values():
@@ -478,7 +464,7 @@ def run_scenario(name: str, data: dict, args, rank: int) -> dict:
         for s, system in systems.items():
             times[s].append([run(system) for _ in range(args.steps)])
         for f, floor in floors.items():
-            times[f"floor_{f}"].append([timed(floor) for _ in range(args.steps)])
+            times[f"floor_{f}"].append([common.timed_max(floor) for _ in range(args.steps)])
     timed_steps = (warm + 1, fsep.steps)  # FSEP controller steps of the timed rounds (1-based)
     prof = {s: profile(system, inputs, args.profile_steps) for s, system in systems.items()} \
         if args.profile_steps else {}
@@ -695,7 +681,7 @@ def goals(results: dict) -> dict:
 
 def run_layer(layer: dict, real: dict, args) -> tuple[dict | None, list[dict], dict]:
     """Calibrate, launch (one retry) and aggregate one layer size; (results or None, failures, load info)."""
-    waited = wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
+    waited = common.wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
     load = {"waited_s": waited, "load1_start": os.getloadavg()[0]}
     failures: list[dict] = []
     res = None
@@ -744,7 +730,7 @@ def orchestrate(args) -> int:
             table(f"T={T}", by_tokens[f"T={T}"], args)
     during = [v for entry in by_tokens.values() for r in entry["results"].values() for v in r["load1"].values()]
     doc = {
-        **results_header("fsep", WHAT, args.argv, started),
+        **common.results_header("fsep", WHAT, args.argv, started),
         "quick": args.quick,
         "layer_common": {**base, "W": W, "dtype": "float32", "block": "transformers MixtralSparseMoeBlock",
                          "router": "frozen; feature 0 of every token = 1, its weight column the calibrated "
@@ -854,21 +840,19 @@ COUNTS = {"--rounds": (10, 1, "interleaved rounds per scenario"), "--steps": (3,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small layer, 1 round of 2 steps, JSON to the temp dir")
-    add_counts(p, COUNTS)
+    common.add_counts(p, COUNTS)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="tokens per rank, one launch each; the first is the headline (default 8192 2048; --quick 128)")
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)})")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the launch")
-    add_wait_options(p)
+    common.add_wait_options(p)
     # internal: the worker of the launch
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args = common.parse_args(p, argv, COUNTS)
     args.tokens = args.tokens or list(TOKENS["quick" if args.quick else "full"])
-    resolve_counts(args, COUNTS)
     if args.worker:
         return worker(args)
     return orchestrate(args)

@@ -79,7 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_counts, resolve_counts, results_header, wait_for_load  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "hp.json"
 W = 2
@@ -392,7 +392,7 @@ def orchestrate(args, argv: list[str]) -> int:
     out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "hp.json" if args.quick or args.calibrate
                                            else OUT)
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    waited = wait_for_load(args.wait_load, args.wait_max, poll_s=20) if args.wait_load else 0.0
+    waited = common.wait_for_load(args.wait_load, args.wait_max, poll_s=20) if args.wait_load else 0.0
     load = {"start": os.getloadavg()}
     t0 = time.perf_counter()
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -414,7 +414,7 @@ def orchestrate(args, argv: list[str]) -> int:
     result = runs[0].result
     records = result["records"]
     doc = {
-        **results_header("hp", WHAT, argv, started),
+        **common.results_header("hp", WHAT, argv, started),
         "wall_s": time.perf_counter() - t0, "quick": args.quick, "netns": not args.no_netns,
         "valid_measurement": not args.no_netns and not args.quick,
         "link": link, "probe": probe, "a2a_probe": result["a2a_probe"], "phases": phases, "rate_answers": result["rate_answers"],
@@ -490,19 +490,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (< 1 min): small model, 1 round, 2 steps")
     parser.add_argument("--rate", default=RATE, help=f"tc tbf rate of the link (default {RATE})")
-    add_counts(parser, COUNTS)
+    common.add_counts(parser, COUNTS)
     parser.add_argument("--no-netns", action="store_true", help="loopback, for debugging only (the JSON says so)")
     parser.add_argument("--calibrate", nargs="+", metavar="RATE", help="K=2 only, one phase per rate (+ no limit): "
                         "EP's all-to-all share at each rate; JSON to the temp dir unless --out")
     parser.add_argument("--wait-load", type=float, default=0.0, help="first wait until the 1-min load is below this")
     parser.add_argument("--wait-max", type=float, default=1800.0, help="wait at most this many seconds for the load")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run of the ranks")
-    parser.add_argument("--out", help=f"JSON path (the plot goes next to it, .png); default {OUT.relative_to(ROOT)}")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    common.add_netns_run_options(parser, OUT.relative_to(ROOT))
     args = parser.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
-    resolve_counts(args, COUNTS)
+    common.resolve_counts(args, COUNTS)
     return orchestrate(args, argv)
 
 

@@ -81,7 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import results_header, stdlib_corpus  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "locality.json"
 W = 2
@@ -113,7 +113,7 @@ WHAT = ("LocMoE (locality loss mu > 0) vs the switch router (mu = 0), the same P
 def load_domain(files: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(train bytes, held-out bytes, description) of a list of standard-library files: each file's last
     HELDOUT_FRACTION held out."""
-    corpus = stdlib_corpus(files, HELDOUT_FRACTION)
+    corpus = common.stdlib_corpus(files, HELDOUT_FRACTION)
     return corpus.train_N, corpus.heldout_M, {"files": list(files), "sha256": corpus.sha256,
                                               "train_bytes": corpus.train_N.numel(),
                                               "heldout_bytes": corpus.heldout_M.numel()}
@@ -342,7 +342,7 @@ def orchestrate(args, argv: list[str]) -> int:
                              "step_time_ratio": loc["step_ms"]["median"] / sw["step_ms"]["median"]}
     headline = by_mode.get("domain") or next(iter(by_mode.values()))
     doc = {
-        **results_header("locality", WHAT, argv, started),
+        **common.results_header("locality", WHAT, argv, started),
         "wall_s": time.perf_counter() - t0, "quick": args.quick, "netns": not args.no_netns,
         "valid_measurement": not args.no_netns and not args.quick,
         "link": link, "probe_bytes_per_s": probe,
@@ -390,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", nargs="+", default=["domain", "iid"], choices=["domain", "iid"],
                         help="data modes, one launch each (module doc); the goals are read on the first of domain")
     parser.add_argument("--no-netns", action="store_true", help="loopback, for debugging only (the JSON says so)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run of the ranks")
-    parser.add_argument("--out", help=f"JSON path (the plot goes next to it, .png); default {OUT.relative_to(ROOT)}")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    common.add_netns_run_options(parser, OUT.relative_to(ROOT))
     args = parser.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))

@@ -333,12 +333,4 @@ def _route(*args: Any) -> tuple[Tensor, Tensor]:
 
 # moe.route's declaration: the same operands, fake, autograd (selection has no gradient; weights via
 # route_backward_ref) and autocast policy
-route = dialect.ROUTE_SCHEMA.define("moe_lowered", _route)
-
-LOWERING = Lowering(
-    family="gating",
-    dialect_op=dialect.ROUTE,
-    lowered_op=torch.ops.moe_lowered.route.default,
-    eligible=eligible,
-    source=generated_source,
-)
+LOWERING = Lowering.define("gating", dialect.ROUTE, dialect.ROUTE_SCHEMA, _route, eligible, generated_source)

@@ -5,6 +5,7 @@
     write_json(path, doc)                     the results file (parents made), and a line saying so
     run_launch(cmd, env, cwd, result, ...)    one launch of a worker script: its JSON result and log tail
     results_header(name, what, argv, started) the keys every results file starts with
+    benchmark_parser(doc, quick, counts)      the parser: description, --quick, the counts it changes
     add_counts / parse_args                   --quick-dependent counts from a table; parsing with them filled
     add_wait_options, add_netns_run_options   shared command-line options
     timed_max(fn)                             seconds of fn() after a barrier, the max over the ranks
@@ -95,6 +96,15 @@ def results_header(name: str, what: str, argv: list[str], started: str) -> dict:
     (`python benchmarks/<name>.py` and its arguments) and when it started."""
     return {"benchmark": name, "what": what, "command": " ".join([f"python benchmarks/{name}.py", *argv]),
             "started": started}
+
+
+def benchmark_parser(doc: str, quick: str, counts: dict[str, tuple[int, int, str]]) -> argparse.ArgumentParser:
+    """The command line a benchmark starts with: described by its docstring's first line, --quick (`quick`
+    says what it runs) and the counts whose defaults it changes (`add_counts`)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    add_counts(parser, counts)
+    return parser
 
 
 def add_counts(parser: argparse.ArgumentParser, counts: dict[str, tuple[int, int, str]]) -> None:

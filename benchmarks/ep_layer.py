@@ -820,9 +820,7 @@ COUNTS = {"--rounds": (3, 1, "interleaved launches per system"), "--warmup": (3,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 round, 3 timed iterations, JSON to the temp dir")
-    common.add_counts(p, COUNTS)
+    p = common.benchmark_parser(__doc__, "1 round, 3 timed iterations, JSON to the temp dir", COUNTS)
     p.add_argument("--steps", type=int, default=None,
                    help="timed iterations per workload (default: issue 20, mixtral_proxy 10; --quick 3)")
     p.add_argument("--systems", nargs="+", default=list(LAUNCHES), choices=list(LAUNCHES))

@@ -484,9 +484,7 @@ COUNTS = {"--launches": (3, 1, "launches per system"), "--warmup": (2, 1, "untim
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 launch per system, smaller shapes (< 1 min)")
-    common.add_counts(p, COUNTS)
+    p = common.benchmark_parser(__doc__, "1 launch per system, smaller shapes (< 1 min)", COUNTS)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)})")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")

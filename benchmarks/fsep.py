@@ -838,9 +838,7 @@ COUNTS = {"--rounds": (10, 1, "interleaved rounds per scenario"), "--steps": (3,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small layer, 1 round of 2 steps, JSON to the temp dir")
-    common.add_counts(p, COUNTS)
+    p = common.benchmark_parser(__doc__, "small layer, 1 round of 2 steps, JSON to the temp dir", COUNTS)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="tokens per rank, one launch each; the first is the headline (default 8192 2048; --quick 128)")

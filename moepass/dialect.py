@@ -21,9 +21,9 @@ the data-movement ops keep their input dtype.
 The pure-torch references (`*_ref`) are the semantics; kernels in `lowering/` must match them.
 
 Shape letters: `moepass.spec.SHAPES`.
-The expert FFN op lives in `moepass.dialect_ffn` (re-exported here). Host sync points: the references
-`expert_ffn_ref` / `expert_ffn_backward_ref` read `counts_E` on the host (`grouped_ffn.split_sizes`); the
-op itself runs `moepass.grouped_ffn`, which syncs only in its per-expert fallback. Nothing else syncs.
+The expert FFN op lives in `moepass.dialect_ffn` (re-exported here). Host sync points: the reference
+`expert_ffn_ref` reads `counts_E` on the host (`grouped_ffn.split_sizes`); the op itself runs
+`moepass.grouped_ffn`, which syncs only in its per-expert fallback. Nothing else syncs.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from moepass.dialect_ffn import (  # noqa: F401  (the expert FFN op: part of the
     define_expert_ffn,
     expert_ffn,
     expert_ffn_backward,
-    expert_ffn_backward_ref,
     expert_ffn_forward,
     expert_ffn_function,
     expert_ffn_ref,

@@ -474,18 +474,18 @@ def launch(key: str, paths: dict, args, tmp: Path, index: int) -> tuple[dict | N
     """One launch of one system; (result or None, log tail: empty when it exited cleanly)."""
     world = LAUNCHES[key][1]
     result = tmp / f"{key}_{index}.json"
-    common = ["--worker", key, "--paths", json.dumps(paths), "--workloads", *args.workloads,
+    worker_args = ["--worker", key, "--paths", json.dumps(paths), "--workloads", *args.workloads,
               "--warmup", str(args.warmup), "--result", str(result)]
     if args.steps:
-        common += ["--steps", str(args.steps)]
+        worker_args += ["--steps", str(args.steps)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1")
     script = str(Path(__file__).resolve())
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               script, *common]
+               script, *worker_args]
     else:
-        cmd = [sys.executable, script, *common]
+        cmd = [sys.executable, script, *worker_args]
     return common.run_launch(cmd, env, ROOT, result, world, args.timeout, "[ep_layer rank")
 
 

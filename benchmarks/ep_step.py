@@ -283,18 +283,18 @@ def worker(args) -> int:
 
 def _launch(system: str, paths: dict, shapes: dict, args, tmp: Path, index: int) -> tuple[dict | None, str]:
     result = tmp / f"{system}_{index}.json"
-    common = ["--worker", system, "--paths", json.dumps(paths), "--shapes", json.dumps(shapes),
+    worker_args = ["--worker", system, "--paths", json.dumps(paths), "--shapes", json.dumps(shapes),
               "--warmup", str(args.warmup), "--steps", str(args.steps), "--result", str(result)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     script = str(Path(__file__).resolve())
     if system in DISTRIBUTED:
         env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={W}",
-               script, *common, "--threads", "1"]
+               script, *worker_args, "--threads", "1"]
     else:
         threads = 2 if system == "original_2t" else 1
         env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, script, *common, "--threads", str(threads)]
+        cmd = [sys.executable, script, *worker_args, "--threads", str(threads)]
     return common.run_launch(cmd, env, ROOT, result, W if system in DISTRIBUTED else 1, args.timeout, "[ep_step rank")
 
 

@@ -140,8 +140,8 @@ def rank_data(mode: str, rank: int, sizes: dict) -> tuple[torch.Tensor, torch.Te
 
 
 def systems(mu: float, alpha: float, capacity_factor: float | None) -> dict[str, dict]:
-    common = dict(form="locality", gate="learned", alpha=alpha, capacity_factor=capacity_factor)
-    return {"switch": {**common, "mu": 0.0}, "locality": {**common, "mu": mu}}
+    shared = dict(form="locality", gate="learned", alpha=alpha, capacity_factor=capacity_factor)
+    return {"switch": {**shared, "mu": 0.0}, "locality": {**shared, "mu": mu}}
 
 
 # ----------------------------------------------------------------------------------------------

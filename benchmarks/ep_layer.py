@@ -113,12 +113,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (str(ROOT), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-import ep_peers  # noqa: E402
-from ep_step import Runner, mixtral_config, package_version, summary, wait_for_load  # noqa: E402
+from benchmarks import common, ep_peers  # noqa: E402
+from benchmarks.ep_step import Runner, mixtral_config, package_version, summary  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -141,6 +140,10 @@ WORKLOADS = {
     "mixtral_proxy": dict(hidden=512, intermediate=1792, experts=8, top_k=2, batch=1, seq=512, steps=10),
 }
 PHASES = ("fwd", "fwd_bwd")
+# what the benchmark measures, in its results file
+WHAT = ("forward and forward+backward time of one HF MixtralSparseMoeBlock (fp32, dropless) at W=1 and "
+        "W=2 (gloo, 1 thread per rank): moepass vs transformers' EP vs the original block, against the "
+        "expert GEMMs' compute floor (a plain torch.mm of the same FLOPs) timed in the same launches")
 
 
 def tokens(shape: dict) -> int:
@@ -353,19 +356,6 @@ def worker(args) -> int:
     return 0
 
 
-def timed_max(fn, world: int) -> float:
-    """Seconds of `fn()` started after a barrier, the max over the ranks."""
-    import torch
-    import torch.distributed as dist
-
-    dist.barrier()
-    t = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def peers_worker(args, paths: dict, rank: int, world: int) -> int:
     """One launch of every W=2 system in one process group (`PEER_SYSTEMS`), timed forward+backward step by
     step in rotating order (iteration i starts with system i mod n), so load changes hit them alike."""
@@ -415,7 +405,7 @@ def peers_worker(args, paths: dict, rank: int, world: int) -> int:
         for i in range(args.warmup + steps):
             for j in range(len(names)):
                 name = names[(i + j) % len(names)]
-                elapsed = timed_max(lambda m=modules[name]: step(m), world)
+                elapsed = common.timed_max(lambda m=modules[name]: step(m))
                 if i >= args.warmup:
                     times[name].append(elapsed)
             print(f"[ep_layer rank {rank}] peers {workload} iteration {i} done", file=sys.stderr, flush=True)
@@ -484,29 +474,19 @@ def launch(key: str, paths: dict, args, tmp: Path, index: int) -> tuple[dict | N
     """One launch of one system; (result or None, log tail: empty when it exited cleanly)."""
     world = LAUNCHES[key][1]
     result = tmp / f"{key}_{index}.json"
-    common = ["--worker", key, "--paths", json.dumps(paths), "--workloads", *args.workloads,
+    worker_args = ["--worker", key, "--paths", json.dumps(paths), "--workloads", *args.workloads,
               "--warmup", str(args.warmup), "--result", str(result)]
     if args.steps:
-        common += ["--steps", str(args.steps)]
+        worker_args += ["--steps", str(args.steps)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1")
     script = str(Path(__file__).resolve())
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               script, *common]
+               script, *worker_args]
     else:
-        cmd = [sys.executable, script, *common]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
-             if ln.strip() and not ln.startswith(("W1", "E1", "Loading weights", "  output = self._register",
-                                                    "[ep_layer rank"))
-             and "returned a view tensor" not in ln]
-    log = f"exit code {proc.returncode}; result file {'written' if result.exists() else 'missing'}\n" + \
-        "\n".join(lines[-80:])
-    finished = (proc.stdout + proc.stderr).count("worker finished")
-    if result.exists() and finished == world:
-        return json.loads(result.read_text()), ("" if proc.returncode == 0 else log)
-    return None, log
+        cmd = [sys.executable, script, *worker_args]
+    return common.run_launch(cmd, env, ROOT, result, world, args.timeout, "[ep_layer rank")
 
 
 def _ms(values: list[float]) -> dict:
@@ -642,7 +622,7 @@ def orchestrate(args) -> int:
     disabled: set[str] = set()
     t0 = time.perf_counter()
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    waited = wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
+    waited = common.wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ep_layer_") as tmpdir:
         tmp = Path(tmpdir)
@@ -685,12 +665,7 @@ def orchestrate(args) -> int:
     load_end = os.getloadavg()
     loads = [r["load1_before"] for r in launches] + [r["load1_after"] for r in launches]
     doc = {
-        "benchmark": "ep_layer",
-        "what": ("forward and forward+backward time of one HF MixtralSparseMoeBlock (fp32, dropless) at W=1 and "
-                 "W=2 (gloo, 1 thread per rank): moepass vs transformers' EP vs the original block, against the "
-                 "expert GEMMs' compute floor (a plain torch.mm of the same FLOPs) timed in the same launches"),
-        "command": " ".join(["python benchmarks/ep_layer.py", *args.argv]),
-        "started": started,
+        **common.results_header("ep_layer", WHAT, args.argv, started),
         "quick": args.quick,
         "workloads": {w: {**WORKLOADS[w], "tokens": tokens(WORKLOADS[w]), "dtype": "float32",
                           "steps": args.steps or WORKLOADS[w]["steps"]} for w in args.workloads},
@@ -841,28 +816,23 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+COUNTS = {"--rounds": (3, 1, "interleaved launches per system"), "--warmup": (3, 1, "untimed iterations per workload")}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 round, 3 timed iterations, JSON to the temp dir")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved launches per system (default 3; --quick 1)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations per workload (default 3; --quick 1)")
+    p = common.benchmark_parser(__doc__, "1 round, 3 timed iterations, JSON to the temp dir", COUNTS)
     p.add_argument("--steps", type=int, default=None,
                    help="timed iterations per workload (default: issue 20, mixtral_proxy 10; --quick 3)")
     p.add_argument("--systems", nargs="+", default=list(LAUNCHES), choices=list(LAUNCHES))
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)}); the plot goes next to it")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
-    p.add_argument("--wait-load", type=float, default=None,
-                   help="first wait (polling every 30 s) for the 1-minute load average to fall below this")
-    p.add_argument("--wait-max", type=float, default=1200.0, help="seconds to wait for --wait-load at most")
+    common.add_wait_options(p)
     # internal: one launch of one system
     p.add_argument("--worker", choices=list(LAUNCHES), help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args = common.parse_args(p, argv, COUNTS)
     args.steps = args.steps or (3 if args.quick else None)
     if args.worker:
         return worker(args)

@@ -55,7 +55,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +63,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -89,6 +90,10 @@ SHAPES = {
                       vocab=512, batch=2, seq=128),
     },
 }
+# what the benchmark measures, in its results file
+WHAT = ("forward + backward (+ gradient sync) time of one training step at W=2 gloo ranks x 1 thread, "
+        "moepass EP vs transformers' EP (+FSDP2) vs the original model in one process on the global "
+        "batch; medians over launches (each launch's figure = median of its timed steps) and ranges")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,41 +283,19 @@ def worker(args) -> int:
 
 def _launch(system: str, paths: dict, shapes: dict, args, tmp: Path, index: int) -> tuple[dict | None, str]:
     result = tmp / f"{system}_{index}.json"
-    common = ["--worker", system, "--paths", json.dumps(paths), "--shapes", json.dumps(shapes),
+    worker_args = ["--worker", system, "--paths", json.dumps(paths), "--shapes", json.dumps(shapes),
               "--warmup", str(args.warmup), "--steps", str(args.steps), "--result", str(result)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     script = str(Path(__file__).resolve())
     if system in DISTRIBUTED:
         env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={W}",
-               script, *common, "--threads", "1"]
+               script, *worker_args, "--threads", "1"]
     else:
         threads = 2 if system == "original_2t" else 1
         env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, script, *common, "--threads", str(threads)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
-             if ln.strip() and not ln.startswith(("W1", "E1", "Loading weights", "  output = self._register",
-                                                    "[ep_step rank"))
-             and "returned a view tensor" not in ln]
-    log = f"exit code {proc.returncode}; result file {'written' if result.exists() else 'missing'}\n" + \
-        "\n".join(lines[-80:])
-    finished = (proc.stdout + proc.stderr).count("worker finished")
-    ranks = W if system in DISTRIBUTED else 1
-    if result.exists() and finished == ranks:
-        # every rank finished all its steps and tore its process group down: the figures are complete,
-        # even if a process then died at interpreter exit (recorded as an exit abort by the caller)
-        return json.loads(result.read_text()), ("" if proc.returncode == 0 else log)
-    return None, log
-
-
-def wait_for_load(threshold: float, max_s: float) -> float:
-    """Poll every 30 s until the 1-minute load average is below `threshold` (at most `max_s`)."""
-    t0 = time.perf_counter()
-    while os.getloadavg()[0] >= threshold and time.perf_counter() - t0 < max_s:
-        print(f"load1 {os.getloadavg()[0]:.2f} >= {threshold}: waiting", flush=True)
-        time.sleep(30)
-    return time.perf_counter() - t0
+        cmd = [sys.executable, script, *worker_args, "--threads", str(threads)]
+    return common.run_launch(cmd, env, ROOT, result, W if system in DISTRIBUTED else 1, args.timeout, "[ep_step rank")
 
 
 def summary(values: list[float]) -> dict:
@@ -332,7 +315,7 @@ def orchestrate(args) -> int:
     t0 = time.perf_counter()
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     if args.wait_load:
-        waited = wait_for_load(args.wait_load, args.wait_max)
+        waited = common.wait_for_load(args.wait_load, args.wait_max)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ep_step_") as tmpdir:
         tmp = Path(tmpdir)
@@ -413,12 +396,7 @@ def orchestrate(args) -> int:
 
     loads = [r["load1_before"] for r in launches] + [r["load1_after"] for r in launches]
     doc = {
-        "benchmark": "ep_step",
-        "what": ("forward + backward (+ gradient sync) time of one training step at W=2 gloo ranks x 1 thread, "
-                 "moepass EP vs transformers' EP (+FSDP2) vs the original model in one process on the global "
-                 "batch; medians over launches (each launch's figure = median of its timed steps) and ranges"),
-        "command": " ".join(["python benchmarks/ep_step.py", *args.argv]),
-        "started": started,
+        **common.results_header("ep_step", WHAT, args.argv, started),
         "quick": args.quick,
         "world": W,
         "shapes": shapes,
@@ -501,29 +479,23 @@ def _table(doc: dict) -> None:
         print(f"{f['system']} launch {f['round']} attempt {f['attempt']} FAILED:\n{f['log'][-1500:]}")
 
 
+COUNTS = {"--launches": (3, 1, "launches per system"), "--warmup": (2, 1, "untimed steps per workload"),
+          "--steps": (5, 2, "timed steps per workload")}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 launch per system, smaller shapes (< 1 min)")
-    p.add_argument("--launches", type=int, default=None, help="launches per system (default 3; --quick 1)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per workload (default 2; --quick 1)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per workload (default 5; --quick 2)")
+    p = common.benchmark_parser(__doc__, "1 launch per system, smaller shapes (< 1 min)", COUNTS)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)})")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
-    p.add_argument("--wait-load", type=float, default=None,
-                   help="first wait (polling every 30 s) for the 1-minute load average to fall below this")
-    p.add_argument("--wait-max", type=float, default=1200.0, help="seconds to wait for --wait-load at most")
+    common.add_wait_options(p)
     # internal: one launch of one system
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
     p.add_argument("--shapes", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.launches = args.launches or (1 if args.quick else 3)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    args.steps = args.steps or (2 if args.quick else 5)
+    args = common.parse_args(p, argv, COUNTS)
     if args.worker:
         return worker(args)
     return orchestrate(args)

@@ -105,12 +105,12 @@ from torch import fx, nn
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (str(ROOT), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from ep_layer import host_info  # noqa: E402
-from ep_step import mixtral_config, summary, wait_for_load  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.ep_layer import host_info  # noqa: E402
+from benchmarks.ep_step import mixtral_config, summary  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -133,6 +133,11 @@ POOL = 16  # N input batches per rank, cycled
 LR = 1e-4
 TOLERANCE = 1e-3  # calibration: |realised share - target| per expert
 GOALS = {"fsep_max_over_mean": 1.15, "ep_over_fsep_skewed": 1.2, "fsep_over_ep_balanced": 1.10}
+# what the benchmark measures, in its results file
+WHAT = ("FSEP vs EP vs FSDP2 on one HF Mixtral MoE layer at W=2 gloo ranks x 1 thread: max/mean rows per "
+        "device under skewed routing (Zipf(1.2), two recorded router skews) and balanced routing; train-step "
+        "time (fwd + bwd + Adam) in interleaved rounds with the compute floor; FSEP parameter memory per "
+        "rank measured vs (E*S)/W + C*S")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,18 +366,6 @@ class Floor:
         torch.mm(self.x_RD.t(), self.dh_RF2, out=self.dwgu_DF2)  # dW_gate_up
 
 
-def timed(fn) -> float:
-    """Barrier, run, max over the ranks (seconds)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    t = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def restored_tensors(gm: fx.GraphModule, x: torch.Tensor) -> dict:
     """One eval forward through an fx.Interpreter: shapes of the `*_slots` nodes and their distinct bytes."""
     seen: dict[str, torch.Tensor] = {}
@@ -412,7 +405,7 @@ def collectives(layer: dict, reps: int) -> dict:
     out = {}
     for name, (fn, sent) in ops.items():
         fn()
-        t = statistics.median(timed(fn) for _ in range(reps))
+        t = statistics.median(common.timed_max(fn) for _ in range(reps))
         out[name] = {"ms": 1e3 * t, "bytes_to_each_peer": sent, "GB_per_s": sent / t / 1e9}
     return out
 
@@ -426,7 +419,7 @@ def profile(system: System, inputs, steps: int) -> dict:
     with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             x = inputs(system)
-            timed(lambda: system.step(x))
+            common.timed_max(lambda: system.step(x))
     events = prof.key_averages(group_by_input_shape=True)
     gemm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::bmm", "aten::addmm"))
     waits: dict[str, float] = {}
@@ -455,7 +448,7 @@ def run_scenario(name: str, data: dict, args, rank: int) -> dict:
 
     def run(system: System) -> float:
         x = inputs(system)
-        return timed(lambda: system.step(x))
+        return common.timed_max(lambda: system.step(x))
 
     for _ in range(args.warmup):
         for system in systems.values():
@@ -471,7 +464,7 @@ def run_scenario(name: str, data: dict, args, rank: int) -> dict:
         for s, system in systems.items():
             times[s].append([run(system) for _ in range(args.steps)])
         for f, floor in floors.items():
-            times[f"floor_{f}"].append([timed(floor) for _ in range(args.steps)])
+            times[f"floor_{f}"].append([common.timed_max(floor) for _ in range(args.steps)])
     timed_steps = (warm + 1, fsep.steps)  # FSEP controller steps of the timed rounds (1-based)
     prof = {s: profile(system, inputs, args.profile_steps) for s, system in systems.items()} \
         if args.profile_steps else {}
@@ -688,7 +681,7 @@ def goals(results: dict) -> dict:
 
 def run_layer(layer: dict, real: dict, args) -> tuple[dict | None, list[dict], dict]:
     """Calibrate, launch (one retry) and aggregate one layer size; (results or None, failures, load info)."""
-    waited = wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
+    waited = common.wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
     load = {"waited_s": waited, "load1_start": os.getloadavg()[0]}
     failures: list[dict] = []
     res = None
@@ -737,13 +730,7 @@ def orchestrate(args) -> int:
             table(f"T={T}", by_tokens[f"T={T}"], args)
     during = [v for entry in by_tokens.values() for r in entry["results"].values() for v in r["load1"].values()]
     doc = {
-        "benchmark": "fsep",
-        "what": ("FSEP vs EP vs FSDP2 on one HF Mixtral MoE layer at W=2 gloo ranks x 1 thread: max/mean rows per "
-                 "device under skewed routing (Zipf(1.2), two recorded router skews) and balanced routing; train-step "
-                 "time (fwd + bwd + Adam) in interleaved rounds with the compute floor; FSEP parameter memory per "
-                 "rank measured vs (E*S)/W + C*S"),
-        "command": " ".join(["python benchmarks/fsep.py", *args.argv]),
-        "started": started,
+        **common.results_header("fsep", WHAT, args.argv, started),
         "quick": args.quick,
         "layer_common": {**base, "W": W, "dtype": "float32", "block": "transformers MixtralSparseMoeBlock",
                          "router": "frozen; feature 0 of every token = 1, its weight column the calibrated "
@@ -845,35 +832,25 @@ def plot(doc: dict, key: str, path: Path) -> None:
     plt.close(fig)
 
 
+COUNTS = {"--rounds": (10, 1, "interleaved rounds per scenario"), "--steps": (3, 2, "timed steps per system per round"),
+          "--warmup": (10, 7, "untimed steps per system"), "--profile-steps": (3, 0, "profiled steps per system"),
+          "--comm-reps": (10, 3, "repetitions per collective")}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small layer, 1 round of 2 steps, JSON to the temp dir")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per scenario (default 10; --quick 1)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per system per round (default 3; --quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default 10; --quick 7)")
-    p.add_argument("--profile-steps", type=int, default=None, help="profiled steps per system (default 3; --quick 0)")
-    p.add_argument("--comm-reps", type=int, default=None, help="repetitions per collective (default 10; --quick 3)")
+    p = common.benchmark_parser(__doc__, "small layer, 1 round of 2 steps, JSON to the temp dir", COUNTS)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="tokens per rank, one launch each; the first is the headline (default 8192 2048; --quick 128)")
     p.add_argument("--out", default=None, help=f"JSON path (default {OUT.relative_to(ROOT)})")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the launch")
-    p.add_argument("--wait-load", type=float, default=None,
-                   help="first wait (polling every 30 s) for the 1-minute load average to fall below this")
-    p.add_argument("--wait-max", type=float, default=1200.0, help="seconds to wait for --wait-load at most")
+    common.add_wait_options(p)
     # internal: the worker of the launch
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    quick = args.quick
-    args.tokens = args.tokens or list(TOKENS["quick" if quick else "full"])
-    args.rounds = args.rounds or (1 if quick else 10)
-    args.steps = args.steps or (2 if quick else 3)
-    args.warmup = args.warmup if args.warmup is not None else (7 if quick else 10)
-    args.profile_steps = args.profile_steps if args.profile_steps is not None else (0 if quick else 3)
-    args.comm_reps = args.comm_reps or (3 if quick else 10)
+    args = common.parse_args(p, argv, COUNTS)
+    args.tokens = args.tokens or list(TOKENS["quick" if args.quick else "full"])
     if args.worker:
         return worker(args)
     return orchestrate(args)

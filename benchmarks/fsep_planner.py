@@ -26,7 +26,6 @@ Writes benchmarks/results/fsep_planner.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -40,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import write_json  # noqa: E402
 from cost_model import fsep as cf  # noqa: E402
 from cost_model.presets import A100  # noqa: E402
 from moepass.runtime.placement import (  # noqa: E402
@@ -147,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": [run_config(*cfg, runs=args.runs) for cfg in CONFIGS],
         "small_case_w2": small_case(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
     return 0
 
 

@@ -79,6 +79,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import common  # noqa: E402
+
 OUT = ROOT / "benchmarks" / "results" / "hp.json"
 W = 2
 FORMS = ("ep", "hp")
@@ -91,6 +93,10 @@ SIZES = {  # full run / --quick
     "quick": dict(model=dict(style="loop", vocab_size=128, dim=128, layers=1, heads=4), batch=2, seq=64, kf=512,
                   experts_per_k=4, ks=[2, 4, 8]),
 }
+# what the benchmark measures, in its results file
+WHAT = ("train-step time (zero_grad + forward + backward with DDP + Adam step) and bytes per rank per step, "
+        "HP (Multi-Head LatentMoE, heads over ranks) vs EP (standard MoE, experts over ranks) at equal active "
+        "parameters, W=2 gloo ranks x 1 thread, one rank per network namespace on a tc-limited veth")
 
 
 def model_kwargs(sizes: dict, K: int) -> dict:
@@ -373,15 +379,6 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def wait_for_load(threshold: float, max_s: float) -> float:
-    """Poll every 20 s until the 1-minute load average is below `threshold` (at most `max_s`)."""
-    t0 = time.perf_counter()
-    while os.getloadavg()[0] >= threshold and time.perf_counter() - t0 < max_s:
-        print(f"load1 {os.getloadavg()[0]:.2f} >= {threshold}: waiting", flush=True)
-        time.sleep(20)
-    return time.perf_counter() - t0
-
-
 def orchestrate(args, argv: list[str]) -> int:
     from benchmarks.netns import Link, Loopback, Namespaces
 
@@ -395,7 +392,7 @@ def orchestrate(args, argv: list[str]) -> int:
     out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "hp.json" if args.quick or args.calibrate
                                            else OUT)
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    waited = wait_for_load(args.wait_load, args.wait_max) if args.wait_load else 0.0
+    waited = common.wait_for_load(args.wait_load, args.wait_max, poll_s=20) if args.wait_load else 0.0
     load = {"start": os.getloadavg()}
     t0 = time.perf_counter()
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -417,12 +414,8 @@ def orchestrate(args, argv: list[str]) -> int:
     result = runs[0].result
     records = result["records"]
     doc = {
-        "benchmark": "hp",
-        "what": ("train-step time (zero_grad + forward + backward with DDP + Adam step) and bytes per rank per step, "
-                 "HP (Multi-Head LatentMoE, heads over ranks) vs EP (standard MoE, experts over ranks) at equal active "
-                 "parameters, W=2 gloo ranks x 1 thread, one rank per network namespace on a tc-limited veth"),
-        "command": " ".join(["python benchmarks/hp.py", *argv]),
-        "started": started, "wall_s": time.perf_counter() - t0, "quick": args.quick, "netns": not args.no_netns,
+        **common.results_header("hp", WHAT, argv, started),
+        "wall_s": time.perf_counter() - t0, "quick": args.quick, "netns": not args.no_netns,
         "valid_measurement": not args.no_netns and not args.quick,
         "link": link, "probe": probe, "a2a_probe": result["a2a_probe"], "phases": phases, "rate_answers": result["rate_answers"],
         "load1": {"start": load["start"][0], "end": load["end"][0], "waited_s": waited,
@@ -488,29 +481,26 @@ def print_table(doc: dict) -> None:
     print("goals:", doc["goals"])
 
 
+COUNTS = {"--rounds": (5, 1, "interleaved rounds"), "--steps": (4, 2, "timed steps per model per round"),
+          "--warmup": (2, 1, "untimed steps per model first")}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (< 1 min): small model, 1 round, 2 steps")
     parser.add_argument("--rate", default=RATE, help=f"tc tbf rate of the link (default {RATE})")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 1)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per model per round (default 4; --quick 2)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per model first (default 2; --quick 1)")
+    common.add_counts(parser, COUNTS)
     parser.add_argument("--no-netns", action="store_true", help="loopback, for debugging only (the JSON says so)")
     parser.add_argument("--calibrate", nargs="+", metavar="RATE", help="K=2 only, one phase per rate (+ no limit): "
                         "EP's all-to-all share at each rate; JSON to the temp dir unless --out")
     parser.add_argument("--wait-load", type=float, default=0.0, help="first wait until the 1-min load is below this")
     parser.add_argument("--wait-max", type=float, default=1800.0, help="wait at most this many seconds for the load")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run of the ranks")
-    parser.add_argument("--out", help=f"JSON path (the plot goes next to it, .png); default {OUT.relative_to(ROOT)}")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    common.add_netns_run_options(parser, OUT.relative_to(ROOT))
     args = parser.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
-    quick = args.quick
-    args.rounds = args.rounds or (1 if quick else 5)
-    args.steps = args.steps or (2 if quick else 4)
-    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    common.resolve_counts(args, COUNTS)
     return orchestrate(args, argv)
 
 

@@ -56,7 +56,6 @@ import argparse
 import contextlib
 import copy
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -64,7 +63,6 @@ import platform
 import socket
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +74,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import moepass  # noqa: E402
+from benchmarks.common import stdlib_corpus  # noqa: E402
 from moepass.rewrite.latent import latent_shape  # noqa: E402
 from samples.models import tiny_mixtral  # noqa: E402
 
@@ -114,21 +113,12 @@ EMA = 0.95
 
 def load_corpus() -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(train bytes [N], held-out bytes [M], a description for the JSON): each file's last 10 % held out."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    train, heldout, files, digest = [], [], [], hashlib.sha256()
-    for name in CORPUS_FILES:
-        data = (stdlib / name).read_bytes()
-        digest.update(data)
-        cut = len(data) - int(len(data) * HELDOUT_FRACTION)
-        train.append(data[:cut])
-        heldout.append(data[cut:])
-        files.append({"file": name, "bytes": len(data)})
-    as_tensor = lambda parts: torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()
-    train_N, heldout_M = as_tensor(train), as_tensor(heldout)
-    meta = {"source": f"Python {platform.python_version()} standard library ({stdlib})", "files": files,
-            "sha256": digest.hexdigest(), "vocab": "bytes (256)", "train_bytes": train_N.numel(),
-            "heldout_bytes": heldout_M.numel(), "heldout": f"the last {HELDOUT_FRACTION:.0%} of every file"}
-    return train_N, heldout_M, meta
+    corpus = stdlib_corpus(CORPUS_FILES, HELDOUT_FRACTION)
+    meta = {"source": f"Python {platform.python_version()} standard library ({corpus.stdlib})",
+            "files": [{"file": name, "bytes": size} for name, size in corpus.file_bytes.items()],
+            "sha256": corpus.sha256, "vocab": "bytes (256)", "train_bytes": corpus.train_N.numel(),
+            "heldout_bytes": corpus.heldout_M.numel(), "heldout": f"the last {HELDOUT_FRACTION:.0%} of every file"}
+    return corpus.train_N, corpus.heldout_M, meta
 
 
 def train_batches(train_N: torch.Tensor, steps: int, batch: int, seq: int, seed: int) -> torch.Tensor:

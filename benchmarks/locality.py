@@ -67,12 +67,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -82,6 +80,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "locality.json"
 W = 2
@@ -104,23 +104,19 @@ SIZES = {  # full run / --quick
                              heads=4), batch=4, seq=64, steps=12, eval_windows=8),
 }
 TOKEN_KINDS = ("counts", "dispatch", "combine")  # moepass.comm_stats kinds of the token exchange (and "_bwd")
+# what the benchmark measures, in its results file
+WHAT = ("LocMoE (locality loss mu > 0) vs the switch router (mu = 0), the same Plan(form='locality') "
+        "otherwise: inter-node bytes per step, step time, loss curves; W=2 gloo ranks x 1 thread, one rank "
+        "per network namespace (two nodes) on a tc-limited veth; data per node by domain and iid")
 
 
 def load_domain(files: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(train bytes, held-out bytes, description) of a list of standard-library files: each file's last
     HELDOUT_FRACTION held out."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    train, heldout, digest = [], [], hashlib.sha256()
-    for name in files:
-        data = (stdlib / name).read_bytes()
-        digest.update(data)
-        cut = len(data) - int(len(data) * HELDOUT_FRACTION)
-        train.append(data[:cut])
-        heldout.append(data[cut:])
-    as_tensor = lambda parts: torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()  # noqa: E731
-    train_N, heldout_M = as_tensor(train), as_tensor(heldout)
-    return train_N, heldout_M, {"files": list(files), "sha256": digest.hexdigest(), "train_bytes": train_N.numel(),
-                                "heldout_bytes": heldout_M.numel()}
+    corpus = common.stdlib_corpus(files, HELDOUT_FRACTION)
+    return corpus.train_N, corpus.heldout_M, {"files": list(files), "sha256": corpus.sha256,
+                                              "train_bytes": corpus.train_N.numel(),
+                                              "heldout_bytes": corpus.heldout_M.numel()}
 
 
 def windows_of(data_N: torch.Tensor, count: int, seq: int, generator: torch.Generator) -> torch.Tensor:
@@ -144,8 +140,8 @@ def rank_data(mode: str, rank: int, sizes: dict) -> tuple[torch.Tensor, torch.Te
 
 
 def systems(mu: float, alpha: float, capacity_factor: float | None) -> dict[str, dict]:
-    common = dict(form="locality", gate="learned", alpha=alpha, capacity_factor=capacity_factor)
-    return {"switch": {**common, "mu": 0.0}, "locality": {**common, "mu": mu}}
+    shared = dict(form="locality", gate="learned", alpha=alpha, capacity_factor=capacity_factor)
+    return {"switch": {**shared, "mu": 0.0}, "locality": {**shared, "mu": mu}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,12 +342,8 @@ def orchestrate(args, argv: list[str]) -> int:
                              "step_time_ratio": loc["step_ms"]["median"] / sw["step_ms"]["median"]}
     headline = by_mode.get("domain") or next(iter(by_mode.values()))
     doc = {
-        "benchmark": "locality",
-        "what": ("LocMoE (locality loss mu > 0) vs the switch router (mu = 0), the same Plan(form='locality') "
-                 "otherwise: inter-node bytes per step, step time, loss curves; W=2 gloo ranks x 1 thread, one rank "
-                 "per network namespace (two nodes) on a tc-limited veth; data per node by domain and iid"),
-        "command": " ".join(["python benchmarks/locality.py", *argv]),
-        "started": started, "wall_s": time.perf_counter() - t0, "quick": args.quick, "netns": not args.no_netns,
+        **common.results_header("locality", WHAT, argv, started),
+        "wall_s": time.perf_counter() - t0, "quick": args.quick, "netns": not args.no_netns,
         "valid_measurement": not args.no_netns and not args.quick,
         "link": link, "probe_bytes_per_s": probe,
         "load1": {"start": load_start[0], "end": os.getloadavg()[0], "per_mode": loads},
@@ -398,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", nargs="+", default=["domain", "iid"], choices=["domain", "iid"],
                         help="data modes, one launch each (module doc); the goals are read on the first of domain")
     parser.add_argument("--no-netns", action="store_true", help="loopback, for debugging only (the JSON says so)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run of the ranks")
-    parser.add_argument("--out", help=f"JSON path (the plot goes next to it, .png); default {OUT.relative_to(ROOT)}")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    common.add_netns_run_options(parser, OUT.relative_to(ROOT))
     args = parser.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))

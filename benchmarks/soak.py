@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import statistics
@@ -165,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path[:0] = [str(REPO), str(BENCH)]
     import torch
 
+    from benchmarks.common import write_json
     from moepass.runtime.workers import Pool
 
     case = importlib.import_module("soak").case_soak  # by module name: the ranks import it as soak.case_soak
@@ -199,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         for h in ranks[0]["python_heap_growth"][:4]:
             print(f"    python heap +{h['bytes'] / 1024:.1f} KiB in {h['blocks']} blocks at {h['where']}", flush=True)
     results["machine"]["load_avg_1min_after"] = os.getloadavg()[0]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
     return 0
 
 

@@ -124,41 +124,42 @@ _ZERO = "ZeRO paper (Rajbhandari et al. 2020): 16 bytes/param for mixed-precisio
 _ASSUMED_ETA = "assumption, not measured: expert grouped GEMMs at half of peak"
 _ASSUMED_ALPHA = "assumption, not measured: order of a small NCCL all-to-all across nodes"
 
-A100 = Hardware(
+
+def gpu_preset(name: str, device: str, flops: Figure, intra_bw: Figure, inter_bw: Figure, memory: Figure,
+               alpha: Figure = Figure(30e-6, _ASSUMED_ALPHA), dtype: str = "bf16") -> Hardware:
+    """A GPU (or NPU) preset: its own figures, and the assumptions every such preset shares: expert GEMMs at
+    half of peak, 2-byte `dtype` activations and gradients, mixed-precision Adam state (ZeRO's 16 bytes)."""
+    return Hardware(
+        name=name, device=device, flops=flops, efficiency=Figure(0.5, _ASSUMED_ETA), intra_bw=intra_bw,
+        inter_bw=inter_bw, alpha=alpha, memory=memory, bytes_per_element=Figure(2, f"{dtype} activations"),
+        grad_bytes=Figure(2, f"{dtype} gradients"), state_bytes=Figure(16, _ZERO),
+    )
+
+
+A100 = gpu_preset(
     name="a100",
     device="A100-80GB (NVLink + InfiniBand)",
     flops=Figure(312e12, "NVIDIA A100 datasheet, dense bf16"),
-    efficiency=Figure(0.5, _ASSUMED_ETA),
     intra_bw=Figure(216.3e9, "LAER-MoE (ASPLOS'26) profiled NVLink, scenarios/laer_moe_fsep.json"),
     inter_bw=Figure(88.95e9, "LAER-MoE (ASPLOS'26) profiled InfiniBand 800 Gb/s, scenarios/laer_moe_fsep.json"),
-    alpha=Figure(30e-6, _ASSUMED_ALPHA),
     memory=Figure(80e9, "NVIDIA A100 datasheet (80 GB variant)"),
-    bytes_per_element=Figure(2, "bf16 activations"),
-    grad_bytes=Figure(2, "bf16 gradients"),
-    state_bytes=Figure(16, _ZERO),
 )
 
-H100 = Hardware(
+H100 = gpu_preset(
     name="h100",
     device="H100-SXM (NVLink 4 + InfiniBand NDR)",
     flops=Figure(989e12, "NVIDIA H100 SXM datasheet, dense bf16"),
-    efficiency=Figure(0.5, _ASSUMED_ETA),
     intra_bw=Figure(
         450e9 * NVLINK_EFFICIENCY, "NVLink 4 peak 450 GB/s per direction x LAER's A100 NVLink efficiency 0.72"
     ),
     inter_bw=Figure(50e9 * IB_EFFICIENCY, "one NDR 400 Gb/s NIC per GPU (50 GB/s) x LAER's InfiniBand efficiency 0.89"),
-    alpha=Figure(30e-6, _ASSUMED_ALPHA),
     memory=Figure(80e9, "NVIDIA H100 SXM datasheet"),
-    bytes_per_element=Figure(2, "bf16 activations"),
-    grad_bytes=Figure(2, "bf16 gradients"),
-    state_bytes=Figure(16, _ZERO),
 )
 
-ASCEND_910A = Hardware(
+ASCEND_910A = gpu_preset(
     name="ascend910a",
     device="Ascend 910A (HCCS + RoCE)",
     flops=Figure(320e12, "scenarios/locmoe_locality.json (Ascend 910 fp16 peak)"),
-    efficiency=Figure(0.5, _ASSUMED_ETA),
     intra_bw=Figure(
         30e9 * NVLINK_EFFICIENCY,
         "HCCS 240 Gb/s = 30 GB/s per link (Ascend 910 public spec) x 0.72 (LAER NVLink efficiency); "
@@ -169,9 +170,7 @@ ASCEND_910A = Hardware(
     ),
     alpha=Figure(50e-6, "assumption, not measured: HCCL small all-to-all over RoCE"),
     memory=Figure(32e9, "Ascend 910 public spec: 32 GB HBM"),
-    bytes_per_element=Figure(2, "fp16 activations"),
-    grad_bytes=Figure(2, "fp16 gradients"),
-    state_bytes=Figure(16, _ZERO),
+    dtype="fp16",
 )
 
 _UNCALIBRATED = "uncalibrated conservative default (run `python -m moepass calibrate`)"

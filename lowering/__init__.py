@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from moepass.operands import OpSchema
+
+LOWERED_NAMESPACE = "moe_lowered"  # the namespace of every lowered op
 FAMILIES = ("gating", "permute", "grouped_gemm", "combine")  # in graph order; moepass.lower reads this list
 
 
@@ -25,6 +29,19 @@ class Lowering:
     eligible: Callable[..., str | None]  # (*args as fake tensors / python values) -> None if eligible, else the reason
     source: Callable[..., str]  # (*args) -> generated Triton source specialised to these arguments
     fuses: tuple[Any, ...] = ()  # dialect ops folded in before dialect_op (e.g. unpermute for combine)
+
+    @classmethod
+    def define(cls, family: str, dialect_op: Any, schema: OpSchema, impl: Callable[..., Any],
+               eligible: Callable[..., str | None], source: Callable[..., str], fuses: tuple[Any, ...] = (),
+               **overrides: Any) -> Lowering:
+        """The family's op `moe_lowered::<schema.name>`, made from the op's one declaration running `impl`
+        (`OpSchema.define`; `overrides`: a fake or autograd of this op's own), and its record replacing
+        `dialect_op`."""
+        import torch
+
+        schema.define(LOWERED_NAMESPACE, impl, **overrides)
+        lowered_op = getattr(getattr(torch.ops, LOWERED_NAMESPACE), schema.name).default
+        return cls(family, dialect_op, lowered_op, eligible, source, fuses)
 
 
 def registry() -> list[Lowering]:

@@ -145,6 +145,18 @@ def triton_available() -> bool:
     return True
 
 
+def gpu_build_blocker() -> str | None:
+    """Why a compile-only GPU build (`build_many`: PTX and cubin with the ptxas and cuobjdump that ship with
+    triton) cannot run on this machine; None when it can."""
+    if not triton_available():
+        return "triton is not importable"
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    missing = [tool for tool in ("ptxas", "cuobjdump") if not (bin_dir / tool).exists()]
+    return f"triton ships no {missing} in {bin_dir}" if missing else None
+
+
 def is_interpreted() -> bool:
     """True when TRITON_INTERPRET is on: kernels then run on CPU tensors (and only on them)."""
     if not triton_available():

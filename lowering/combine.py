@@ -325,13 +325,5 @@ def _backward(ctx, grad_TD):
 UNPERMUTE_COMBINE_SCHEMA = OpSchema(
     "unpermute_combine", dialect.UNPERMUTE_SCHEMA.operands_text + ", Tensor weights_TK", "Tensor",
     fake=_unpermute_combine_fake, autograd=(_backward, _setup), autocast="preserve")
-unpermute_combine = UNPERMUTE_COMBINE_SCHEMA.define("moe_lowered", _unpermute_combine)
-
-LOWERING = Lowering(
-    family="combine",
-    dialect_op=dialect.COMBINE,
-    lowered_op=torch.ops.moe_lowered.unpermute_combine.default,
-    eligible=eligible,
-    source=generated_source,
-    fuses=(dialect.UNPERMUTE,),
-)
+LOWERING = Lowering.define("combine", dialect.COMBINE, UNPERMUTE_COMBINE_SCHEMA, _unpermute_combine, eligible,
+                           generated_source, fuses=(dialect.UNPERMUTE,))

@@ -293,17 +293,6 @@ def eligible(logits_TE, selection_bias, score_func, softmax_before_topk, top_k, 
     return cg.launch_blocker(logits_TE.device)
 
 
-def _check(logits_TE: Tensor, selection_bias: Tensor | None, top_k: int) -> None:
-    if logits_TE.dim() != 2:
-        raise ValueError(f"moe_lowered.route: logits_TE has shape {tuple(logits_TE.shape)}, expected (T, E)")
-    T, E = logits_TE.shape
-    if not 1 <= top_k <= E:
-        raise ValueError(f"moe_lowered.route: top_k={top_k} must lie in [1, E={E}]")
-    if selection_bias is not None and selection_bias.shape not in ((E,), (T, E)):
-        raise ValueError(f"moe_lowered.route: selection_bias has shape {tuple(selection_bias.shape)}, expected "
-                         f"(E={E},) or one row per token (T={T}, E={E})")
-
-
 def _bias_rows(selection_bias: Tensor | None, logits_TE: Tensor) -> tuple[Tensor, int]:
     """The bias pointer and its row stride for the kernel: [E] -> stride 0, [T, E] -> its row stride
     (an expanded [E] -> [T, E] view keeps stride 0, no copy). No bias: any pointer, never read."""
@@ -320,7 +309,7 @@ def route_triton(logits_TE, selection_bias, score_func, softmax_before_topk, top
     `[E]`, `[T, E]` (one row per token) or None."""
     args = (logits_TE, selection_bias, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
             group_score, scaling)
-    _check(logits_TE, selection_bias, top_k)
+    dialect.check_route_operands("moe_lowered.route", logits_TE, selection_bias, top_k, "selection_bias")
     reason = eligible(*args)
     if reason is not None:
         raise ValueError(f"moe_lowered.route: cannot launch the Triton kernel: {reason}")
@@ -344,12 +333,4 @@ def _route(*args: Any) -> tuple[Tensor, Tensor]:
 
 # moe.route's declaration: the same operands, fake, autograd (selection has no gradient; weights via
 # route_backward_ref) and autocast policy
-route = dialect.ROUTE_SCHEMA.define("moe_lowered", _route)
-
-LOWERING = Lowering(
-    family="gating",
-    dialect_op=dialect.ROUTE,
-    lowered_op=torch.ops.moe_lowered.route.default,
-    eligible=eligible,
-    source=generated_source,
-)
+LOWERING = Lowering.define("gating", dialect.ROUTE, dialect.ROUTE_SCHEMA, _route, eligible, generated_source)

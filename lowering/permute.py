@@ -279,13 +279,6 @@ def _backward(ctx, grad_x_ND, _grad_counts, _grad_order):
 
 
 # moe.permute's declaration (operands, fake: the dialect op's shapes and checks), this kernel's backward
-permute = dialect.PERMUTE_SCHEMA.define("moe_lowered", _permute, autograd=(_backward, _setup))
-cg.register_autocast(torch.ops.moe_lowered.permute.default, "preserve")
-
-LOWERING = Lowering(
-    family="permute",
-    dialect_op=dialect.PERMUTE,
-    lowered_op=torch.ops.moe_lowered.permute.default,
-    eligible=eligible,
-    source=generated_source,
-)
+LOWERING = Lowering.define("permute", dialect.PERMUTE, dialect.PERMUTE_SCHEMA, _permute, eligible, generated_source,
+                           autograd=(_backward, _setup))
+cg.register_autocast(LOWERING.lowered_op, "preserve")

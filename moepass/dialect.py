@@ -21,9 +21,9 @@ the data-movement ops keep their input dtype.
 The pure-torch references (`*_ref`) are the semantics; kernels in `lowering/` must match them.
 
 Shape letters: `moepass.spec.SHAPES`.
-The expert FFN op lives in `moepass.dialect_ffn` (re-exported here). Host sync points: the references
-`expert_ffn_ref` / `expert_ffn_backward_ref` read `counts_E` on the host (`grouped_ffn.split_sizes`); the
-op itself runs `moepass.grouped_ffn`, which syncs only in its per-expert fallback. Nothing else syncs.
+The expert FFN op lives in `moepass.dialect_ffn` (re-exported here). Host sync points: the reference
+`expert_ffn_ref` reads `counts_E` on the host (`grouped_ffn.split_sizes`); the op itself runs
+`moepass.grouped_ffn`, which syncs only in its per-expert fallback. Nothing else syncs.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from moepass.dialect_ffn import (  # noqa: F401  (the expert FFN op: part of the
     define_expert_ffn,
     expert_ffn,
     expert_ffn_backward,
-    expert_ffn_backward_ref,
     expert_ffn_forward,
     expert_ffn_function,
     expert_ffn_ref,
@@ -210,14 +209,24 @@ def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _route_fake(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
-                group_score, scaling):
+def check_route_operands(op: str, logits_TE: Tensor, selection_bias: Tensor | None, top_k: int,
+                         bias_name: str = "selection_bias_E") -> None:
+    """The shape checks of a route op (`op`: its name in the message): logits [T, E], 1 <= top_k <= E, the
+    selection bias [E] or one row per token [T, E]; a ValueError naming the operand and the dimensions."""
+    if logits_TE.dim() != 2:
+        raise ValueError(f"{op}: logits_TE has shape {tuple(logits_TE.shape)}, expected (T, E)")
     T, E = logits_TE.shape
     if not 1 <= top_k <= E:
-        raise ValueError(f"moe.route: top_k={top_k} must lie in [1, E={E}]")
-    if selection_bias_E is not None and selection_bias_E.shape not in ((E,), (T, E)):
-        raise ValueError(f"moe.route: selection_bias_E has shape {tuple(selection_bias_E.shape)}, expected ({E},) "
-                         f"or one row per token ({T}, {E})")
+        raise ValueError(f"{op}: top_k={top_k} must lie in [1, E={E}]")
+    if selection_bias is not None and selection_bias.shape not in ((E,), (T, E)):
+        raise ValueError(f"{op}: {bias_name} has shape {tuple(selection_bias.shape)}, expected (E={E},) or one row "
+                         f"per token (T={T}, E={E})")
+
+
+def _route_fake(logits_TE, selection_bias_E, score_func, softmax_before_topk, top_k, renormalize, n_group, topk_group,
+                group_score, scaling):
+    check_route_operands("moe.route", logits_TE, selection_bias_E, top_k)
+    T = logits_TE.shape[0]
     return logits_TE.new_empty(T, top_k), logits_TE.new_empty(T, top_k, dtype=torch.int64)
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moepass import eager, grouped_ffn
-from moepass.activations import activate, activate_backward
+from moepass.activations import activate
 from moepass.grouped_ffn import fused_gate_up
 from moepass.operands import OpSchema, register_autocast
 
@@ -69,56 +69,6 @@ def check_ffn_shapes(x_ND: Tensor, counts_E: Tensor, w_gate: Tensor, w_up: Tenso
         raise ValueError(f"moe.expert_ffn: w_up_EFD {tuple(w_up.shape)} != w_gate_EFD {tuple(w_gate.shape)}")
     if w_down.shape != (E, D, F_):
         raise ValueError(f"moe.expert_ffn: w_down_EDF has shape {tuple(w_down.shape)}, expected (E={E}, D={D}, F={F_})")
-
-
-def expert_ffn_backward_ref(
-    grad_y_ND: Tensor,
-    x_ND: Tensor,
-    counts_E: Tensor,
-    w_gate_EFD: Tensor,
-    w_up_EFD: Tensor | None,
-    w_down_EDF: Tensor,
-    b_gate_EF: Tensor | None,
-    b_up_EF: Tensor | None,
-    b_down_ED: Tensor | None,
-    activation: str,
-    clamp_limit: float,
-    alpha: float,
-) -> list[Tensor | None]:
-    """Gradients for (x, w_gate, w_up, w_down, b_gate, b_up, b_down); None for absent inputs."""
-    grad_x = torch.empty_like(x_ND)
-    grad_w_gate = torch.zeros_like(w_gate_EFD)
-    grad_w_up = None if w_up_EFD is None else torch.zeros_like(w_up_EFD)
-    grad_w_down = torch.zeros_like(w_down_EDF)
-    grad_b_gate = None if b_gate_EF is None else torch.zeros_like(b_gate_EF)
-    grad_b_up = None if b_up_EF is None else torch.zeros_like(b_up_EF)
-    grad_b_down = None if b_down_ED is None else torch.zeros_like(b_down_ED)
-    start = 0
-    for e, rows in enumerate(grouped_ffn.split_sizes(counts_E)):
-        if rows == 0:
-            continue
-        end = start + rows
-        x_MD, g_MD = x_ND[start:end], grad_y_ND[start:end]
-        h_gate = F.linear(x_MD, w_gate_EFD[e], None if b_gate_EF is None else b_gate_EF[e])
-        h_up = None if w_up_EFD is None else F.linear(x_MD, w_up_EFD[e], None if b_up_EF is None else b_up_EF[e])
-        a_MF = activate(h_gate, h_up, activation, clamp_limit, alpha)
-        grad_w_down[e] = g_MD.t() @ a_MF
-        if grad_b_down is not None:
-            grad_b_down[e] = g_MD.sum(0)
-        grad_gate, grad_up = activate_backward(g_MD @ w_down_EDF[e], h_gate, h_up, activation, clamp_limit, alpha)
-        grad_w_gate[e] = grad_gate.t() @ x_MD
-        grad_x_MD = grad_gate @ w_gate_EFD[e]
-        if grad_b_gate is not None:
-            grad_b_gate[e] = grad_gate.sum(0)
-        if grad_up is not None:
-            assert grad_w_up is not None and w_up_EFD is not None
-            grad_w_up[e] = grad_up.t() @ x_MD
-            grad_x_MD = grad_x_MD + grad_up @ w_up_EFD[e]
-            if grad_b_up is not None:
-                grad_b_up[e] = grad_up.sum(0)
-        grad_x[start:end] = grad_x_MD
-        start = end
-    return [grad_x, grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down]
 
 
 FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
@@ -319,24 +269,14 @@ def ffn_gradient_fakes(
     return [x_ND.new_empty(0) if t is None else like(t) for t in inputs]
 
 
-def _expert_ffn_forward(
-    x_ND: Tensor,
-    counts_E: Tensor,
-    w_gate_EFD: Tensor,
-    w_up_EFD: Tensor | None,
-    w_down_EDF: Tensor,
-    b_gate_EF: Tensor | None,
-    b_up_EF: Tensor | None,
-    b_down_ED: Tensor | None,
-    activation: str,
-    clamp_limit: float,
-    alpha: float,
-    save: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """y_ND and, when `save`, the pre-activations h_gate_NF, h_up_NF (else empty tensors)."""
+def _expert_ffn_forward(x_ND: Tensor, counts_E: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """y_ND and, when `save`, the pre-activations h_gate_NF, h_up_NF (else empty tensors). The operands are
+    `EXPERT_FFN_FORWARD_SCHEMA`'s: after x_ND and counts_E, the weights, biases and options of `FFN_WEIGHTS`
+    (passed on to `grouped_ffn.forward` as they are), then `save`."""
+    *weights_and_options, save = rest
+    w_gate_EFD, w_up_EFD, w_down_EDF, _, _, _, activation, _, _ = weights_and_options
     check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)
-    y_ND, h_gate, h_up = grouped_ffn.forward(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF,
-                                             b_up_EF, b_down_ED, activation, clamp_limit, alpha)
+    y_ND, h_gate, h_up = grouped_ffn.forward(x_ND, counts_E, *weights_and_options)
     if not save:
         return y_ND, x_ND.new_empty(0), x_ND.new_empty(0)
     return y_ND, h_gate, x_ND.new_empty(0) if h_up is None else h_up
@@ -354,26 +294,11 @@ EXPERT_FFN_FORWARD_SCHEMA = OpSchema("expert_ffn_forward", FFN_ARGS + ", bool sa
 expert_ffn_forward = EXPERT_FFN_FORWARD_SCHEMA.define("moe", _expert_ffn_forward)
 
 
-def _expert_ffn_backward(
-    grad_y_ND: Tensor,
-    x_ND: Tensor,
-    h_gate_NF: Tensor,
-    h_up_NF: Tensor,
-    counts_E: Tensor,
-    w_gate_EFD: Tensor,
-    w_up_EFD: Tensor | None,
-    w_down_EDF: Tensor,
-    b_gate_EF: Tensor | None,
-    b_up_EF: Tensor | None,
-    b_down_ED: Tensor | None,
-    activation: str,
-    clamp_limit: float,
-    alpha: float,
-) -> list[Tensor]:
-    """Backward of `expert_ffn`; absent optional inputs get an empty tensor in their slot."""
-    grads = grouped_ffn.backward(grad_y_ND, x_ND, kept(h_gate_NF, x_ND), kept(h_up_NF, x_ND), counts_E,
-                                 w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
-                                 clamp_limit, alpha)
+def _expert_ffn_backward(grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor, h_up_NF: Tensor, *rest: Any,
+                         ) -> list[Tensor]:
+    """Backward of `expert_ffn` (`rest`: counts_E and `FFN_WEIGHTS`' weights, biases and options, passed on to
+    `grouped_ffn.backward`); absent optional inputs get an empty tensor in their slot."""
+    grads = grouped_ffn.backward(grad_y_ND, x_ND, kept(h_gate_NF, x_ND), kept(h_up_NF, x_ND), *rest)
     return [x_ND.new_empty(0) if g is None else g for g in grads]
 
 

@@ -1,7 +1,7 @@
 """The expert FFN over expert-sorted rows, in torch: grouped GEMMs, every gradient written once.
 
 This is what `moe.expert_ffn` runs when it is not lowered to Triton (the torch path, any device).
-`moepass.dialect.expert_ffn_ref` / `expert_ffn_backward_ref` stay the semantics; this file is the
+`moepass.dialect.expert_ffn_ref` stays the semantics (its gradients: autograd through it); this file is the
 fast implementation of the same function:
 
     forward   h_gate_NF = x_ND @ w_gate[e]^T (+ b_gate[e])      one grouped GEMM (two when gated)

@@ -89,6 +89,7 @@ from torch import fx
 
 from moepass import dialect
 from moepass.canonical import MoEGraphModule
+from moepass.detect.capture import downstream, upstream
 from moepass.errors import PlanError
 from moepass.operands import operand, operands_from, set_operand
 from moepass.passes import PassResult
@@ -226,26 +227,9 @@ def _mark_after(graph: fx.Graph, node: fx.Node, name: str, block: str) -> fx.Nod
 def _region(permute: fx.Node, unpermute: fx.Node) -> list[fx.Node] | None:
     """Nodes between the token permute and its inverse (both included), in graph order; None if a
     node depending on the permute escapes the region other than through the inverse."""
-    down, todo = set(), [permute]
-    while todo:
-        n = todo.pop()
-        if n not in down:
-            down.add(n)
-            todo.extend(n.users)
-    up, todo = set(), [unpermute]
-    while todo:
-        n = todo.pop()
-        if n not in up:
-            up.add(n)
-            todo.extend(n.all_input_nodes)
+    down, up = downstream(permute), upstream(unpermute)
     region = down & up
-    beyond = set()
-    todo = [unpermute]
-    while todo:
-        n = todo.pop()
-        if n not in beyond:
-            beyond.add(n)
-            todo.extend(n.users)
+    beyond = downstream(unpermute)
     if down - region - beyond:
         return None
     return [n for n in permute.graph.nodes if n in region]

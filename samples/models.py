@@ -171,6 +171,16 @@ def make_moe(style: str, cfg: SampleConfig) -> nn.Module:
     raise ValueError(f"SampleConfig.style={style!r} is invalid: use 'loop', 'fused', 'gshard' or 'mixed'")
 
 
+def routed_loop_moe(dim: int, num_experts: int) -> LoopMoE:
+    """A top-2 LoopMoE whose router picks, for an input `onehot(a) + 0.9 onehot(b)` (a, b < num_experts <= dim),
+    expert a then expert b: a routing the tests choose token by token."""
+    block = LoopMoE(dim, 2 * dim, num_experts, top_k=2)
+    with torch.no_grad():
+        block.gate.weight.zero_()
+        block.gate.weight[:, :num_experts] = 10 * torch.eye(num_experts)
+    return block
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()

@@ -22,8 +22,11 @@ asks every worker to barrier + destroy_process_group, then joins; stragglers are
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 from moepass.runtime import workers
 from moepass.runtime.workers import CaseError
@@ -33,7 +36,7 @@ REPO_DIR = os.path.dirname(TESTS_DIR)
 WORKER_ENV = {"MOEPASS_CHECK_COLLECTIVES": "1", "MOEPASS_VERIFY": "1", "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
-__all__ = ["CaseError", "OWN_MODULES", "Pool", "pool", "shutdown"]
+__all__ = ["CaseError", "OWN_MODULES", "Pool", "fake_process_group", "fake_values", "pool", "shutdown"]
 
 # A DeprecationWarning or FutureWarning raised from moepass's own modules is an error, in the ranks as in the
 # pytest process (pyproject.toml's filterwarnings, the same regex): spawned ranks do not see pytest's
@@ -71,3 +74,32 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, rank: int) -> Iterator[None]:
+    """torch's `fake` process group in this process: `world` ranks seen from `rank`, graphs and shapes only
+    (no data moves); destroyed after, with moepass's cached groups."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moepass.runtime.topology import reset_groups
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        reset_groups()
+
+
+def fake_values(gm: Any, x: Any) -> dict[str, Any]:
+    """Each node's fake value after a fake `x` propagates through the graph module `gm`; row counts that depend
+    on data are unbacked symbols (a ShapeEnv lets the fakes create them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True), allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(x))
+    return {n.name: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}

@@ -36,15 +36,16 @@ class Passthrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def compiled(style: str, **plan) -> torch.nn.Module:
+def compiled(style: str, form: str = "single", **plan) -> torch.nn.Module:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return moepass.compile(make_moe(style, CFG), moepass.Plan(form="single", **plan))
+        return moepass.compile(make_moe(style, CFG), moepass.Plan(form=form, **plan))
 
 
-def step(block, x_BSD, mode=None):
-    """Output, input gradient and every parameter gradient of one forward+backward, and the custom ops run."""
+def step(block, x_BSD, mode=None, namespaces=("moe", "moe_lowered")):
+    """Output, input gradient and every parameter gradient (a DTensor's local shard) of one forward+backward,
+    and the custom ops of `namespaces` run."""
     block.zero_grad()
     x_BSD = x_BSD.detach().requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -54,8 +55,9 @@ def step(block, x_BSD, mode=None):
             with mode:
                 y = block(x_BSD)
         (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
-    ops = Counter(e.name for e in prof.events() if e.name.split("::")[0] in ("moe", "moe_lowered"))
-    grads = [p.grad.clone() for p in block.parameters() if p.grad is not None]
+    ops = Counter(e.name for e in prof.events() if e.name.split("::")[0] in namespaces)
+    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone() for p in block.parameters()
+             if p.grad is not None]
     return [y.detach(), x_BSD.grad, *grads], ops
 
 
@@ -138,27 +140,9 @@ def _pools():
 def case_ep_eager(rank, world, style):
     """EP at W ranks: the eager step equals the ops' step bit for bit (outputs, every gradient), and eagerly no
     custom op of moepass (the exchange, the schedule marks, the local expert ids included) is dispatched."""
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        block = moepass.compile(make_moe(style, CFG), moepass.Plan(form="ep"))
+    block = compiled(style, form="ep")
     x = torch.randn(2, 4, CFG.dim, generator=torch.Generator().manual_seed(rank))
-    counted = []
-    for mode in (None, Passthrough()):
-        block.zero_grad()
-        xi = x.clone().requires_grad_()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            if mode is None:
-                y = block(xi)
-            else:
-                with mode:
-                    y = block(xi)
-            (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
-        ops = Counter(e.name for e in prof.events() if e.name.split("::")[0] in CUSTOM_NAMESPACES)
-        local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in block.parameters()
-                 if p.grad is not None]
-        counted.append(([y.detach(), xi.grad, *[g.clone() for g in local]], ops))
-    (fast, fast_ops), (slow, slow_ops) = counted
+    (fast, fast_ops), (slow, slow_ops) = [step(block, x, mode, CUSTOM_NAMESPACES) for mode in (None, Passthrough())]
     assert len(fast) == len(slow) > 3
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
     assert fast_ops == {}, fast_ops

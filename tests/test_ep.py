@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool  # noqa: E402
+from _dist import fake_process_group, fake_values, pool  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -160,17 +160,6 @@ def case_parity(rank, world, style, ep_size=None, capacity_factor=None, nodes=1,
     return report
 
 
-def _routed_block(D, E):
-    """A LoopMoE whose router picks, for an input `onehot(a) + 0.9 onehot(b)`, experts a then b."""
-    from samples.models import LoopMoE
-
-    block = LoopMoE(D, 2 * D, E, top_k=2)
-    with torch.no_grad():
-        block.gate.weight.zero_()
-        block.gate.weight[:, :E] = 10 * torch.eye(E)
-    return block
-
-
 def fixed_routing(rank, tokens, E):
     """The (first, second) expert of each token of `rank` in the byte-count test."""
     return [((3 * rank + t) % E, (3 * rank + 2 * t + 1) % E) for t in range(tokens)]
@@ -179,9 +168,10 @@ def fixed_routing(rank, tokens, E):
 def case_bytes(rank, world, nodes, tokens, D, E):
     """One forward+backward of a block with a fixed routing; this rank's counters."""
     import moepass
+    from samples.models import routed_loop_moe
 
     torch.manual_seed(0)
-    block = _routed_block(D, E)
+    block = routed_loop_moe(D, E)
     cm = moepass.compile(block, moepass.Plan(form="ep", topology=moepass.Topology(nodes, world // nodes)))
     x = torch.zeros(tokens, D)
     for t, (a, b) in enumerate(fixed_routing(rank, tokens, E)):
@@ -341,21 +331,14 @@ def test_dead_peer_times_out():
 
 
 def test_fake_pg_world_64_graph_and_shapes():
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DTensor
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import moepass
     from moepass.runtime import collectives as comm
-    from moepass.runtime.topology import reset_groups
     from samples.models import tiny_mixtral
 
     world, rank, E = 64, 13, 128
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
+    with fake_process_group(world, rank):
         torch.manual_seed(0)
         model = tiny_mixtral(style="fused", vocab_size=32, dim=16, ffn_dim=16, num_experts=E, top_k=4, layers=1)
         cm = moepass.compile(model, moepass.Plan(form="ep", topology=moepass.Topology(8, 8)))
@@ -368,10 +351,7 @@ def test_fake_pg_world_64_graph_and_shapes():
         assert all(n.meta["moepass"]["pass"] == "ep" for n in gm.graph.nodes
                    if n.op == "call_function" and n.target in (comm.ALL_TO_ALL, comm.WAIT, comm.EXCHANGE_COUNTS))
         # shapes with unbacked row counts (a ShapeEnv lets the fakes create them)
-        mode = FakeTensorMode(shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True), allow_non_fake_inputs=True)
-        x = mode.from_tensor(torch.randn(2, 5, 16))
-        FakeTensorProp(gm, mode).propagate(x)
-        by_name = {n.name: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+        by_name = fake_values(gm, torch.randn(2, 5, 16))
         assert by_name["x_RD"].shape[1] == 16 and not isinstance(by_name["x_RD"].shape[0], int)
         assert by_name["y_ND_combined"].shape == (40, 16) and by_name["out"].shape == (2, 5, 16)
         # splits: per-peer sums of E counts blocked by peer
@@ -380,9 +360,6 @@ def test_fake_pg_world_64_graph_and_shapes():
         s, r = comm.split_sizes(send, recv, world)
         assert s == [4 * p + 1 for p in range(world)] and r == [2] * world
         assert all(type(v) is int for v in s + r)
-    finally:
-        dist.destroy_process_group()
-        reset_groups()
 
 
 def case_fsdp(rank, world, style):

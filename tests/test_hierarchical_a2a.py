@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool  # noqa: E402
+from _dist import fake_process_group, fake_values, pool  # noqa: E402
 from test_ep import case_parity  # noqa: E402
 from test_ep_more import case_hf_parity  # noqa: E402
 
@@ -40,6 +40,7 @@ import moepass  # noqa: E402
 from cost_model import ep as cm_ep  # noqa: E402
 from cost_model import hierarchical as cm  # noqa: E402
 from moepass import PlanError  # noqa: E402
+from samples.models import routed_loop_moe  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -94,17 +95,6 @@ def case_ops(rank, world, counts_SB, extra_S, D, nodes=NODES):
     return moepass.comm_stats()
 
 
-def routed_block(D, E):
-    """A LoopMoE whose router picks, for an input `onehot(a) + 0.9 onehot(b)`, experts a then b."""
-    from samples.models import LoopMoE
-
-    block = LoopMoE(D, 2 * D, E, top_k=2)
-    with torch.no_grad():
-        block.gate.weight.zero_()
-        block.gate.weight[:, :E] = 10 * torch.eye(E)
-    return block
-
-
 def fixed_routing(rank, tokens, E):
     """The (first, second) expert of each token of `rank`: uneven, and none to the experts of the next rank."""
     allowed = [e for e in range(E) if e * W // E != (rank + 1) % W]
@@ -116,7 +106,7 @@ def case_ep_bytes(rank, world, tokens, D, E, hierarchical):
     """One forward+backward of the routed block under EP (flat or hierarchical); this rank's counters."""
     torch.manual_seed(0)
     plan = moepass.Plan(form="ep", topology=moepass.Topology(NODES, world // NODES), hierarchical_a2a=hierarchical)
-    cm_block = moepass.compile(routed_block(D, E), plan)
+    cm_block = moepass.compile(routed_loop_moe(D, E), plan)
     x = torch.zeros(tokens, D)
     for t, (a, b) in enumerate(fixed_routing(rank, tokens, E)):
         x[t, a], x[t, b] = 1.0, 0.9
@@ -429,20 +419,13 @@ def test_torch_compile_one_graph_with_eager_numbers():
 
 
 def test_fake_pg_world_16_graph():
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from moepass.runtime import collectives as comm
     from moepass.runtime import hierarchical as hcomm
-    from moepass.runtime.topology import group_info, reset_groups
+    from moepass.runtime.topology import group_info
     from samples.models import tiny_mixtral
 
     world, rank, E = 16, 13, 32
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
+    with fake_process_group(world, rank):
         torch.manual_seed(0)
         model = tiny_mixtral(style="fused", vocab_size=32, dim=16, ffn_dim=16, num_experts=E, top_k=4, layers=1)
         cm_model = moepass.compile(model, moepass.Plan(form="ep", topology=moepass.Topology(4, 4),
@@ -471,9 +454,7 @@ def test_fake_pg_world_16_graph():
         assert by_name["exchange_node_counts"].args[1] == intra
         assert all(n.meta["moepass"]["pass"] == "ep" for n in calls if n.target in (
             hcomm.INTRA_NODE_ALL_TO_ALL, hcomm.INTER_NODE_ALL_TO_ALL, comm.WAIT, comm.EXCHANGE_COUNTS))
-        mode = FakeTensorMode(shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True), allow_non_fake_inputs=True)
-        FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(2, 5, 16)))
-        vals = {n.name: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+        vals = fake_values(gm, torch.randn(2, 5, 16))
         assert vals["node_count_totals"].shape == (4 * 2 * 4,) and vals["node_splits"].shape == (2, 3 * 16)
         assert vals["node_splits"].device.type == "cpu"
         for name in ("dispatch_staged_ND", "x_RD", "combine_staged_ND"):
@@ -492,9 +473,6 @@ def test_fake_pg_world_16_graph():
                       if r["pass"] == "schedule"][0] for h, plan in plans.items()}
         assert chunks[False]["chunks"] == 2 and chunks[True]["chunks"] == 1, chunks
         assert chunks[True]["chunks_from"].startswith("hierarchical_a2a: not chunked (auto: cost model on h100")
-    finally:
-        dist.destroy_process_group()
-        reset_groups()
 
 
 def test_node_groups_follow_the_world():
@@ -569,20 +547,10 @@ COMPILE_ERRORS = [  # (world, nodes, ep_size): the EP group's geometry is only k
 
 @pytest.mark.parametrize("world,nodes,ep_size,why", COMPILE_ERRORS)
 def test_compile_errors_name_the_ep_group(world, nodes, ep_size, why):
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from moepass.runtime.topology import reset_groups
-
     topology = moepass.Topology(nodes, world // nodes)
-    dist.init_process_group("fake", rank=1, world_size=world, store=FakeStore())
-    try:
-        with pytest.raises(PlanError) as err:
-            moepass.compile(routed_block(16, 12), moepass.Plan(form="ep", ep_size=ep_size, topology=topology,
-                                                              hierarchical_a2a=True))
-    finally:
-        dist.destroy_process_group()
-        reset_groups()
+    with fake_process_group(world, 1), pytest.raises(PlanError) as err:
+        moepass.compile(routed_loop_moe(16, 12), moepass.Plan(form="ep", ep_size=ep_size, topology=topology,
+                                                          hierarchical_a2a=True))
     assert str(err.value) == (
         f"Plan.hierarchical_a2a=True is invalid for Plan.topology=Topology(nodes={nodes}, ranks_per_node="
         f"{world // nodes}) and ep_size={ep_size}: {why}. It needs "

@@ -24,7 +24,8 @@ CFG = dict(vocab_size=64, dim=32, layers=2)  # the LM (4 attention heads); its M
 LATENT = dict(heads=4, head_dim=8, experts=4, top_k=2, latent_ffn_dim=16)
 
 
-def _model(**latent):
+def latent_model(**latent):
+    """The test LM with Multi-Head LatentMoE layers (`LATENT` overridden by `latent`), seeded."""
     from samples.models import tiny_latent_lm
 
     torch.manual_seed(0)
@@ -34,7 +35,7 @@ def _model(**latent):
 def case_parity(rank, world, steps=1, activation="gelu", nodes=1, ep_size=None):
     import moepass
 
-    model = _model(activation=activation)
+    model = latent_model(activation=activation)
     cm = moepass.compile(model, moepass.Plan(form="hp", topology=moepass.Topology(nodes, world // nodes),
                                              ep_size=ep_size))
     head_rank = rank % (ep_size or world)  # heads follow the rank's place in its group; replicas hold the same
@@ -55,12 +56,7 @@ def case_parity(rank, world, steps=1, activation="gelu", nodes=1, ep_size=None):
                 rows = slice(head_rank * local.shape[0], (head_rank + 1) * local.shape[0])
                 assert torch.equal(local, ref_state[name][rows]), name
                 report["bias"] = max(report["bias"], _max_err(local, ref_state[name][rows]))
-        with torch.no_grad():  # eval: the updated selection bias routes, nothing updates it
-            cm.eval()
-            out = cm(tokens[mine, :-1])
-            cm.train()
-        torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
-        report["out"] = max(report["out"], _max_err(out, ref_out))
+        check_eval_output(cm, tokens[mine, :-1], ref_out, report)
         opt.step()
         ref_opt.step()
         state = moepass.logical_state_dict(cm)
@@ -100,14 +96,36 @@ def step_beside_reference(cm, model, step: int, rank: int, world: int):
     return tokens, mine, ref_out, {n: p.grad for n, p in model.named_parameters()}
 
 
+def check_eval_output(cm, tokens, ref_out, report: dict) -> None:
+    """The eval forward of `tokens` (the updated selection bias routes, nothing updates it) equals the
+    reference's `ref_out`; the largest error goes to report["out"]."""
+    with torch.no_grad():
+        cm.eval()
+        out = cm(tokens)
+        cm.train()
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    report["out"] = max(report["out"], _max_err(out, ref_out))
+
+
 def case_bytes_and_graph(rank, world, top_k):
     """Bytes this rank sends per step for top_k; the graph's collectives."""
     import moepass
     from moepass.runtime import collectives as comm
 
-    cm = moepass.compile(_model(top_k=top_k, experts=8), moepass.Plan(form="hp", topology=moepass.Topology(1, world)))
+    cm = moepass.compile(latent_model(top_k=top_k, experts=8), moepass.Plan(form="hp", topology=moepass.Topology(1, world)))
     gm = next(iter(cm.moepass_info.rewritten.values()))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    stats, bitwise = step_bytes_and_bitwise(cm, rank)
+    return {"stats": {k: v for k, v in stats.items() if k.startswith("hp")},
+            "count_exchanges": targets.count(comm.EXCHANGE_COUNTS), "variable_a2a": targets.count(comm.ALL_TO_ALL),
+            "equal_a2a": targets.count(comm.EQUAL_ALL_TO_ALL), "bitwise": bitwise}
+
+
+def step_bytes_and_bitwise(cm, rank: int) -> tuple[dict, bool]:
+    """The bytes counted over one training step of this rank's batch, and whether two eval forwards of it
+    agree bit for bit."""
+    import moepass
+
     tokens = torch.randint(0, CFG["vocab_size"], (BATCH_PER_RANK, SEQ + 1), generator=torch.Generator().manual_seed(rank))
     moepass.reset_comm_stats()
     cm.loss(tokens).backward()
@@ -115,9 +133,7 @@ def case_bytes_and_graph(rank, world, top_k):
     with torch.no_grad():
         cm.eval()
         first, second = cm(tokens[:, :-1]), cm(tokens[:, :-1])
-    return {"stats": {k: v for k, v in stats.items() if k.startswith("hp")},
-            "count_exchanges": targets.count(comm.EXCHANGE_COUNTS), "variable_a2a": targets.count(comm.ALL_TO_ALL),
-            "equal_a2a": targets.count(comm.EQUAL_ALL_TO_ALL), "bitwise": torch.equal(first, second)}
+    return stats, torch.equal(first, second)
 
 
 @pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
@@ -200,7 +216,7 @@ def test_ep_on_a_latent_block_is_refused_with_the_form_to_use():
     import moepass
     from moepass.pipeline import resolve
 
-    spec = moepass.detect(_model()).blocks[0]
+    spec = moepass.detect(latent_model()).blocks[0]
     with pytest.raises(moepass.PlanError, match=r"Plan.form='ep' is not built for block .* form='hp'"):
         resolve(spec, moepass.Plan(form="ep"))
 
@@ -210,7 +226,7 @@ def case_ddp(rank, world):
 
     import moepass
 
-    cm = moepass.compile(_model(), moepass.Plan(form="hp", topology=moepass.Topology(1, world)))
+    cm = moepass.compile(latent_model(), moepass.Plan(form="hp", topology=moepass.Topology(1, world)))
     ddp = DDP(cm)  # the sharded routers, experts and selection-bias buffers are left to moepass
     tokens = torch.randint(0, CFG["vocab_size"], (BATCH_PER_RANK, SEQ + 1), generator=torch.Generator().manual_seed(rank))
     logits = ddp(tokens[:, :-1])

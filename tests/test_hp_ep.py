@@ -22,15 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import pool  # noqa: E402
 from test_ep import ATOL, BATCH_PER_RANK, RTOL, SEQ, _max_err  # noqa: E402
-from test_hp import CFG, LATENT, step_beside_reference  # noqa: E402
-
-
-def _model(**latent):
-    from samples.models import tiny_latent_lm
-
-    torch.manual_seed(0)
-    return tiny_latent_lm(**{**LATENT, **latent}, **CFG)
-
+from test_hp import CFG, LATENT, check_eval_output, latent_model, step_beside_reference, step_bytes_and_bitwise  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Fake process group: graph, groups, shapes and bytes.
@@ -128,7 +120,7 @@ def test_fake_pg_graph_groups_and_bytes(world, rank, G, P, nodes):
 def case_parity(rank, world, head_ep, steps=2, activation="gelu", nodes=2):
     import moepass
 
-    model = _model(activation=activation)
+    model = latent_model(activation=activation)
     plan = moepass.Plan(form="hp", head_ep_size=head_ep, topology=moepass.Topology(nodes, world // nodes))
     cm = moepass.compile(model, plan)
     opt, ref_opt = torch.optim.SGD(cm.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
@@ -149,12 +141,7 @@ def case_parity(rank, world, head_ep, steps=2, activation="gelu", nodes=2):
         for name, value in full.items():
             if name.endswith("selection_bias"):
                 assert torch.equal(value, ref_state[name]), name
-        with torch.no_grad():  # eval: the updated selection bias routes, nothing updates it
-            cm.eval()
-            out = cm(tokens[mine, :-1])
-            cm.train()
-        torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
-        report["out"] = max(report["out"], _max_err(out, ref_out))
+        check_eval_output(cm, tokens[mine, :-1], ref_out, report)
         opt.step()
         ref_opt.step()
         full = moepass.logical_state_dict(cm, full=True)
@@ -169,7 +156,7 @@ def case_checkpoint(rank, world, head_ep):
     import moepass
 
     plan = moepass.Plan(form="hp", head_ep_size=head_ep, topology=moepass.Topology(2, world // 2))
-    trained = moepass.compile(_model(), plan)
+    trained = moepass.compile(latent_model(), plan)
     tokens = torch.randint(0, CFG["vocab_size"], (BATCH_PER_RANK, SEQ + 1), generator=torch.Generator().manual_seed(rank))
     opt = torch.optim.SGD(trained.parameters(), lr=0.5)
     trained.loss(tokens).backward()
@@ -185,7 +172,7 @@ def case_checkpoint(rank, world, head_ep):
     changed = sorted(n for n in want if not torch.equal(before[n], want[n]))
     for name in want:
         assert torch.equal(after[name], want[name]), name
-    original = _model()
+    original = latent_model()
     original.load_state_dict(want)
     with torch.no_grad():
         trained.eval()
@@ -198,15 +185,9 @@ def case_bytes(rank, world, head_ep, top_k):
     import moepass
 
     plan = moepass.Plan(form="hp", head_ep_size=head_ep, topology=moepass.Topology(2, world // 2))
-    cm = moepass.compile(_model(top_k=top_k, experts=8), plan)
-    tokens = torch.randint(0, CFG["vocab_size"], (BATCH_PER_RANK, SEQ + 1), generator=torch.Generator().manual_seed(rank))
-    moepass.reset_comm_stats()
-    cm.loss(tokens).backward()
-    stats = moepass.comm_stats()
-    with torch.no_grad():
-        cm.eval()
-        first, second = cm(tokens[:, :-1]), cm(tokens[:, :-1])
-    return {"stats": stats, "bitwise": torch.equal(first, second)}
+    cm = moepass.compile(latent_model(top_k=top_k, experts=8), plan)
+    stats, bitwise = step_bytes_and_bitwise(cm, rank)
+    return {"stats": stats, "bitwise": bitwise}
 
 
 def test_parity_with_the_single_device_block_2x2():
@@ -267,7 +248,7 @@ def test_counted_bytes_hp_flat_in_k_expert_exchange_as_the_formula():
 def test_explain_shows_the_two_mesh_dims():
     import moepass
 
-    text = moepass.explain(_model(heads=8), moepass.Plan(form="hp", head_ep_size=4, topology=moepass.Topology(4, 4)),
+    text = moepass.explain(latent_model(heads=8), moepass.Plan(form="hp", head_ep_size=4, topology=moepass.Topology(4, 4)),
                            graphs=False)
     assert "mesh ('dp', 'hp', 'ep') of shape (1, 4, 4): 4 head groups" in text, text
     assert "HP exchange (equal splits) over ranks [0, 4, 8, 12]" in text, text

@@ -107,10 +107,15 @@ def test_set_debug_logs_each_pass_after_import(capsys):
     assert "rewrite:single" not in capsys.readouterr().err
 
 
-def test_moepass_debug_environment_variable():
+@pytest.mark.parametrize("value, logs", [("1", True), ("0", False)])
+def test_moepass_debug_environment_variable(value, logs):
+    """MOEPASS_DEBUG=1 in a fresh process logs each pass; MOEPASS_DEBUG=0 logs nothing."""
     code = ("import torch, moepass; from samples.models import FusedMoE; "
             "moepass.compile(FusedMoE(16, 32, num_experts=4, top_k=2))")
-    env = {**os.environ, "MOEPASS_DEBUG": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "MOEPASS_DEBUG": value, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "rewrite:single [<root>]" in done.stderr
+    if logs:
+        assert "rewrite:single [<root>]" in done.stderr
+    else:
+        assert "rewrite:single" not in done.stderr, done.stderr[-2000:]

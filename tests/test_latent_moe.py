@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _golden import check_golden
+from _parity import assert_same_training_step
 
 import moepass
 from lowering import gating
@@ -248,18 +249,6 @@ def test_canonical_heads_graph_is_readable_and_verified():
                  lambda: _latent_gm().print_readable(print_output=False, include_stride=False, include_device=False))
 
 
-def assert_same_training_step(model, compiled, tokens):
-    loss_ref = model.loss(tokens)
-    loss_ref.backward()
-    loss = compiled.loss(tokens)
-    loss.backward()
-    torch.testing.assert_close(loss, loss_ref, rtol=RTOL, atol=ATOL)
-    grads = dict(compiled.named_parameters())
-    for name, p in model.named_parameters():
-        assert grads[name].grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(grads[name].grad, p.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-
-
 @pytest.mark.parametrize("activation, top_k", [("gelu", 2), ("swiglu", 1), ("gelu", 4)])
 def test_compile_single_equals_the_original_outputs_gradients_and_bias_updates(activation, top_k):
     model = tiny_latent_lm(layers=2, dim=32, heads=4, head_dim=8, experts=4, top_k=top_k, activation=activation,
@@ -319,7 +308,7 @@ def test_route_takes_a_bias_per_row_as_well_as_per_expert():
         assert torch.equal(experts[t], e_t[0]) and torch.equal(weights[t], w_t[0])
     weights.sum().backward()  # the autograd formula is the same: selection has no gradient
     assert logits.grad is not None
-    with pytest.raises(ValueError, match=r"expected \(5,\) or one row per token \(6, 5\)"):
+    with pytest.raises(ValueError, match=r"expected \(E=5,\) or one row per token \(T=6, E=5\)"):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode():

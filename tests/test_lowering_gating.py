@@ -340,18 +340,6 @@ def test_row_bias_source_reads_a_row_per_token():
     assert build["signature"]["bias_row_stride"] == "i32"
 
 
-def _gpu_toolchain_missing() -> str | None:
-    if not cg.triton_available():
-        return "triton is not importable"
-    from pathlib import Path
-
-    import triton
-
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    missing = [tool for tool in ("ptxas", "cuobjdump") if not (bin_dir / tool).exists()]
-    return f"triton ships no {missing} in {bin_dir}" if missing else None
-
-
 def _meta(*shape, dtype=torch.float32):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
@@ -363,7 +351,7 @@ ROW_BIAS_BUILDS = {  # compile-only sm_80/sm_90 builds of the per-row bias kerne
 }
 
 
-@pytest.mark.skipif(_gpu_toolchain_missing() is not None, reason=str(_gpu_toolchain_missing()))
+@pytest.mark.skipif(cg.gpu_build_blocker() is not None, reason=str(cg.gpu_build_blocker()))
 def test_row_bias_kernel_builds_for_gpus_without_spills():
     requests, names = [], []
     for name, args in ROW_BIAS_BUILDS.items():

@@ -13,8 +13,6 @@ Specialisations built (meta tensors: only shapes and dtypes matter):
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -46,17 +44,7 @@ SPECS = {
 }
 
 
-def _toolchain_missing() -> str | None:
-    if not cg.triton_available():
-        return "triton is not importable"
-    import triton
-
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    missing = [tool for tool in ("ptxas", "cuobjdump") if not (bin_dir / tool).exists()]
-    return f"triton ships no {missing} in {bin_dir}" if missing else None
-
-
-pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_toolchain_missing()))
+pytestmark = pytest.mark.skipif(cg.gpu_build_blocker() is not None, reason=str(cg.gpu_build_blocker()))
 
 
 @pytest.fixture(scope="module")

@@ -37,24 +37,28 @@ def test_missing_provenance(gm):
     assert rules(gm) == [("V1 provenance", "y_ND")]
 
 
-def test_wrong_shape_is_caught_by_fake_propagation(gm):
+def reshape_x_TD_to_width_8(gm):
     x_TD = node(gm, "x_TD")
     x_TD.args = (x_TD.args[0], -1, 8)  # D=16 reshaped as 8
-    gm.recompile()
-    found = violations(gm)
-    assert [(v.rule, v.node) for v in found] == [("V2 shapes", "logits_TE")]
-    assert "same reduction dim" in found[0].message
 
 
-def test_wrong_expert_weight_layout_is_caught_by_the_op_fake(gm):
+def expert_ffn_w_down_from_w_gate(gm):
     ffn = node(gm, "y_ND")
     args = list(ffn.args)
     args[4] = args[2]  # w_down_EDF <- w_gate_EFD: [E, F, D] where [E, D, F] is needed
     ffn.args = tuple(args)
+
+
+@pytest.mark.parametrize("corrupt, caught_at, message", [
+    (reshape_x_TD_to_width_8, "logits_TE", "same reduction dim"),  # by fake propagation
+    (expert_ffn_w_down_from_w_gate, "y_ND", "w_down_EDF has shape (4, 32, 16), expected (E=4, D=16, F=32)"),  # the op's fake
+], ids=["wrong_shape", "wrong_expert_weight_layout"])
+def test_wrong_shapes_are_caught(gm, corrupt, caught_at, message):
+    corrupt(gm)
     gm.recompile()
     found = violations(gm)
-    assert [(v.rule, v.node) for v in found] == [("V2 shapes", "y_ND")]
-    assert "w_down_EDF has shape (4, 32, 16), expected (E=4, D=16, F=32)" in found[0].message
+    assert [(v.rule, v.node) for v in found] == [("V2 shapes", caught_at)]
+    assert message in found[0].message
 
 
 def test_permute_without_its_inverse(gm):

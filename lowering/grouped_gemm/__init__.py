@@ -11,7 +11,8 @@ gating, bias flags, dtype baked in as constants), run the forward in two launche
     host.py       validate, expert_ffn_forward / expert_ffn_backward, the fused gate/up adapters
     this file     eligibility, the `moe_lowered` custom ops (fakes, autograd, autocast), the `Lowering` record
 
-Every name the rest of the repository uses (the lower pass, tests, benchmarks) is importable from here.
+Every name the rest of the repository uses (the lower pass, tests, benchmarks) is importable from here; the
+block-size tables' helpers (`configs_for`, `fits`, `BlockConfig`, ...) from `lowering.grouped_gemm.configs`.
 """
 
 from __future__ import annotations
@@ -22,21 +23,7 @@ import torch
 from torch import Tensor
 
 from lowering import Lowering, codegen
-from lowering.grouped_gemm.configs import (
-    CONFIGS,
-    CONFIGS_FP32,
-    DTYPES,
-    ROLES,
-    BlockConfig,
-    FfnSpec,
-    configs_for,
-    fits,
-    kernel_name,
-    pick_config,
-    rows_bucket,
-    shared_bytes_estimate,
-    spec_of,
-)
+from lowering.grouped_gemm.configs import CONFIGS, ROLES, FfnSpec, pick_config, shared_bytes_estimate, spec_of
 from lowering.grouped_gemm.host import expert_ffn_backward, expert_ffn_forward, fused_grads, unfused, validate
 from lowering.grouped_gemm.launch import gate_up_launch, rows_launch, wgrad_launch
 from lowering.grouped_gemm.source import PROXY_EXPERTS, gpu_build_requests, gpu_builds, kernel_module, render
@@ -46,12 +33,11 @@ from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
 generated_source_for = render  # its name before the family followed the `render` convention
 
 __all__ = [
-    "ACTIVATIONS", "CONFIGS", "CONFIGS_FP32", "DTYPES", "GATED_ACTIVATIONS", "LOWERING", "MAX_EXPERTS", "PROXY_EXPERTS",
-    "ROLES", "BlockConfig", "FfnSpec", "codegen", "configs_for", "eligible", "expert_ffn", "expert_ffn_backward",
-    "expert_ffn_backward_op", "expert_ffn_forward", "expert_ffn_forward_op", "fits", "fused_grads", "gate_up_launch",
-    "generated_source", "generated_source_for", "gpu_build_requests", "gpu_builds", "kernel_module", "kernel_name",
-    "pick_config", "render", "rows_bucket", "rows_launch", "shared_bytes_estimate", "spec_of", "unfused", "validate",
-    "wgrad_launch",
+    "ACTIVATIONS", "CONFIGS", "GATED_ACTIVATIONS", "LOWERING", "MAX_EXPERTS", "PROXY_EXPERTS", "ROLES", "FfnSpec",
+    "codegen", "eligible", "expert_ffn", "expert_ffn_backward", "expert_ffn_backward_op", "expert_ffn_forward",
+    "expert_ffn_forward_op", "fused_grads", "gate_up_launch", "generated_source", "generated_source_for",
+    "gpu_build_requests", "gpu_builds", "kernel_module", "pick_config", "render", "rows_launch",
+    "shared_bytes_estimate", "spec_of", "unfused", "validate", "wgrad_launch",
 ]
 
 MAX_EXPERTS = 8192  # the tile schedule loads counts_E as one block of next_pow2(E) per program

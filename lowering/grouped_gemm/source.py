@@ -23,7 +23,7 @@ import triton
 
 from lowering import codegen
 from lowering.grouped_gemm.configs import DTYPES, ROLES, BlockConfig, FfnSpec, configs_for, kernel_name
-from lowering.grouped_gemm.templates import ACTIVATION_SOURCE, GELU_SOURCE, KERNEL_SOURCE, TEMPLATE
+from lowering.grouped_gemm.templates import ACTIVATION_HELPERS, ACTIVATION_SOURCE, KERNEL_SOURCE, TEMPLATE
 from moepass.activations import ACTIVATIONS
 
 PROXY_EXPERTS = 128  # E of the GPU build check's kernels
@@ -57,7 +57,7 @@ def render(spec: FfnSpec) -> str:
         DOT_PRECISION="tf32" if spec.tf32 else "ieee",
         ROUND_BF16=spec.interpreted and spec.dtype == "bfloat16",
         HELPERS=codegen.ROUND_BF16_SOURCE,
-        ACTIVATION=(GELU_SOURCE if spec.activation in ("gelu", "geglu") else "") + ACTIVATION_SOURCE[spec.activation],
+        ACTIVATION=ACTIVATION_HELPERS.get(spec.activation, "") + ACTIVATION_SOURCE[spec.activation],
         KERNELS=KERNEL_SOURCE,
         GPU_BUILDS="".join(f"    {build!r},\n" for build in gpu_builds(spec)),
     )

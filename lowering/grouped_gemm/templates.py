@@ -95,11 +95,6 @@ def activate_grad(da, g, u, limit, alpha):
 ''',
     "gelu_tanh": '''
 @triton.jit
-def _tanh(z):
-    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
-
-
-@triton.jit
 def activate(g, u, limit, alpha):
     """gelu, tanh approximation"""
     return 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
@@ -157,11 +152,6 @@ def activate_grad(da, g, u, limit, alpha):
 ''',
     "softcapped_swiglu": '''
 @triton.jit
-def _tanh(z):
-    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
-
-
-@triton.jit
 def activate(g, u, limit, alpha):
     """softcapped swiglu: limit * tanh(g / limit) * sigmoid(g) * alpha * tanh(u / alpha)"""
     return limit * _tanh(g / limit) * tl.sigmoid(g) * alpha * _tanh(u / alpha)
@@ -189,6 +179,16 @@ def _gelu_grad(g):
     return 0.5 * (1.0 + tl.erf(g * 0.7071067811865476)) + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
 '''
 
+TANH_SOURCE = '''
+@triton.jit
+def _tanh(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+'''
+
+# the helpers an activation's source calls, placed before it
+ACTIVATION_HELPERS = {"gelu": GELU_SOURCE, "geglu": GELU_SOURCE, "gelu_tanh": TANH_SOURCE,
+                      "softcapped_swiglu": TANH_SOURCE}
+
 # The kernels, identical for every spec: what varies comes from the constants above them.
 KERNEL_SOURCE = '''
 
@@ -200,6 +200,17 @@ def _expert_rows(counts_ptr, e, E, E_POW2: tl.constexpr):
     mine = offs_e == e
     end = tl.sum(tl.where(mine, tl.cumsum(counts, 0), 0), 0)
     return end - tl.sum(tl.where(mine, counts, 0), 0), end
+
+
+@triton.jit
+def _tile(counts_ptr, E, n_cols, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The output tile of program (program_id(0), program_id(1)) of a kernel over expert-sorted rows: the expert e
+    owning row tile program_id(0) (e == E past the last tile: nothing to do), the tile's rows and columns (of
+    n_cols) and their masks."""
+    e, row0, row_end = _row_tile(counts_ptr, E, E_POW2, BLOCK_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e.to(tl.int64), rows, rows < row_end, cols, cols < n_cols
 
 
 @triton.jit
@@ -260,14 +271,9 @@ def gate_up_kernel(
     BACKWARD: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    e, row0, row_end = _row_tile(counts_ptr, E, E_POW2, BLOCK_M)
+    e, rows, row_ok, cols, col_ok = _tile(counts_ptr, E, F, E_POW2, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    e = e.to(tl.int64)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < row_end
-    col_ok = cols < F
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_grad_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -312,14 +318,9 @@ def rows_kernel(
     TWO: tl.constexpr, HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    e, row0, row_end = _row_tile(counts_ptr, E, E_POW2, BLOCK_M)
+    e, rows, row_ok, cols, col_ok = _tile(counts_ptr, E, Q, E_POW2, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    e = e.to(tl.int64)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < row_end
-    col_ok = cols < Q
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _accumulate(acc, a1_ptr, b1_ptr, s_b1_e, s_b1_k, s_b1_q, e, rows, row_ok, cols, col_ok, K, BLOCK_K)
     if TWO:

@@ -30,7 +30,11 @@ w_out hold each rank's local gradient, averaged by DDP or `all_reduce_replicated
 
 from __future__ import annotations
 
-from torch import fx
+from collections.abc import Callable, Sequence
+
+from torch import Tensor, fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from moepass import canonical
 from moepass.canonical import GraphBuilder, MoEGraphModule
@@ -39,7 +43,7 @@ from moepass.operands import set_operand
 from moepass.passes import Effects, PassResult
 from moepass.plan import Plan
 from moepass.rewrite.exchange import grad_scale, named
-from moepass.rewrite.experts import as_dtensor, expert_grad_hook, local_shard, shard_experts
+from moepass.rewrite.experts import expert_grad_hook, local_shard, shard_experts
 from moepass.runtime import collectives as comm
 from moepass.runtime.hp import UPDATE_SELECTION_BIAS_OVER_GROUP, HPLayout, heads_to_tokens, tokens_to_heads
 from moepass.runtime.topology import ep_groups
@@ -67,19 +71,8 @@ def rewrite_hp(gm: MoEGraphModule, plan: Plan) -> PassResult:
                       first_head=groups.ep_rank * Hl)
     effects = Effects()
     attrs = shard_experts(gm, spec, layout, PASS, effects, replica_hooks=plan.grad_sync == "none")
-    for source, kind in ((spec.router.weight, "parameter"), (spec.router.selection_bias, "buffer")):
-        if source is None:
-            continue
-        path = source.paths[0]
-        full = gm.get_parameter(path) if kind == "parameter" else gm.get_buffer(path)
-        local = full.detach().chunk(P, 0)[groups.ep_rank].clone()
-        if kind == "parameter":
-            effects.parameters[path] = as_dtensor(local, groups, 0, full.requires_grad)
-            layout.sharded.append(path)
-            if groups.dp_size > 1:  # a head's router on every replica: its gradient summed over them, as experts'
-                effects.grad_hooks.append((path, expert_grad_hook(groups)))
-        else:
-            effects.replaced_buffers[path] = as_dtensor(local, groups, 0, False).detach()
+    shard_router(gm, effects, layout, P, groups.ep_rank, groups.mesh, groups.placements(0),
+                 expert_grad_hook(groups) if groups.dp_size > 1 else None)  # dp replicas: a head's router sums
 
     graph, world, group = gm.graph, groups.world_size, groups.ep_group.group_name
     b = GraphBuilder(PASS, spec.path)
@@ -119,6 +112,28 @@ def check_block(spec: MoESpec) -> None:
     if spec.side_outputs:
         raise PlanError(f"Plan.form='hp' cannot keep {where}'s side outputs {list(spec.side_outputs)} (router "
                         f"logits live on the heads' ranks).")
+
+
+def shard_router(gm: MoEGraphModule, effects: Effects, layout: HPLayout, parts: int, index: int, mesh: DeviceMesh,
+                 placements: Sequence[Placement], grad_hook: Callable[[Tensor], Tensor] | None) -> None:
+    """Cut the router weight and the selection bias by heads (dim 0 in `parts`, this rank's is `index`) into
+    DTensors on `mesh`: the weight becomes a sharded parameter (with `grad_hook`, None: none), the bias a
+    replaced buffer."""
+    router = gm.spec.router
+    for source, kind in ((router.weight, "parameter"), (router.selection_bias, "buffer")):
+        if source is None:
+            continue
+        path = source.paths[0]
+        full = gm.get_parameter(path) if kind == "parameter" else gm.get_buffer(path)
+        local = full.detach().chunk(parts, 0)[index].clone()
+        value = DTensor.from_local(local, mesh, placements, run_check=False)
+        if kind == "parameter":
+            effects.parameters[path] = nn.Parameter(value, requires_grad=full.requires_grad)
+            layout.sharded.append(path)
+            if grad_hook is not None:
+                effects.grad_hooks.append((path, grad_hook))
+        else:
+            effects.replaced_buffers[path] = value.detach()
 
 
 def to_head_ranks(graph: fx.Graph, b: GraphBuilder, group: str, ranks: int) -> fx.Node:

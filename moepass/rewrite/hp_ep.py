@@ -63,6 +63,7 @@ from moepass.rewrite.hp import (
     check_block,
     local_heads,
     read_local_shards,
+    shard_router,
     to_head_ranks,
 )
 from moepass.runtime import collectives as comm
@@ -134,19 +135,8 @@ def rewrite_hp_ep(gm: MoEGraphModule, plan: Plan) -> PassResult:
                         first_head=groups.hp_rank * Hl, local_experts=L, first_expert=groups.ep_rank * L)
     effects = Effects()
     attrs = shard_experts(gm, spec, layout, PASS, effects, replica_hooks=plan.grad_sync == "none")  # flat shard g*P+p; dp replicas sum (dp_group)
-    for source, kind in ((spec.router.weight, "parameter"), (spec.router.selection_bias, "buffer")):
-        if source is None:
-            continue
-        path = source.paths[0]
-        full = gm.get_parameter(path) if kind == "parameter" else gm.get_buffer(path)
-        local = full.detach().chunk(G, 0)[groups.hp_rank].clone()
-        value = DTensor.from_local(local, groups.mesh, groups.head_placements(0), run_check=False)
-        if kind == "parameter":
-            effects.parameters[path] = nn.Parameter(value, requires_grad=full.requires_grad)
-            effects.grad_hooks.append((path, head_grad_hook(groups)))
-            layout.sharded.append(path)
-        else:
-            effects.replaced_buffers[path] = value.detach()
+    shard_router(gm, effects, layout, G, groups.hp_rank, groups.mesh, groups.head_placements(0),
+                 head_grad_hook(groups))
 
     graph = gm.graph
     b = GraphBuilder(PASS, spec.path)

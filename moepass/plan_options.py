@@ -82,35 +82,38 @@ class SingleOptions(Options):
     form: ClassVar[Form] = "single"
 
 
+# Groups of fields several forms share, each declared once (one type, one default); a form's class is its groups
+# plus its own fields.
 @dataclass(frozen=True)
-class EPOptions(Options):
-    """form="ep": whole experts sharded over ep_size ranks, tokens sent to them by an all-to-all."""
+class Priced(Options):
+    """What the cost model prices an "auto" choice with."""
 
-    form: ClassVar[Form] = "ep"
+    batch: tuple[int, int] | None = None  # (batch, seq) per rank, for a2a_chunks / packing = "auto"
+    # None: the calibration profile ~/.cache/moepass/profile.json if present, else CPU defaults; a preset name
+    # (cost_model.presets.PRESET_NAMES), a profile path (.json) or a cost_model.presets.Hardware
+    hardware: HardwareChoice = None
+
+
+@dataclass(frozen=True)
+class Placed(Options):
+    """Where a distributed form puts its ranks."""
+
     ep_size: int | None = None  # None: the world size
     topology: TopologyLike | None = None  # None: from the torchrun environment
-    capacity_factor: float | None = None  # None: dropless, or the model's own capacity
-    a2a_chunks: Count = "auto"
-    # the token exchange as a two-stage (intra-node, then inter-node) all-to-all; an EP group of >= 2 whole nodes
-    # of >= 2 ranks (moepass.runtime.collectives, "Hierarchical (2D) all-to-all")
-    hierarchical_a2a: bool = False
-    packing: Count = 1  # experts hosted per device
-    batch: tuple[int, int] | None = None  # (batch, seq) per rank, for a2a_chunks / packing = "auto"
-    hardware: HardwareChoice = None  # figures those "auto" choices price with
-
-    def _check(self) -> None:
-        _hierarchical(self.hierarchical_a2a, self.topology, self.a2a_chunks)
 
 
 @dataclass(frozen=True)
-class FSEPOptions(Options):
-    """form="fsep": a 1/P slice of every expert per rank, C whole experts restored per step, placed by load."""
+class Exchanged(Placed):
+    """A form whose tokens go to their experts by an all-to-all."""
 
-    form: ClassVar[Form] = "fsep"
-    ep_size: int | None = None
-    topology: TopologyLike | None = None
-    capacity_factor: float | None = None
+    capacity_factor: float | None = None  # None: dropless, or the model's own capacity
     a2a_chunks: Count = "auto"
+
+
+@dataclass(frozen=True)
+class Restored(Options):
+    """FSEP's restore of whole experts from their slices."""
+
     slots_per_device: int | None = None  # C; None: ceil(E/P) + 1
     planner: PlannerChoice = "auto"  # "auto" (load-adaptive), "static" (even), or planner(counts_PE, table)
     # keep each layer's C restored experts from its forward to its backward (+C*S elements per layer alive until
@@ -120,20 +123,43 @@ class FSEPOptions(Options):
     # leave each layer's expert-gradient exchange in flight under the earlier layer's backward (2*C*S elements
     # alive one layer longer); False: wait for it in the layer's own backward
     defer_expert_grads: bool = True
-    batch: tuple[int, int] | None = None
-    hardware: HardwareChoice = None
 
 
 @dataclass(frozen=True)
-class HPOptions(Options):
-    """form="hp": the heads of a Multi-Head LatentMoE split over ep_size ranks (a standard block converted)."""
+class Headed(Options):
+    """The latent heads of a Multi-Head LatentMoE."""
 
-    form: ClassVar[Form] = "hp"
-    ep_size: int | None = None
-    topology: TopologyLike | None = None
     # latent heads H; None: the smallest multiple of the head-group count (ep_size / head_ep_size) that is >= 4
     heads: int | None = None
     head_dim: int | None = None  # width h of a head; None: hidden // heads
+
+
+@dataclass(frozen=True)
+class EPOptions(Exchanged, Priced):
+    """form="ep": whole experts sharded over ep_size ranks, tokens sent to them by an all-to-all."""
+
+    form: ClassVar[Form] = "ep"
+    # the token exchange as a two-stage (intra-node, then inter-node) all-to-all; an EP group of >= 2 whole nodes
+    # of >= 2 ranks (moepass.runtime.collectives, "Hierarchical (2D) all-to-all")
+    hierarchical_a2a: bool = False
+    packing: Count = 1  # experts hosted per device
+
+    def _check(self) -> None:
+        _hierarchical(self.hierarchical_a2a, self.topology, self.a2a_chunks)
+
+
+@dataclass(frozen=True)
+class FSEPOptions(Exchanged, Restored, Priced):
+    """form="fsep": a 1/P slice of every expert per rank, C whole experts restored per step, placed by load."""
+
+    form: ClassVar[Form] = "fsep"
+
+
+@dataclass(frozen=True)
+class HPOptions(Placed, Headed):
+    """form="hp": the heads of a Multi-Head LatentMoE split over ep_size ranks (a standard block converted)."""
+
+    form: ClassVar[Form] = "hp"
     # the ep_size ranks form ep_size/head_ep_size head groups of head_ep_size ranks (a group's experts sharded
     # over them); 1: pure HP
     head_ep_size: int = 1
@@ -146,12 +172,10 @@ class HPOptions(Options):
 
 
 @dataclass(frozen=True)
-class LocalityOptions(Options):
+class LocalityOptions(Placed):
     """form="locality" (LocMoE): a top-1 router preferring the token's own node, with its losses."""
 
     form: ClassVar[Form] = "locality"
-    ep_size: int | None = None
-    topology: TopologyLike | None = None
     capacity_factor: float | None = None
     hierarchical_a2a: bool = False
     gate: Gate = "learned"  # "grap": the fixed mean of each of E blocks of D/E channels; "learned": the router's
@@ -163,23 +187,13 @@ class LocalityOptions(Options):
 
 
 @dataclass(frozen=True)
-class AutoOptions(Options):
+class AutoOptions(Restored, Headed, Priced):
     """form="auto": the cost model picks the form (`moepass.search`); these price it, and the FSEP and HP
-    options are kept when that form wins."""
+    options are kept when that form wins (slots_per_device: the only C the search prices for FSEP; batch:
+    required at compile)."""
 
     form: ClassVar[Form] = "auto"
     topology: TopologyLike | None = None
-    slots_per_device: int | None = None  # the only C the search prices for FSEP
-    planner: PlannerChoice = "auto"
-    keep_restored: bool = False
-    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
-    defer_expert_grads: bool = True
-    heads: int | None = None
-    head_dim: int | None = None
-    batch: tuple[int, int] | None = None  # (batch, seq) per rank: required at compile
-    # None: the calibration profile ~/.cache/moepass/profile.json if present, else CPU defaults; a preset name
-    # (cost_model.presets.PRESET_NAMES), a profile path (.json) or a cost_model.presets.Hardware
-    hardware: HardwareChoice = None
     # the routing priced: max/mean routed rows per rank under EP (>= 1), or recorded routed rows [steps, ranks, E]
     # or [ranks, E] (the last step priced, the steps before it FSEP's planner history); None: uniform
     routing_skew: RoutingSkew = None
@@ -237,77 +251,48 @@ def choice(name: str, value: object, choices: Sequence[str]) -> None:
         raise PlanError(f"Plan.{name}={value!r} is invalid: use one of {list(choices)}.{nearest(value, choices)}")
 
 
-def check_bool(name: str) -> Callable[[object], object]:
+def rule(name: str, ok: Callable[[object], bool], fix: str, near: Sequence[str] = ()) -> Callable[[object], object]:
+    """The check of `Plan.<name>`: the value back when `ok(value)`, else a PlanError naming the field, the value
+    and the fix (with the nearest of `near`)."""
+
     def check(value: object) -> object:
-        if not isinstance(value, bool):
-            raise PlanError(f"Plan.{name}={value!r} is invalid: use True or False.")
+        if not ok(value):
+            hint = nearest(value, list(near)) if near else ""
+            raise PlanError(f"Plan.{name}={value!r} is invalid: {fix}{hint}")
         return value
     return check
+
+
+def is_int(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def check_bool(name: str) -> Callable[[object], object]:
+    return rule(name, lambda v: isinstance(v, bool), "use True or False.")
 
 
 def _count_or_auto(name: str) -> Callable[[object], object]:
-    def check(value: object) -> object:
-        if value == "auto":
-            return value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(f"Plan.{name}={value!r} is invalid: use an int >= 1 or 'auto'.{nearest(value, ['auto'])}")
-        return value
-    return check
+    return rule(name, lambda v: v == "auto" or is_int(v, 1), "use an int >= 1 or 'auto'.", near=["auto"])
 
 
 def _positive_or_none(name: str) -> Callable[[object], object]:
-    def check(value: object) -> object:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise PlanError(f"Plan.{name}={value!r} is invalid: use a positive int, or None for the default.")
-        return value
-    return check
+    return rule(name, lambda v: v is None or is_int(v, 1), "use a positive int, or None for the default.")
 
 
-def _ep_size(value: object) -> object:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise PlanError(f"Plan.ep_size={value!r} is invalid: use a positive int dividing the world size.")
-    return value
-
-
-def _topology(value: object) -> object:
-    if value is not None and not isinstance(value, TopologyLike):
-        raise PlanError(f"Plan.topology={value!r} is invalid: use moepass.Topology(nodes, ranks_per_node), or None "
-                        f"for the torchrun environment.")
-    return value
-
-
-def _capacity_factor(value: object) -> object:
-    if value is not None and (not isinstance(value, (int, float)) or value <= 0):
-        raise PlanError(f"Plan.capacity_factor={value!r} is invalid: use a float > 0, or None for dropless routing.")
-    return value
-
-
-def _slots(value: object) -> object:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise PlanError(f"Plan.slots_per_device={value!r} is invalid: use an int >= 1.")
-    return value
-
-
-def _planner(value: object) -> object:
-    if not (value in ("auto", "static") or callable(value)):
-        raise PlanError(f"Plan.planner={value!r} is invalid: use 'auto' (load-adaptive re-layout), 'static' (the "
-                        f"even placement, never changed) or a callable planner(counts_PE, current_table) -> "
-                        f"table.{nearest(value, ['auto', 'static'])}")
-    return value
-
-
-def _prefetch_depth(value: object) -> object:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PlanError(f"Plan.prefetch_depth={value!r} is invalid: use an int >= 0 (0: each FSEP block restores "
-                        f"its own experts; n: a block issues the next n blocks' restores).")
-    return value
-
-
-def _head_ep_size(value: object) -> object:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"Plan.head_ep_size={value!r} is invalid: use a positive int dividing ep_size (1: pure head "
-                        f"parallel).")
-    return value
+_ep_size = rule("ep_size", lambda v: v is None or is_int(v, 1), "use a positive int dividing the world size.")
+_topology = rule("topology", lambda v: v is None or isinstance(v, TopologyLike),
+                 "use moepass.Topology(nodes, ranks_per_node), or None for the torchrun environment.")
+_capacity_factor = rule("capacity_factor", lambda v: v is None or (isinstance(v, (int, float)) and v > 0),
+                        "use a float > 0, or None for dropless routing.")
+_slots = rule("slots_per_device", lambda v: v is None or is_int(v, 1), "use an int >= 1.")
+_planner = rule("planner", lambda v: v in ("auto", "static") or callable(v),
+                "use 'auto' (load-adaptive re-layout), 'static' (the even placement, never changed) or a callable "
+                "planner(counts_PE, current_table) -> table.", near=["auto", "static"])
+_prefetch_depth = rule("prefetch_depth", lambda v: is_int(v, 0),
+                       "use an int >= 0 (0: each FSEP block restores its own experts; n: a block issues the next n "
+                       "blocks' restores).")
+_head_ep_size = rule("head_ep_size", lambda v: is_int(v, 1),
+                     "use a positive int dividing ep_size (1: pure head parallel).")
 
 
 def _gate(value: object) -> object:

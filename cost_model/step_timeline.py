@@ -51,7 +51,7 @@ def allreduce_ops(tl: Timeline, name: str, nbytes: float, dp: int, B: float, alp
     tl.add("other", f"{name}.ar", pieces * ep_formulas.allreduce_time(nbytes / pieces, dp, B, alpha), deps, pieces)
 
 
-def ring_half(nbytes: float, group: int, B: float, alpha: float) -> float:
+def ring_half(nbytes: float, group: float, B: float, alpha: float) -> float:
     """An all-gather or a reduce-scatter of `nbytes` (the full tensor) over `group` ranks: half a ring all-reduce."""
     return 0.0 if group == 1 else alpha + (group - 1) * nbytes / (group * B)
 
@@ -204,7 +204,7 @@ def breakdown_of(tl: Timeline, figures: dict[str, float]) -> dict[str, float]:
 # ---- memory ------------------------------------------------------------------------------------------------
 
 
-def state_bytes(params: float, v: dict[str, float], shard: int) -> float:
+def state_bytes(params: float, v: dict[str, float], shard: float) -> float:
     """Bytes of `params` parameters with their gradients and optimizer state (s per parameter), the optimizer
     state (s - b - b_g: fp32 master and Adam moments) sharded over `shard` ranks (1: replicated)."""
     rest = v["s"] - v["b"] - v["b_g"]
@@ -216,7 +216,7 @@ def activation_bytes(case: Case, rows: float, b: float) -> float:
     return float(ep_formulas.memory_per_rank(0, 1, case.D, case.F, ep_formulas.matmuls(case.gated), 0, rows, b))
 
 
-def memory_breakdown(case: Case, v: dict[str, float], *, expert_params: float, expert_dp: int, dense_params: float,
+def memory_breakdown(case: Case, v: dict[str, float], *, expert_params: float, expert_dp: float, dense_params: float,
                      dense_dp: int, rows_max: float, sharded_optimizer: bool, recompute: bool,
                      buffers: float = 0.0, fully_sharded: bool = False) -> dict[str, float]:
     """Bytes per rank by part. `expert_params` / `dense_params`: the parameters one rank owns over all layers

@@ -21,11 +21,17 @@ Baselines, each its own formula:
 - FSDP+EP: EP for the experts; the experts sharded over their W/ep replicas and the dense weights over W:
   an all-gather of both before the forward and the backward (one layer prefetched), a reduce-scatter of the
   gradients.
-- Replication-based balancing (FlexMoE): EP's layout plus `replicas` extra expert slots per device; the
-  hottest experts (by the counts of the steps before) are copied into them and their tokens split evenly
-  over the copies; the copies' gradients are all-reduced with the expert gradients (one more expert per
-  device), and the weights and optimizer state that move when the placement changes (migration) are sent
-  on the "other" stream, amortised over the re-placement interval.
+- Replication-based balancing (FlexMoE): the experts placed over all W ranks in the slots EP's layout gives
+  a device (E/ep, plus `replicas` extra slots per device where the system gives them): the W x slots copies
+  shared out by the loads of the steps before (`moepass.runtime.placement.proportional_replicas`, at least one
+  copy each, then to the hottest per copy), placed node-spread (`place`); the current step's rows of an expert
+  split evenly over its copies, wherever they are (FlexMoE balances by replica count). Each expert's gradients are all-reduced over its
+  copies; the weights and optimizer state that move when the placement changes (migration: one slot per device)
+  are sent on the "other" stream, amortised over the re-placement interval. Memory: the rank's whole experts
+  (weights, gradients) and their optimizer state sharded over each expert's copies (ZeRO-1 over the expert's
+  data-parallel group) when sharded: W x slots / E copies each on average. Every layer has its own router and
+  its own placement, so a rank's cold (few-copy) experts of one layer are not its experts of the next: the
+  per-rank optimizer state is counted at that mean (one routing trace serves all layers here).
 - Routers (locality set-ups): the hash router routes uniformly with no learned gate; a learned router (the
   switch router: top-1 softmax with an aux loss) pays its gate GEMM (2 T D E FLOPs forward) and routes with
   the imbalance measured in this project's own training run (`MEASURED_SWITCH_MAX_MEAN`); LocMoE is the
@@ -92,7 +98,8 @@ class StepPlan:
     prefetch: int = 2  # FSEP restore depth
     tp: int = 1  # tensor parallel degree of the dense part (Megatron)
     fsdp: bool = False  # FSDP for the experts (over their replicas) and the dense part (over W)
-    replicas: int = 0  # replication-based balancing: extra expert slots per device (FlexMoE)
+    replicating: bool = False  # replication-based balancing (FlexMoE): copies of the experts placed by load
+    replicas: int = 0  # replication-based balancing: extra expert slots per device beyond EP's E/ep
     router: str = "learned"  # "hash", "switch", "locmoe", or the model's own ("learned")
     capacity: float | None = None  # EP / single: capacity factor (rows per expert and source rank capped); None: dropless
     math_changing: bool = False
@@ -112,7 +119,7 @@ class StepPlan:
         else:
             text = f"ep={self.ep}" + (f" P={self.packing}" if self.packing > 1 else "") + f" n={self.chunks}"
             text += f" {self.sched}" + (f" tp={self.tp}" if self.tp > 1 else "") + (" fsdp" if self.fsdp else "")
-            text += f" +{self.replicas} replica slots" if self.replicas else ""
+            text += f" replicated +{self.replicas} slots" if self.replicating else ""
             text += f" router={self.router}" if self.router != "learned" else ""
         if self.capacity is not None:
             text += f" cf={self.capacity:g}"
@@ -263,7 +270,7 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
             counts = np.minimum(counts, cf * case.tokens * case.K / case.E)
         rows_SR = ep_formulas.rank_rows(counts[:ep], ep)
         expert_params = case.layers * case.E / ep * S_e
-        expert_dp = W // ep
+        expert_dp: float = W // ep
         dense_params = dense_total / plan.tp
         dense_dp = W // plan.tp
         buffers = 0.0
@@ -271,13 +278,15 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
         expert_grads = None
         migration = 0.0
         tp_comm = 0.0
-        if plan.replicas:
-            rows_SR, copies = _replicated_rows(counts[:ep], trace.history[:, :ep].sum(axis=0), ep, plan.replicas)
-            expert_params += case.layers * plan.replicas * S_e
-            expert_grads = ExpertGrads((case.E / ep + plan.replicas) * S_e * v["b_g"], expert_dp, ar_bw)
-            # a re-placement moves each device's replica slots (weights + optimizer state) once per interval
-            migration = plan.replicas * S_e * v["s"] / ar_bw / REPLACE_INTERVAL
-            details.update(replica_slots=plan.replicas, copies=copies)
+        if plan.replicating:
+            C = case.E // ep + plan.replicas
+            rows_SR, copies_E = _replicated_rows(counts, trace.history, case.per_node, C)
+            expert_params = case.layers * C * S_e
+            expert_dp = W * C / case.E  # each expert's copies, on average (module docstring)
+            expert_grads = ExpertGrads(C * S_e * v["b_g"], max(2, round(expert_dp)), ar_bw)
+            # a re-placement moves one slot per device (weights + optimizer state) once per interval
+            migration = S_e * v["s"] / ar_bw / REPLACE_INTERVAL
+            details.update(slots=C, copies=",".join(str(c) for c in copies_E))
         if plan.tp > 1:
             tp_comm = 4 * (plan.tp - 1) * case.tokens * case.D * v["b"] / v["B_intra"] + 4 * v["alpha"]
             details.update(tp=plan.tp, tp_ms_per_layer=round(2 * tp_comm * 1e3, 4))
@@ -320,37 +329,20 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
     return Priced(plan, tl.step, breakdown, memory, feasible, details, notes)
 
 
-def _replicated_rows(counts_SE: np.ndarray, seen_SE: np.ndarray, ep: int, replicas: int) -> tuple[np.ndarray, str]:
-    """FlexMoE's layout: EP's contiguous experts plus `replicas` slots per device, filled greedily from the
-    loads seen (the hottest expert per copy gets the next copy, on the least-loaded device that lacks it);
-    the current step's tokens of an expert split evenly over its copies. Returns [src, dst] rows and the copies."""
-    S, E = counts_SE.shape
-    per = E // ep
-    home = np.arange(E) // per
-    hosts: list[list[int]] = [[int(home[e])] for e in range(E)]
-    seen = seen_SE.sum(axis=0) if seen_SE.ndim == 2 else seen_SE
-    load = np.zeros(ep)
-    for e in range(E):
-        load[home[e]] += seen[e]
-    free = np.full(ep, replicas)
-    for _ in range(ep * replicas):
-        e = int(np.argmax([seen[k] / len(hosts[k]) for k in range(E)]))
-        share = seen[e] / len(hosts[e])
-        options = [d for d in range(ep) if free[d] > 0 and d not in hosts[e]]
-        if not options:
-            break
-        d = min(options, key=lambda d: (load[d], d))
-        for h in hosts[e]:
-            load[h] -= share - seen[e] / (len(hosts[e]) + 1)
-        hosts[e].append(d)
-        load[d] += seen[e] / len(hosts[e])
-        free[d] -= 1
-    rows_SR = np.zeros((S, ep))
-    for e in range(E):
-        for h in hosts[e]:
-            rows_SR[:, h] += counts_SE[:, e] / len(hosts[e])
-    copies = ",".join(str(len(h)) for h in hosts)
-    return rows_SR, copies
+def _replicated_rows(counts_WE: np.ndarray, history_HWE: np.ndarray, ranks_per_node: int,
+                     C: int) -> tuple[np.ndarray, list[int]]:
+    """FlexMoE's layout (module docstring) over all W ranks with C slots each, placed from the loads of the
+    steps before: returns the [src, dst] rows of the current step and the copies of each expert."""
+    from moepass.runtime.placement import place, proportional_replicas  # moepass's package imports cost_model.search
+
+    W, E = counts_WE.shape
+    seen_E = [int(x) for x in fsep_formulas.integer_rows(history_HWE.sum(axis=0)).sum(axis=0)]
+    copies_E = proportional_replicas(seen_E, W * C, 1)
+    slot_expert = np.asarray(place(copies_E, seen_E, W, C, ranks_per_node))
+    hosts_ER = np.zeros((E, W))
+    np.add.at(hosts_ER, (slot_expert, np.arange(W * C) // C), 1.0)  # copies of expert e on device r
+    rows_SR = (counts_WE / np.asarray(copies_E, dtype=float)) @ hosts_ER
+    return rows_SR, copies_E
 
 
 def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], notes: list[str],

@@ -75,7 +75,7 @@ from cost_model.step_timeline import (
     state_bytes,
     timeline_step,
 )
-from cost_model.timeline import Timeline
+from cost_model.timeline import Timeline, collector_paused
 
 REPLACE_INTERVAL = 50  # FlexMoE: steps between re-placements (migration amortised over them), assumed
 
@@ -212,7 +212,8 @@ def price(plan: StepPlan, ctx: CaseContext) -> Priced:
     key = replace(plan, system=plan.system if plan.form == "locality" else None, packing=1, builds=True,
                   math_changing=False)
     if key not in ctx.priced:
-        ctx.priced[key] = _price(plan, ctx)
+        with collector_paused():
+            ctx.priced[key] = _price(plan, ctx)
     done = ctx.priced[key]
     return replace(done, plan=plan, breakdown=dict(done.breakdown), details=dict(done.details), notes=list(done.notes))
 

@@ -2,7 +2,7 @@
 (`Layout`: the token rows, the parameter collectives, the extra per-layer work), and the memory per rank of a
 layout (`memory_breakdown`). `cost_model.systems.price` turns a plan into a layout and calls these.
 
-Shape legend: S source ranks, R destination ranks.
+Shape letters: `moepass.spec.SHAPES` (here P: ranks as sources and as destinations).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def dense_flops(case: Case) -> float:
 class Layout:
     """What the timeline needs of a plan: the token rows, the parameter traffic, the extra per-layer work."""
 
-    rows_SR: np.ndarray  # [src, dst] routed rows of one all-to-all group
+    rows_PP: np.ndarray  # [src, dst] routed rows of one all-to-all group
     params: ParamTraffic | None = None
     expert_grads: ExpertGrads | None = None
     dense_grad_bytes: float | None = None  # per rank (None: the case's dense parameters)
@@ -83,9 +83,9 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
     v = hw.values()
     W = case.nodes * case.per_node
     m = ep_formulas.matmuls(case.gated)
-    rows_SR = layout.rows_SR
-    ep = rows_SR.shape[0]
-    dispatch = ep_formulas.exact_a2a(rows_SR, case.D, int(v["b"]), case.per_node)
+    rows_PP = layout.rows_PP
+    ep = rows_PP.shape[0]
+    dispatch = ep_formulas.exact_a2a(rows_PP, case.D, int(v["b"]), case.per_node)
     a2a_full = dispatch.time(v["B_intra"], v["B_inter"], v["alpha"]) if ep > 1 else 0.0
     transfer = max(0.0, a2a_full - v["alpha"]) if ep > 1 else 0.0
     rows_max = float(dispatch.computed_rows.max())
@@ -179,7 +179,7 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
         "recompute": case.layers * recomputed,
         "token_a2a_bytes": case.layers * 2 * busiest,  # forward and backward
         "rows_max": rows_max,
-        "imbalance": rows_max / max(float(rows_SR.sum()) / ep, 1e-30),
+        "imbalance": rows_max / max(float(rows_PP.sum()) / ep, 1e-30),
     }
 
 

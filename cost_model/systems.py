@@ -44,7 +44,7 @@ distributed optimizer; same bytes on the link: a reduce-scatter and an all-gathe
 all-reduce), then activation recomputation (each layer keeps its input; its forward compute is repeated
 in the backward, the token rows cached); it is infeasible only when neither fits.
 
-Shape legend: S source ranks, R destination ranks, E experts, W ranks, H history steps.
+Shape letters: `moepass.spec.SHAPES` (here P: ranks as sources and as destinations; a: history steps).
 """
 
 
@@ -182,7 +182,7 @@ class CaseContext:
             trace = routing_trace(self.scenario.get("routing") or {}, self.case, key, self.assumptions)
             phi = self.case.ffn_fraction
             if phi < 1:  # the assignments that pick zero-compute experts are neither sent nor computed
-                trace = RoutingTrace(trace.steps_HWE * phi, f"{trace.description}, {phi:.3g} of them to FFN experts")
+                trace = RoutingTrace(trace.steps_aWE * phi, f"{trace.description}, {phi:.3g} of them to FFN experts")
             self.traces[key] = trace
         return self.traces[key]
 
@@ -269,7 +269,7 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
         cf = plan.capacity if plan.capacity is not None else case.capacity
         if cf is not None:  # each source rank sends an expert at most its capacity's rows
             counts = np.minimum(counts, cf * case.tokens * case.K / case.E)
-        rows_SR = ep_formulas.rank_rows(counts[:ep], ep)
+        rows_PP = ep_formulas.rank_rows(counts[:ep], ep)
         expert_params = case.layers * case.E / ep * S_e
         expert_dp: float = W // ep
         dense_params = dense_total / plan.tp
@@ -281,7 +281,7 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
         tp_comm = 0.0
         if plan.replicating:
             C = case.E // ep + plan.replicas
-            rows_SR, copies_E = _replicated_rows(counts, trace.history, case.per_node, C)
+            rows_PP, copies_E = _replicated_rows(counts, trace.history, case.per_node, C)
             expert_params = case.layers * C * S_e
             expert_dp = W * C / case.E  # each expert's copies, on average (module docstring)
             expert_grads = ExpertGrads(C * S_e * v["b_g"], max(2, round(expert_dp)), ar_bw)
@@ -301,10 +301,10 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
             params = ParamTraffic(both(v["b"]), both(v["b"]), both(v["b_g"]), depth=1, dense=True)
             buffers = (1 + params.depth) * (local + case.dense_params) * v["b"] + (local + case.dense_params) * v["b_g"]
             details.update(fsdp=expert_dp)
-        layout = Layout(rows_SR, params=params, expert_grads=expert_grads,
+        layout = Layout(rows_PP, params=params, expert_grads=expert_grads,
                         dense_grad_bytes=case.dense_params / plan.tp * v["b_g"], dense_dp=dense_dp, tp_comm=tp_comm,
                         router_fwd=router_fwd, migration=migration, split_exchange=cf is None)
-        rows_max = float(rows_SR.sum(axis=0).max())
+        rows_max = float(rows_PP.sum(axis=0).max())
 
         def memory_of(sharded: bool, recompute: bool) -> dict[str, float]:
             if plan.fsdp:
@@ -330,20 +330,20 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
     return Priced(plan, tl.step, breakdown, memory, feasible, details, notes)
 
 
-def _replicated_rows(counts_WE: np.ndarray, history_HWE: np.ndarray, ranks_per_node: int,
+def _replicated_rows(counts_WE: np.ndarray, history_aWE: np.ndarray, ranks_per_node: int,
                      C: int) -> tuple[np.ndarray, list[int]]:
     """FlexMoE's layout (module docstring) over all W ranks with C slots each, placed from the loads of the
     steps before: returns the [src, dst] rows of the current step and the copies of each expert."""
     from moepass.runtime.placement import place, proportional_replicas  # moepass's package imports cost_model.search
 
     W, E = counts_WE.shape
-    seen_E = [int(x) for x in fsep_formulas.integer_rows(history_HWE.sum(axis=0)).sum(axis=0)]
+    seen_E = [int(x) for x in fsep_formulas.integer_rows(history_aWE.sum(axis=0)).sum(axis=0)]
     copies_E = proportional_replicas(seen_E, W * C, 1)
     slot_expert = np.asarray(place(copies_E, seen_E, W, C, ranks_per_node))
-    hosts_ER = np.zeros((E, W))
-    np.add.at(hosts_ER, (slot_expert, np.arange(W * C) // C), 1.0)  # copies of expert e on device r
-    rows_SR = (counts_WE / np.asarray(copies_E, dtype=float)) @ hosts_ER
-    return rows_SR, copies_E
+    hosts_EP = np.zeros((E, W))
+    np.add.at(hosts_EP, (slot_expert, np.arange(W * C) // C), 1.0)  # copies of expert e on device r
+    rows_PP = (counts_WE / np.asarray(copies_E, dtype=float)) @ hosts_EP
+    return rows_PP, copies_E
 
 
 def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], notes: list[str],
@@ -363,13 +363,13 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
         "locmoe" if plan.router == "locmoe" else "switch", placement)
     capacity = locality.capacity_rows(case.tokens, case.E, system.get("capacity_factor"),
                                       float(system.get("delta", 0.0)), case.D)
-    counts_SE = locality.routing_counts(placement, case.tokens, lam)
+    counts_PE = locality.routing_counts(placement, case.tokens, lam)
     if plan.router != "hash":  # the learned routers' measured skew over the experts, on top of their node split
         skew = ctx.trace(plan.router).current
         mean = skew.mean(axis=1, keepdims=True)
-        counts_SE = counts_SE * (skew / mean)
-        counts_SE = counts_SE * (case.tokens / counts_SE.sum(axis=1, keepdims=True))
-    rows_SR = locality.rows_matrix(placement, counts_SE, capacity)
+        counts_PE = counts_PE * (skew / mean)
+        counts_PE = counts_PE * (case.tokens / counts_PE.sum(axis=1, keepdims=True))
+    rows_PP = locality.rows_matrix(placement, counts_PE, capacity)
     text = (f"locality set-up: each of the E experts on one home node, tokens exchanged over all W ranks "
             f"(cost_model.locality.Placement; the set-up's expert/model parallel degrees not modelled); LocMoE's "
             f"locality ratio 1 - {locality.MEASURED_INTER_FACTOR} x (1 - k/E) (our measured inter-node factor, "
@@ -380,26 +380,26 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
     expert = float(fsep_formulas.expert_elements(case.D, case.F, m)) * placement.rank_experts
     replicas = len(placement.hosts(0))
     grads = ExpertGrads(expert * v["b_g"], replicas, v["B_intra"])  # replicas share a node
-    dispatch = ep_formulas.exact_a2a(rows_SR, case.D, int(v["b"]), case.per_node)
+    dispatch = ep_formulas.exact_a2a(rows_PP, case.D, int(v["b"]), case.per_node)
     per_step = 2 * case.layers
-    inter_R = per_step * (dispatch.sent_inter + dispatch.recv_inter)
-    intra_R = per_step * (dispatch.sent_intra + dispatch.recv_intra)
-    extra = {"locality_ratio": lam, "inter_node_bytes": float(inter_R.mean()),
-             "intra_node_bytes": float(intra_R.mean())}
+    inter_W = per_step * (dispatch.sent_inter + dispatch.recv_inter)
+    intra_W = per_step * (dispatch.sent_intra + dispatch.recv_intra)
+    extra = {"locality_ratio": lam, "inter_node_bytes": float(inter_W.mean()),
+             "intra_node_bytes": float(intra_W.mean())}
     source = " (the set-up's)" if given is not None else ""
     line = (f"{case.label} {plan.system or plan.label} ({plan.router}): locality ratio {lam:.4g}{source}, per rank per "
-            f"step inter-node {inter_R.mean() / 1e9:.4g} GB, intra-node {intra_R.mean() / 1e9:.4g} GB")
+            f"step inter-node {inter_W.mean() / 1e9:.4g} GB, intra-node {intra_W.mean() / 1e9:.4g} GB")
     if placement.nodes_gt_experts:
         expertless = case.per_node * next(n for n in range(case.nodes) if not placement.local_experts(n))
-        extra["inter_node_bytes_expertless"] = float(inter_R[expertless])
-        line += f" (a rank of an expert-less node: {inter_R[expertless] / 1e9:.4g} GB, whatever the router)"
+        extra["inter_node_bytes_expertless"] = float(inter_W[expertless])
+        line += f" (a rank of an expert-less node: {inter_W[expertless] / 1e9:.4g} GB, whatever the router)"
         notes.append(f"{case.label}: {case.nodes} nodes > {case.E} experts: {case.nodes - case.E} nodes hold no "
                      f"local expert, every token of theirs crosses nodes (locality pays only on the experts' nodes)")
     notes.append(line)
     details.update({"router": plan.router, "a2a": f"W={placement.ranks}", "experts/node": placement.node_experts,
                     "replicas": replicas, "cap": capacity if capacity is not None else "none",
                     "extra_breakdown": extra})
-    rows_max = float(rows_SR.sum(axis=0).max())
+    rows_max = float(rows_PP.sum(axis=0).max())
 
     def memory_of(sharded: bool, recompute: bool) -> dict[str, float]:
         return memory_breakdown(case, v, expert_params=case.layers * expert, expert_dp=replicas * case.nodes
@@ -407,7 +407,7 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
                                 case.layers, dense_dp=ctx.W, rows_max=rows_max, sharded_optimizer=sharded,
                                 recompute=recompute)
 
-    return Layout(rows_SR, expert_grads=grads, router_fwd=router_fwd, split_exchange=capacity is None), memory_of
+    return Layout(rows_PP, expert_grads=grads, router_fwd=router_fwd, split_exchange=capacity is None), memory_of
 
 
 def _price_hp(plan: StepPlan, ctx: CaseContext) -> Priced:

@@ -46,6 +46,14 @@ done when the block returns on CPU), so `measured` has fwd_s and bwd_s beside st
 the same way (the forward: its expert GEMMs, a third of the host terms and of the other compute, half of the
 exchanges); `rel_error_fwd` / `rel_error_bwd` say which phase a config's error is in.
 
+In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
+CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate
+has read 14 to 54 GFLOP/s per rank here, 93-108 alone). So beside each config in each round both ranks time
+the calibration's own probe, the 256^3 fp32 matmul (`PROBE_N`), and `predicted_at_run_share` re-prices the
+config with the calibrated FLOP/s times, and the host terms over, share = calibrated probe time / in-run probe
+time (`at_share`; the all-to-all figures as calibrated). The share is measured, never fitted to the steps;
+`by_form_at_run_share` summarises it beside `by_form` (the calibration as it is).
+
 Chunked all-to-all (a2a_chunks > 1) is not measured here: moepass pipelines only the forward, so
 `ep_layer`'s pipelined backward would not describe what runs.
 
@@ -79,6 +87,7 @@ from cost_model.presets import Hardware, this_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROFILE = RESULTS / "cost_profile.json"
+PROBE_N, PROBE_REPS, PROBE_INNER = 256, 10, 5  # the in-run CPU-share probe: the calibration's 256^3 matmul
 W = 2
 BYTES = 4  # fp32
 
@@ -225,8 +234,16 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
             routing.append(gathered)
         samples: list[list[float]] = [[] for _ in configs]
         fwd_samples: list[list[float]] = [[] for _ in configs]
+        probes: list[list[float]] = [[] for _ in configs]
+        a, b = torch.randn(PROBE_N, PROBE_N), torch.randn(PROBE_N, PROBE_N)
         for _ in range(rounds):
             for i, (layer, x) in enumerate(zip(layers, inputs)):
+                for _ in range(PROBE_REPS):  # the calibration's square matmul, both ranks at once, beside the config
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(PROBE_INNER):
+                        torch.mm(a, b)
+                    probes[i].append((time.perf_counter() - t0) / PROBE_INNER)
                 times, fwd_times = [], []
                 for j in range(steps + 1):
                     for p in layer.parameters():
@@ -244,9 +261,11 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
                 samples[i] += slowest[0].tolist()
                 fwd_samples[i] += slowest[1].tolist()
+        slow = torch.tensor(probes, dtype=torch.float64)
+        dist.all_reduce(slow, op=dist.ReduceOp.MAX)
         if rank == 0:
-            results.put([{"samples_s": s, "fwd_samples_s": f, "stats": r}
-                         for s, f, r in zip(samples, fwd_samples, routing)])
+            results.put([{"samples_s": s, "fwd_samples_s": f, "stats": r, "probe_s": p}
+                         for s, f, r, p in zip(samples, fwd_samples, routing, slow.tolist())])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -258,6 +277,23 @@ def measure(configs: tuple[Config, ...], rounds: int = 3, steps: int = 3, timeou
 
     (out,) = spawn_ranks(_worker, (configs, rounds, steps), 1, "measurement", timeout_s, world=W)
     return out
+
+
+def cpu_share(profile: dict, probe_s: list[float]) -> float | None:
+    """The calibration's 256^3 concurrent matmul time over the same matmul's median in the measurement rounds
+    (< 1: the ranks got less of the shared cores while measuring than while calibrating), or None when the
+    profile lacks it."""
+    cal = [m["seconds"] for m in (profile.get("samples") or {}).get("matmul", []) if m.get("n") == PROBE_N]
+    return cal[0] / float(np.median(probe_s)) if cal and probe_s else None
+
+
+def at_share(hw: Hardware, share: float) -> Hardware:
+    """The calibrated profile with its CPU-bound figures (the matmul FLOP/s and the host terms) at `share` of the
+    CPU the calibration had; the all-to-all figures as calibrated."""
+    return hw.with_figures(f"calibration x in-run CPU share {share:.3f}", flops=float(hw.flops) * share,
+                           layer_overhead=float(hw.layer_overhead) / share,
+                           expert_overhead=float(hw.expert_overhead) / share,
+                           row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share)
 
 
 def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
@@ -395,8 +431,12 @@ def main(argv: list[str] | None = None) -> int:
             if calibrate.main(["--out", str(path), "--no-progress"]) == 0:
                 after = {"hw": this_machine(path), "profile": json.loads(path.read_text()),
                          "load_average": list(os.getloadavg())}
+    profile = json.loads(args.profile.read_text())
+    shares = [cpu_share(profile, m.get("probe_s", [])) for m in measured]
+    share_run = float(np.median([x for x in shares if x])) if any(shares) else None
     rows = []
-    for c, m in zip(configs, measured):
+    for c, m, share_c in zip(configs, measured, shares):
+        hw_run = at_share(hw, share_c) if share_c else None
         if c.form == "hp":  # equal exchanges: every rank computes T*H*K rows whatever the routing
             factor, share, sent = 1.0, None, []
         else:
@@ -421,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
             "rel_error_fwd": (pred["fwd_s"] - fwd) / fwd,
             "rel_error_bwd": (pred["bwd_s"] - (meas - fwd)) / (meas - fwd),
         })
+        if hw_run is not None:
+            run = predict(c, hw_run, factor, share)
+            rows[-1].update(cpu_share=share_c, predicted_at_run_share=run,
+                            rel_error_at_run_share=(run["step_s"] - meas) / meas)
         if after is not None:
             rows[-1]["predicted_after"] = predict(c, after["hw"], factor, share)
     pred_s = [r["predicted"]["step_s"] for r in rows]
@@ -429,12 +473,17 @@ def main(argv: list[str] | None = None) -> int:
     med = float(np.median([abs(r["rel_error"]) for r in rows]))
     med_uniform = float(np.median([abs(r["predicted_uniform"]["step_s"] - r["measured"]["step_s"])
                                    / r["measured"]["step_s"] for r in rows]))
-    by_form = {}
-    for form in dict.fromkeys(r["config"]["form"] for r in rows):
-        errs = [abs(r["rel_error"]) for r in rows if r["config"]["form"] == form]
-        by_form[form] = {"configs": len(errs), "median_abs_rel_error": float(np.median(errs)),
-                         "worst_abs_rel_error": max(errs), "within_15pct": sum(e <= 0.15 for e in errs)}
-    profile = json.loads(args.profile.read_text())
+    def by_form_of(key: str) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for form in dict.fromkeys(r["config"]["form"] for r in rows):
+            errs = [abs(r[key]) for r in rows if r["config"]["form"] == form and key in r]
+            if errs:
+                out[form] = {"configs": len(errs), "median_abs_rel_error": float(np.median(errs)),
+                             "worst_abs_rel_error": max(errs), "within_15pct": sum(e <= 0.15 for e in errs)}
+        return out
+
+    by_form = by_form_of("rel_error")
+    by_form_run = by_form_of("rel_error_at_run_share")
     out = {
         "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
         "profile_created": profile.get("created"),
@@ -447,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         "spearman": rho, "median_abs_rel_error": med, "median_abs_rel_error_uniform_routing": med_uniform,
         "measured_spread": max(meas_s) / min(meas_s),
         "by_form": by_form,
+        "cpu_share_in_run": share_run,
+        "by_form_at_run_share": by_form_run,
         "configs": rows,
     }
     if after is not None:
@@ -476,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     for form, f in by_form.items():
         print(f"{form}: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
               f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
+    if share_run is not None:
+        print(f"in-run CPU share (calibration's 256^3 matmul time / the same beside each config), median over the "
+              f"configs: {share_run:.3f}")
+        for form, f in by_form_run.items():
+            print(f"{form} at the in-run share: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
+                  f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
     if "calibration_after" in out:
         a = out["calibration_after"]
         print(f"calibration re-run after the measurement (load {a['load_average'][0]:.2f}): Spearman "

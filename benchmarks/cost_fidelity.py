@@ -1,7 +1,7 @@
-"""Cost-model fidelity: predicted vs measured EP and FSEP layer time on this machine (W=2, gloo).
+"""Cost-model fidelity: predicted vs measured EP, FSEP, HP and locality layer time on this machine (W=2, gloo).
 
     python -m cost_model.calibrate --out benchmarks/results/cost_profile.json   # the figures, same conditions
-    python benchmarks/cost_fidelity.py                                          # 12 configs, ~1 min
+    python benchmarks/cost_fidelity.py                                          # 22 configs, ~3 min
 
 or both in one go, the calibration immediately before the measurement, after waiting (polling every
 60 s, up to 45 min) for the 1-minute load average to fall below 2.5 on these shared cores:
@@ -38,8 +38,8 @@ Locality (`--forms locality`): top-1 configs compiled with `Plan(form="locality"
 all-to-all's), predicted by `ep_layer` as a capacity form with the kept fraction read from the counters.
 Lina's schedule is not measured here: a bare layer at ep = W = 2 has no expert gradient all-reduce for the
 scheduler to order (benchmarks/schedule.py measures it on a model).
-Results per form go to `by_form` (median and worst |rel err|, how many within 15 %); other --forms write
-cost_fidelity_<forms>.json.
+Results per form go to `by_form` (median and worst |rel err|, how many within 15 %); every form by default
+(benchmarks/results/cost_fidelity.json), a subset with --forms writes cost_fidelity_<forms>.json.
 
 Per phase: each timed step also records its forward alone (the forward's ops, gloo's exchanges included, are
 done when the block returns on CPU), so `measured` has fwd_s and bwd_s beside step_s, and `predicted` splits
@@ -87,6 +87,7 @@ from cost_model.presets import Hardware, this_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROFILE = RESULTS / "cost_profile.json"
+ALL_FORMS = "ep,fsep,hp,locality"
 PROBE_N, PROBE_REPS, PROBE_INNER = 256, 10, 5  # the in-run CPU-share probe: the calibration's 256^3 matmul
 W = 2
 BYTES = 4  # fp32
@@ -161,7 +162,7 @@ def hp_shape(cfg: Config) -> object:
 
 
 def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: float | None = None) -> dict[str, float]:
-    """Cost-model step time (s) of one EP or FSEP layer fwd+bwd and its terms; `factor`: rho (dropless) or the
+    """Cost-model step time (s) of one EP, FSEP, HP or locality layer fwd+bwd and its terms; `factor`: rho (dropless) or the
     kept fraction c_f (capacity) of the busiest rank, None for uniform routing; `a2a_share` (FSEP): the rows the
     busiest rank sends or receives off-rank over T*K (None: 1/2, uniform)."""
     dropless = cfg.capacity is None
@@ -348,7 +349,8 @@ def plot(rows: list[dict], path: Path, rho: float, med: float) -> None:
     ticks = [t for t in (20, 30, 50, 70, 100, 150, 200, 300, 500) if lo <= t <= hi]
     ax.set_xticks(ticks)
     ax.set_yticks(ticks)
-    ax.set_title(f"EP layer fwd+bwd, W=2 gloo, {len(rows)} configs (numbered as in the JSON)\n"
+    ax.set_title(f"MoE layer fwd+bwd (EP, FSEP, HP, locality), W=2 gloo, {len(rows)} configs (numbered as in "
+                 f"the JSON)\n"
                  f"Spearman {rho:.2f}, median |rel err| {100 * med:.0f}%", fontsize=8)
     ax.set_xlabel("predicted ms / step (cost model, calibrated profile)")
     ax.set_ylabel("measured ms / step (median)")
@@ -369,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", type=int, default=None, help="the first N configurations (development)")
-    parser.add_argument("--forms", default="ep", help="comma-separated forms to measure: ep, fsep (default ep)")
+    parser.add_argument("--forms", default=ALL_FORMS,
+                        help=f"comma-separated forms to measure: a subset of {ALL_FORMS} (default: all of them)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON (default benchmarks/results/cost_fidelity.json; cost_fidelity_<forms>.json for "
                              "other --forms)")
@@ -383,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None:
         tag = "_".join(sorted(set(args.forms.split(","))))
-        args.out = RESULTS / ("cost_fidelity.json" if tag == "ep" else f"cost_fidelity_{tag}.json")
+        default = "_".join(sorted(ALL_FORMS.split(",")))
+        args.out = RESULTS / ("cost_fidelity.json" if tag == default else f"cost_fidelity_{tag}.json")
     if args.plot_only:
         saved = json.loads(args.out.read_text())
         plot(saved["configs"], args.out.with_suffix(".png"), saved["spearman"], saved["median_abs_rel_error"])

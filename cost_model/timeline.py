@@ -182,15 +182,33 @@ class Timeline:
         return sum(op.busy for op in self.ops if op.stream == stream)
 
     def breakdown(self) -> dict[str, float]:
-        """compute (busy), exposed a2a (compute idle before its last op), exposed other comm (the tail)."""
-        compute = [op for op in self.ops if op.stream == "compute"]
-        last_compute = max((op.end for op in compute), default=0.0)
-        busy = sum(op.work for op in compute)
+        """compute (busy), exposed a2a (compute idle before its last op), exposed other comm (the tail). One
+        pass over the ops, each stream's sums in issue order."""
+        step = last_compute = float("-inf")
+        busy = a2a_busy = other_busy = 0.0
+        wait = float("-inf")
+        for op in self.ops:
+            end = op.end
+            if end > step:
+                step = end
+            stream = op.stream
+            if stream == "compute":
+                busy += op.work
+                if end > last_compute:
+                    last_compute = end
+            elif stream == "a2a":
+                a2a_busy += op.busy
+                if op.start - op.ready > wait:
+                    wait = op.start - op.ready
+            else:
+                other_busy += op.busy
+        step = 0.0 if step == float("-inf") else step
+        last_compute = 0.0 if last_compute == float("-inf") else last_compute
         return {
             "compute": busy,
             "exposed_a2a": last_compute - busy,
-            "exposed_other": self.step - last_compute,
-            "a2a_busy": self.busy("a2a"),
-            "other_busy": self.busy("other"),
-            "max_a2a_wait": max((op.start - op.ready for op in self.ops if op.stream == "a2a"), default=0.0),
+            "exposed_other": step - last_compute,
+            "a2a_busy": a2a_busy,
+            "other_busy": other_busy,
+            "max_a2a_wait": 0.0 if wait == float("-inf") else wait,
         }

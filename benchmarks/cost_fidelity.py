@@ -193,7 +193,8 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
     fwd = fwd_gemm + float(t.compute - (3 + float(x.get("r_c", 0)) * 2 / 3) * fwd_gemm) / 3 + float(t.host) / 3 \
         + float(t.a2a_exposed) / 2
     return {"step_s": float(t.step), "fwd_s": fwd, "bwd_s": float(t.step) - fwd, "compute_s": float(t.compute),
-            "a2a_s": float(t.a2a_exposed), "host_s": float(t.host), "dispatch_bytes": float(t.a2a_bytes),
+            "a2a_s": float(t.a2a_exposed), "host_s": float(t.host), "other_s": float(t.other_comm),
+            "dispatch_bytes": float(t.a2a_bytes),
             "factor": float(factor), "gemm_flops": float(x["R"])}
 
 

@@ -1,7 +1,7 @@
-"""Cost-model fidelity: predicted vs measured EP and FSEP layer time on this machine (W=2, gloo).
+"""Cost-model fidelity: predicted vs measured EP, FSEP, HP and locality layer time on this machine (W=2, gloo).
 
     python -m cost_model.calibrate --out benchmarks/results/cost_profile.json   # the figures, same conditions
-    python benchmarks/cost_fidelity.py                                          # 12 configs, ~1 min
+    python benchmarks/cost_fidelity.py                                          # 22 configs, ~3 min
 
 or both in one go, the calibration immediately before the measurement, after waiting (polling every
 60 s, up to 45 min) for the 1-minute load average to fall below 2.5 on these shared cores:
@@ -30,9 +30,29 @@ formula with rho = 1 (dropless) and c_f = the capacity factor. No figure is fitt
 FSEP (`--forms fsep`, or `ep,fsep`): the same block compiled with `Plan(form="fsep", slots_per_device=C)`, predicted
 by `cost_model.fsep.fsep_layer` (one block: the gradient slices waited at once) with rho the busiest rank's rows
 and the off-rank rows it sends or receives (both over T*K) read from the same untimed step's counters; the
-restore and the gradient slices are priced at the calibrated all-to-all figures. Results per form go to
-`by_form` (median and worst |rel err|, how many within 15 %); other --forms write cost_fidelity_<forms>.json.
-Locality routing is not measured here.
+restore and the gradient slices are priced at the calibrated all-to-all figures.
+HP (`--forms hp`): the block converted by `Plan(form="hp")` to a Multi-Head LatentMoE of equal active parameters
+(`moepass.rewrite.latent.latent_shape`), predicted by `cost_model.hp.hp_layer` (equal exchanges: no routing factor).
+Locality (`--forms locality`): top-1 configs compiled with `Plan(form="locality", gate="learned", mu=...)` on
+`Topology(2, 1)` (the two ranks as two one-rank nodes; loopback, so the inter-node figure is the calibrated
+all-to-all's), predicted by `ep_layer` as a capacity form with the kept fraction read from the counters.
+Lina's schedule is not measured here: a bare layer at ep = W = 2 has no expert gradient all-reduce for the
+scheduler to order (benchmarks/schedule.py measures it on a model).
+Results per form go to `by_form` (median and worst |rel err|, how many within 15 %); every form by default
+(benchmarks/results/cost_fidelity.json), a subset with --forms writes cost_fidelity_<forms>.json.
+
+Per phase: each timed step also records its forward alone (the forward's ops, gloo's exchanges included, are
+done when the block returns on CPU), so `measured` has fwd_s and bwd_s beside step_s, and `predicted` splits
+the same way (the forward: its expert GEMMs, a third of the host terms and of the other compute, half of the
+exchanges); `rel_error_fwd` / `rel_error_bwd` say which phase a config's error is in.
+
+In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
+CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate
+has read 14 to 54 GFLOP/s per rank here, 93-108 alone). So beside each config in each round both ranks time
+the calibration's own probe, the 256^3 fp32 matmul (`PROBE_N`), and `predicted_at_run_share` re-prices the
+config with the calibrated FLOP/s times, and the host terms over, share = calibrated probe time / in-run probe
+time (`at_share`; the all-to-all figures as calibrated). The share is measured, never fitted to the steps;
+`by_form_at_run_share` summarises it beside `by_form` (the calibration as it is).
 
 Chunked all-to-all (a2a_chunks > 1) is not measured here: moepass pipelines only the forward, so
 `ep_layer`'s pipelined backward would not describe what runs.
@@ -52,6 +72,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -61,10 +82,13 @@ if str(ROOT) not in sys.path:
 
 from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_formulas  # noqa: E402
+from cost_model import hp as hp_formulas  # noqa: E402
 from cost_model.presets import Hardware, this_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROFILE = RESULTS / "cost_profile.json"
+ALL_FORMS = "ep,fsep,hp,locality"
+PROBE_N, PROBE_REPS, PROBE_INNER = 256, 10, 5  # the in-run CPU-share probe: the calibration's 256^3 matmul
 W = 2
 BYTES = 4  # fp32
 
@@ -77,7 +101,7 @@ class Config:
     E: int
     K: int
     capacity: float | None = None  # Plan.capacity_factor (None: dropless)
-    form: str = "ep"  # "ep" or "fsep"
+    form: str = "ep"  # "ep", "fsep", "hp" or "locality"
     slots: int | None = None  # FSEP: Plan.slots_per_device (C)
 
 
@@ -107,8 +131,38 @@ FSEP_CONFIGS = (
 )
 
 
+# HP over the same W=2 ranks (`--forms hp`): the block converted to a Multi-Head LatentMoE of equal active
+# parameters (`moepass.rewrite.latent.latent_shape`), heads sharded over the ranks, equal exchanges
+HP_CONFIGS = (
+    Config(1024, 128, 256, 8, 2, form="hp"),
+    Config(2048, 128, 256, 8, 2, form="hp"),
+    Config(1024, 256, 448, 8, 2, form="hp"),
+)
+
+# Locality routing over the same W=2 ranks as two one-rank nodes (`--forms locality`): top-1 with the block's
+# own (learned) gate, the locality loss on (mu), the experts EP-style (E/2 per node), LocMoE's capacity rule
+LOCALITY_CONFIGS = (
+    Config(2048, 128, 256, 8, 1, form="locality"),
+    Config(4096, 128, 256, 8, 1, form="locality"),
+    Config(2048, 192, 384, 16, 1, form="locality"),
+)
+LOCALITY_MU = 0.01
+
+
+def hp_shape(cfg: Config) -> object:
+    """The Multi-Head LatentMoE `moepass.compile` makes of the config's block under Plan(form="hp")."""
+    import moepass
+    from moepass.rewrite.latent import latent_shape
+    from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
+
+    spec = MoESpec(path="block", recogniser="fidelity", router=RouterSpec(num_experts=cfg.E, top_k=cfg.K),
+                   experts=ExpertsSpec(num_experts=cfg.E, hidden_dim=cfg.D, ffn_dim=cfg.F, activation="swiglu",
+                                       w_up=TensorSource.param("experts.w_up")))
+    return latent_shape(spec, moepass.Plan(form="hp", topology=moepass.Topology(1, W)), W)
+
+
 def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: float | None = None) -> dict[str, float]:
-    """Cost-model step time (s) of one EP or FSEP layer fwd+bwd and its terms; `factor`: rho (dropless) or the
+    """Cost-model step time (s) of one EP, FSEP, HP or locality layer fwd+bwd and its terms; `factor`: rho (dropless) or the
     kept fraction c_f (capacity) of the busiest rank, None for uniform routing; `a2a_share` (FSEP): the rows the
     busiest rank sends or receives off-rank over T*K (None: 1/2, uniform)."""
     dropless = cfg.capacity is None
@@ -118,14 +172,30 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
     x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
          "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
          "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0}
-    if cfg.form == "fsep":  # one block: its gradient slices waited at once (not deferred)
+    if cfg.form == "hp":  # equal exchanges: the routing does not move a rank's rows (cost_model.hp)
+        shape: Any = hp_shape(cfg)
+        x.update(H=shape.heads, h=shape.head_dim, E=shape.experts, K=shape.top_k, F=shape.ffn_dim,
+                 R=hw.gemm_rate(shape.head_dim, cfg.tokens * shape.heads * shape.top_k / shape.experts), rho=1.0)
+        t = hp_formulas.hp_layer(x, ep=W, dp=1, cross_node=False)
+        fwd_gemm = 2 * cfg.tokens * shape.heads * shape.top_k * shape.head_dim * shape.ffn_dim * 3 / x["R"]
+    elif cfg.form == "fsep":  # one block: its gradient slices waited at once (not deferred)
         share = 0.5 if a2a_share is None else a2a_share
         t = fsep_formulas.fsep_layer(x, W=W, C=int(cfg.slots or 1), n=1, rho=factor, a2a_rows=(share, 0.0))
     else:
+        if cfg.form == "locality":  # a capacity form (the kept rows read from the counters), one rank per node
+            x.update(G=1, rho=1.0, c_f=factor)
+            dropless = False
         t = cm.ep_layer(x, ep=W, n=1, dp=1, dropless=dropless, cross_node_dp=False)
-    return {"step_s": float(t.step), "compute_s": float(t.compute), "a2a_s": float(t.a2a_exposed),
-            "host_s": float(t.host), "dispatch_bytes": float(t.a2a_bytes), "factor": float(factor),
-            "gemm_flops": float(x["R"])}
+    if cfg.form != "hp":  # the forward's expert GEMMs on the busiest rank's rows
+        fwd_gemm = float(cm.expert_flops(cfg.tokens * cfg.K * factor, cfg.D, cfg.F, 3)) / float(x["R"])
+    # the forward phase: its GEMMs (a third of the fwd + bwd FLOPs besides the recompute), a third of the host
+    # work, half of the exchanges (dispatch + combine of four); the backward phase the rest
+    fwd = fwd_gemm + float(t.compute - (3 + float(x.get("r_c", 0)) * 2 / 3) * fwd_gemm) / 3 + float(t.host) / 3 \
+        + float(t.a2a_exposed) / 2
+    return {"step_s": float(t.step), "fwd_s": fwd, "bwd_s": float(t.step) - fwd, "compute_s": float(t.compute),
+            "a2a_s": float(t.a2a_exposed), "host_s": float(t.host), "other_s": float(t.other_comm),
+            "dispatch_bytes": float(t.a2a_bytes),
+            "factor": float(factor), "gemm_flops": float(x["R"])}
 
 
 def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, steps: int, results, timeout_s: float):
@@ -145,6 +215,11 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
             if c.form == "fsep":
                 plan = moepass.Plan(form="fsep", topology=moepass.Topology(1, W), a2a_chunks=1,
                                     slots_per_device=c.slots)
+            elif c.form == "hp":
+                plan = moepass.Plan(form="hp", topology=moepass.Topology(1, W))
+            elif c.form == "locality":
+                plan = moepass.Plan(form="locality", topology=moepass.Topology(W, 1), gate="learned",
+                                    mu=LOCALITY_MU, capacity_factor=c.capacity)
             else:
                 plan = moepass.Plan(form="ep", topology=moepass.Topology(1, W), a2a_chunks=1,
                                     capacity_factor=c.capacity)
@@ -160,23 +235,39 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
             inputs.append(x)
             routing.append(gathered)
         samples: list[list[float]] = [[] for _ in configs]
+        fwd_samples: list[list[float]] = [[] for _ in configs]
+        probes: list[list[float]] = [[] for _ in configs]
+        a, b = torch.randn(PROBE_N, PROBE_N), torch.randn(PROBE_N, PROBE_N)
         for _ in range(rounds):
             for i, (layer, x) in enumerate(zip(layers, inputs)):
-                times = []
+                for _ in range(PROBE_REPS):  # the calibration's square matmul, both ranks at once, beside the config
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(PROBE_INNER):
+                        torch.mm(a, b)
+                    probes[i].append((time.perf_counter() - t0) / PROBE_INNER)
+                times, fwd_times = [], []
                 for j in range(steps + 1):
                     for p in layer.parameters():
                         p.grad = None
                     x.grad = None
                     dist.barrier()
                     t0 = time.perf_counter()
-                    layer(x).sum().backward()
+                    loss = layer(x).sum()
+                    t1 = time.perf_counter()  # CPU: the forward's ops (gloo's exchanges included) are done
+                    loss.backward()
                     if j:  # one warm-up step per round
                         times.append(time.perf_counter() - t0)
-                slowest = torch.tensor(times, dtype=torch.float64)
+                        fwd_times.append(t1 - t0)
+                slowest = torch.tensor([times, fwd_times], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                samples[i] += slowest.tolist()
+                samples[i] += slowest[0].tolist()
+                fwd_samples[i] += slowest[1].tolist()
+        slow = torch.tensor(probes, dtype=torch.float64)
+        dist.all_reduce(slow, op=dist.ReduceOp.MAX)
         if rank == 0:
-            results.put([{"samples_s": s, "stats": r} for s, r in zip(samples, routing)])
+            results.put([{"samples_s": s, "fwd_samples_s": f, "stats": r, "probe_s": p}
+                         for s, f, r, p in zip(samples, fwd_samples, routing, slow.tolist())])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -190,8 +281,26 @@ def measure(configs: tuple[Config, ...], rounds: int = 3, steps: int = 3, timeou
     return out
 
 
+def cpu_share(profile: dict, probe_s: list[float]) -> float | None:
+    """The calibration's 256^3 concurrent matmul time over the same matmul's median in the measurement rounds
+    (< 1: the ranks got less of the shared cores while measuring than while calibrating), or None when the
+    profile lacks it."""
+    cal = [m["seconds"] for m in (profile.get("samples") or {}).get("matmul", []) if m.get("n") == PROBE_N]
+    return cal[0] / float(np.median(probe_s)) if cal and probe_s else None
+
+
+def at_share(hw: Hardware, share: float) -> Hardware:
+    """The calibrated profile with its CPU-bound figures (the matmul FLOP/s and the host terms) at `share` of the
+    CPU the calibration had; the all-to-all figures as calibrated."""
+    return hw.with_figures(f"calibration x in-run CPU share {share:.3f}", flops=float(hw.flops) * share,
+                           layer_overhead=float(hw.layer_overhead) / share,
+                           expert_overhead=float(hw.expert_overhead) / share,
+                           row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share)
+
+
 def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
-    """[src rank, dst rank] rows of the forward dispatch, from both ranks' counters (W=2: self and intra)."""
+    """[source rank, destination rank] rows of the forward dispatch, from both ranks' counters (W=2: self and
+    intra; the locality form's two one-rank nodes: self and inter)."""
     row = cfg.D * BYTES
     rows = np.zeros((W, W))
     for r, s in enumerate(stats):
@@ -241,7 +350,8 @@ def plot(rows: list[dict], path: Path, rho: float, med: float) -> None:
     ticks = [t for t in (20, 30, 50, 70, 100, 150, 200, 300, 500) if lo <= t <= hi]
     ax.set_xticks(ticks)
     ax.set_yticks(ticks)
-    ax.set_title(f"EP layer fwd+bwd, W=2 gloo, {len(rows)} configs (numbered as in the JSON)\n"
+    ax.set_title(f"MoE layer fwd+bwd (EP, FSEP, HP, locality), W=2 gloo, {len(rows)} configs (numbered as in "
+                 f"the JSON)\n"
                  f"Spearman {rho:.2f}, median |rel err| {100 * med:.0f}%", fontsize=8)
     ax.set_xlabel("predicted ms / step (cost model, calibrated profile)")
     ax.set_ylabel("measured ms / step (median)")
@@ -262,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", type=int, default=None, help="the first N configurations (development)")
-    parser.add_argument("--forms", default="ep", help="comma-separated forms to measure: ep, fsep (default ep)")
+    parser.add_argument("--forms", default=ALL_FORMS,
+                        help=f"comma-separated forms to measure: a subset of {ALL_FORMS} (default: all of them)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON (default benchmarks/results/cost_fidelity.json; cost_fidelity_<forms>.json for "
                              "other --forms)")
@@ -276,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None:
         tag = "_".join(sorted(set(args.forms.split(","))))
-        args.out = RESULTS / ("cost_fidelity.json" if tag == "ep" else f"cost_fidelity_{tag}.json")
+        default = "_".join(sorted(ALL_FORMS.split(",")))
+        args.out = RESULTS / ("cost_fidelity.json" if tag == default else f"cost_fidelity_{tag}.json")
     if args.plot_only:
         saved = json.loads(args.out.read_text())
         plot(saved["configs"], args.out.with_suffix(".png"), saved["spearman"], saved["median_abs_rel_error"])
@@ -298,9 +410,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     hw = this_machine(args.profile)
     forms = set(args.forms.split(","))
-    if forms - {"ep", "fsep"}:
-        parser.error(f"--forms {args.forms!r}: use ep, fsep or ep,fsep")
-    chosen = (CONFIGS if "ep" in forms else ()) + (FSEP_CONFIGS if "fsep" in forms else ())
+    if forms - {"ep", "fsep", "hp", "locality"}:
+        parser.error(f"--forms {args.forms!r}: use a comma-separated subset of ep, fsep, hp, locality")
+    chosen = ((CONFIGS if "ep" in forms else ()) + (FSEP_CONFIGS if "fsep" in forms else ())
+              + (HP_CONFIGS if "hp" in forms else ()) + (LOCALITY_CONFIGS if "locality" in forms else ()))
     configs = chosen[: args.only] if args.only else chosen
     if args.predict_only:
         for c in configs:
@@ -323,24 +436,40 @@ def main(argv: list[str] | None = None) -> int:
             if calibrate.main(["--out", str(path), "--no-progress"]) == 0:
                 after = {"hw": this_machine(path), "profile": json.loads(path.read_text()),
                          "load_average": list(os.getloadavg())}
+    profile = json.loads(args.profile.read_text())
+    shares = [cpu_share(profile, m.get("probe_s", [])) for m in measured]
+    share_run = float(np.median([x for x in shares if x])) if any(shares) else None
     rows = []
-    for c, m in zip(configs, measured):
-        rows_SR = routing_rows(c, m["stats"])
-        factor = float(rows_SR.sum(axis=0).max() / (c.tokens * c.K))
-        exact = cm.exact_a2a(rows_SR, c.D, BYTES, G=W)
-        off = rows_SR - np.diag(np.diag(rows_SR))
-        share = float(max(off.sum(axis=1).max(), off.sum(axis=0).max()) / (c.tokens * c.K))
+    for c, m, share_c in zip(configs, measured, shares):
+        hw_run = at_share(hw, share_c) if share_c else None
+        if c.form == "hp":  # equal exchanges: every rank computes T*H*K rows whatever the routing
+            factor, share, sent = 1.0, None, []
+        else:
+            rows_PP = routing_rows(c, m["stats"])
+            factor = float(rows_PP.sum(axis=0).max() / (c.tokens * c.K))
+            sent = cm.exact_a2a(rows_PP, c.D, BYTES, G=W).sent.tolist()
+            off = rows_PP - np.diag(np.diag(rows_PP))
+            share = float(max(off.sum(axis=1).max(), off.sum(axis=0).max()) / (c.tokens * c.K))
         pred = predict(c, hw, factor, share)
         meas = float(np.median(m["samples_s"]))
+        fwd = float(np.median(m["fwd_samples_s"]))
         rows.append({
             "config": asdict(c),
             "predicted": pred,
             "predicted_uniform": predict(c, hw),
-            "measured": {"step_s": meas, "samples_s": m["samples_s"],
-                         "dispatch_bytes": [s["dispatch"]["intra"] + s["dispatch"]["inter"] for s in m["stats"]]},
-            "exact_dispatch_bytes": exact.sent.tolist(),
+            "measured": {"step_s": meas, "samples_s": m["samples_s"], "fwd_s": fwd, "bwd_s": meas - fwd,
+                         "fwd_samples_s": m["fwd_samples_s"],
+                         "dispatch_bytes": [s["dispatch"]["intra"] + s["dispatch"]["inter"] for s in m["stats"]
+                                            if "dispatch" in s]},
+            "exact_dispatch_bytes": sent,
             "rel_error": (pred["step_s"] - meas) / meas,
+            "rel_error_fwd": (pred["fwd_s"] - fwd) / fwd,
+            "rel_error_bwd": (pred["bwd_s"] - (meas - fwd)) / (meas - fwd),
         })
+        if hw_run is not None:
+            run = predict(c, hw_run, factor, share)
+            rows[-1].update(cpu_share=share_c, predicted_at_run_share=run,
+                            rel_error_at_run_share=(run["step_s"] - meas) / meas)
         if after is not None:
             rows[-1]["predicted_after"] = predict(c, after["hw"], factor, share)
     pred_s = [r["predicted"]["step_s"] for r in rows]
@@ -349,12 +478,17 @@ def main(argv: list[str] | None = None) -> int:
     med = float(np.median([abs(r["rel_error"]) for r in rows]))
     med_uniform = float(np.median([abs(r["predicted_uniform"]["step_s"] - r["measured"]["step_s"])
                                    / r["measured"]["step_s"] for r in rows]))
-    by_form = {}
-    for form in dict.fromkeys(r["config"]["form"] for r in rows):
-        errs = [abs(r["rel_error"]) for r in rows if r["config"]["form"] == form]
-        by_form[form] = {"configs": len(errs), "median_abs_rel_error": float(np.median(errs)),
-                         "worst_abs_rel_error": max(errs), "within_15pct": sum(e <= 0.15 for e in errs)}
-    profile = json.loads(args.profile.read_text())
+    def by_form_of(key: str) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for form in dict.fromkeys(r["config"]["form"] for r in rows):
+            errs = [abs(r[key]) for r in rows if r["config"]["form"] == form and key in r]
+            if errs:
+                out[form] = {"configs": len(errs), "median_abs_rel_error": float(np.median(errs)),
+                             "worst_abs_rel_error": max(errs), "within_15pct": sum(e <= 0.15 for e in errs)}
+        return out
+
+    by_form = by_form_of("rel_error")
+    by_form_run = by_form_of("rel_error_at_run_share")
     out = {
         "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
         "profile_created": profile.get("created"),
@@ -367,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         "spearman": rho, "median_abs_rel_error": med, "median_abs_rel_error_uniform_routing": med_uniform,
         "measured_spread": max(meas_s) / min(meas_s),
         "by_form": by_form,
+        "cpu_share_in_run": share_run,
+        "by_form_at_run_share": by_form_run,
         "configs": rows,
     }
     if after is not None:
@@ -383,18 +519,25 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"), rho, med)
     print(f"{'form':>4} {'T':>5} {'D':>4} {'F':>4} {'E':>3} {'K':>2} {'cap':>5} {'factor':>6} {'pred ms':>8} "
-          f"{'meas ms':>8} {'err':>7}")
+          f"{'meas ms':>8} {'err':>7} {'fwd err':>7} {'bwd err':>7}")
     for r in rows:
         c = r["config"]
         print(f"{c['form'] + (str(c['slots']) if c['slots'] else ''):>4} {c['tokens']:>5} {c['D']:>4} {c['F']:>4} "
               f"{c['E']:>3} {c['K']:>2} {str(c['capacity']):>5} "
               f"{r['predicted']['factor']:>6.3f} {r['predicted']['step_s'] * 1e3:>8.2f} "
-              f"{r['measured']['step_s'] * 1e3:>8.2f} {100 * r['rel_error']:>+6.1f}%")
+              f"{r['measured']['step_s'] * 1e3:>8.2f} {100 * r['rel_error']:>+6.1f}% "
+              f"{100 * r['rel_error_fwd']:>+6.1f}% {100 * r['rel_error_bwd']:>+6.1f}%")
     print(f"Spearman = {rho:.3f}, median |rel err| = {100 * med:.1f}% (uniform routing: {100 * med_uniform:.1f}%), "
           f"measured spread {out['measured_spread']:.2f}x, load {load_before[0]:.2f} -> {load_after[0]:.2f}")
     for form, f in by_form.items():
         print(f"{form}: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
               f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
+    if share_run is not None:
+        print(f"in-run CPU share (calibration's 256^3 matmul time / the same beside each config), median over the "
+              f"configs: {share_run:.3f}")
+        for form, f in by_form_run.items():
+            print(f"{form} at the in-run share: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
+                  f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
     if "calibration_after" in out:
         a = out["calibration_after"]
         print(f"calibration re-run after the measurement (load {a['load_average'][0]:.2f}): Spearman "

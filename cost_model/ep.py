@@ -17,7 +17,7 @@ is T*K*phi: the formulas take it as the optional figure "phi" or in `factor`.
 EP groups are `ep` consecutive ranks (the innermost mesh dimension), nodes are `G` consecutive
 ranks, and experts are placed contiguously: expert e lives on rank e // (E/ep) of its group.
 
-Shape legend: S source ranks, R destination ranks, E experts (matrices are numpy arrays).
+Shape letters: `moepass.spec.SHAPES` (here P: ranks as sources and as destinations; numpy arrays).
 """
 
 from __future__ import annotations
@@ -348,13 +348,13 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
 # ---- exact counts from a routed-row matrix ----------------------------------------------------------
 
 
-def rank_rows(counts_SE: np.ndarray, ep: int) -> np.ndarray:
+def rank_rows(counts_PE: np.ndarray, ep: int) -> np.ndarray:
     """[src rank, expert] routed rows -> [src rank, dst rank] rows (experts contiguous per rank)."""
-    counts_SE = np.asarray(counts_SE)
-    S, E = counts_SE.shape
+    counts_PE = np.asarray(counts_PE)
+    S, E = counts_PE.shape
     if E % ep:
         raise ValueError(f"experts E={E} must be a multiple of ep={ep} to place them contiguously")
-    return counts_SE.reshape(S, ep, E // ep).sum(axis=2)
+    return counts_PE.reshape(S, ep, E // ep).sum(axis=2)
 
 
 @dataclass(frozen=True)
@@ -382,29 +382,29 @@ class ExactA2A:
         return ExactA2A(self.recv_intra, self.recv_inter, self.sent_intra, self.sent_inter, self.computed_rows)
 
 
-def exact_a2a(rows_SR: np.ndarray, D: int, b: int, G: int) -> ExactA2A:
+def exact_a2a(rows_PP: np.ndarray, D: int, b: int, G: int) -> ExactA2A:
     """Bytes of the dispatch for a [src rank, dst rank] routed-row matrix of one EP group."""
-    rows_SR = np.asarray(rows_SR, dtype=np.float64)
-    S, Rn = rows_SR.shape
+    rows_PP = np.asarray(rows_PP, dtype=np.float64)
+    S, Rn = rows_PP.shape
     if S != Rn:
-        raise ValueError(f"rows_SR must be square [src rank, dst rank], got {rows_SR.shape}")
+        raise ValueError(f"rows_PP must be square [src rank, dst rank], got {rows_PP.shape}")
     node = np.arange(S) // G
     same_node = node[:, None] == node[None, :]
     off_diag = ~np.eye(S, dtype=bool)
-    intra = np.where(same_node & off_diag, rows_SR, 0.0) * D * b
-    inter = np.where(~same_node, rows_SR, 0.0) * D * b
+    intra = np.where(same_node & off_diag, rows_PP, 0.0) * D * b
+    inter = np.where(~same_node, rows_PP, 0.0) * D * b
     return ExactA2A(
         sent_intra=intra.sum(axis=1),
         sent_inter=inter.sum(axis=1),
         recv_intra=intra.sum(axis=0),
         recv_inter=inter.sum(axis=0),
-        computed_rows=rows_SR.sum(axis=0),
+        computed_rows=rows_PP.sum(axis=0),
     )
 
 
-def imbalance(rows_SR: np.ndarray) -> float:
+def imbalance(rows_PP: np.ndarray) -> float:
     """max / mean rows computed per rank."""
-    computed = np.asarray(rows_SR, dtype=np.float64).sum(axis=0)
+    computed = np.asarray(rows_PP, dtype=np.float64).sum(axis=0)
     return float(computed.max() / computed.mean())
 
 

@@ -27,7 +27,8 @@ rows under it) and one FSEP layer's step terms in `cost_model.ep.LayerTerms` (`f
 (`cost_model.search`) prices FSEP with next to EP; the simulator (`cost_model.simulate`) lays the same
 routed rows and restores on its timeline.
 
-Shape legend: S source ranks, R destination devices (numpy arrays or torch tensors).
+Shape letters: `moepass.spec.SHAPES` (here P: ranks or devices, as sources and as destinations; numpy arrays or
+torch tensors).
 """
 
 from __future__ import annotations
@@ -70,18 +71,18 @@ def planner_cost(Q_intra, Q_inter, Q_max, bytes_per_token, time_per_token, B_int
     return A2A_PER_LAYER * comm + (FWD_BWD + recompute) * time_per_token * Q_max
 
 
-def link_rows(rows_SR: Any, ranks_per_node: int) -> tuple[int, int, int]:
+def link_rows(rows_PP: Any, ranks_per_node: int) -> tuple[int, int, int]:
     """(Q_intra, Q_inter, Q_max) of a [source rank, device] routed-row matrix, exact integers.
 
     Ranks are node-major (rank r on node r // ranks_per_node). Rows a source keeps on its own device
     cross no link and count in neither Q. A float matrix is summed in float64 and rounded.
     """
-    rows = np.asarray(rows_SR.cpu() if hasattr(rows_SR, "cpu") else rows_SR)
+    rows = np.asarray(rows_PP.cpu() if hasattr(rows_PP, "cpu") else rows_PP)
     if rows.ndim != 2 or rows.shape[0] != rows.shape[1]:
-        raise ValueError(f"rows_SR has shape {rows.shape}: expected [W, W] (source rank, device)")
+        raise ValueError(f"rows_PP has shape {rows.shape}: expected [W, W] (source rank, device)")
     W = rows.shape[0]
     if ranks_per_node < 1 or W % ranks_per_node:
-        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the {W} ranks of rows_SR")
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the {W} ranks of rows_PP")
     rows = rows.astype(np.int64) if np.issubdtype(rows.dtype, np.integer) else np.rint(rows.astype(np.float64))
     N, G = W // ranks_per_node, ranks_per_node
     total = rows.sum()
@@ -90,10 +91,10 @@ def link_rows(rows_SR: Any, ranks_per_node: int) -> tuple[int, int, int]:
     return int(on_node - own), int(total - on_node), int(rows.sum(axis=0).max())
 
 
-def rows_cost(rows_SR: Any, ranks_per_node: int, bytes_per_token: float, time_per_token: float, B_intra: float,
+def rows_cost(rows_PP: Any, ranks_per_node: int, bytes_per_token: float, time_per_token: float, B_intra: float,
               B_inter: float, *, recompute: float = 0.0) -> float:
     """The planner's cost (seconds) of a [source rank, device] routed-row matrix."""
-    q_intra, q_inter, q_max = link_rows(rows_SR, ranks_per_node)
+    q_intra, q_inter, q_max = link_rows(rows_PP, ranks_per_node)
     return float(planner_cost(q_intra, q_inter, q_max, bytes_per_token, time_per_token, B_intra, B_inter,
                               recompute=recompute))
 
@@ -145,14 +146,14 @@ def memory_per_rank(E, W, C, S_e, s, b, b_g, *, layers=1, prefetch=0, deferred_g
 # ---- the EP reference layout (for comparisons) -----------------------------------------------------------
 
 
-def ep_device_rows(counts_SE: Any, ep: int | None = None) -> np.ndarray:
+def ep_device_rows(counts_PE: Any, ep: int | None = None) -> np.ndarray:
     """[device] rows each rank computes under plain EP for [source rank, expert] counts.
 
     EP groups are `ep` consecutive ranks (data parallel over W/ep); device n computes experts
     [(n % ep) * E/ep, (n % ep + 1) * E/ep) for the sources of its group. `ep` defaults to the largest
     divisor of W that divides E (W itself when E is a multiple of W).
     """
-    counts = np.asarray(counts_SE.cpu() if hasattr(counts_SE, "cpu") else counts_SE)
+    counts = np.asarray(counts_PE.cpu() if hasattr(counts_PE, "cpu") else counts_PE)
     W, E = counts.shape
     if ep is None:
         ep = max(d for d in range(1, W + 1) if W % d == 0 and E % d == 0)
@@ -165,10 +166,10 @@ def ep_device_rows(counts_SE: Any, ep: int | None = None) -> np.ndarray:
 # ---- what the planner makes of a routing --------------------------------------------------------------
 
 
-def integer_rows(counts_SE: Any) -> np.ndarray:
+def integer_rows(counts_PE: Any) -> np.ndarray:
     """Counts rounded to integers per row by largest remainder (each row keeps its rounded total; ties: lower
     expert), for the planner and lite routing, which split whole tokens."""
-    counts = np.asarray(counts_SE, dtype=np.float64)
+    counts = np.asarray(counts_PE, dtype=np.float64)
     out = np.floor(counts)
     short = np.rint(counts.sum(axis=1) - out.sum(axis=1)).astype(np.int64)
     order = np.argsort(-(counts - out), axis=1, kind="stable")

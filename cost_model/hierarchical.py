@@ -14,7 +14,7 @@ messages (each aggregating r ranks' rows) instead of the flat P-r. Same conventi
 counters: bytes a rank sends, per link, rows x D x b; the combine is the same exchange of the transposed
 matrix; a backward stage sends what its forward stage received.
 
-Shape legend: S source ranks, R destination ranks (of one EP group), n nodes, r ranks per node.
+Shape letters: `moepass.spec.SHAPES` (here `rows_PP`: rows each source rank of one EP group sends each destination rank).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def hierarchical_time(intra_bytes, inter_bytes, B_intra, B_inter, alpha):
 
 @dataclass(frozen=True)
 class ExactHierarchical:
-    """Per-rank bytes of one direction (the dispatch; the combine is `exact_hierarchical(rows_SR.T, ...)`).
+    """Per-rank bytes of one direction (the dispatch; the combine is `exact_hierarchical(rows_PP.T, ...)`).
 
     `sent_*`: what each rank sends in that stage (intra / inter across links, self kept home); `recv_*` what
     it receives across links, i.e. what it sends in that stage's backward."""
@@ -68,14 +68,14 @@ class ExactHierarchical:
         return float(stage1 + stage2)
 
 
-def exact_hierarchical(rows_SR: np.ndarray, D: int, b: int, nodes: int, ranks_per_node: int) -> ExactHierarchical:
+def exact_hierarchical(rows_PP: np.ndarray, D: int, b: int, nodes: int, ranks_per_node: int) -> ExactHierarchical:
     """Bytes of each stage of the hierarchical dispatch for a [src rank, dst rank] routed-row matrix of one
     EP group (`cost_model.ep.rank_rows`), by link."""
-    rows_SR = np.asarray(rows_SR, dtype=np.float64)
+    rows_PP = np.asarray(rows_PP, dtype=np.float64)
     n, r = nodes, ranks_per_node
-    if rows_SR.shape != (n * r, n * r):
-        raise ValueError(f"rows_SR must be [P, P] with P = nodes*ranks_per_node = {n * r}, got {rows_SR.shape}")
-    rows_aibj = rows_SR.reshape(n, r, n, r) * D * b  # [src node, src local, dst node, dst local]
+    if rows_PP.shape != (n * r, n * r):
+        raise ValueError(f"rows_PP must be [P, P] with P = nodes*ranks_per_node = {n * r}, got {rows_PP.shape}")
+    rows_aibj = rows_PP.reshape(n, r, n, r) * D * b  # [src node, src local, dst node, dst local]
     to_local_aij = rows_aibj.sum(axis=2)  # stage 1: (a, i) -> (a, j), summed over destination nodes
     own = np.eye(r, dtype=bool)
     via_ajb = rows_aibj.sum(axis=1).transpose(0, 2, 1)  # stage 2: (a, j) -> (b, j), summed over sources i

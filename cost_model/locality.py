@@ -52,7 +52,7 @@ expert's node (k = h = 1) receives inter = [(E - 1)*min(T*(1 - lam)/(E - 1), C) 
 and an expert-less rank nothing. With capacity the bytes are bounded by C rows per (source rank, expert);
 the floor of Theorem 1 sets C's minimum (`expert_capacity`).
 
-Shape legend: W ranks (S source, R destination), E experts.
+Shape letters: `moepass.spec.SHAPES` (here P: the W ranks, as sources and as destinations).
 """
 
 from __future__ import annotations
@@ -244,27 +244,27 @@ def routing_counts(placement: Placement, T: float, lam: float) -> np.ndarray:
     E, G = placement.experts, placement.per_node
     if not 0.0 <= lam <= 1.0 or (placement.node_experts == E and lam != 1.0):
         raise ValueError(f"locality ratio lam={lam} must be in [0, 1] (1 when one node holds all {E} experts)")
-    counts_SE = np.zeros((placement.ranks, E))
+    counts_PE = np.zeros((placement.ranks, E))
     for node in range(placement.nodes):
         local = placement.local_experts(node)
         probs_E = np.full(E, 1.0 / E)
         if local:
             probs_E[:] = (1.0 - lam) / (E - len(local)) if E > len(local) else 0.0
             probs_E[local] = lam / len(local)
-        counts_SE[node * G:(node + 1) * G] = T * probs_E
-    return counts_SE
+        counts_PE[node * G:(node + 1) * G] = T * probs_E
+    return counts_PE
 
 
-def rows_matrix(placement: Placement, counts_SE: np.ndarray, capacity: float | None = None) -> np.ndarray:
+def rows_matrix(placement: Placement, counts_PE: np.ndarray, capacity: float | None = None) -> np.ndarray:
     """[src rank, dst rank] rows from [src rank, expert] rows (at most `capacity` per pair), by `target`."""
-    counts_SE = np.asarray(counts_SE, dtype=np.float64)
+    counts_PE = np.asarray(counts_PE, dtype=np.float64)
     if capacity is not None:
-        counts_SE = np.minimum(counts_SE, capacity)
+        counts_PE = np.minimum(counts_PE, capacity)
     W = placement.ranks
-    if counts_SE.shape != (W, placement.experts):
-        raise ValueError(f"counts_SE {counts_SE.shape} must be [ranks={W}, experts={placement.experts}]")
-    rows_SR = np.zeros((W, W))
+    if counts_PE.shape != (W, placement.experts):
+        raise ValueError(f"counts_PE {counts_PE.shape} must be [ranks={W}, experts={placement.experts}]")
+    rows_PP = np.zeros((W, W))
     for src in range(W):
         for e in range(placement.experts):
-            rows_SR[src, placement.target(src, e)] += counts_SE[src, e]
-    return rows_SR
+            rows_PP[src, placement.target(src, e)] += counts_PE[src, e]
+    return rows_PP

@@ -16,7 +16,7 @@ A plan moepass builds keeps its optimizer state replicated and its activations: 
 the optimizer sharded or activations recomputed (what `systems.price` falls back to for the published systems)
 is infeasible here, with the figure.
 
-Shape legend: S source ranks, E experts, H steps.
+Shape letters: `moepass.spec.SHAPES`.
 """
 
 from __future__ import annotations

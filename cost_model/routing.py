@@ -6,7 +6,7 @@ A recorded trace ([steps, source ranks, E]), recorded counts ([source ranks, E],
 router's uniform routing, or the switch router's measured skew. Planners (FSEP's, FlexMoE's) see the steps
 before the priced one, never the priced step.
 
-Shape legend: S source ranks, W ranks, E experts, H history steps.
+Shape letters: `moepass.spec.SHAPES` (here a: history steps, P: source ranks).
 """
 
 from __future__ import annotations
@@ -42,16 +42,16 @@ class RoutingTrace:
     """[steps, W, E] routed rows (every source rank of the cluster), and the step priced: `current`;
     the steps before it are what a planner sees (`history`)."""
 
-    steps_HWE: np.ndarray
+    steps_aWE: np.ndarray
     description: str
 
     @property
     def current(self) -> np.ndarray:
-        return self.steps_HWE[-1]
+        return self.steps_aWE[-1]
 
     @property
     def history(self) -> np.ndarray:
-        return self.steps_HWE[:-1]
+        return self.steps_aWE[:-1]
 
 
 def _drift_steps(base_E: np.ndarray, T: int, K: int, W: int, steps: int, sigma: float, rho: float,
@@ -88,18 +88,18 @@ def routing_trace(routing: dict[str, Any], case: Case, router: str, assumptions:
     if router == "hash":
         return static(uniform, "hash: uniform")
     if routing.get("trace") is not None:
-        steps_HSE = np.asarray(routing["trace"], dtype=np.float64)
-        steps_HSE = steps_HSE[None] if steps_HSE.ndim == 2 else steps_HSE
-        if steps_HSE.ndim != 3 or steps_HSE.shape[-1] != E or (steps_HSE.sum(axis=2) <= 0).any():
-            raise ValueError(f"routing trace of shape {steps_HSE.shape} is invalid for {case.label}: give routed rows "
+        steps_aPE = np.asarray(routing["trace"], dtype=np.float64)
+        steps_aPE = steps_aPE[None] if steps_aPE.ndim == 2 else steps_aPE
+        if steps_aPE.ndim != 3 or steps_aPE.shape[-1] != E or (steps_aPE.sum(axis=2) <= 0).any():
+            raise ValueError(f"routing trace of shape {steps_aPE.shape} is invalid for {case.label}: give routed rows "
                              f"[steps, source ranks, E={E}] (or [source ranks, E]), every row with some tokens")
-        steps_HSE = steps_HSE * (T * K / steps_HSE.sum(axis=2, keepdims=True))  # rescaled to this case's tokens
-        steps_HWE = steps_HSE[-steps:][:, np.arange(W) % steps_HSE.shape[1]]
-        if len(steps_HWE) == 1:
-            return static(steps_HWE[0], "recorded counts (one step: the planner sees it as its history)")
-        note(f"routing: a recorded trace of {len(steps_HSE)} steps; the last priced, the {len(steps_HWE) - 1} before "
+        steps_aPE = steps_aPE * (T * K / steps_aPE.sum(axis=2, keepdims=True))  # rescaled to this case's tokens
+        steps_aWE = steps_aPE[-steps:][:, np.arange(W) % steps_aPE.shape[1]]
+        if len(steps_aWE) == 1:
+            return static(steps_aWE[0], "recorded counts (one step: the planner sees it as its history)")
+        note(f"routing: a recorded trace of {len(steps_aPE)} steps; the last priced, the {len(steps_aWE) - 1} before "
              f"it are the planners' history")
-        return RoutingTrace(steps_HWE, f"recorded trace ({len(steps_HWE)} steps)")
+        return RoutingTrace(steps_aWE, f"recorded trace ({len(steps_aWE)} steps)")
     if routing.get("counts") is not None:
         counts = np.asarray(routing["counts"], dtype=np.float64)
         counts = counts * (T * K / counts.sum(axis=1, keepdims=True))  # rescaled to this case's tokens

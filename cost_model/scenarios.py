@@ -87,7 +87,7 @@ READ_FIELDS: dict[str, str] = {
     "systems[].routing": "locality set-ups: 'hash' or a learned router",
     "systems[].schedule": "Lina: partitioned / priority", "systems[].packing": "Lina's packing ('auto': searched)",
     "systems[].tp": "TP degree", "systems[].ep_size": "EP degree", "systems[].sharding": "'fsdp'",
-    "systems[].replicas": "FlexMoE's replica slots", "systems[].prefetch_depth": "FSEP's restore depth",
+    "systems[].replicas": "FlexMoE's extra expert slots per device beyond EP's E/ep", "systems[].prefetch_depth": "FSEP's restore depth",
     "systems[].locality_ratio": "LocMoE's locality ratio", "systems[].capacity_factor": "locality capacity",
     "systems[].delta": "LocMoE's capacity floor",
 }

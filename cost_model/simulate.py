@@ -132,13 +132,13 @@ def _ms(seconds: float | None) -> str:
 def predict(
     case: Case,
     hw: Hardware,
-    counts_SE: np.ndarray,
+    counts_PE: np.ndarray,
     *,
     chunks: int = 1,
     policy: str = "fair",
     bucket_bytes: float = DDP_BUCKET_BYTES,
     packing: int = 1,
-    rows_SR: np.ndarray | None = None,
+    rows_PP: np.ndarray | None = None,
     params: ParamTraffic | None = None,
     expert_grads: ExpertGrads | None = None,
 ) -> tuple[float, dict[str, float], float]:
@@ -147,11 +147,11 @@ def predict(
     form the EP group; or of a layout given by its routed rows and parameter collectives (memory: the EP
     layout's, replicated state, no recomputation)."""
     v = hw.values()
-    if rows_SR is None:
+    if rows_PP is None:
         ep = case.ep // packing
-        rows_SR = ep_formulas.rank_rows(counts_SE[:ep], ep)
-    ep = rows_SR.shape[0]
-    layout = Layout(rows_SR, params=params, expert_grads=expert_grads, split_exchange=params is None)  # dropless EP
+        rows_PP = ep_formulas.rank_rows(counts_PE[:ep], ep)
+    ep = rows_PP.shape[0]
+    layout = Layout(rows_PP, params=params, expert_grads=expert_grads, split_exchange=params is None)  # dropless EP
     tl, figures = timeline_step(case, hw, layout, chunks=chunks, policy=policy, bucket_bytes=bucket_bytes)
     m = ep_formulas.matmuls(case.gated)
     memory = case.layers * (

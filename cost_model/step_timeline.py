@@ -2,7 +2,7 @@
 (`Layout`: the token rows, the parameter collectives, the extra per-layer work), and the memory per rank of a
 layout (`memory_breakdown`). `cost_model.systems.price` turns a plan into a layout and calls these.
 
-Shape legend: S source ranks, R destination ranks.
+Shape letters: `moepass.spec.SHAPES` (here P: ranks as sources and as destinations).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def allreduce_ops(tl: Timeline, name: str, nbytes: float, dp: int, B: float, alp
     tl.add("other", f"{name}.ar", pieces * ep_formulas.allreduce_time(nbytes / pieces, dp, B, alpha), deps, pieces)
 
 
-def ring_half(nbytes: float, group: int, B: float, alpha: float) -> float:
+def ring_half(nbytes: float, group: float, B: float, alpha: float) -> float:
     """An all-gather or a reduce-scatter of `nbytes` (the full tensor) over `group` ranks: half a ring all-reduce."""
     return 0.0 if group == 1 else alpha + (group - 1) * nbytes / (group * B)
 
@@ -65,7 +65,7 @@ def dense_flops(case: Case) -> float:
 class Layout:
     """What the timeline needs of a plan: the token rows, the parameter traffic, the extra per-layer work."""
 
-    rows_SR: np.ndarray  # [src, dst] routed rows of one all-to-all group
+    rows_PP: np.ndarray  # [src, dst] routed rows of one all-to-all group
     params: ParamTraffic | None = None
     expert_grads: ExpertGrads | None = None
     dense_grad_bytes: float | None = None  # per rank (None: the case's dense parameters)
@@ -83,9 +83,9 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
     v = hw.values()
     W = case.nodes * case.per_node
     m = ep_formulas.matmuls(case.gated)
-    rows_SR = layout.rows_SR
-    ep = rows_SR.shape[0]
-    dispatch = ep_formulas.exact_a2a(rows_SR, case.D, int(v["b"]), case.per_node)
+    rows_PP = layout.rows_PP
+    ep = rows_PP.shape[0]
+    dispatch = ep_formulas.exact_a2a(rows_PP, case.D, int(v["b"]), case.per_node)
     a2a_full = dispatch.time(v["B_intra"], v["B_inter"], v["alpha"]) if ep > 1 else 0.0
     transfer = max(0.0, a2a_full - v["alpha"]) if ep > 1 else 0.0
     rows_max = float(dispatch.computed_rows.max())
@@ -179,7 +179,7 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
         "recompute": case.layers * recomputed,
         "token_a2a_bytes": case.layers * 2 * busiest,  # forward and backward
         "rows_max": rows_max,
-        "imbalance": rows_max / max(float(rows_SR.sum()) / ep, 1e-30),
+        "imbalance": rows_max / max(float(rows_PP.sum()) / ep, 1e-30),
     }
 
 
@@ -204,7 +204,7 @@ def breakdown_of(tl: Timeline, figures: dict[str, float]) -> dict[str, float]:
 # ---- memory ------------------------------------------------------------------------------------------------
 
 
-def state_bytes(params: float, v: dict[str, float], shard: int) -> float:
+def state_bytes(params: float, v: dict[str, float], shard: float) -> float:
     """Bytes of `params` parameters with their gradients and optimizer state (s per parameter), the optimizer
     state (s - b - b_g: fp32 master and Adam moments) sharded over `shard` ranks (1: replicated)."""
     rest = v["s"] - v["b"] - v["b_g"]
@@ -216,7 +216,7 @@ def activation_bytes(case: Case, rows: float, b: float) -> float:
     return float(ep_formulas.memory_per_rank(0, 1, case.D, case.F, ep_formulas.matmuls(case.gated), 0, rows, b))
 
 
-def memory_breakdown(case: Case, v: dict[str, float], *, expert_params: float, expert_dp: int, dense_params: float,
+def memory_breakdown(case: Case, v: dict[str, float], *, expert_params: float, expert_dp: float, dense_params: float,
                      dense_dp: int, rows_max: float, sharded_optimizer: bool, recompute: bool,
                      buffers: float = 0.0, fully_sharded: bool = False) -> dict[str, float]:
     """Bytes per rank by part. `expert_params` / `dense_params`: the parameters one rank owns over all layers

@@ -88,7 +88,7 @@ def is_fsdp(system: dict[str, Any]) -> bool:
 
 
 def is_replicating(system: dict[str, Any]) -> bool:
-    """Replication-based balancing (FlexMoE): `"replicas"`, or a note naming replication."""
+    """Replication-based balancing (FlexMoE): `"replicas"` (extra slots per device), or a note naming replication."""
     return system.get("form") == "ep" and (system.get("replicas") is not None or "replicat" in _note(system))
 
 
@@ -128,7 +128,8 @@ def system_plans(system: dict[str, Any], ctx: CaseContext) -> list[StepPlan]:
     if is_fsdp(system):
         return [StepPlan("ep", ep=ep, fsdp=True, builds=False, system=sid)]
     if is_replicating(system):
-        return [StepPlan("ep", ep=ep, replicas=int(system.get("replicas", 1)), builds=False, system=sid)]
+        return [StepPlan("ep", ep=ep, replicating=True, replicas=int(system.get("replicas", 0)), builds=False,
+                         system=sid)]
     tp = tp_degree(system, str(model_of(sc, case).get("id", "")))
     if tp > 1:
         if tp > case.per_node or W % tp:

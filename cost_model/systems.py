@@ -21,11 +21,17 @@ Baselines, each its own formula:
 - FSDP+EP: EP for the experts; the experts sharded over their W/ep replicas and the dense weights over W:
   an all-gather of both before the forward and the backward (one layer prefetched), a reduce-scatter of the
   gradients.
-- Replication-based balancing (FlexMoE): EP's layout plus `replicas` extra expert slots per device; the
-  hottest experts (by the counts of the steps before) are copied into them and their tokens split evenly
-  over the copies; the copies' gradients are all-reduced with the expert gradients (one more expert per
-  device), and the weights and optimizer state that move when the placement changes (migration) are sent
-  on the "other" stream, amortised over the re-placement interval.
+- Replication-based balancing (FlexMoE): the experts placed over all W ranks in the slots EP's layout gives
+  a device (E/ep, plus `replicas` extra slots per device where the system gives them): the W x slots copies
+  shared out by the loads of the steps before (`moepass.runtime.placement.proportional_replicas`, at least one
+  copy each, then to the hottest per copy), placed node-spread (`place`); the current step's rows of an expert
+  split evenly over its copies, wherever they are (FlexMoE balances by replica count). Each expert's gradients are all-reduced over its
+  copies; the weights and optimizer state that move when the placement changes (migration: one slot per device)
+  are sent on the "other" stream, amortised over the re-placement interval. Memory: the rank's whole experts
+  (weights, gradients) and their optimizer state sharded over each expert's copies (ZeRO-1 over the expert's
+  data-parallel group) when sharded: W x slots / E copies each on average. Every layer has its own router and
+  its own placement, so a rank's cold (few-copy) experts of one layer are not its experts of the next: the
+  per-rank optimizer state is counted at that mean (one routing trace serves all layers here).
 - Routers (locality set-ups): the hash router routes uniformly with no learned gate; a learned router (the
   switch router: top-1 softmax with an aux loss) pays its gate GEMM (2 T D E FLOPs forward) and routes with
   the imbalance measured in this project's own training run (`MEASURED_SWITCH_MAX_MEAN`); LocMoE is the
@@ -38,7 +44,7 @@ distributed optimizer; same bytes on the link: a reduce-scatter and an all-gathe
 all-reduce), then activation recomputation (each layer keeps its input; its forward compute is repeated
 in the backward, the token rows cached); it is infeasible only when neither fits.
 
-Shape legend: S source ranks, R destination ranks, E experts, W ranks, H history steps.
+Shape letters: `moepass.spec.SHAPES` (here P: ranks as sources and as destinations; a: history steps).
 """
 
 
@@ -69,7 +75,7 @@ from cost_model.step_timeline import (
     state_bytes,
     timeline_step,
 )
-from cost_model.timeline import Timeline
+from cost_model.timeline import Timeline, collector_paused
 
 REPLACE_INTERVAL = 50  # FlexMoE: steps between re-placements (migration amortised over them), assumed
 
@@ -92,7 +98,8 @@ class StepPlan:
     prefetch: int = 2  # FSEP restore depth
     tp: int = 1  # tensor parallel degree of the dense part (Megatron)
     fsdp: bool = False  # FSDP for the experts (over their replicas) and the dense part (over W)
-    replicas: int = 0  # replication-based balancing: extra expert slots per device (FlexMoE)
+    replicating: bool = False  # replication-based balancing (FlexMoE): copies of the experts placed by load
+    replicas: int = 0  # replication-based balancing: extra expert slots per device beyond EP's E/ep
     router: str = "learned"  # "hash", "switch", "locmoe", or the model's own ("learned")
     capacity: float | None = None  # EP / single: capacity factor (rows per expert and source rank capped); None: dropless
     math_changing: bool = False
@@ -112,7 +119,7 @@ class StepPlan:
         else:
             text = f"ep={self.ep}" + (f" P={self.packing}" if self.packing > 1 else "") + f" n={self.chunks}"
             text += f" {self.sched}" + (f" tp={self.tp}" if self.tp > 1 else "") + (" fsdp" if self.fsdp else "")
-            text += f" +{self.replicas} replica slots" if self.replicas else ""
+            text += f" replicated +{self.replicas} slots" if self.replicating else ""
             text += f" router={self.router}" if self.router != "learned" else ""
         if self.capacity is not None:
             text += f" cf={self.capacity:g}"
@@ -175,7 +182,7 @@ class CaseContext:
             trace = routing_trace(self.scenario.get("routing") or {}, self.case, key, self.assumptions)
             phi = self.case.ffn_fraction
             if phi < 1:  # the assignments that pick zero-compute experts are neither sent nor computed
-                trace = RoutingTrace(trace.steps_HWE * phi, f"{trace.description}, {phi:.3g} of them to FFN experts")
+                trace = RoutingTrace(trace.steps_aWE * phi, f"{trace.description}, {phi:.3g} of them to FFN experts")
             self.traces[key] = trace
         return self.traces[key]
 
@@ -205,7 +212,8 @@ def price(plan: StepPlan, ctx: CaseContext) -> Priced:
     key = replace(plan, system=plan.system if plan.form == "locality" else None, packing=1, builds=True,
                   math_changing=False)
     if key not in ctx.priced:
-        ctx.priced[key] = _price(plan, ctx)
+        with collector_paused():
+            ctx.priced[key] = _price(plan, ctx)
     done = ctx.priced[key]
     return replace(done, plan=plan, breakdown=dict(done.breakdown), details=dict(done.details), notes=list(done.notes))
 
@@ -261,9 +269,9 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
         cf = plan.capacity if plan.capacity is not None else case.capacity
         if cf is not None:  # each source rank sends an expert at most its capacity's rows
             counts = np.minimum(counts, cf * case.tokens * case.K / case.E)
-        rows_SR = ep_formulas.rank_rows(counts[:ep], ep)
+        rows_PP = ep_formulas.rank_rows(counts[:ep], ep)
         expert_params = case.layers * case.E / ep * S_e
-        expert_dp = W // ep
+        expert_dp: float = W // ep
         dense_params = dense_total / plan.tp
         dense_dp = W // plan.tp
         buffers = 0.0
@@ -271,13 +279,15 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
         expert_grads = None
         migration = 0.0
         tp_comm = 0.0
-        if plan.replicas:
-            rows_SR, copies = _replicated_rows(counts[:ep], trace.history[:, :ep].sum(axis=0), ep, plan.replicas)
-            expert_params += case.layers * plan.replicas * S_e
-            expert_grads = ExpertGrads((case.E / ep + plan.replicas) * S_e * v["b_g"], expert_dp, ar_bw)
-            # a re-placement moves each device's replica slots (weights + optimizer state) once per interval
-            migration = plan.replicas * S_e * v["s"] / ar_bw / REPLACE_INTERVAL
-            details.update(replica_slots=plan.replicas, copies=copies)
+        if plan.replicating:
+            C = case.E // ep + plan.replicas
+            rows_PP, copies_E = _replicated_rows(counts, trace.history, case.per_node, C)
+            expert_params = case.layers * C * S_e
+            expert_dp = W * C / case.E  # each expert's copies, on average (module docstring)
+            expert_grads = ExpertGrads(C * S_e * v["b_g"], max(2, round(expert_dp)), ar_bw)
+            # a re-placement moves one slot per device (weights + optimizer state) once per interval
+            migration = S_e * v["s"] / ar_bw / REPLACE_INTERVAL
+            details.update(slots=C, copies=",".join(str(c) for c in copies_E))
         if plan.tp > 1:
             tp_comm = 4 * (plan.tp - 1) * case.tokens * case.D * v["b"] / v["B_intra"] + 4 * v["alpha"]
             details.update(tp=plan.tp, tp_ms_per_layer=round(2 * tp_comm * 1e3, 4))
@@ -291,10 +301,10 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
             params = ParamTraffic(both(v["b"]), both(v["b"]), both(v["b_g"]), depth=1, dense=True)
             buffers = (1 + params.depth) * (local + case.dense_params) * v["b"] + (local + case.dense_params) * v["b_g"]
             details.update(fsdp=expert_dp)
-        layout = Layout(rows_SR, params=params, expert_grads=expert_grads,
+        layout = Layout(rows_PP, params=params, expert_grads=expert_grads,
                         dense_grad_bytes=case.dense_params / plan.tp * v["b_g"], dense_dp=dense_dp, tp_comm=tp_comm,
                         router_fwd=router_fwd, migration=migration, split_exchange=cf is None)
-        rows_max = float(rows_SR.sum(axis=0).max())
+        rows_max = float(rows_PP.sum(axis=0).max())
 
         def memory_of(sharded: bool, recompute: bool) -> dict[str, float]:
             if plan.fsdp:
@@ -320,37 +330,20 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
     return Priced(plan, tl.step, breakdown, memory, feasible, details, notes)
 
 
-def _replicated_rows(counts_SE: np.ndarray, seen_SE: np.ndarray, ep: int, replicas: int) -> tuple[np.ndarray, str]:
-    """FlexMoE's layout: EP's contiguous experts plus `replicas` slots per device, filled greedily from the
-    loads seen (the hottest expert per copy gets the next copy, on the least-loaded device that lacks it);
-    the current step's tokens of an expert split evenly over its copies. Returns [src, dst] rows and the copies."""
-    S, E = counts_SE.shape
-    per = E // ep
-    home = np.arange(E) // per
-    hosts: list[list[int]] = [[int(home[e])] for e in range(E)]
-    seen = seen_SE.sum(axis=0) if seen_SE.ndim == 2 else seen_SE
-    load = np.zeros(ep)
-    for e in range(E):
-        load[home[e]] += seen[e]
-    free = np.full(ep, replicas)
-    for _ in range(ep * replicas):
-        e = int(np.argmax([seen[k] / len(hosts[k]) for k in range(E)]))
-        share = seen[e] / len(hosts[e])
-        options = [d for d in range(ep) if free[d] > 0 and d not in hosts[e]]
-        if not options:
-            break
-        d = min(options, key=lambda d: (load[d], d))
-        for h in hosts[e]:
-            load[h] -= share - seen[e] / (len(hosts[e]) + 1)
-        hosts[e].append(d)
-        load[d] += seen[e] / len(hosts[e])
-        free[d] -= 1
-    rows_SR = np.zeros((S, ep))
-    for e in range(E):
-        for h in hosts[e]:
-            rows_SR[:, h] += counts_SE[:, e] / len(hosts[e])
-    copies = ",".join(str(len(h)) for h in hosts)
-    return rows_SR, copies
+def _replicated_rows(counts_WE: np.ndarray, history_aWE: np.ndarray, ranks_per_node: int,
+                     C: int) -> tuple[np.ndarray, list[int]]:
+    """FlexMoE's layout (module docstring) over all W ranks with C slots each, placed from the loads of the
+    steps before: returns the [src, dst] rows of the current step and the copies of each expert."""
+    from moepass.runtime.placement import place, proportional_replicas  # moepass's package imports cost_model.search
+
+    W, E = counts_WE.shape
+    seen_E = [int(x) for x in fsep_formulas.integer_rows(history_aWE.sum(axis=0)).sum(axis=0)]
+    copies_E = proportional_replicas(seen_E, W * C, 1)
+    slot_expert = np.asarray(place(copies_E, seen_E, W, C, ranks_per_node))
+    hosts_EP = np.zeros((E, W))
+    np.add.at(hosts_EP, (slot_expert, np.arange(W * C) // C), 1.0)  # copies of expert e on device r
+    rows_PP = (counts_WE / np.asarray(copies_E, dtype=float)) @ hosts_EP
+    return rows_PP, copies_E
 
 
 def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], notes: list[str],
@@ -370,13 +363,13 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
         "locmoe" if plan.router == "locmoe" else "switch", placement)
     capacity = locality.capacity_rows(case.tokens, case.E, system.get("capacity_factor"),
                                       float(system.get("delta", 0.0)), case.D)
-    counts_SE = locality.routing_counts(placement, case.tokens, lam)
+    counts_PE = locality.routing_counts(placement, case.tokens, lam)
     if plan.router != "hash":  # the learned routers' measured skew over the experts, on top of their node split
         skew = ctx.trace(plan.router).current
         mean = skew.mean(axis=1, keepdims=True)
-        counts_SE = counts_SE * (skew / mean)
-        counts_SE = counts_SE * (case.tokens / counts_SE.sum(axis=1, keepdims=True))
-    rows_SR = locality.rows_matrix(placement, counts_SE, capacity)
+        counts_PE = counts_PE * (skew / mean)
+        counts_PE = counts_PE * (case.tokens / counts_PE.sum(axis=1, keepdims=True))
+    rows_PP = locality.rows_matrix(placement, counts_PE, capacity)
     text = (f"locality set-up: each of the E experts on one home node, tokens exchanged over all W ranks "
             f"(cost_model.locality.Placement; the set-up's expert/model parallel degrees not modelled); LocMoE's "
             f"locality ratio 1 - {locality.MEASURED_INTER_FACTOR} x (1 - k/E) (our measured inter-node factor, "
@@ -387,26 +380,26 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
     expert = float(fsep_formulas.expert_elements(case.D, case.F, m)) * placement.rank_experts
     replicas = len(placement.hosts(0))
     grads = ExpertGrads(expert * v["b_g"], replicas, v["B_intra"])  # replicas share a node
-    dispatch = ep_formulas.exact_a2a(rows_SR, case.D, int(v["b"]), case.per_node)
+    dispatch = ep_formulas.exact_a2a(rows_PP, case.D, int(v["b"]), case.per_node)
     per_step = 2 * case.layers
-    inter_R = per_step * (dispatch.sent_inter + dispatch.recv_inter)
-    intra_R = per_step * (dispatch.sent_intra + dispatch.recv_intra)
-    extra = {"locality_ratio": lam, "inter_node_bytes": float(inter_R.mean()),
-             "intra_node_bytes": float(intra_R.mean())}
+    inter_W = per_step * (dispatch.sent_inter + dispatch.recv_inter)
+    intra_W = per_step * (dispatch.sent_intra + dispatch.recv_intra)
+    extra = {"locality_ratio": lam, "inter_node_bytes": float(inter_W.mean()),
+             "intra_node_bytes": float(intra_W.mean())}
     source = " (the set-up's)" if given is not None else ""
     line = (f"{case.label} {plan.system or plan.label} ({plan.router}): locality ratio {lam:.4g}{source}, per rank per "
-            f"step inter-node {inter_R.mean() / 1e9:.4g} GB, intra-node {intra_R.mean() / 1e9:.4g} GB")
+            f"step inter-node {inter_W.mean() / 1e9:.4g} GB, intra-node {intra_W.mean() / 1e9:.4g} GB")
     if placement.nodes_gt_experts:
         expertless = case.per_node * next(n for n in range(case.nodes) if not placement.local_experts(n))
-        extra["inter_node_bytes_expertless"] = float(inter_R[expertless])
-        line += f" (a rank of an expert-less node: {inter_R[expertless] / 1e9:.4g} GB, whatever the router)"
+        extra["inter_node_bytes_expertless"] = float(inter_W[expertless])
+        line += f" (a rank of an expert-less node: {inter_W[expertless] / 1e9:.4g} GB, whatever the router)"
         notes.append(f"{case.label}: {case.nodes} nodes > {case.E} experts: {case.nodes - case.E} nodes hold no "
                      f"local expert, every token of theirs crosses nodes (locality pays only on the experts' nodes)")
     notes.append(line)
     details.update({"router": plan.router, "a2a": f"W={placement.ranks}", "experts/node": placement.node_experts,
                     "replicas": replicas, "cap": capacity if capacity is not None else "none",
                     "extra_breakdown": extra})
-    rows_max = float(rows_SR.sum(axis=0).max())
+    rows_max = float(rows_PP.sum(axis=0).max())
 
     def memory_of(sharded: bool, recompute: bool) -> dict[str, float]:
         return memory_breakdown(case, v, expert_params=case.layers * expert, expert_dp=replicas * case.nodes
@@ -414,7 +407,7 @@ def _locality_layout(plan: StepPlan, ctx: CaseContext, details: dict[str, Any], 
                                 case.layers, dense_dp=ctx.W, rows_max=rows_max, sharded_optimizer=sharded,
                                 recompute=recompute)
 
-    return Layout(rows_SR, expert_grads=grads, router_fwd=router_fwd, split_exchange=capacity is None), memory_of
+    return Layout(rows_PP, expert_grads=grads, router_fwd=router_fwd, split_exchange=capacity is None), memory_of
 
 
 def _price_hp(plan: StepPlan, ctx: CaseContext) -> Priced:

@@ -50,6 +50,7 @@ SHAPES: dict[str, str] = {
     "X": "experts of all heads, H*E (head-major)",
     "Y": "a kernel tile's rows",
     "Z": "a kernel tile's columns",
+    "a": "steps of a routing history (the counts a planner sees before the step it places)",
     "b": "a kernel's row blocks, ceil(rows / BLOCK)",
     "c": "an expert's capacity: the slots of a GShard dispatch",
     "h": "head width",

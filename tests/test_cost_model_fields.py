@@ -208,7 +208,7 @@ def _fingerprint(sc: dict):
         for case in read.cases:
             ctx = systems.CaseContext(case, read.hardware, read.scenario, read.assumptions)
             out.append([repr(system_plans(s, ctx)) for s in sc.get("systems") or [] if s.get("form") != "hp"])
-            out.append([ctx.trace(r).steps_HWE.round(6).tolist() for r in ("learned", "switch", "hash")])
+            out.append([ctx.trace(r).steps_aWE.round(6).tolist() for r in ("learned", "switch", "hash")])
         out.append(read.assumptions)
         return out
     except (KeyError, ValueError, TypeError) as err:

@@ -89,12 +89,12 @@ def grouped_mm_ok(*mats: Tensor) -> bool:
             return False
     else:
         return False
+    step = 16 // first.element_size()  # 16-byte aligned: strides in elements, the address in bytes
     for m in mats:
-        if m.dtype != first.dtype:
+        if m.dtype != first.dtype or m.data_ptr() % 16:
             return False
-        step = 16 // m.element_size()
-        inner = m.stride()[-2:]
-        if 1 not in inner or any(s % step for s in inner if s != 1) or m.data_ptr() % 16:
+        row, col = m.stride()[-2:]
+        if not ((row == 1 or col == 1) and (row == 1 or row % step == 0) and (col == 1 or col % step == 0)):
             return False
     return True
 

@@ -46,7 +46,7 @@ class EagerOp:
         # `Function.apply` without its Python wrapper (which binds defaults for a `setup_context` style and walks
         # the arguments for dead functorch wrappers): these Functions take their arguments whole, and eager calls
         # run only outside functorch transforms (`eager_mode`)
-        self.apply = None if function is None else super(torch.autograd.Function, function).apply
+        self.apply = None if function is None else super(torch.autograd.Function, function).apply  # type: ignore[misc]  # torch._C._FunctionBase.apply: untyped
         self.__name__ = "eager_" + op.name().replace("::", "_").replace(".", "_")
         self.__module__ = __name__
 

@@ -19,7 +19,9 @@ weight GEMMs run (Lancet; `moepass.dialect.define_expert_ffn`); `backward` runs 
 
 Every weight gradient is one `[E, ...]` tensor written once by a grouped GEMM (or expert slice by
 expert slice into one `empty` buffer): no per-expert full-size gradient is ever allocated, zeroed or
-summed, which is what slicing `w[e]` under autograd costs (O(E^2) memory traffic).
+summed, which is what slicing `w[e]` under autograd costs (O(E^2) memory traffic). In host memory a
+gradient of `GRAD_BUFFER_BYTES` or more is written into a buffer reused from step to step while nothing
+else holds it (`reusable_grad_buffer`: fresh pages cost a page fault each).
 
 Saved for backward: the inputs and the pre-activations h_gate, h_up (2·N·F elements), so the
 backward runs 6 GEMMs (gated; 4 otherwise) instead of recomputing 2 of the forward's 3.

@@ -18,7 +18,7 @@ round's ratio is compiled/original. Reported per case: both medians, the median 
 range, the machine load (os.getloadavg) and, on CUDA, the device and the host (enqueue) time per step.
 CPU: one thread (torch.set_num_threads(1)). `--profile` adds counts per step that do not depend on the load
 (`step_counts`): dispatcher ops (aten, custom), backward nodes, `aten::_local_scalar_dense` (host reads of a
-tensor; on CUDA each waits for the device), CUDA synchronize calls, Python calls.
+tensor; on CUDA each waits for the device), CUDA synchronize calls, Python calls, minor page faults.
 Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
 
 Profile (CPU, torch 2.13, 1 thread; tiny size, per forward+backward step, original | moepass before -> after;
@@ -77,6 +77,7 @@ import json
 import os
 import platform
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -183,7 +184,8 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
     `ops` every dispatcher op (aten and custom), `aten_ops`, `custom_ops` (moe::, moe_lowered::, ...),
     `autograd_nodes` backward nodes run, `item` aten::_local_scalar_dense (a tensor read on the host:
     `.item()`, `int(t)`, a data-dependent branch; on CUDA each one waits for the device), `syncs` CUDA
-    synchronize calls seen by the profiler (CUDA only), `python_calls` Python function calls (cProfile)."""
+    synchronize calls seen by the profiler (CUDA only), `python_calls` Python function calls (cProfile),
+    `page_faults` minor page faults of the process (getrusage: fresh host memory touched)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -199,6 +201,10 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
         step(block, x, probe)
     profiler.disable()
     python_calls = pstats.Stats(profiler).total_calls  # type: ignore[attr-defined]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        step(block, x, probe)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     aten = sum(n for name, n in names.items() if name.startswith("aten::"))
     custom = sum(n for name, n in names.items() if "::" in name and name.split("::")[0] in ("moe", "moe_lowered",
                                                                                               "moe_comm", "moe_sched"))
@@ -206,7 +212,7 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
         "aten_ops": aten, "custom_ops": custom, "ops": aten + custom,
         "autograd_nodes": sum(n for name, n in names.items() if name.startswith("autograd::engine::evaluate_function")),
         "item": names["aten::_local_scalar_dense"], "syncs": sum(names[name] for name in SYNC_EVENTS),
-        "python_calls": python_calls,
+        "python_calls": python_calls, "page_faults": faults,
     }
     return {key: value / steps for key, value in counts.items()}
 

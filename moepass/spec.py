@@ -52,6 +52,7 @@ SHAPES: dict[str, str] = {
     "Z": "a kernel tile's columns",
     "b": "a kernel's row blocks, ceil(rows / BLOCK)",
     "c": "an expert's capacity: the slots of a GShard dispatch",
+    "e": "elements of one rank's shard of a flat buffer (FSDP's all-gather input, reduce-scatter output)",
     "h": "head width",
     "l": "the local part of the letter before it (Ql = Q/P, Hl = H/P)",
     "n": "nodes",

@@ -93,7 +93,7 @@ def route_ref(
         choice_TE = _limit_groups(choice_TE, n_group, topk_group, group_score)
         experts_TK = torch.topk(choice_TE, top_k, dim=-1).indices
         weights_TK = torch.softmax(logits_TE.gather(1, experts_TK), dim=-1)
-        return weights_TK * scaling, experts_TK
+        return scaled(weights_TK, scaling), experts_TK
     scores_TE = torch.softmax(logits_TE, dim=-1) if score_func == "softmax" else torch.sigmoid(logits_TE)
     choice_TE = scores_TE if selection_bias_E is None else scores_TE + selection_bias_E
     choice_TE = _limit_groups(choice_TE, n_group, topk_group, group_score)
@@ -101,7 +101,12 @@ def route_ref(
     weights_TK = scores_TE.gather(1, experts_TK)
     if renormalize:
         weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights_TK * scaling, experts_TK
+    return scaled(weights_TK, scaling), experts_TK
+
+
+def scaled(weights_TK: Tensor, scaling: float) -> Tensor:
+    """`weights_TK * scaling`; a scaling of 1 multiplies nothing (x * 1.0 is x, bit for bit)."""
+    return weights_TK if scaling == 1.0 else weights_TK * scaling
 
 
 def _limit_groups(choice_TE: Tensor, n_group: int, topk_group: int, group_score: str) -> Tensor:
@@ -177,7 +182,7 @@ def permute_ref(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Ten
     K = experts_TK.shape[1]
     flat_N = experts_TK.reshape(-1)
     order_N = torch.sort(flat_N, stable=True).indices
-    counts_E = torch.bincount(flat_N, minlength=num_experts).to(torch.int64)
+    counts_E = expert_load_ref(experts_TK, num_experts)  # a scatter: bincount reads the ids' max on the host
     return x_TD.index_select(0, order_N // K), counts_E, order_N
 
 
@@ -240,7 +245,7 @@ def route_backward_ref(
     scaling: float,
 ) -> Tensor:
     """d(weights_TK)/d(logits_TE) for the selected experts; selection itself has no gradient."""
-    g_TK = grad_weights_TK.to(logits_TE.dtype) * scaling
+    g_TK = scaled(grad_weights_TK.to(logits_TE.dtype), scaling)
     if score_func == "softmax" and not softmax_before_topk:
         p_TK = torch.softmax(logits_TE.gather(1, experts_TK), dim=-1)
         g_logit_TK = p_TK * (g_TK - (g_TK * p_TK).sum(-1, keepdim=True))

@@ -43,6 +43,10 @@ class EagerOp:
     def __init__(self, op: torch._ops.OpOverload, fn: Callable[..., Any],
                  function: type[torch.autograd.Function] | None = None):
         self.op, self.fn, self.function = op, fn, function
+        # `Function.apply` without its Python wrapper (which binds defaults for a `setup_context` style and walks
+        # the arguments for dead functorch wrappers): these Functions take their arguments whole, and eager calls
+        # run only outside functorch transforms (`eager_mode`)
+        self.apply = None if function is None else super(torch.autograd.Function, function).apply  # type: ignore[misc]  # torch._C._FunctionBase.apply: untyped
         self.__name__ = "eager_" + op.name().replace("::", "_").replace(".", "_")
         self.__module__ = __name__
 
@@ -53,8 +57,8 @@ class EagerOp:
                 if type(a) not in PLAIN_TENSORS:
                     return self.op(*args)
                 grad = grad or a.requires_grad
-        if grad and self.function is not None and torch.is_grad_enabled():
-            return self.function.apply(*args)
+        if grad and self.apply is not None and torch.is_grad_enabled():
+            return self.apply(*args)
         return self.fn(*args)
 
     def __repr__(self) -> str:

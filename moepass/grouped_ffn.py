@@ -19,7 +19,9 @@ weight GEMMs run (Lancet; `moepass.dialect.define_expert_ffn`); `backward` runs 
 
 Every weight gradient is one `[E, ...]` tensor written once by a grouped GEMM (or expert slice by
 expert slice into one `empty` buffer): no per-expert full-size gradient is ever allocated, zeroed or
-summed, which is what slicing `w[e]` under autograd costs (O(E^2) memory traffic).
+summed, which is what slicing `w[e]` under autograd costs (O(E^2) memory traffic). In host memory a
+gradient of `GRAD_BUFFER_BYTES` or more is written into a buffer reused from step to step while nothing
+else holds it (`reusable_grad_buffer`: fresh pages cost a page fault each).
 
 Saved for backward: the inputs and the pre-activations h_gate, h_up (2·N·F elements), so the
 backward runs 6 GEMMs (gated; 4 otherwise) instead of recomputing 2 of the forward's 3.
@@ -48,15 +50,18 @@ experts of 2 rows, equal at 512 rows — so `_grouped_mm` stays the CPU engine.)
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from moepass.activations import GATED_ACTIVATIONS, activate, activate_and_backward
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PADDED_MACS = 0  # the small engine's bound (module doc): off
+GRAD_BUFFER_BYTES = 1 << 20  # weight gradients at least this large reuse a buffer (`reusable_grad_buffer`)
 
 
 def fused_gate_up(w_up: Tensor | None, activation: str) -> bool:
@@ -86,12 +91,12 @@ def grouped_mm_ok(*mats: Tensor) -> bool:
             return False
     else:
         return False
+    step = 16 // first.element_size()  # 16-byte aligned: strides in elements, the address in bytes
     for m in mats:
-        if m.dtype != first.dtype:
+        if m.dtype != first.dtype or m.data_ptr() % 16:
             return False
-        step = 16 // m.element_size()
-        inner = m.stride()[-2:]
-        if 1 not in inner or any(s % step for s in inner if s != 1) or m.data_ptr() % 16:
+        row, col = m.stride()[-2:]
+        if not ((row == 1 or col == 1) and (row == 1 or row % step == 0) and (col == 1 or col % step == 0)):
             return False
     return True
 
@@ -175,14 +180,17 @@ class Rows:
             start += n
         return out_Nq
 
-    def wgrad(self, a_Np: Tensor, b_Nq: Tensor) -> Tensor:
-        """out_Epq[e] = a_Np[rows_e]^T @ b_Nq[rows_e]; zero for experts without rows."""
-        if self.small(a_Np.shape[1], b_Nq.shape[1]):
-            return torch.bmm(self.pad(a_Np).transpose(1, 2), self.pad(b_Nq))
+    def wgrad(self, a_Np: Tensor, b_Nq: Tensor, out_Epq: Tensor | None = None) -> Tensor:
+        """out_Epq[e] = a_Np[rows_e]^T @ b_Nq[rows_e]; zero for experts without rows. Given `out_Epq` (a
+        host-memory buffer from `reusable_grad_buffer`), the expert loop writes into it: the same `mm` per
+        expert as CPU `torch._grouped_mm`, which has no `out=`, and the row counts read from host memory."""
         a_pN = a_Np.t()
-        if grouped_mm_ok(a_pN, b_Nq):
-            return torch._grouped_mm(a_pN, b_Nq, offs=self.offs)
-        out_Epq = a_Np.new_empty(len(self.sizes), a_Np.shape[1], b_Nq.shape[1])
+        if out_Epq is None:
+            if self.small(a_Np.shape[1], b_Nq.shape[1]):
+                return torch.bmm(self.pad(a_Np).transpose(1, 2), self.pad(b_Nq))
+            if grouped_mm_ok(a_pN, b_Nq):
+                return torch._grouped_mm(a_pN, b_Nq, offs=self.offs)
+            out_Epq = a_Np.new_empty(len(self.sizes), a_Np.shape[1], b_Nq.shape[1])
         start = 0
         for e, n in enumerate(self.sizes):
             if n:
@@ -220,12 +228,57 @@ def gradient_like(w: Tensor) -> Tensor:
     return torch.empty_like(w) if transposed(w) else w.new_empty(w.shape)
 
 
+_GRAD_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight storage -> {key: (buffer, its storage's use count)}
+_GRAD_BUFFERS_LOCK = threading.Lock()
+
+
+def storage_use_count(t: Tensor) -> int:
+    """How many tensors (views included) and storage objects hold `t`'s memory."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def reusable_grad_buffer(w: Tensor, shape: tuple[int, ...]) -> Tensor | None:
+    """A `shape` buffer for the gradient of expert weight `w`, the same memory step after step while nothing
+    else holds it; None where it does not pay (the caller allocates).
+
+    Each step's weight gradient is a fresh `[E, ...]` tensor of the whole expert weight (4 MiB at the layer
+    case): glibc serves allocations that large with fresh pages and gives them back to the OS when they are
+    freed (its mmap and trim thresholds), so every step pays a page fault per 4 KiB of gradient (~3,000 per
+    step on the layer case), where the original module's per-expert gradients come from malloc's free lists.
+    A CUDA caching allocator never gives memory back, so only host memory takes this path.
+
+    The buffer is kept per weight storage (dropped with the weight) and handed out as a view; it is handed out
+    again only when its storage has no holder but the buffer itself (`storage_use_count`): autograd consumed
+    the gradient (`p.grad += g`), or the parameter that took it as its `.grad` let it go
+    (`zero_grad(set_to_none=True)`). Anything still holding it — a `.grad` that is the buffer, a gradient a
+    caller kept, a second call of the block in the same backward — makes this allocate a new one instead, so
+    no gradient anyone can see is ever overwritten."""
+    itemsize = w.element_size()
+    if type(w) not in (Tensor, nn.Parameter) or w.device.type != "cpu" or w.is_meta:
+        return None
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * itemsize < GRAD_BUFFER_BYTES:
+        return None
+    key = (w.storage_offset(), tuple(shape), w.dtype)
+    with _GRAD_BUFFERS_LOCK:
+        buffers = _GRAD_BUFFERS.setdefault(w.untyped_storage(), {})
+        found = buffers.get(key)
+        if found is None or storage_use_count(found[0]) > found[1]:
+            buffer = w.new_empty(shape)
+            found = buffers[key] = (buffer, storage_use_count(buffer))
+        return found[0].view(shape)  # a view: whoever keeps it keeps the storage busy
+
+
 def weight_grad(rows: Rows, a_Np: Tensor, b_Nq: Tensor, w_Epq: Tensor) -> Tensor:
     """`rows.wgrad(a, b)` in the layout of `w`: a transposed-view weight gets the transpose of a
-    contiguous `[E, Q, P]` result, so autograd hands the parameter a contiguous gradient (no copy)."""
+    contiguous `[E, Q, P]` result, so autograd hands the parameter a contiguous gradient (no copy). Large
+    host-memory gradients are written into a reused buffer (`reusable_grad_buffer`)."""
+    E, P, Q = w_Epq.shape
     if transposed(w_Epq):
-        return rows.wgrad(b_Nq, a_Np).transpose(-2, -1)
-    return rows.wgrad(a_Np, b_Nq)
+        return rows.wgrad(b_Nq, a_Np, reusable_grad_buffer(w_Epq, (E, Q, P))).transpose(-2, -1)
+    return rows.wgrad(a_Np, b_Nq, reusable_grad_buffer(w_Epq, (E, P, Q)))
 
 
 def pre_activations(

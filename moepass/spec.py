@@ -53,6 +53,7 @@ SHAPES: dict[str, str] = {
     "a": "steps of a routing history (the counts a planner sees before the step it places)",
     "b": "a kernel's row blocks, ceil(rows / BLOCK)",
     "c": "an expert's capacity: the slots of a GShard dispatch",
+    "e": "elements of one rank's shard of a flat buffer (FSDP's all-gather input, reduce-scatter output)",
     "h": "head width",
     "l": "the local part of the letter before it (Ql = Q/P, Hl = H/P)",
     "n": "nodes",

@@ -4,6 +4,8 @@ the GEMM engine it picks, what it allocates in one backward, and `Plan(expert_re
 Legend: N rows sorted by expert, D width, F expert width, E experts.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -236,3 +238,67 @@ def test_fused_gate_up_equals_separate_gate_and_up(activation, D, F, engine, mon
         torch.testing.assert_close(g[0], g_sep[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g[1], torch.cat([g_sep[1], g_sep[2]], 1), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g[2], g_sep[3], rtol=1e-5, atol=1e-6)
+
+
+def _grads_after(block, xs, zero_between, monkeypatch, reuse):
+    monkeypatch.setattr(grouped_ffn, "GRAD_BUFFER_BYTES", 0 if reuse else 1 << 62)
+    seen = []
+    for x in xs:
+        if zero_between:
+            block.zero_grad(set_to_none=True)
+        block(x).pow(2).sum().backward()
+        seen.append({n: p.grad for n, p in block.named_parameters()})  # the .grad objects themselves, kept
+    return seen
+
+
+@pytest.mark.parametrize("style", ["fused", "loop"])
+@pytest.mark.parametrize("zero_between", [False, True], ids=["accumulate", "set_to_none"])
+def test_reused_weight_gradient_buffers_give_the_same_gradients_and_never_overwrite_a_kept_one(
+        style, zero_between, monkeypatch):
+    """`grouped_ffn.reusable_grad_buffer` (on for every size here): gradients accumulated over micro-batches
+    and after `zero_grad(set_to_none=True)` equal, bit for bit, those of fresh buffers; a `.grad` the caller
+    kept from an earlier step keeps its values; a block called twice in one step gets the sum."""
+    torch.manual_seed(0)
+    E, D, F = 4, 16, 32
+    block = FusedMoE(D, F, E, 2) if style == "fused" else LoopMoE(D, F, E, 2)
+    compiled = [moepass.compile(copy.deepcopy(block), moepass.Plan(form="single")) for _ in range(2)]
+    xs = [torch.randn(2, 8, D, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    fresh = _grads_after(compiled[0], xs, zero_between, monkeypatch, reuse=False)
+    reused = _grads_after(compiled[1], xs, zero_between, monkeypatch, reuse=True)
+    fresh_values = [{n: g.clone() for n, g in step.items()} for step in fresh]
+    for step_fresh, step_reused in zip(fresh_values, reused):
+        for name, g in step_fresh.items():
+            assert torch.equal(step_reused[name], g), name  # the kept objects: not overwritten since
+    twice = compiled[1]
+    twice.zero_grad(set_to_none=True)
+    (twice(xs[0]).pow(2).sum() + twice(xs[1]).pow(2).sum()).backward()
+    once = compiled[0]
+    monkeypatch.setattr(grouped_ffn, "GRAD_BUFFER_BYTES", 1 << 62)
+    separate = []
+    for x in xs[:2]:
+        once.zero_grad(set_to_none=True)
+        once(x).pow(2).sum().backward()
+        separate.append({n: p.grad.clone() for n, p in once.named_parameters()})
+    for name, p in twice.named_parameters():
+        torch.testing.assert_close(p.grad, separate[0][name] + separate[1][name])
+
+
+def test_a_released_weight_gradient_buffer_is_reused_and_a_held_one_is_not(monkeypatch):
+    monkeypatch.setattr(grouped_ffn, "GRAD_BUFFER_BYTES", 0)
+    w, shape = torch.randn(4, 8, 16), (4, 16, 8)
+    first = grouped_ffn.reusable_grad_buffer(w, shape)
+    second = grouped_ffn.reusable_grad_buffer(w, shape)  # `first` still held: a new buffer
+    assert second.data_ptr() != first.data_ptr()
+    ptr = second.data_ptr()
+    del first, second
+    third = grouped_ffn.reusable_grad_buffer(w, shape)  # released: the same memory again
+    assert third.data_ptr() == ptr and third.shape == shape
+    param = torch.nn.Parameter(torch.randn(shape))
+    param.grad = third  # what AccumulateGrad does with a gradient it can take as `.grad`
+    del third
+    assert grouped_ffn.reusable_grad_buffer(w, shape).data_ptr() != ptr  # a live .grad is never overwritten
+    param.grad = None  # zero_grad(set_to_none=True)
+    monkeypatch.setattr(grouped_ffn, "GRAD_BUFFER_BYTES", 1 << 62)
+    assert grouped_ffn.reusable_grad_buffer(w, shape) is None  # small: the caller allocates
+    monkeypatch.setattr(grouped_ffn, "GRAD_BUFFER_BYTES", 0)
+    assert grouped_ffn.reusable_grad_buffer(w.to("meta"), shape) is None

@@ -9,14 +9,14 @@ g = n*C + c on device n) says which expert each slot hosts — an expert may hav
 graph around the expert compute is the shared exchange (`moepass.rewrite.exchange`) with slots as
 buckets, plus the restore of the weights:
 
-    slot_expert_S  = self.fsep_placement()                     # this step's table (installs a due one)
-    slots_TK       = moe_fsep.route_to_slots(experts_TK, slot_expert_S, rank, ranks_per_node, C, E)
+    slot_expert_U  = self.fsep_placement()                     # this step's table (installs a due one)
+    slots_TK       = moe_fsep.route_to_slots(experts_TK, slot_expert_U, rank, ranks_per_node, C, E)
     ... permute by slot, exchange counts, dispatch (as EP, buckets = P*C slots, L = C) ...
-    send_GS        = cat_j(index_select(shard_j.flatten(1), 0, slot_expert_S))    # my slice of each slot's expert
-    recv_GS        = wait(moe_comm.equal_all_to_all(send_GS, "restore"))           # issued after the dispatch
+    send_Us        = cat_j(index_select(shard_j.flatten(1), 0, slot_expert_U))    # my slice of each slot's expert
+    recv_Us        = wait(moe_comm.equal_all_to_all(send_Us, "restore"))           # issued after the dispatch
                                                     # (restore_issue: or the one an earlier block prefetched)
     restore_prefetch(...)                                                          # the next blocks' restores
-    w_j            = assemble(recv_GS)[j]                                          # [C, a, ...]: C whole experts
+    w_j            = assemble(recv_Us)[j]                                          # [C, a, ...]: C whole experts
     y = moe.expert_ffn(x_MD, counts_C, w_*) ... unpermute, combine (as EP)
 
 The expert FFN keeps a `Restore` handle rather than the C whole experts: the backward restores them again
@@ -124,7 +124,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
     while first.op == "placeholder":
         first = first.next
     with gm.graph.inserting_before(first):
-        slot_expert = b.module(CONTROLLER, name="slot_expert_S")
+        slot_expert = b.module(CONTROLLER, name="slot_expert_U")
 
     def route(experts_TK: fx.Node) -> fx.Node:
         if controller.observes:
@@ -164,7 +164,7 @@ def rewrite_fsep(gm: MoEGraphModule, plan: Plan) -> PassResult:
         return weights
 
     counts = exchange.insert_exchange(gm, b, buckets=P * C, local=C, group_name=group_name, world=groups.world_size,
-                                      route=route, issue_weights=issue_restore, axis="S")
+                                      route=route, issue_weights=issue_restore, axis="U")
     stats: dict[str, Any] = {"experts": E, "slots_per_device": C, "fsep_size": P, "dp_size": groups.dp_size,
              "replicas": P * C - E, "planner": plan.planner if isinstance(plan.planner, str) else "callable",
              "backward_restore": "kept from the forward" if plan.keep_restored else "restored again",

@@ -34,7 +34,8 @@ the same step; the next forward joins the worker's result — it waits only if a
 whole step (measured: `wait_s` in each decision). "static" keeps the initial even table; a callable
 `planner(counts_PE, current_table) -> table` is called in the worker the same way.
 
-Shape legend: as `moepass.runtime.fsep_ops` (P ranks, E experts, S = P*C slots, s one slot's slice).
+Shape letters: `moepass.spec.SHAPES`, as in `moepass.runtime.fsep_ops` (U = P*C global slots, s one slot's slice);
+in the memory formulas above, S is the elements of one expert (the technique's notation).
 """
 
 from __future__ import annotations
@@ -78,13 +79,13 @@ class DeferredReduction:
     per parameter."""
 
     pending: Tensor  # [P*C, s]: the gradient slices in flight
-    slot_expert_S: Tensor  # the table the restore gathered with
+    slot_expert_U: Tensor  # the table the restore gathered with
     shards: list[Tensor]  # the shards the restore read: their autograd reaches the parameters
     block: str
 
     def complete(self) -> None:
-        grad_GS = comm.WAIT(self.pending)
-        grads = slice_grads(grad_GS, self.slot_expert_S, [shard.shape for shard in self.shards])
+        grad_Us = comm.WAIT(self.pending)
+        grads = slice_grads(grad_Us, self.slot_expert_U, [shard.shape for shard in self.shards])
         pairs = [(shard, grad) for shard, grad in zip(self.shards, grads) if shard.requires_grad]
         # retain_graph: a retain_graph backward of the model walks the shards' few nodes (to_local) again
         torch.autograd.backward([shard for shard, _ in pairs], [grad for _, grad in pairs], retain_graph=True)
@@ -162,18 +163,18 @@ class _RestoreExchange(torch.autograd.Function):
     prefetch's node, made in the earlier block's forward, would run only when the backward reaches it)."""
 
     @staticmethod
-    def forward(ctx, anchor, shards, slot_expert_S, controller, ahead):  # type: ignore[override]
-        ctx.shards, ctx.slot_expert_S, ctx.controller = shards, slot_expert_S, controller
+    def forward(ctx, anchor, shards, slot_expert_U, controller, ahead):  # type: ignore[override]
+        ctx.shards, ctx.slot_expert_U, ctx.controller = shards, slot_expert_U, controller
         if ahead is not None:
             return ahead.pending
-        return issue_plain_restore(controller, [shard.detach() for shard in shards], slot_expert_S)
+        return issue_plain_restore(controller, [shard.detach() for shard in shards], slot_expert_U)
 
     @staticmethod
-    def backward(ctx, grad_GS):  # type: ignore[override]
+    def backward(ctx, grad_Us):  # type: ignore[override]
         controller = ctx.controller
         DEFERRED.complete()  # the earlier blocks' reductions, before this one is issued
-        pending = comm.EQUAL_ALL_TO_ALL(grad_GS.contiguous(), controller.restore.group_name, "restore_bwd")
-        reduction = DeferredReduction(pending, ctx.slot_expert_S, ctx.shards, controller.block)
+        pending = comm.EQUAL_ALL_TO_ALL(grad_Us.contiguous(), controller.restore.group_name, "restore_bwd")
+        reduction = DeferredReduction(pending, ctx.slot_expert_U, ctx.shards, controller.block)
         if controller.defers_reduction:
             DEFERRED.defer(reduction)
         else:
@@ -181,14 +182,14 @@ class _RestoreExchange(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def issue_plain_restore(controller: FSEPPlacement, shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
+def issue_plain_restore(controller: FSEPPlacement, shards: list[Tensor], slot_expert_U: Tensor) -> Tensor:
     """The restore as plain ops (pending): `gather_slices` and `moe_comm.equal_all_to_all`, whose backward (when
     the shards require grad) waits for the gradient slices at once."""
     assert controller.restore is not None
-    return comm.EQUAL_ALL_TO_ALL(gather_slices(shards, slot_expert_S), controller.restore.group_name, "restore")
+    return comm.EQUAL_ALL_TO_ALL(gather_slices(shards, slot_expert_U), controller.restore.group_name, "restore")
 
 
-def exchange_restore(controller: FSEPPlacement, shards: list[Tensor], slot_expert_S: Tensor,
+def exchange_restore(controller: FSEPPlacement, shards: list[Tensor], slot_expert_U: Tensor,
                      ahead: Prefetched | None = None) -> Tensor:
     """This block's restore (pending; `moe_comm.wait` completes it), issued now or `ahead` (prefetched):
     `_RestoreExchange`, or, in a fake-tensor trace, while Dynamo traces or with `defer_reduction` off, the plain
@@ -196,14 +197,14 @@ def exchange_restore(controller: FSEPPlacement, shards: list[Tensor], slot_exper
     from the block's parameters: the graph's shards may come out of a torch.compile region, whose one backward
     node covers the whole region and must not run a second time."""
     if not controller.defer_reduction or _fake() or torch.compiler.is_compiling():
-        return ahead.pending if ahead is not None else issue_plain_restore(controller, shards, slot_expert_S)
+        return ahead.pending if ahead is not None else issue_plain_restore(controller, shards, slot_expert_U)
     needs_grad = torch.is_grad_enabled() and any(shard.requires_grad for shard in shards)
     anchor = torch.empty(0, device=shards[0].device, requires_grad=needs_grad)
     source = controller.restore
     block = source.block() if source is not None and source.block is not None else None
     if needs_grad and block is not None:  # the deferred reduction's path to the parameters: views made here,
         shards = source.shards()  # eagerly (the graph's may come out of a compiled region, one backward node)
-    return _RestoreExchange.apply(anchor, list(shards), slot_expert_S, controller, ahead)
+    return _RestoreExchange.apply(anchor, list(shards), slot_expert_U, controller, ahead)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,11 +269,11 @@ class PrefetchChain:
 
 
 @torch.compiler.disable  # the step's host logic: runs eagerly under torch.compile (a graph break)
-def restore_issue(controller: FSEPPlacement, shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
+def restore_issue(controller: FSEPPlacement, shards: list[Tensor], slot_expert_U: Tensor) -> Tensor:
     """Graph node: this block's restore (pending; `moe_comm.wait` completes it), prefetched or issued now."""
     if _shape_only() or not controller.training:  # a trace, a checkpoint recompute, eval: no prefetch state
-        return exchange_restore(controller, shards, slot_expert_S)
-    return controller.issue_restore(shards, slot_expert_S)
+        return exchange_restore(controller, shards, slot_expert_U)
+    return controller.issue_restore(shards, slot_expert_U)
 
 
 def _drop_unused(issued: list[tuple[FSEPPlacement, Prefetched]], grad: Tensor) -> None:
@@ -397,18 +398,18 @@ class FSEPPlacement(nn.Module):
             self.decisions.append(decision)
             log.debug("%s step %d: %s", self.block, self.step, decision)
 
-    def issue_restore(self, shards: list[Tensor], slot_expert_S: Tensor) -> Tensor:
+    def issue_restore(self, shards: list[Tensor], slot_expert_U: Tensor) -> Tensor:
         """This step's restore: the one an earlier block prefetched when it is still right, else issued now."""
         ahead, self._prefetched = self._prefetched, None
         if ahead is not None:
             if self.chain is not None and ahead.forward == self.chain.forward and torch.equal(ahead.table,
-                                                                                               slot_expert_S):
+                                                                                               slot_expert_U):
                 self.prefetched_restores += 1
-                return exchange_restore(self, shards, slot_expert_S, ahead)
+                return exchange_restore(self, shards, slot_expert_U, ahead)
             comm.WAIT(ahead.pending)  # issued for a forward that did not run this block: complete and drop it
             if self.chain is not None:
                 self.chain.missed(self)
-        return exchange_restore(self, shards, slot_expert_S)
+        return exchange_restore(self, shards, slot_expert_U)
 
     def prefetch(self, restored: Tensor) -> None:
         """Issue the restore of the next `prefetch_depth` blocks of the chain that have none pending (their

@@ -200,12 +200,12 @@ priority_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch
 # queued or running all-to-all and for the previous micro-op), then `work.wait()` (what FSDP's
 # default `async_op=False` does: on gloo the thread waits, on NCCL the stream does).
 #
-# Legend: W ranks of FSDP's group, N elements of one rank's shard (the all-gather input, the
-# reduce-scatter output); the full buffer is W blocks of N, rank r's block at [r*N, (r+1)*N).
+# Shape letters: `moepass.spec.SHAPES` (here P the ranks of FSDP's group, e the elements of one rank's shard:
+# the all-gather input, the reduce-scatter output); the full buffer is P blocks of e, rank r's at [r*e, (r+1)*e).
 
 
 def micro_op_columns(world: int, shard_numel: int, element_size: int, micro_op_bytes: int) -> list[tuple[int, int]]:
-    """[a, b) ranges of a shard such that the W blocks' columns [a, b) together are <= micro_op_bytes."""
+    """[a, b) ranges of a shard such that the P blocks' columns [a, b) together are <= micro_op_bytes."""
     per = max(1, micro_op_bytes // (world * element_size))
     return [(a, min(a + per, shard_numel)) for a in range(0, shard_numel, per)]
 
@@ -225,17 +225,17 @@ class _SchedulerComm:
 
 
 class FSDPReduceScatter(_SchedulerComm):
-    """FSDP2's reduce-scatter as micro-ops: columns [a, b) of the W blocks reduced into out_N[a:b].
-    Each output element reduces the same W values as in one call: bit for bit at W=2 (a sum of two is
-    commutative; tested), at larger W as far as the backend sums a smaller buffer in the same order."""
+    """FSDP2's reduce-scatter as micro-ops: columns [a, b) of the P blocks reduced into out_e[a:b].
+    Each output element reduces the same P values as in one call: bit for bit at P=2 (a sum of two is
+    commutative; tested), at larger P as far as the backend sums a smaller buffer in the same order."""
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: Any,
                  async_op: bool = False) -> None:
-        world, shard_N = group.size(), output_tensor.numel()
-        in_WN = input_tensor.view(world, shard_N)
+        world, shard_e = group.size(), output_tensor.numel()
+        in_Pe = input_tensor.view(world, shard_e)
         cols = self.columns(world, output_tensor)
         for a, b in cols:
-            piece_in = input_tensor if len(cols) == 1 else in_WN[:, a:b].reshape(-1)
+            piece_in = input_tensor if len(cols) == 1 else in_Pe[:, a:b].reshape(-1)
             piece_out = output_tensor[a:b]
             nbytes = (world - 1) * (b - a) * output_tensor.element_size()
             self.scheduler.launch_now(
@@ -245,14 +245,14 @@ class FSDPReduceScatter(_SchedulerComm):
 
 
 class FSDPAllGather(_SchedulerComm):
-    """FSDP2's all-gather as micro-ops: in_N[a:b] gathered into columns [a, b) of the W blocks.
+    """FSDP2's all-gather as micro-ops: in_e[a:b] gathered into columns [a, b) of the P blocks.
     Returns None also for `async_op=True` (each micro-op is waited on FSDP's stream; FSDP then orders
     by its all-gather event)."""
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
-        world, shard_N = group.size(), input_tensor.numel()
-        out_WN = output_tensor.view(world, shard_N)
+        world, shard_e = group.size(), input_tensor.numel()
+        out_Pe = output_tensor.view(world, shard_e)
         cols = self.columns(world, input_tensor)
         for a, b in cols:
             whole = len(cols) == 1
@@ -263,7 +263,7 @@ class FSDPAllGather(_SchedulerComm):
                 functools.partial(ALL_GATHER_SINGLE, piece_out, input_tensor[a:b], group=group, async_op=True),
             ).wait()
             if not whole:
-                out_WN[:, a:b].copy_(piece_out.view(world, b - a))
+                out_Pe[:, a:b].copy_(piece_out.view(world, b - a))
 
 
 def schedule_fsdp(model: nn.Module, scheduler: PriorityScheduler | None = None) -> PriorityScheduler:

@@ -18,7 +18,7 @@ import pytest
 from moepass import cli
 
 bench_all = cli.bench_module()
-from benchmarks import report  # noqa: E402  (bench_module puts the checkout on sys.path)
+from benchmarks import report, report_figures  # noqa: E402  (bench_module puts the checkout on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = list(bench_all.BENCHMARKS)
@@ -203,17 +203,17 @@ def test_report_cli(synthetic, capsys):
 
 def test_failed_launch_note():
     log = "Traceback\n[rank0]: ValueError: needs accelerate\nChildFailedError: \n"
-    assert report.failed_launches([{"launch": "tep@W2", "round": 0, "attempt": 1, "log": log}]) == [
+    assert report_figures.failed_launches([{"launch": "tep@W2", "round": 0, "attempt": 1, "log": log}]) == [
         "launch tep@W2 (round 0, attempt 1) failed: ValueError: needs accelerate"]
 
 
 def test_goal_normalised():
-    at_least, at_most = report.Goal("x", ">=", 1.2), report.Goal("y", "<=", 0.6)
+    at_least, at_most = report_figures.Goal("x", ">=", 1.2), report_figures.Goal("y", "<=", 0.6)
     assert at_least.met(1.2) and not at_least.met(1.19) and at_least.normalised(2.4) == 0.5
     assert at_most.met(0.6) and not at_most.met(0.61) and at_most.normalised(0.3) == 0.5
-    assert not report.Goal("z", "<", 1.0).met(1.0) and report.Goal("z", "<", 1.0).met(0.99)
+    assert not report_figures.Goal("z", "<", 1.0).met(1.0) and report_figures.Goal("z", "<", 1.0).met(0.99)
     with pytest.raises(ValueError, match=r"^Goal\('w'\): op='=<' is not one of \['<', '<=', '>=', '>'\]$"):
-        report.Goal("w", "=<", 1.0)
+        report_figures.Goal("w", "=<", 1.0)
 
 
 def test_timeout_ends_the_benchmark_and_its_children(tmp_path):

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import pool  # noqa: E402
 from test_ep import CFG, case_parity  # noqa: E402
 from test_ep_checkpoint import case_load, case_save  # noqa: E402
-from test_ep_more import case_hf_parity  # noqa: E402
+from test_ep_parity import case_hf_parity  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

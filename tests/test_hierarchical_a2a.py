@@ -8,7 +8,7 @@ scale, and the Plan errors.
   exact formula;
 - EP with hierarchical_a2a=True: bit-equal to the flat EP (outputs, every gradient) on a sample model and HF
   Mixtral, and equal to the single-device original (the EP parity cases of tests/test_ep.py and
-  tests/test_ep_more.py, run with the plan field); the locality form bit-equal with and without it;
+  tests/test_ep_parity.py, run with the plan field); the locality form bit-equal with and without it;
 - the EP byte counters on a fixed routing: each stage = the formula, inter-node = the flat exchange's;
 - torch.compile(fullgraph=True): one graph holding the stage ops; aot_eager trains with eager's numbers;
 - the fake process group at W=16 as 4 x 4: the stage nodes, their groups, the one host sync, shapes with
@@ -34,7 +34,7 @@ from hypothesis.extra import numpy as hnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import fake_process_group, fake_values, pool  # noqa: E402
 from test_ep import case_parity  # noqa: E402
-from test_ep_more import case_hf_parity  # noqa: E402
+from test_ep_parity import case_hf_parity  # noqa: E402
 
 import moepass  # noqa: E402
 from cost_model import ep as cm_ep  # noqa: E402

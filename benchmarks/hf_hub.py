@@ -47,11 +47,6 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                     "layer is rejected: probed without its optional `input_ids`",
                     "the rewritten block accepts (and ignores) optional keyword inputs the captured graph never "
                     "read; probe optional inputs with token ids when the block fails without them"),
-    "gemma4_text": ("rejected", "router and experts sit directly in the decoder layer's own forward, beside its "
-                    "attention: the recorded forward anchors the block at the whole layer, which no MoESpec "
-                    "reproduces (attention inside)", "a region rewrite inside a module (as the torch.compile backend "
-                    "does on Dynamo graphs), or the MoE part moved into a submodule"),
-    "diffusion_gemma_text": ("rejected", "Gemma-4's layer: the same cause", "as Gemma-4"),
     "zaya": ("rejected", "the router module is called with the previous layer's router state (an argument other "
              "than the block input and its own tensors), and selects over E + 1 (a skip expert)",
              "a router-state input the spec can thread through; out of scope of the single rewrite"),

@@ -354,7 +354,7 @@ def _embedding_params(model: dict[str, Any], name: str, assumptions: list[str]) 
 
 def _is_gated(model: dict[str, Any]) -> bool:
     if "activation" in model:
-        return model["activation"] in ("swiglu", "geglu", "clamped_swiglu", "softcapped_swiglu")
+        return model["activation"] in ("swiglu", "geglu", "geglu_tanh", "clamped_swiglu", "softcapped_swiglu")
     return any(f in str(model.get("id", "")).lower() for f in GATED_FAMILIES)
 
 

@@ -1,6 +1,6 @@
 """The expert activations: one table, their forward and their backward (torch).
 
-`act(gate) [* up]` for the gated ones; "relu2" is the squared ReLU, `relu(gate) ** 2` (Primer, Nemotron-H);
+`act(gate) [* up]` for the gated ones ("geglu": the erf GELU, "geglu_tanh": its tanh approximation); "relu2" is the squared ReLU, `relu(gate) ** 2` (Primer, Nemotron-H);
 "softcapped_swiglu" is `cap_g(gate) * sigmoid(gate) * cap_u(up)` with the softcap `cap_c(v) = c * tanh(v / c)`:
 the sigmoid sees the raw gate, the caps bound the linear gate factor and `up` (its two caps travel in the two
 float parameters every activation takes: `clamp_limit` is the gate's cap, `alpha` the up's). Every place that names an activation (MoESpec validation,
@@ -14,18 +14,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "softcapped_swiglu")
-ACTIVATIONS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu", "softcapped_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "clamped_swiglu", "softcapped_swiglu")
+ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu",
+               "softcapped_swiglu")
 # activations whose two parameters have no default: detection reads them from the block's graph (the constants of
 # its calls), so they are not tried where the graph is not read (`detect.experts.read_expert`'s defaults)
 GRAPH_PARAMETERS = ("softcapped_swiglu",)
 
 
+def _approximate(activation: str) -> str:
+    """`F.gelu`'s `approximate` for a GELU-gated activation."""
+    return "tanh" if activation == "geglu_tanh" else "none"
+
+
 def activate(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float) -> Tensor:
     """The expert activation, `act(gate) [* up]`."""
-    if activation in ("swiglu", "geglu"):
+    if activation in ("swiglu", "geglu", "geglu_tanh"):
         assert h_up is not None, f"{activation} is gated: it needs an up projection"
-        act = F.silu(h_gate) if activation == "swiglu" else F.gelu(h_gate)
+        act = F.silu(h_gate) if activation == "swiglu" else F.gelu(h_gate, approximate=_approximate(activation))
         if torch.is_grad_enabled() and (h_gate.requires_grad or h_up.requires_grad):
             return act * h_up
         return act.mul_(h_up)  # the same product, one [N, F] buffer fewer
@@ -63,8 +69,10 @@ def activate_backward(
     assert h_up is not None
     if activation == "swiglu":
         return aten.silu_backward(grad_a * h_up, h_gate), grad_a * F.silu(h_gate)
-    if activation == "geglu":
-        return aten.gelu_backward(grad_a * h_up, h_gate), grad_a * F.gelu(h_gate)
+    if activation in ("geglu", "geglu_tanh"):
+        approximate = _approximate(activation)
+        return (aten.gelu_backward(grad_a * h_up, h_gate, approximate=approximate),
+                grad_a * F.gelu(h_gate, approximate=approximate))
     if activation == "clamped_swiglu":
         g = h_gate.clamp(max=clamp_limit)
         u = h_up.clamp(min=-clamp_limit, max=clamp_limit)
@@ -93,9 +101,9 @@ def activate_and_backward(
     (the gate and up gradients written into `out_gate` / `out_up` when given, e.g. the two halves of one
     [N, 2F] gradient, so nothing is concatenated): on a CPU every fresh buffer of this size is paid again
     in page faults. Same values as the two functions (the same operations, fewer buffers)."""
-    if activation in ("swiglu", "geglu") and not torch.is_grad_enabled():  # out= ops: no autograd
+    if activation in ("swiglu", "geglu", "geglu_tanh") and not torch.is_grad_enabled():  # out= ops: no autograd
         assert h_up is not None
-        act_g = F.silu(h_gate) if activation == "swiglu" else F.gelu(h_gate)
+        act_g = F.silu(h_gate) if activation == "swiglu" else F.gelu(h_gate, approximate=_approximate(activation))
         a = act_g * h_up
         if out_up is None:
             grad_up = act_g.mul_(grad_a)  # act(g) is not needed after this
@@ -107,7 +115,8 @@ def activate_and_backward(
         if activation == "swiglu":
             grad_gate = torch.ops.aten.silu_backward.grad_input(grad_a_up, h_gate, grad_input=into)
         else:
-            grad_gate = torch.ops.aten.gelu_backward.grad_input(grad_a_up, h_gate, grad_input=into)
+            grad_gate = torch.ops.aten.gelu_backward.grad_input(grad_a_up, h_gate, approximate=_approximate(activation),
+                                                                grad_input=into)
         return a, grad_gate, grad_up
     a = activate(h_gate, h_up, activation, clamp_limit, alpha)
     grad_g, grad_u = activate_backward(grad_a, h_gate, h_up, activation, clamp_limit, alpha)

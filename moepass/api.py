@@ -16,7 +16,7 @@ from torch import nn
 
 from moepass import determinism
 from moepass.canonical import CANONICAL_PASS
-from moepass.detect import DetectionReport, detect
+from moepass.detect import DetectionReport, detect, outline
 from moepass.detect.check import holds_meta
 from moepass.errors import PlanError
 from moepass.pipeline import compile_block, compile_model, copy_block
@@ -132,7 +132,7 @@ def _meta_needs_single(plan: Plan, report: DetectionReport, model: nn.Module) ->
         block_plan = plan.for_block(spec.path)
         if block_plan is None or block_plan.form not in DISTRIBUTED_FORMS:
             continue
-        if holds_meta(model.get_submodule(spec.path) if spec.path else model):
+        if holds_meta(outline.block_in(model, spec.path, report.outlines)):
             raise PlanError(f"Plan(form={block_plan.form!r}) for block {spec.path or '<root>'!r}: the block is on the "
                             f"meta device (no values), and form {block_plan.form!r} replaces its experts by tensors of "
                             f"its own that your model's initialisation does not reach after to_empty. Materialise the "
@@ -242,7 +242,7 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     sections: dict[tuple[str, ...], list[Any]] = {}  # a block's section (its own path masked) -> its blocks
     for detail in report.details:
         if detail.accepted and detail.spec is not None:
-            body = _block_section(model, detail, plan, graphs, sources)
+            body = _block_section(model, detail, plan, graphs, sources, report.outlines)
             sections.setdefault(_fold_key(detail, body), []).append((detail, body))
     for same in sections.values():  # identical blocks (a deep model's layers): the first in full, the rest folded
         first, body = same[0]
@@ -255,7 +255,8 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     return "\n".join(lines)
 
 
-def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sources: bool) -> list[str]:
+def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sources: bool,
+                   outlines: dict[str, Any]) -> list[str]:
     """`explain`'s lines for one accepted block: recogniser, spec, check, plan, passes, graph (never raises)."""
     lines = [f"recogniser: {detail.recogniser}", f"spec: {detail.spec.summary()}"]
     if detail.spec.router.logits_from == "traced":  # an unknown router: its own code, then the known rule
@@ -268,7 +269,7 @@ def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sour
     if block_plan is None:
         return lines + ["plan: left alone (Plan.blocks)"]
     try:
-        original = model.get_submodule(detail.spec.path) if detail.spec.path else model
+        original = outline.block_in(model, detail.spec.path, outlines)
         block = copy_block(detail.spec, original, block_plan)  # as compile copies it
         with _world_for(block_plan) as note:
             if note:

@@ -9,6 +9,9 @@ and `state_dict()` is unchanged.
     x_TD ─permute─► x_ND, counts_E, order_N ─expert_ffn─► y_ND ─unpermute─► y_TKD ─combine─► out_TD
         [+ shared(x_TD) · sigmoid(shared_gate(x_TD))] ─reshape─► output (+ side outputs)
 
+With an input module (`MoESpec.input_module`, a norm on the experts' input only) the experts and shared
+experts read `input_module(x_TD)` while the router reads x_TD.
+
 With heads (Multi-Head LatentMoE, `spec.heads`), routing and experts work on latent sub-tokens:
 
     hidden_states ─reshape─► x_TD ─linear(w_in)─► z_TQ ─reshape─► z_Gh
@@ -519,7 +522,10 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
     if spec.load_counter is not None:  # the block's own load statistic, train mode only
         b.fn(dialect.COUNT_LOAD, b.tensor(spec.load_counter, "load_counter_O"), experts_TK, b.attr("training"),
              name="count_load")
-    out_TD = routed_experts(b, spec, x_TD, experts_TK, weights_TK, E, PLAIN_NAMES)
+    xe_TD = x_TD  # what the experts read: the tokens, or the block's input module on them (the router read x_TD)
+    if spec.input_module is not None:
+        xe_TD = b.module(spec.input_module, x_TD, name="experts_in_TD")
+    out_TD = routed_experts(b, spec, xe_TD, experts_TK, weights_TK, E, PLAIN_NAMES)
 
     if spec.output_bias is not None:  # a bias the block adds to the combined output, outside the experts
         out_TD = b.fn(operator.add, out_TD, b.tensor(spec.output_bias, "output_bias_D"), name="out_plus_bias_TD")
@@ -530,9 +536,9 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         out_TD = b.fn(operator.add, out_TD, passthrough_TD, name="out_with_passthrough_TD")
 
     if spec.shared is not None:
-        shared_TD = b.module(spec.shared.module_path, x_TD, name="shared_TD")
+        shared_TD = b.module(spec.shared.module_path, xe_TD, name="shared_TD")
         if spec.shared.gate_path is not None:
-            gate_T1 = b.module(spec.shared.gate_path, x_TD, name="shared_gate_T1")
+            gate_T1 = b.module(spec.shared.gate_path, xe_TD, name="shared_gate_T1")
             shared_TD = b.fn(operator.mul, b.fn(torch.sigmoid, gate_T1, name="shared_gate_sigmoid"), shared_TD,
                              name="shared_gated_TD")
         out_TD = b.fn(operator.add, out_TD, shared_TD, name="out_plus_shared_TD")

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from moepass import canonical, determinism, dialect, lower, module_copy, schedule
 from moepass.canonical import MoEGraphModule
-from moepass.detect import DetectionReport
+from moepass.detect import DetectionReport, outline
 from moepass.envflags import flag
 from moepass.errors import PlanError
 from moepass.passes import Effects, Pass, PassResult, apply_effects
@@ -228,12 +228,18 @@ def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace
                 if block_plan is None:
                     info.skipped[spec.path] = "Plan.blocks leaves it alone"
                     continue
+                how = report.outlines.get(spec.path)
+                if how is not None:  # a region outlined from its host's forward: the host now calls it as a child
+                    host = target.get_submodule(how.host) if how.host else target
+                    how.apply(host)
                 gm = compile_block(spec, target.get_submodule(spec.path) if spec.path else target, block_plan)
                 info.rewritten[spec.path] = gm
                 if spec.path:
                     target.set_submodule(spec.path, gm)
                 else:
                     target = gm
+                if how is not None:
+                    how.adopt(host, gm)
             stats.update(rewritten=len(info.rewritten), skipped=len(info.skipped))
         with stage(info, "finalize"):
             finalize(target)  # model-level set-up of the rewritten forms
@@ -269,7 +275,8 @@ def copy_model(model: nn.Module, plan: Plan, report: DetectionReport) -> tuple[n
     aliased = 0
     for spec, block_plan in plans:
         if block_plan is not None:
-            done = copy_expert_weights(spec, model.get_submodule(spec.path), block_plan, memo, counts)
+            done = copy_expert_weights(spec, outline.block_in(model, spec.path, report.outlines), block_plan, memo,
+                                       counts)
             aliased += done if block_plan.form != "single" else 0
     return module_copy.deepcopy_module(model, memo), aliased
 

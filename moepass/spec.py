@@ -64,7 +64,7 @@ SHAPES: dict[str, str] = {
 }
 
 ScoreFunc = Literal["softmax", "sigmoid"]
-Activation = Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu", "softcapped_swiglu"]
+Activation = Literal["swiglu", "geglu", "geglu_tanh", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu", "softcapped_swiglu"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
@@ -413,6 +413,10 @@ class MoESpec:
     # a submodule of the block called last, on the output after the shared experts, as it is (a norm the block
     # applies to what it returns)
     output_module: str | None = None
+    # a submodule of the block called first on the tokens the experts read (the router reads them as given): a
+    # norm the block applies before its experts only (Gemma-4's layer: the router scores the residual, the experts
+    # take it normalised)
+    input_module: str | None = None
     # "output": the combine sums each chosen expert's output times its weight (the usual); "input": each expert
     # runs on its input times the weight and the combine sums the outputs (Llama-4: `experts(x * score)`)
     weights_on: str = "output"
@@ -483,7 +487,8 @@ class MoESpec:
             ("router.logits_from='traced'", self.router.logits_from == "traced"),
             ("experts.output_scale", self.experts.output_scale is not None),
             ("experts.identity_experts / zero_experts", self.experts.routed_experts != self.experts.num_experts),
-            ("experts.kind='generic'", self.experts.kind == "generic"))
+            ("experts.kind='generic'", self.experts.kind == "generic"),
+            ("input_module", self.input_module is not None))
             if present]
         if unsupported:
             raise PlanError(
@@ -552,6 +557,8 @@ class MoESpec:
             parts.append(f"counts load in {'.'.join(self.load_counter.paths)}")
         if self.output_bias is not None:
             parts.append(f"output bias {'.'.join(self.output_bias.paths)}")
+        if self.input_module is not None:
+            parts.append(f"experts read {self.input_module}(x)")
         if self.output_module is not None:
             parts.append(f"then {self.output_module}")
         if self.weights_on == "input":

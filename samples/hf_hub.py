@@ -483,8 +483,11 @@ def evaluate(family: Family, compile_: bool = True) -> Outcome:
         return out
     accepted = [d.path for d in report.details if d.accepted]
     rejected = {d.path: d.reason for d in report.details if not d.accepted}
+    # a block outlined from its host's forward (`moepass.detect.outline`) holds the host's router and experts
+    outlined = {f"{o.host}.{name}": path for path, o in report.outlines.items() for name in o.block_of_names()}
     for path in out.routed:
-        block = _block_of(path, list(accepted) + list(rejected))
+        held = _block_of(path, list(outlined))
+        block = outlined[held] if held is not None else _block_of(path, list(accepted) + list(rejected))
         if block is None:
             out.not_reported.append(path)
         elif block in rejected:

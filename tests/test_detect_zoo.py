@@ -1033,7 +1033,7 @@ def test_expert_function_comes_from_the_graph():
     fn = read_expert(Mlp(gated=False, act=lambda t: F.relu(t) ** 2), D)
     assert not isinstance(fn, str) and fn.activation == "relu2" and fn.up is None
     assert read_expert(Mlp(gated=False, act=torch.tanh), D) == (
-        "no known FFN activation ['swiglu', 'geglu', 'gelu', 'gelu_tanh', 'relu', 'relu2', 'clamped_swiglu'] "
+        "no known FFN activation ['swiglu', 'geglu', 'geglu_tanh', 'gelu', 'gelu_tanh', 'relu', 'relu2', 'clamped_swiglu'] "
         "reproduces an expert (not gated, F=24)")
 
 

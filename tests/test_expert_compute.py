@@ -13,8 +13,8 @@ import moepass
 from moepass import dialect, grouped_ffn
 from samples.models import FusedMoE, LoopMoE
 
-ACTIVATIONS = ["swiglu", "geglu", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu"]
-GATED = ("swiglu", "geglu", "clamped_swiglu")
+ACTIVATIONS = ["swiglu", "geglu", "geglu_tanh", "gelu", "gelu_tanh", "relu", "relu2", "clamped_swiglu"]
+GATED = ("swiglu", "geglu", "geglu_tanh", "clamped_swiglu")
 COUNTS = torch.tensor([3, 0, 7, 1, 11, 0])  # empty experts, E=6
 
 

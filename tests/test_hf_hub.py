@@ -28,16 +28,19 @@ from samples import hf_hub as H  # noqa: E402
 # and down read in opposite orientations), llama4_text (routing weights on the experts' input, a [T, D] return,
 # a sigmoid over the top-k logits, its nn.Linear-subclass router called as it is), switch_transformers (an
 # expert no token reaches: None against zero, `hf_hub.UNROUTED`), inkling2_text (a softcapped SwiGLU, its caps the
-# constants of the graph's `tanh(v / c)` calls).
+# constants of the graph's `tanh(v / c)` calls), gemma4_text and diffusion_gemma_text (router and experts inline in
+# the decoder layer beside attention: the region outlined from the traced layer, `moepass.detect.outline`; the
+# experts' own input norm, `MoESpec.input_module`; gated GELU-tanh experts).
 EXACT = (
-    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_ocr2_text", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
-    "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
-    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "jamba", "kimi_linear",
-    "kolibri1", "laguna", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
-    "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "olmoe", "openai_privacy_filter", "phimoe", "qwen2_moe", "qwen3_5_moe_text",
-    "qwen3_moe", "qwen3_next", "qwen3_omni_moe_text", "qwen3_vl_moe_text", "solar_open", "step3p5",
-    "switch_transformers", "unlimited_ocr_text",
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_ocr2_text",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "diffusion_gemma_text", "dots1", "ernie4_5_moe",
+    "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text",
+    "glm5_next_text", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "jamba", "kimi_linear", "kolibri1",
+    "laguna", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
+    "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "olmoe", "openai_privacy_filter", "phimoe",
+    "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_text", "qwen3_vl_moe_text",
+    "solar_open", "step3p5", "switch_transformers", "unlimited_ocr_text",
 )
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "HF_FAMILIES.md"
 

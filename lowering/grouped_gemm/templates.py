@@ -81,6 +81,24 @@ def activate(g, u, limit, alpha):
 def activate_grad(da, g, u, limit, alpha):
     return da * u * _gelu_grad(g), da * _gelu(g)
 ''',
+    "geglu_tanh": '''
+@triton.jit
+def _tanh(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+@triton.jit
+def activate(g, u, limit, alpha):
+    """geglu, tanh approximation: gelu_tanh(gate) * up"""
+    return 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u
+
+
+@triton.jit
+def activate_grad(da, g, u, limit, alpha):
+    t = _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
+    dt = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+    return da * u * (0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * dt), da * 0.5 * g * (1.0 + t)
+''',
     "gelu": '''
 @triton.jit
 def activate(g, u, limit, alpha):

@@ -111,7 +111,7 @@ def _detect(module: nn.Module) -> Any:
 
         report = _DETECTED[module] = detect(module)
         for detail in report.details:  # each accepted block, as seen from itself (another frame's root)
-            if detail.accepted and detail.spec is not None and detail.path:
+            if detail.accepted and detail.spec is not None and detail.path and detail.path not in report.outlines:
                 block = module.get_submodule(detail.path)
                 if block not in _DETECTED:
                     alone = dataclasses.replace(detail, path="", spec=detail.spec.replace(path=""))
@@ -151,7 +151,14 @@ def blocks_of(gm: fx.GraphModule, modules: Modules, frame_self: nn.Module | None
         for path, reason in detection.rejected:
             report.regions.append(Region(prefix + path, type(root.get_submodule(path)).__name__, "passthrough",
                                          f"not rewritten: detection rejected it ({reason})"))
-        blocks += [Block(root.get_submodule(s.path), prefix + s.path, s) for s in detection.blocks]
+        for s in detection.blocks:
+            if s.path in detection.outlines:  # not a module of the frame: its host's forward would need rewriting
+                report.regions.append(Region(prefix + s.path, "outlined", "passthrough",
+                                             "not rewritten: an MoE region outlined from its host's forward "
+                                             "(moepass.detect.outline), which this backend does not splice; use "
+                                             "torch.compile(moepass.compile(model, plan))"))
+                continue
+            blocks.append(Block(root.get_submodule(s.path), prefix + s.path, s))
     all_nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     for block in blocks:
         if block.module is frame_self:  # the frame is the block's own forward: the whole graph

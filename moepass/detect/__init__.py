@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moepass.detect import fused_experts, gshard, loop_experts, self_described
+from moepass.detect import fused_experts, gshard, loop_experts, outline, self_described
 from moepass.detect.candidates import (
     GRAPH,
     SELF_DESCRIBED,
@@ -81,6 +81,8 @@ class DetectionReport:
     details: list[BlockReport] = field(default_factory=list)
     dense: list[str] = field(default_factory=list)  # FFN-shaped modules that are not MoE
     recording: str = ""  # on what input the model's forward was recorded (`recorded_blocks`), or why it was not
+    # block path -> how it was outlined from its host's forward (`moepass.detect.outline`): compile registers it
+    outlines: dict[str, outline.Outline] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what detection could not read (it never raises)
 
     @property
@@ -99,7 +101,9 @@ class DetectionReport:
         for d in self.details:
             same = f" (structure identical to {d.same_as or '<root>'}: its check)" if d.same_as is not None else ""
             if d.accepted and d.spec is not None and d.check is not None:
-                lines.append(f"  {d.path or '<root>'}: {d.recogniser}: {d.spec.summary()}; check "
+                host = self.outlines.get(d.path)
+                where = f" (outlined from {host.host or '<root>'}'s forward)" if host is not None else ""
+                lines.append(f"  {d.path or '<root>'}{where}: {d.recogniser}: {d.spec.summary()}; check "
                              f"{d.check.describe()}{same}")
             else:
                 lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}{same}")
@@ -154,6 +158,8 @@ def _detect_block(candidate: Candidate) -> BlockReport:
                      if spec.heads is None and spec.experts.routed_experts == spec.experts.num_experts]
         if candidate.output_module is not None:  # a module called last on the output: tried with it first
             found = [replace(spec, output_module=candidate.output_module) for spec in found] + found
+        if candidate.input_module is not None:  # a module the experts' input goes through: tried with it first
+            found = [replace(spec, input_module=candidate.input_module) for spec in found] + found
         try:
             winner, tried = semantic_check(candidate.module, found, passthrough=candidate.passthrough,
                                            shape=candidate.probe_shape)
@@ -181,6 +187,29 @@ def _detect_block(candidate: Candidate) -> BlockReport:
                           f"routing into a submodule that returns (weights, experts) and the rewritten block calls "
                           f"it as it is")
     return report
+
+
+def detect_outlined(candidate: Candidate, outlines: dict[str, outline.Outline]) -> BlockReport:
+    """`detect_block`; when it rejects a block the model's recorded forward found (its call recorded), its MoE
+    region outlined from its forward (`moepass.detect.outline`) is tried as a block of its own: accepted, it is
+    the verdict (and `outlines` records how to outline it); else the host's reason says why it was not."""
+    report = detect_block(candidate)
+    if report.accepted or candidate.graph_block is None or candidate.call is None:
+        return report
+    try:
+        found = outline.outline_candidate(candidate)
+    except Exception as err:  # outlining never raises either: the host's own reason stands
+        found = f"{type(err).__name__}: {err}"
+    if isinstance(found, str):
+        report.reason += f". Its MoE region is not outlined: {found}"
+        return report
+    inner, how = found
+    outlined = detect_block(inner)
+    if not outlined.accepted:
+        report.reason += f". Its MoE region outlined from its forward ({how.path}) is rejected too: {outlined.reason}"
+        return report
+    outlines[how.path] = how
+    return outlined
 
 
 def observed_fields(c: Candidate) -> dict[str, Any]:
@@ -275,12 +304,16 @@ def _detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[s
             key = None
         first = checked.get(key) if key is not None else None
         if first is None:
-            report.details.append(detect_block(candidate))
+            report.details.append(detect_outlined(candidate, report.outlines))
             if key is not None:
                 checked[key] = report.details[-1]
             continue
-        report.details.append(BlockReport(candidate.path, first.module_type, first.accepted, first.recogniser,
-                                          first.spec.replace(path=candidate.path) if first.spec is not None else None,
+        path, host = candidate.path, report.outlines.get(first.path)
+        if host is not None:  # the same host: its region outlined the same way
+            report.outlines[host.rerooted(path).path] = host.rerooted(path)
+            path = host.rerooted(path).path
+        report.details.append(BlockReport(path, first.module_type, first.accepted, first.recogniser,
+                                          first.spec.replace(path=path) if first.spec is not None else None,
                                           first.check, first.reason, same_as=first.path))
     try:
         report.dense = find_dense_mlps(model, [d.path for d in report.details], tree)

@@ -129,6 +129,32 @@ def output_module(c: Candidate) -> str | None:
     return path if any(value(n) is arg for n in after) else None
 
 
+def input_module(c: Candidate) -> str | None:
+    """A submodule with parameters (outside the experts and the router) that the block calls on its input (as
+    given, or as [T, D] tokens) and whose output, of the same shape, is what the experts module is called on, away
+    from the selection scores: a norm on the experts' input only (`MoESpec.input_module`). None when there is none."""
+    if c.graph is None or c.selection is None or c.graph.input_node is None or not c.experts_path:
+        return None
+    x = value(c.graph.input_node)
+    top = [call for call in c.graph.calls if call.parent == "" and call.path]
+    experts = next((call for call in top if call.path == c.experts_path), None)
+    if experts is None or not experts.args or not isinstance(experts.args[0], torch.Tensor):
+        return None
+    scores = upstream(c.selection.scores or c.selection.node)
+    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None, c.output_module) if p]
+    for call in top:
+        arg = call.args[0] if call.args else None
+        if call.output is not experts.args[0] or not isinstance(arg, torch.Tensor) or arg.shape != call.output.shape \
+                or any(within(call.path, p) or within(p, call.path) for p in skip) \
+                or not any(True for _ in c.module.get_submodule(call.path).parameters()):
+            continue
+        tokens = arg.dim() == 2 and arg.shape == (x.numel() // x.shape[-1], x.shape[-1]) \
+            and torch.equal(arg, x.reshape(arg.shape))
+        if (arg is x or tokens) and not any(value(n) is call.output for n in scores):
+            return call.path
+    return None
+
+
 def load_counter(probe: nn.Module, inputs: tuple[Any, ...], R: int, K: int) -> str | None:
     """The [O] buffer a train-mode forward of the block adds its experts' load to, read from what one such
     forward does (on the probe, under no_grad, the RNG state restored): the buffer whose increase is a count
@@ -159,17 +185,21 @@ def load_counter(probe: nn.Module, inputs: tuple[Any, ...], R: int, K: int) -> s
 
 def output_scales(c: Candidate) -> list[str]:
     """Block tensors that may scale each expert's output: [O] or [O, 1] floating parameters / buffers the
-    graph reads outside the selection scores' slice that are not the router's (R the router's experts)."""
+    graph reads outside the selection scores' slice that are not the router's (R the router's experts). Not one
+    only a router module returning the selection reads: the weights it returns carry it already."""
     if c.graph is None or c.selection is None:
         return []
     R = c.num_experts
     scores = upstream(c.selection.scores or c.selection.node)
     router = {c.router.weight, c.router.bias, c.router.selection_bias} if c.router else set()
+    selecting = c.router.module if c.router is not None and c.router.selection_outputs is not None else None
     found = []
     for node in attrs(c.graph.graph.nodes):
         val = value(node)
         if node in scores or str(node.target) in router or not node.users or not isinstance(val, torch.Tensor) \
                 or not val.is_floating_point() or tuple(val.shape) not in ((R,), (R, 1)):
+            continue
+        if selecting is not None and all(selecting in u.meta["stack"] for u in node.users):
             continue
         found.append(str(node.target))
     return list(dict.fromkeys(found))
@@ -182,7 +212,8 @@ def shared_expert(c: Candidate) -> SharedExpertSpec | None:
         return None
     x = c.graph.input_node.meta["val"]
     T, D = x.numel() // x.shape[-1], x.shape[-1]
-    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None, c.output_module) if p]
+    skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None, c.output_module,
+                        c.input_module) if p]
     shared = gate = None
     for call in c.graph.calls:
         if call.parent != "" or call.path == "" or not call.args or any(

@@ -44,6 +44,7 @@ class Candidate:
     load_counter: str | None = None  # an [O] buffer a train-mode forward adds each expert's load to (`load_counter`)
     output_bias: str | None = None  # a [D] parameter added to the combined output (`output_bias`)
     output_module: str | None = None  # a submodule called last, on what the block returns (`output_module`)
+    input_module: str | None = None  # a submodule called on the input, whose output the experts read (`input_module`)
     input_weighted: bool = False  # the selection's weights reach an expert weight's input (`MoESpec.weights_on`)
     flat_output: bool = False  # it returns [T, D] tokens for [..., T', D] hidden states (`MoESpec.flat_output`)
     side_outputs: list[str] = field(default_factory=list)  # what it returns after the hidden states (`side_outputs`)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from moepass.detect.block_outputs import (  # noqa: F401  (re-exported)
+    input_module,
     input_weighted,
     load_counter,
     output_bias,
@@ -382,7 +383,7 @@ def recorded_arguments(c: Candidate) -> tuple[tuple[str, ...], list[Any], tuple[
     return tuple(names), values, tuple(values[0].shape)
 
 
-def _probe_value(value: Any) -> Any:
+def probe_value(value: Any) -> Any:
     """A recorded argument as the fp32 probe takes it: tensors detached and cloned (floating ones in fp32)."""
     if isinstance(value, torch.Tensor):  # on the CPU, as the probe copy is
         value = value.detach().to("cpu", copy=True)
@@ -400,14 +401,14 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     recorded = recorded_arguments(c)
     if isinstance(recorded, str):
         return recorded
-    if recorded is None:
-        x = torch.randn(*PROBE_TOKENS, c.hidden_dim, generator=gen)
+    if recorded is None:  # the probe's shape when one is set (an outlined block called on [T, D] tokens)
+        x = torch.randn(*(c.probe_shape or (*PROBE_TOKENS, c.hidden_dim)), generator=gen)
         c.input_names = ("hidden_states", *further_inputs(c.module))
         extras: list[Any] = [token_ids(probe, PROBE_TOKENS, gen) for _ in c.input_names[1:]]
     else:
         c.input_names, values, shape = recorded
         x = torch.randn(*shape, generator=gen)  # the hidden states as the model passed them
-        extras = [_probe_value(v) for v in values[1:]]
+        extras = [probe_value(v) for v in values[1:]]
     try:
         c.graph = capture(probe, x, *extras, names=c.input_names)
     except Exception as err:  # the user's block fails on probe inputs: reject, never raise
@@ -432,6 +433,7 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     c.load_counter = load_counter(probe, (x, *extras), c.num_experts, c.selection.k)
     c.output_bias = output_bias(c)
     c.output_module = output_module(c)
+    c.input_module = input_module(c)
     c.side_outputs = side_outputs(c)
     return None
 

@@ -28,7 +28,7 @@ NAME = "fused-3d"
 GATED_ACTS = GATED_ACTIVATIONS
 PLAIN_ACTS = tuple(a for a in ACTIVATIONS if a not in GATED_ACTIVATIONS)
 # activation calls seen in a block's graph -> the activations they make likely, first
-SEEN_ACTS = {F.silu: ("swiglu",), F.gelu: ("geglu", "gelu", "gelu_tanh"), F.relu: ("relu", "relu2"),
+SEEN_ACTS = {F.silu: ("swiglu",), F.gelu: ("geglu", "gelu", "gelu_tanh", "geglu_tanh"), F.relu: ("relu", "relu2"),
              torch.relu: ("relu", "relu2"),
              torch.clamp: ("clamped_swiglu",), torch.Tensor.clamp: ("clamped_swiglu",),
              torch.tanh: ("softcapped_swiglu",), torch.Tensor.tanh: ("softcapped_swiglu",)}
@@ -119,7 +119,9 @@ def activations(c: Candidate, gated: bool) -> list[str]:
     """The known activations, those whose calls the block's graph makes first."""
     known = GATED_ACTS if gated else PLAIN_ACTS
     seen = [a for fn, acts in SEEN_ACTS.items() if c.graph is not None and c.graph.nodes([fn]) for a in acts]
-    return sorted(known, key=lambda a: a not in seen)
+    if c.graph is not None and any(n.kwargs.get("approximate") == "tanh" for n in c.graph.nodes([F.gelu])):
+        seen = ["geglu_tanh", "gelu_tanh", *seen]  # GELU's tanh approximation: the erf form differs by ~1e-4
+    return sorted(known, key=lambda a: seen.index(a) if a in seen else len(seen))
 
 
 def softcaps(c: Candidate) -> list[tuple[float, float]]:

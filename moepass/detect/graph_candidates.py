@@ -48,6 +48,8 @@ class GraphBlock:
     expert_params: tuple[str, ...]  # model paths of the parameters read downstream of the selection, per expert
     call: ModuleCall | None = None  # the first call the model made to it (args, kwargs, output)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the router and expert parameters' shapes
+    calls: list[ModuleCall] = field(default_factory=list)  # the recorded calls of the modules below it, in order
+    selected_in: tuple[str, ...] = ()  # the modules its selections ran in (each selection's innermost module)
 
     def describe_experts(self) -> str:
         """The expert tensors it reads (paths relative to the block), with how their shapes hold E (for a
@@ -246,12 +248,14 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
             block = found.get(path)
             if block is None:
                 found[path] = GraphBlock(path, E, tuple(sorted(router)), experts, first_call.get(path),
-                                         {p: shapes[p] for p in (*experts, *router) if p in shapes})
+                                         {p: shapes[p] for p in (*experts, *router) if p in shapes},
+                                         selected_in=node.meta["stack"][-1:])
             else:  # a later selection of the same block (group-limited: groups first, then experts)
                 block.num_experts = E
                 block.router_params = tuple(sorted(set(block.router_params) | router))
                 block.expert_params = tuple(dict.fromkeys(block.expert_params + experts))
                 block.shapes.update({p: shapes[p] for p in (*experts, *router) if p in shapes})
+                block.selected_in = tuple(dict.fromkeys(block.selected_in + node.meta["stack"][-1:]))
             break
     for repeat, first in cap.repeats.items():  # a repeated layer: what its first shows, at its own paths
         for block in list(found.values()):
@@ -262,7 +266,11 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
             found[path] = GraphBlock(path, block.num_experts, tuple(moved[p] for p in block.router_params),
                                      tuple(moved[p] for p in block.expert_params),
                                      first_call.get(path),
-                                     {moved.get(p, p): s for p, s in block.shapes.items()})
+                                     {moved.get(p, p): s for p, s in block.shapes.items()},
+                                     selected_in=tuple(_reroot(p, first, repeat) or p for p in block.selected_in))
+    for block in found.values():  # what its submodules were called with and returned (`detect.outline` reads them)
+        block.calls = [call for call in cap.calls if call.path != block.path
+                       and (block.path == "" or call.path.startswith(block.path + "."))]
     order = {path: i for i, path in enumerate(first_call)}  # the order the blocks ran in
     blocks = sorted(found.values(), key=lambda b: order.get(b.path, len(order)))
     # a block inside another found block is the same MoE seen from a submodule that also selects (nested

@@ -1,0 +1,172 @@
+"""Outlining (`moepass.detect.outline`): an MoE region written inline in a layer's forward, beside attention, a
+norm and residuals, is found from the traced forward, outlined as a block of its own, detected and compiled.
+
+The layer below routes in its own code (softmax, top-k, renormalise) over a router `nn.Linear` and hands the
+selection to a fused-experts module (`experts(x, ids, weights)`, the Hugging Face call); the experts read the
+tokens through a norm of their own that the router does not (`MoESpec.input_module`). Nothing is named: the
+region comes from the graph. Parity under `single`: eval output, train loss and every parameter gradient equal
+the original's; parameter names and state-dict keys are the user's, and an original state dict loads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moepass  # noqa: E402
+
+D, E, F, K, VOCAB = 16, 4, 24, 2, 32
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts as [E, 2F, D] / [E, D, F] tensors, called with the routing (HF style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * F, D) * 0.2)
+        self.down = nn.Parameter(torch.randn(E, D, F) * 0.2)
+
+    def forward(self, x_TD, ids_TK, weights_TK):
+        out = torch.zeros_like(x_TD)
+        for e in range(E):
+            token, slot = torch.where(ids_TK == e)
+            if token.numel() == 0:
+                continue
+            gate, up = nn.functional.linear(x_TD[token], self.gate_up[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.down[e])
+            out.index_add_(0, token, y * weights_TK[token, slot, None])
+        return out
+
+
+class Layer(nn.Module):
+    """Self-attention, then routing and experts inline in the same forward, with residuals."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.moe_norm = nn.LayerNorm(D)
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts_norm = nn.LayerNorm(D)
+        self.experts = FusedExperts()
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.attn_norm(x)).chunk(3, dim=-1)
+        x = x + self.proj(torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5, dim=-1) @ v)
+        tokens = self.moe_norm(x).reshape(-1, D)
+        weights, ids = torch.topk(torch.softmax(self.router(tokens), dim=-1), K, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = self.experts(self.experts_norm(tokens), ids, weights)
+        return x + y.reshape(x.shape)
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(Layer() for _ in range(layers))
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _model(seed: int = 0) -> Model:
+    torch.manual_seed(seed)
+    model = Model()
+    with torch.no_grad():  # norms off their identity init: a forgotten norm shows
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.1)
+    return model
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def detected() -> tuple[Model, moepass.DetectionReport]:
+    model = _model()
+    return model, moepass.detect(model)
+
+
+def test_detect_outlines_the_inline_region(detected):
+    model, report = detected
+    assert not report.rejected, report.summary()
+    assert [s.path for s in report.blocks] == ["layers.0.moe", "layers.1.moe"]
+    assert sorted(report.outlines) == ["layers.0.moe", "layers.1.moe"]
+    how = report.outlines["layers.0.moe"]
+    assert (how.host, how.name) == ("layers.0", "moe")
+    # the region: the router, the selection and what feeds the experts from the shared tokens; not attention
+    assert set(how.block_of_names()) == {"router", "experts_norm", "experts"}
+    spec = report.blocks[0]
+    assert (spec.input_module, spec.num_experts, spec.top_k, spec.experts.activation) == (
+        "experts_norm", E, K, "swiglu"), spec.summary()
+    assert "outlined from layers.0's forward" in report.summary()
+    assert "layers.0.moe" not in dict(model.named_modules())  # the user's model is unchanged
+
+
+def _grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(ids).logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_single_is_exact_and_keeps_the_users_names(detected):
+    (model, report), ids = detected, _ids()
+    compiled = moepass.compile(model, moepass.Plan(form="single"), report=report)
+    assert sorted(compiled.moepass_info.rewritten) == ["layers.0.moe", "layers.1.moe"]
+    assert type(compiled.layers[0]) is Layer  # the host keeps its class; its forward calls the rewritten block
+    with torch.no_grad():
+        model.eval(), compiled.eval()
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=RTOL, atol=ATOL)
+    ref_loss, ref = _grads(model, ids)
+    loss, got = _grads(compiled, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert got.keys() == ref.keys()
+    for name, grad in ref.items():
+        torch.testing.assert_close(got[name], grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    # checkpoints: the user's keys both ways
+    assert list(compiled.state_dict()) == list(model.state_dict())
+    other = _model(seed=5)
+    compiled.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        other.eval(), compiled.eval()
+        torch.testing.assert_close(compiled(ids), other(ids), rtol=RTOL, atol=ATOL)
+    model.load_state_dict(compiled.state_dict())
+
+
+def test_a_region_holding_the_attention_is_rejected():
+    """The experts read the attention output, the router the normed input: the only input both share is the layer's,
+    so the outlined region holds the attention too, which the check rejects; the host's reason says so."""
+
+    class Mixed(Layer):
+        def forward(self, x):
+            a = self.proj(self.qkv(self.attn_norm(x))[..., :D])
+            tokens = self.moe_norm(x).reshape(-1, D)
+            weights, ids = torch.topk(torch.softmax(self.router(tokens), dim=-1), K, dim=-1)
+            y = self.experts(a.reshape(-1, D), ids, weights)
+            return x + y.reshape(x.shape)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), Mixed())
+    report = moepass.detect(model)
+    assert not report.blocks and not report.outlines
+    (path, reason), = report.rejected
+    assert path == "1" and "Its MoE region outlined from its forward (1.moe) is rejected too" in reason, reason

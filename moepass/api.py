@@ -19,7 +19,7 @@ from moepass.canonical import CANONICAL_PASS
 from moepass.detect import DetectionReport, detect, outline
 from moepass.detect.check import holds_meta
 from moepass.errors import PlanError
-from moepass.pipeline import compile_block, compile_model, copy_block
+from moepass.pipeline import compile_block, compile_model, copy_block, refuse_distributed_outlines
 from moepass.plan import DISTRIBUTED_FORMS, Plan
 from moepass.runtime.topology import Topology
 
@@ -49,6 +49,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
         raise PlanError(_missed_message(missed, plan) + " Plan(strict=True) refuses to compile the model so: fix the "
                         "block (moepass.explain(model, plan) shows each check), leave it alone explicitly with "
                         f"Plan(blocks={{{missed[0][0]!r}: None}}), or pass strict=False to train it as it is.")
+    refuse_distributed_outlines(plan, report)  # before the process-group check: the fix differs
     _needs_process_group(plan, report)
     if plan.grad_sync == "scheduler" and not (dist.is_initialized() and dist.get_world_size() > 1):
         raise PlanError("Plan.grad_sync='scheduler' has no effect on one process: it synchronises gradients over "

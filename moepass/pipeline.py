@@ -214,9 +214,26 @@ def stage(info: CompileInfo, name: str, **stats: Any) -> Iterator[dict[str, Any]
         log.info("%s [model]: %.1f ms %s", name, record["seconds"] * 1e3, record["stats"])
 
 
+def refuse_distributed_outlines(plan: Plan, report: DetectionReport) -> None:
+    """A block outlined from its host's forward (`moepass.detect.outline`) is built under form="single" only:
+    under a distributed form its forward holds, but its sharded experts keep the host's parameter names while
+    their layout is keyed by the block's path, so `logical_grads` / `logical_state_dict` (checkpoints) would not
+    map them. Refused before anything is copied, naming the way out."""
+    for path, how in report.outlines.items():
+        block_plan = plan.for_block(path)
+        if block_plan is not None and block_plan.form != "single":
+            raise PlanError(
+                f"block {path!r} is an MoE region outlined from {how.host or 'the model'!r}'s own forward (router and "
+                f"experts written inline beside other work): form={block_plan.form!r} is not built for it yet (its "
+                f"sharded experts' checkpoint and gradient names are not mapped). Use Plan(blocks={{{path!r}: "
+                f"{{'form': 'single'}}}}) or leave it alone with Plan(blocks={{{path!r}: None}}), or move the MoE part "
+                f"of that forward into a submodule of its own.")
+
+
 def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace: bool) -> tuple[nn.Module, CompileInfo]:
     """`moepass.compile`'s work after detection and the plan checks: the model stages (module doc)."""
     info = CompileInfo(plan=plan, report=report)
+    refuse_distributed_outlines(plan, report)
     mode = determinism.deterministic() if plan.deterministic else contextlib.nullcontext()
     with module_copy.gc_paused(), mode:  # thousands of modules and graph nodes are made: no collection walks them
         with stage(info, "copy", inplace=inplace) as stats:

@@ -152,6 +152,21 @@ def test_single_is_exact_and_keeps_the_users_names(detected):
     model.load_state_dict(compiled.state_dict())
 
 
+@pytest.mark.parametrize("form", ["ep", "fsep"])
+def test_a_distributed_form_on_an_outlined_block_is_refused_naming_the_way_out(detected, form):
+    """Under EP the outlined block's sharded experts keep the host's names while their layout is keyed by the
+    block's path (checkpoints would not map them): refused before anything is copied, with both ways out."""
+    model, report = detected
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(moepass.PlanError, match=(
+            rf"block 'layers.0.moe' is an MoE region outlined from 'layers.0'.s own forward .*form='{form}' is not "
+            r"built for it yet.*Plan\(blocks=\{'layers.0.moe': \{'form': 'single'\}\}\)")):
+        moepass.compile(model, moepass.Plan(form=form), report=report)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    mixed = moepass.compile(model, moepass.Plan(form=form, blocks={"layers.*.moe": {"form": "single"}}), report=report)
+    assert sorted(mixed.moepass_info.rewritten) == ["layers.0.moe", "layers.1.moe"]
+
+
 def test_a_region_holding_the_attention_is_rejected():
     """The experts read the attention output, the router the normed input: the only input both share is the layer's,
     so the outlined region holds the attention too, which the check rejects; the host's reason says so."""

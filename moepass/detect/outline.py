@@ -22,9 +22,10 @@ with the region replaced by the call. The host keeps its other children and attr
 and `__call__` too: only its `forward` is the traced one), and keeps registering the modules the block
 shares (router, experts), first: `named_parameters()` and `state_dict()` name every tensor as the user's
 model does (the block's aliases are dropped from the state dict and filled from the original keys when
-one is loaded). Under a distributed form (EP) the forward is the same, but the rewritten block's layout
-(`runtime.layout.expert_layouts`) is keyed by the block's path while its expert parameters keep the host's names:
-`logical_grads` / `logical_state_dict` do not map sharded experts of an outlined block yet.
+one is loaded). Distributed forms are refused for an outlined block (`pipeline.refuse_distributed_outlines`,
+naming the way out): the forward would hold, but the rewritten block's layout (`runtime.layout.expert_layouts`)
+is keyed by the block's path while its expert parameters keep the host's names, so `logical_grads` /
+`logical_state_dict` would not map its sharded experts.
 """
 
 from __future__ import annotations

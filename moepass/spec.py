@@ -319,11 +319,15 @@ class SharedExpertSpec:
     """Dense experts every token goes through, added to the routed output.
 
     `module_path` is called as a module (its own forward). With `gate_path`, its output is scaled
-    by `sigmoid(gate(x))` (Qwen2-MoE).
+    by `sigmoid(gate(x))` (Qwen2-MoE). With `router_outputs`, it also takes outputs of the router module.
     """
 
     module_path: str
     gate_path: str | None = None
+    # further arguments the block passes it, each an output of its router module: (keyword, index into what the
+    # router module returns); keyword "" passes it by position. A shared-expert "sink" scored beside the routed
+    # experts gets its weight this way (`shared(x, gammas=router(x)[3])`); needs a router called as a module.
+    router_outputs: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -436,6 +440,11 @@ class MoESpec:
                                            or self.experts.routed_experts != self.experts.num_experts):
             raise PlanError(f"{where}.weights_on='input' is invalid with heads or identity / zero experts in this "
                             f"build: only FFN experts take their weighted input; use weights_on='output'.")
+        if self.shared is not None and self.shared.router_outputs and self.router.logits_from not in (
+                "module", "selection"):
+            raise PlanError(f"{where}.shared.router_outputs={list(self.shared.router_outputs)} is invalid with "
+                            f"router.logits_from={self.router.logits_from!r}: the shared expert reads outputs of the "
+                            f"router module, so the router must be called as a module ('module' or 'selection').")
         if self.heads is not None:
             self._validate_heads(where, self.heads)
         elif self.router.num_experts != self.experts.routed_experts:
@@ -545,7 +554,9 @@ class MoESpec:
         if x.output_scale is not None:
             parts.append("expert-output-scale")
         if self.shared is not None:
-            parts.append("shared" + ("(gated)" if self.shared.gate_path else ""))
+            parts.append("shared" + ("(gated)" if self.shared.gate_path else "")
+                         + (f"(takes router outputs {[i for _, i in self.shared.router_outputs]})"
+                            if self.shared.router_outputs else ""))
         if self.load_counter is not None:
             parts.append(f"counts load in {'.'.join(self.load_counter.paths)}")
         if self.output_bias is not None:

@@ -74,6 +74,9 @@ class BlockReport:
     reason: str = ""
     tried: list[CheckResult] = field(default_factory=list)
     same_as: str | None = None  # the block whose verdict this one reuses (identical structure: not re-checked)
+    # rejected by design: it selects among E experts but is no MoE FFN block (its experts are not functions of one
+    # token: a mixture of attention experts); the reason says what it is. Left as it is, like any rejected block
+    left_alone: bool = False
 
 
 @dataclass
@@ -102,7 +105,8 @@ class DetectionReport:
                 lines.append(f"  {d.path or '<root>'}: {d.recogniser}: {d.spec.summary()}; check "
                              f"{d.check.describe()}{same}")
             else:
-                lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}{same}")
+                verdict = "LEFT ALONE" if d.left_alone else "REJECTED"
+                lines.append(f"  {d.path or '<root>'} ({d.module_type}): {verdict}: {d.reason}{same}")
         for path in self.dense:
             lines.append(f"  {path}: dense FFN, not MoE")
         lines += [f"  note: {note}" for note in self.notes]
@@ -130,7 +134,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
     if candidate.experts_kind != SELF_DESCRIBED:
         why_not = capture_candidate(candidate)
         if why_not is not None:
-            report.reason = why_not
+            report.reason, report.left_alone = why_not, candidate.left_alone
             return report
     if candidate.experts_kind == GRAPH:
         report.reason = undescribed(candidate)
@@ -281,7 +285,7 @@ def _detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[s
             continue
         report.details.append(BlockReport(candidate.path, first.module_type, first.accepted, first.recogniser,
                                           first.spec.replace(path=candidate.path) if first.spec is not None else None,
-                                          first.check, first.reason, same_as=first.path))
+                                          first.check, first.reason, same_as=first.path, left_alone=first.left_alone))
     try:
         report.dense = find_dense_mlps(model, [d.path for d in report.details], tree)
     except Exception as err:

@@ -65,6 +65,8 @@ class Capture:
     # module path -> the path of an earlier module of the same structure whose calls stand for its own: the
     # calls inside it ran but were not recorded (`capture(skip=)`); only its module calls were
     repeats: dict[str, str] = field(default_factory=dict)
+    # names of the positional inputs passed as None (no placeholder: an optional mask the caller left out)
+    absent: tuple[str, ...] = ()
 
     def nodes(self, targets: Iterable[Any]) -> list[fx.Node]:
         wanted = tuple(targets)
@@ -221,7 +223,8 @@ def capture(module: nn.Module, *inputs: Any, names: tuple[str, ...] = (), kwargs
             h.remove()
     outs = tree_map(recorder._arg, out if isinstance(out, tuple) else (out,))
     recorder.graph.output(outs)
-    return Capture(recorder.graph, out, recorder.calls, placeholders[0] if placeholders else None)
+    absent = tuple(names[i] for i, x in enumerate(inputs) if x is None and i < len(names))
+    return Capture(recorder.graph, out, recorder.calls, placeholders[0] if placeholders else None, absent=absent)
 
 
 @dataclass

@@ -148,6 +148,8 @@ def _module_selection(cap: Capture, facts: RouterFacts, sel: Selection) -> None:
         return bool((rows.unsqueeze(-1) == sel.indices.unsqueeze(1)).any(1).all())
 
     experts = next((i for i, v in enumerate(out) if holds_selection(v)), None)
+    if experts is None:  # no output holds the selection: the ids the block dispatches by, read as they are
+        experts = _dispatch_ids(cap, facts, out, T)
     K = out[experts].numel() // T if experts is not None else facts.top_k
     weights = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.is_floating_point()
                     and v.numel() == T * K), None)
@@ -160,6 +162,25 @@ def _module_selection(cap: Capture, facts: RouterFacts, sel: Selection) -> None:
         return
     facts.selection_outputs = (weights, experts)
     facts.module_input, facts.module_args = found
+
+
+def _dispatch_ids(cap: Capture, facts: RouterFacts, out: tuple | list, T: int) -> int | None:
+    """The router module's output the block dispatches tokens by, when none holds the selection itself (a
+    router whose rule moepass does not know, e.g. one returning a mask whose values pick the experts): an
+    integer [T, k] tensor of expert ids in [0, E) that the block reads after the call, with a floating output
+    of the same size beside it (the weights). Read as the selection as it is: k choices per token, whatever
+    the rule (`RouterSpec.logits_from="selection"`); the semantic check decides."""
+    read_after = {id(value(n)) for n in cap.graph.nodes for u in n.users
+                  if facts.module not in u.meta.get("stack", ()) and value(n) is not None}
+    for i, v in enumerate(out):
+        if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.dtype == torch.bool or not v.numel() \
+                or v.numel() % T or id(v) not in read_after:
+            continue
+        if int(v.min()) < 0 or int(v.max()) >= facts.num_experts:
+            continue
+        if any(isinstance(w, torch.Tensor) and w.is_floating_point() and w.numel() == v.numel() for w in out):
+            return i
+    return None
 
 
 CONSTANTS = (type(None), bool, int, float, str)  # passed to a router module as they are (`spec.Constant`)
@@ -177,7 +198,13 @@ def module_call(cap: Capture, path: str) -> tuple[str, tuple[str | Constant, ...
     if first not in ("hidden", "tokens"):
         return f"router module {path} is not called on the block's input (as given, or as [T, D] tokens)"
     rest: list[str | Constant] = []
+    # the block's further inputs the model passed as None (an optional mask left out): a None the router gets is
+    # taken to be that input, passed on as the block passes it (a tensor there later reaches the router too)
+    absent = cap.absent
     for i, arg in enumerate(call.args[1:], start=1):
+        if arg is None and len(absent) == 1:
+            rest.append(absent[0])
+            continue
         if isinstance(arg, CONSTANTS):
             rest.append(Constant(arg))
             continue

@@ -44,9 +44,6 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                     "reproduces (attention inside)", "a region rewrite inside a module (as the torch.compile backend "
                     "does on Dynamo graphs), or the MoE part moved into a submodule"),
     "diffusion_gemma_text": ("rejected", "Gemma-4's layer: the same cause", "as Gemma-4"),
-    "zaya": ("rejected", "the router module is called with the previous layer's router state (an argument other "
-             "than the block input and its own tensors), and selects over E + 1 (a skip expert)",
-             "a router-state input the spec can thread through; out of scope of the single rewrite"),
     "muse_spark_text": ("rejected", "the router logits are multiplied by `output_multiplier` before being returned (no "
                         "output equals x @ W.T), and the fused experts declare post-expert norms",
                         "a logit scale read from the graph (a constant multiplying the logits) and post-expert "

@@ -62,6 +62,7 @@ from moepass.errors import PlanError
 from moepass.row_ops import expert_slots, ffn_rows, row_weights, weighted_rows, zero_compute_rows
 from moepass.spec import (
     LOAD_OUTPUT,
+    ROUTER_OUTPUT,
     TRACED_ROUTER,
     CapacitySpec,
     Constant,
@@ -553,7 +554,10 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
     side: dict[str, Any] = {"router_logits": logits_TE if router_logits is None else router_logits, "none": None,
                             **selected}
     for name in spec.side_outputs:
-        if name.startswith(LOAD_OUTPUT):  # each expert's load, in the dtype the block returns it in
+        if name.startswith(ROUTER_OUTPUT):  # what the router module returns there, as it is (spec.validate)
+            assert router_out is not None
+            side[name] = b.item(router_out, int(name.removeprefix(ROUTER_OUTPUT)), name.replace(".", "_"))
+        elif name.startswith(LOAD_OUTPUT):  # each expert's load, in the dtype the block returns it in
             dtype = getattr(torch, name.removeprefix(LOAD_OUTPUT))
             load_O = b.fn(dialect.expert_load_ref, experts_TK, spec.router.num_experts, name="expert_load_O")
             side[name] = b.method("to", load_O, dtype, name="expert_load_as_returned")

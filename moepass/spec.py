@@ -78,6 +78,9 @@ MODULE_INPUTS = ("hidden", "tokens")
 # the selection itself (each token's K weights, K experts)
 SIDE_OUTPUTS = ("router_logits", "none", "topk_weights", "topk_experts")  # the last two: [T, K], as routed
 LOAD_OUTPUT = "expert_load."  # + a dtype name: "expert_load.int64", "expert_load.float32"
+# + an index: what the router module returns at that index, returned by the block as it is (a router state the
+# next layer's router reads); needs a router called as a module
+ROUTER_OUTPUT = "router_output."
 LOAD_DTYPES = ("int64", "int32", "float32", "float64", "float16", "bfloat16")
 EXPERT_KINDS = ("ffn", "generic")
 WEIGHTS_ON = ("output", "input")  # what a token's routing weight multiplies: each expert's output, or its input
@@ -461,6 +464,14 @@ class MoESpec:
                 f"Plan.capacity_factor unset)."
             )
         for name in self.side_outputs:
+            if name.startswith(ROUTER_OUTPUT):
+                if not name.removeprefix(ROUTER_OUTPUT).isdigit() or self.router.logits_from not in ("module",
+                                                                                                       "selection"):
+                    raise PlanError(f"{where}.side_outputs[{name!r}] is invalid: '{ROUTER_OUTPUT}<index>' names an "
+                                    f"output of the router module, which must be called as a module "
+                                    f"(router.logits_from 'module' or 'selection', here "
+                                    f"{self.router.logits_from!r}).")
+                continue
             if name.startswith(LOAD_OUTPUT):
                 _check_choice(f"{where}.side_outputs[{name!r}] dtype", name.removeprefix(LOAD_OUTPUT), LOAD_DTYPES)
                 continue

@@ -1233,3 +1233,81 @@ def test_attention_before_the_experts_is_no_attention_expert():
     report = moepass.detect(AttentionExperts(mix_first=True), example_inputs=torch.randn(2, 5, D))
     (d,) = report.details
     assert not d.left_alone and "attention experts" not in d.reason, report.summary()
+
+
+# ----------------------------------------------------------------------------------------------
+# A router carrying a state from the previous layer (by keyword), a skip expert, the state returned.
+# ----------------------------------------------------------------------------------------------
+
+
+class CarryRouter(nn.Module):
+    """Scores E experts and a skip expert (id E) from the tokens plus the previous layer's router state; a token
+    that picks the skip expert gets expert 0 at weight 0 for it. Returns (weights, experts, its own state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Linear(D, 8)
+        self.out = nn.Linear(8, E + 1, bias=False)
+
+    def forward(self, x_TD, carry=None):
+        s = self.down(x_TD)
+        if carry is not None:
+            s = s + carry
+        w, idx = torch.softmax(self.out(s), dim=-1).topk(K, dim=-1)
+        skip = idx == E
+        return w.masked_fill(skip, 0), idx.masked_fill(skip, 0), s
+
+
+class CarryBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.route = CarryRouter()
+        self.experts = nn.ModuleList(Mlp() for _ in range(E))
+
+    def forward(self, h, carry=None):
+        x = h.reshape(-1, D)
+        w, idx, state = self.route(x, carry=carry)
+        return loop_combine(x, w, idx, list(self.experts)).view_as(h), state
+
+
+def test_router_state_carried_across_layers_and_a_skip_expert():
+    """The router module is called by keyword with a block input (the previous layer's state), picks a skip
+    expert (masked to expert 0 at weight 0), and the block returns the router's new state: read as it is
+    (`ROUTER_OUTPUT` side output), exact under single with the state given (outputs, every gradient, the state's
+    gradient); the twin returning another router output is rejected."""
+    torch.manual_seed(0)
+    block = _build_fn(CarryBlock)
+    x, carry = torch.randn(2, 7, D), torch.randn(14, 8)
+    report = moepass.detect(block, example_inputs=(x, carry))
+    (spec,) = report.blocks
+    assert spec.side_outputs == ("router_output.2",) and spec.router.logits_from == "selection", spec
+    assert spec.input_names == ("hidden_states", "carry") and spec.router.module_args == ("carry",), spec
+    twin = spec.replace(side_outputs=("router_output.0",))
+    good, miss = check_specs(block, [spec, twin], passthrough={"carry": carry}, shape=tuple(x.shape))
+    assert good.accepted, good.reason
+    assert not miss.accepted and "shape" in miss.reason, miss.reason
+    compiled = moepass.compile(copy.deepcopy(block), moepass.Plan(form="single"), report=report)
+    runs = []
+    for module in (block, compiled):
+        module.zero_grad(set_to_none=True)
+        xi, ci = x.clone().requires_grad_(True), carry.clone().requires_grad_(True)
+        out, state = module(xi, ci)
+        (out.sum() + (state * 0.5).sum()).backward()
+        runs.append((out, state, xi.grad, ci.grad, {n: p.grad for n, p in module.named_parameters()}))
+    for a, b in zip(runs[1][:4], runs[0][:4]):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    for n, g in runs[0][4].items():
+        got = runs[1][4][n]
+        if g is None:
+            assert got is None or not got.any(), n
+        else:
+            torch.testing.assert_close(got, g, rtol=RTOL, atol=ATOL)
+
+
+def _build_fn(cls) -> nn.Module:
+    block = cls()
+    with torch.no_grad():
+        for t in [*block.parameters(), *block.buffers()]:
+            if t.is_floating_point() and not t.any():
+                t.copy_(torch.randn(t.shape) * 0.1)
+    return block

@@ -31,7 +31,8 @@ from samples import hf_hub as H  # noqa: E402
 # constants of the graph's `tanh(v / c)` calls), inkling_text (a shared-expert sink: a router over E + 1 selecting
 # among E, the sink's weight handed to the shared expert, `SharedExpertSpec.router_outputs`), nllb-moe (its router
 # module's dispatch ids read as they are, its optional padding mask passed through; detected on its own batch),
-# jetmoe (its attention experts left alone, `BlockReport.left_alone`; its MoE MLP rewritten).
+# jetmoe (its attention experts left alone, `BlockReport.left_alone`; its MoE MLP rewritten), zaya (a router called
+# by keyword with the previous layer's router state, which the block returns: `ROUTER_OUTPUT`; a skip expert).
 EXACT = (
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_ocr2_text", "deepseek_v2",
     "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
@@ -40,7 +41,7 @@ EXACT = (
     "kolibri1", "laguna", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
     "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "nllb-moe", "olmoe", "openai_privacy_filter", "phimoe", "qwen2_moe", "qwen3_5_moe_text",
     "qwen3_moe", "qwen3_next", "qwen3_omni_moe_text", "qwen3_vl_moe_text", "solar_open", "step3p5",
-    "switch_transformers", "unlimited_ocr_text",
+    "switch_transformers", "unlimited_ocr_text", "zaya",
 )
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "HF_FAMILIES.md"
 

@@ -33,7 +33,7 @@ from moepass.detect.check import CheckResult, holds_meta, materialise, semantic_
 from moepass.detect.graph_candidates import GraphBlock, graph_blocks, record_model, synthesize_inputs
 from moepass.detect.structure import structural_key
 from moepass.module_copy import deepcopy_module, gc_paused
-from moepass.spec import LOAD_OUTPUT, MoESpec, TensorSource
+from moepass.spec import LOAD_OUTPUT, ROUTER_OUTPUT, MoESpec, TensorSource
 
 Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
 
@@ -199,7 +199,7 @@ def observed_fields(c: Candidate) -> dict[str, Any]:
     if c.input_names != ("hidden_states",):
         fields.update(input_names=c.input_names, unused_inputs=tuple(c.passthrough))
     kinds = c.side_outputs
-    if any(k in ("none", "topk_weights", "topk_experts") or k.startswith(LOAD_OUTPUT) for k in kinds) \
+    if any(k in ("none", "topk_weights", "topk_experts") or k.startswith((LOAD_OUTPUT, ROUTER_OUTPUT)) for k in kinds) \
             and not any(k.startswith("?") for k in kinds):
         fields["side_outputs"] = tuple(kinds)
     return fields

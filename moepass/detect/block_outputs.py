@@ -19,7 +19,7 @@ from moepass.detect.capture import (
 from moepass.detect.graph_candidates import selections
 from moepass.detect.router import ADD
 from moepass.dialect import expert_load_ref
-from moepass.spec import LOAD_OUTPUT, SharedExpertSpec
+from moepass.spec import LOAD_OUTPUT, ROUTER_OUTPUT, SharedExpertSpec
 
 
 def input_weighted(c: Candidate) -> bool:
@@ -69,9 +69,15 @@ def side_outputs(c: Candidate) -> list[str]:
         return []
     R, (T, K) = c.num_experts, c.selection.indices.shape
     load = expert_load_ref(c.selection.indices, R)
+    module = c.router.module if c.router is not None else None
+    router = next((r for r in reversed(c.graph.calls) if r.path == module), None) if module else None
+    returned = router.output if router is not None and isinstance(router.output, (tuple, list)) else ()
     kinds = []
     for i, v in enumerate(out[1:], start=1):
-        if v is None:
+        mine = next((j for j, r in enumerate(returned) if v is not None and r is v), None)
+        if mine is not None and not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == T * R):
+            kinds.append(f"{ROUTER_OUTPUT}{mine}")  # what the router module returned, as it is (not its logits)
+        elif v is None:
             kinds.append("none")
         elif isinstance(v, torch.Tensor) and tuple(v.shape) == (R,) and torch.equal(v.double(), load.double()):
             kinds.append(LOAD_OUTPUT + str(v.dtype).removeprefix("torch."))

@@ -479,12 +479,15 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     except Exception as err:  # the user's block fails on probe inputs: reject, never raise
         return f"probing the block failed: {type(err).__name__}: {err}"
     c.selection = selection(c.graph, c.num_experts)
-    if c.selection is None and c.ffn_experts and c.ffn_experts != c.num_experts:
-        # the router scores more than the group's E (a shared expert scored beside them, a sink): the selection
-        # may run over the group's E alone; then E is the experts the router chooses among
-        c.selection = selection(c.graph, c.ffn_experts)
+    # else the selection the model's recorded forward showed (over its own E), or one over the expert group's E
+    # alone (the router scores more than the group: a shared expert scored beside them, a sink)
+    others = [n for n in (c.graph_block.num_experts if c.graph_block is not None else 0, c.ffn_experts)
+              if n and n != c.num_experts]
+    for other in others if c.selection is None else []:
+        c.selection = selection(c.graph, other)
         if c.selection is not None:
-            c.num_experts = c.ffn_experts
+            c.num_experts = other
+            break
     if c.selection is None:
         return f"no top-k / argmax over E={c.num_experts} scores in the block's graph: not an MoE selection"
     mixing = mixes_tokens(c, c.selection, x.shape[-2]) if x.dim() >= 3 else None
@@ -493,7 +496,10 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
         return mixing
     if recorded is not None:  # what the selection reads is a further input (token ids); the rest passes through
         read = {n.target for n in upstream(c.selection.node) if n.op == "placeholder"}
-        c.passthrough = {name: v for name, v in zip(c.input_names[1:], extras) if name not in read}
+        # a floating input (a state the previous layer computed) is passed as recorded too, read or not: only
+        # token ids can be drawn afresh
+        c.passthrough = {name: v for name, v in zip(c.input_names[1:], extras) if name not in read
+                         or isinstance(v, torch.Tensor) and v.is_floating_point()}
     if c.passthrough:
         c.probe_shape = tuple(x.shape)
     c.router = read_router(c.graph, c.selection, c.num_experts)

@@ -194,14 +194,16 @@ def module_call(cap: Capture, path: str) -> tuple[str, tuple[str | Constant, ...
     if call is None:
         return f"the block does not call {path}"
     block_input = value(cap.input_node)
-    first = _tensor_arg(cap, call.args[0], block_input) if call.args else None
+    args = call.positional if call.kwargs and call.positional is not None else call.args
+    kwargs = {} if args is not call.args else call.kwargs
+    first = _tensor_arg(cap, args[0], block_input) if args else None
     if first not in ("hidden", "tokens"):
         return f"router module {path} is not called on the block's input (as given, or as [T, D] tokens)"
     rest: list[str | Constant] = []
     # the block's further inputs the model passed as None (an optional mask left out): a None the router gets is
     # taken to be that input, passed on as the block passes it (a tensor there later reaches the router too)
     absent = cap.absent
-    for i, arg in enumerate(call.args[1:], start=1):
+    for i, arg in enumerate(args[1:], start=1):
         if arg is None and len(absent) == 1:
             rest.append(absent[0])
             continue
@@ -214,8 +216,8 @@ def module_call(cap: Capture, path: str) -> tuple[str, tuple[str | Constant, ...
                     f"block: only the block's input, its own tensors, its further inputs and constants can be "
                     f"passed as the block passes them")
         rest.append(str(found))
-    if call.kwargs:
-        return (f"router module {path} is called with keyword arguments {sorted(call.kwargs)}: pass them "
+    if kwargs:
+        return (f"router module {path} is called with keyword arguments {sorted(kwargs)}: pass them "
                 f"positionally for moepass to call it as the block does")
     return str(first), tuple(rest)
 

@@ -26,7 +26,6 @@ first, "" the traced module itself).
 from __future__ import annotations
 
 import inspect
-
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field

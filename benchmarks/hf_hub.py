@@ -44,10 +44,16 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                     "reproduces (attention inside)", "a region rewrite inside a module (as the torch.compile backend "
                     "does on Dynamo graphs), or the MoE part moved into a submodule"),
     "diffusion_gemma_text": ("rejected", "Gemma-4's layer: the same cause", "as Gemma-4"),
-    "muse_spark_text": ("rejected", "the router logits are multiplied by `output_multiplier` before being returned (no "
-                        "output equals x @ W.T), and the fused experts declare post-expert norms",
-                        "a logit scale read from the graph (a constant multiplying the logits) and post-expert "
-                        "norms in ExpertsSpec"),
+    "muse_spark_text": ("rejected", "its router module's own selection could be read as it is (the logits it returns are "
+                        "scaled by `output_multiplier`, which only the logits-module recognisers need); what no "
+                        "MoESpec describes is around and inside the experts: they run at `moe_hidden_size` (16) "
+                        "behind a projection and a norm the block applies to the tokens first (`pre_expert_proj`, "
+                        "`pre_expert_norm`), a projection after the combine (`post_expert_proj`), and a norm on each "
+                        "expert's output before its weight (`has_post_expert_norm`), so the fused layouts are read at "
+                        "the block's width 32 and fail",
+                        "MoESpec fields for a module chain before the experts and after the combine, and a per-expert "
+                        "output norm in ExpertsSpec (the distributed forms would refuse it with a PlanError at first); "
+                        "not done here"),
     "ernie4_5_vl_moe_text": ("rejected", "the MoE layer sends text and vision tokens to two expert sets "
                              "(`text_moe`, `vision_moe`) by token type; the candidate is the text set alone, whose "
                              "forward returns the tokens flattened to 1-D",

@@ -811,11 +811,12 @@ CASES: dict[str, Case] = {
     "shared-expert sink: router over E + 1, selection over E, the sink's weight handed to the shared expert": Case(
         SharedSink, _sink_output_misread, "fails",
         lambda s: s.router.logits_from == "selection" and s.router.num_experts == E and s.experts.num_experts == E
-        and s.shared is not None and s.shared.module_path == "common" and s.shared.router_outputs == (("share", 2),)),
+        and s.shared is not None and s.shared.module_path == "common" and s.shared.router_outputs == (("share", 2),),
+        ep=True),
     "router module returning the ids the block dispatches by, not its top-k's (a placement table)": Case(
         PlacedExperts, _module_outputs_swapped, "fails",
         lambda s: s.router.logits_from == "selection" and not s.router.known_kind
-        and (s.router.module_output_index, s.router.module_experts_index) == (1, 0) and s.top_k == K),
+        and (s.router.module_output_index, s.router.module_experts_index) == (1, 0) and s.top_k == K, ep=True),
 }
 NOT_YET: dict[str, str] = {}
 IDENTITY = "identity (zero-compute) experts beside FFN experts"

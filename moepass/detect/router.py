@@ -75,6 +75,10 @@ class RouterFacts:
     unknown_tensors: tuple[str, ...] = ()
     selection: Selection | None = field(default=None, repr=False)  # the selection call these facts are of
     why_not_traced: str = ""  # why the block's router code up to the logits cannot run as traced (`traced_logits`)
+    # the module's returned ids hold no selection of the block's: they are the ids the block dispatches by
+    # (`_dispatch_ids`); its module router is then tried after the known rules, not instead of them
+    dispatch_ids: bool = False
+    module_k: int = 0  # with `dispatch_ids`: how many ids per token the module returns (its router's top_k)
 
 
 def _is_vector(node: fx.Node, E: int) -> bool:
@@ -150,12 +154,16 @@ def _module_selection(cap: Capture, facts: RouterFacts, sel: Selection) -> None:
     experts = next((i for i, v in enumerate(out) if holds_selection(v)), None)
     if experts is None:  # no output holds the selection: the ids the block dispatches by, read as they are
         experts = _dispatch_ids(cap, facts, out, T)
+        facts.dispatch_ids = experts is not None
     K = out[experts].numel() // T if experts is not None else facts.top_k
     weights = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.is_floating_point()
                     and v.numel() == T * K), None)
     if experts is None or weights is None:
         return
-    facts.top_k = K
+    if facts.dispatch_ids:  # the module's k ids per token; the block's own top-k stays what the rules read
+        facts.module_k = K
+    else:
+        facts.top_k = K
     found = module_call(cap, facts.module)
     if isinstance(found, str):
         facts.why_not_module = found
@@ -311,7 +319,7 @@ def known_rule(cap: Capture, facts: RouterFacts) -> dict[str, Any] | None:
     weight = weight.T if facts.weight_transposed else weight
     x_TD = call.args[0].reshape(-1, weight.shape[1])
     logits_TE = F.linear(x_TD.float(), weight.float(), None if bias is None else bias.float())
-    K = facts.top_k
+    K = facts.module_k or facts.top_k
     w_TK, e_TK = (call.output[i].reshape(-1, K) for i in facts.selection_outputs)
     order = e_TK.argsort(-1)
     want_e, want_w = e_TK.gather(1, order), w_TK.float().gather(1, order)
@@ -337,7 +345,7 @@ def module_router(cap: Capture, facts: RouterFacts) -> RouterSpec | None:
         return None
     weights, experts = facts.selection_outputs
     known = known_rule(cap, facts)
-    return RouterSpec(num_experts=facts.num_experts, top_k=facts.top_k, logits_from="selection",
+    return RouterSpec(num_experts=facts.num_experts, top_k=facts.module_k or facts.top_k, logits_from="selection",
                       module_path=facts.module, module_output_index=weights, module_experts_index=experts,
                       module_input=facts.module_input, module_args=facts.module_args,
                       weight=TensorSource.param(facts.weight or f"{facts.module}.weight"),
@@ -394,7 +402,12 @@ def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | st
     found = module_router(cap, facts)
     if found is not None:  # a constant after the module's weights (on them or on the output): tried first
         scaled = [dataclasses.replace(found, selection_scale=s) for s in dict.fromkeys(facts.scales) if s != 1]
-        return scaled + [found]
+        if not facts.dispatch_ids:
+            return scaled + [found]
+        # ids that are not the block's selection: the known rules over its weight first (a one-hot dispatch mask a
+        # known rule reproduces with capacity, say), the module as it is last
+        rules = router_hypotheses(cap, dataclasses.replace(facts, selection_outputs=None, dispatch_ids=False))
+        return (rules if isinstance(rules, list) else []) + scaled + [found]
     if facts.weight is None:
         return (f"no [E={facts.num_experts}, D] weight feeds the selection scores"
                 + (f" ({facts.why_not_module})" if facts.why_not_module else ""))

@@ -32,6 +32,7 @@ from moepass.detect.candidates import (
 from moepass.detect.check import CheckResult, holds_meta, materialise, semantic_check
 from moepass.detect.graph_candidates import GraphBlock, graph_blocks, record_model, synthesize_inputs
 from moepass.detect.structure import structural_key
+from moepass.errors import PlanError
 from moepass.module_copy import deepcopy_module, gc_paused
 from moepass.spec import LOAD_OUTPUT, ROUTER_OUTPUT, MoESpec, TensorSource
 
@@ -149,7 +150,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         if isinstance(found, str):
             reasons.append(f"{name}: {found}")
             continue
-        found = [replace(spec, **observed) for spec in found]
+        found = [spec for spec in (_observed(spec, observed) for spec in found) if spec is not None]
         if candidate.output_bias is not None:  # a bias on the combined output: tried with it first, then without
             bias = TensorSource.param(candidate.output_bias)
             found = [replace(spec, output_bias=bias) for spec in found] + found
@@ -185,6 +186,15 @@ def _detect_block(candidate: Candidate) -> BlockReport:
                           f"routing into a submodule that returns (weights, experts) and the rewritten block calls "
                           f"it as it is")
     return report
+
+
+def _observed(spec: MoESpec, observed: dict[str, Any]) -> MoESpec | None:
+    """`spec` with what the capture observed, or None when the two cannot go together (a router that does not
+    call the router module cannot return what that module returned: `ROUTER_OUTPUT`)."""
+    try:
+        return replace(spec, **observed)
+    except PlanError:
+        return None
 
 
 def observed_fields(c: Candidate) -> dict[str, Any]:

@@ -406,8 +406,8 @@ def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | st
             return scaled + [found]
         # ids that are not the block's selection: the known rules over its weight first (a one-hot dispatch mask a
         # known rule reproduces with capacity, say), the module as it is last
-        rules = router_hypotheses(cap, dataclasses.replace(facts, selection_outputs=None, dispatch_ids=False))
-        return (rules if isinstance(rules, list) else []) + scaled + [found]
+        by_rule = router_hypotheses(cap, dataclasses.replace(facts, selection_outputs=None, dispatch_ids=False))
+        return (by_rule if isinstance(by_rule, list) else []) + scaled + [found]
     if facts.weight is None:
         return (f"no [E={facts.num_experts}, D] weight feeds the selection scores"
                 + (f" ({facts.why_not_module})" if facts.why_not_module else ""))

@@ -808,7 +808,7 @@ CASES: dict[str, Case] = {
         lambda s: s.experts.kind == "generic" and s.experts.template == "bank.expert_0"
         and s.experts.tensors[0][1].paths == tuple(f"bank.expert_{e}.gate.weight" for e in range(E))
         and not s.router.renormalize and s.router.score_func == "sigmoid", ep=True),
-    "shared-expert sink: router over E + 1, selection over E, the sink's weight handed to the shared expert": Case(
+    "shared-expert sink: router over E + 1, selection over E, the sink weight handed to the shared expert": Case(
         SharedSink, _sink_output_misread, "fails",
         lambda s: s.router.logits_from == "selection" and s.router.num_experts == E and s.experts.num_experts == E
         and s.shared is not None and s.shared.module_path == "common" and s.shared.router_outputs == (("share", 2),),

@@ -30,14 +30,6 @@ from samples import hf_hub as H  # noqa: E402
 
 # family -> (verdict it was read under, cause, way out): what reading the family's code found
 CAUSES: dict[str, tuple[str, str, str]] = {
-    "jetmoe": ("rejected", "its MoE MLP is exact (experts over two sibling modules and an output bias, found from the "
-               "recorded forward); its attention is a mixture of attention heads, called with **kwargs, which "
-               "moepass does not pass through", "attention experts are out of scope of an MoE-block rewrite; leave "
-               "them alone with Plan(blocks=...)"),
-    "nllb-moe": ("rejected", "found (the container's parameter-free `token_dropout` entry is left out of the expert "
-                 "group); its router is called with the padding mask too and its top-2 selection is not one the "
-                 "known rules reproduce (72/72 probe tokens select differently)", "read its router module's "
-                 "selection as it is (logits_from='selection') once the mask passes through"),
     "llama4_text": ("rejected", "the router score (sigmoid of the top-k logits) multiplies each expert's *input* "
                     "(`routed_in * router_scores`), and the block returns ([T, D], logits): no MoESpec field "
                     "describes input-side weighting",
@@ -47,19 +39,16 @@ CAUSES: dict[str, tuple[str, str, str]] = {
                     "layer is rejected: probed without its optional `input_ids`",
                     "the rewritten block accepts (and ignores) optional keyword inputs the captured graph never "
                     "read; probe optional inputs with token ids when the block fails without them"),
-    "zaya": ("rejected", "the router module is called with the previous layer's router state (an argument other "
-             "than the block input and its own tensors), and selects over E + 1 (a skip expert)",
-             "a router-state input the spec can thread through; out of scope of the single rewrite"),
-    "inkling_text": ("rejected", "a shared-expert sink: the router weight is [E + 1, D] (the shared expert scored "
-                     "beside the routed ones), so the candidate counts R = E + 1 experts and candidates.py "
-                     "`capture_candidate` looks for a selection over E + 1 scores while the top-k runs over the "
-                     "first E; the weights are a softmax over the K chosen logits and the shared one together",
-                     "`capture_candidate`: also look for a selection over the expert group's E "
-                     "(`num_ffn_experts`); then a recogniser for the sink's joint normalisation"),
-    "muse_spark_text": ("rejected", "the router logits are multiplied by `output_multiplier` before being returned (no "
-                        "output equals x @ W.T), and the fused experts declare post-expert norms",
-                        "a logit scale read from the graph (a constant multiplying the logits) and post-expert "
-                        "norms in ExpertsSpec"),
+    "muse_spark_text": ("rejected", "its router module's own selection could be read as it is (the logits it returns are "
+                        "scaled by `output_multiplier`, which only the logits-module recognisers need); what no "
+                        "MoESpec describes is around and inside the experts: they run at `moe_hidden_size` (16) "
+                        "behind a projection and a norm the block applies to the tokens first (`pre_expert_proj`, "
+                        "`pre_expert_norm`), a projection after the combine (`post_expert_proj`), and a norm on each "
+                        "expert's output before its weight (`has_post_expert_norm`), so the fused layouts are read at "
+                        "the block's width 32 and fail",
+                        "MoESpec fields for a module chain before the experts and after the combine, and a per-expert "
+                        "output norm in ExpertsSpec (the distributed forms would refuse it with a PlanError at first); "
+                        "not done here"),
     "ernie4_5_vl_moe_text": ("rejected", "the MoE layer sends text and vision tokens to two expert sets "
                              "(`text_moe`, `vision_moe`) by token type; the candidate is the text set alone, whose "
                              "forward returns the tokens flattened to 1-D",
@@ -134,6 +123,7 @@ def markdown(outcomes: list[H.Outcome]) -> str:
     own = [o for o in outcomes if o.family.covered_by is None]
     built = [o for o in own if o.built]
     exact = [o for o in built if o.verdict == "exact under single"]
+    alone = [o for o in exact if o.left_alone]
     counts: dict[str, int] = {}
     for o in own:
         counts[o.verdict] = counts.get(o.verdict, 0) + 1
@@ -149,31 +139,46 @@ def markdown(outcomes: list[H.Outcome]) -> str:
         + ", ".join(f"{v}: {n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ". "
         f"Blocks in the built families: {sum(o.expected for o in built)} routed, "
         f"{sum(len(o.accepted) for o in built)} accepted, {sum(len(o.rejected) for o in built)} rejected, "
-        f"{sum(len(o.not_reported) for o in built)} not reported.",
+        f"{sum(len(o.left_alone) for o in built)} left alone (no MoE FFN block: attention experts), "
+        f"{sum(len(o.not_reported) for o in built)} not reported. "
+        f"{len(alone)} of the exact families leave such blocks as they are ({', '.join(o.family.model_type for o in alone)}"
+        f"): every MoE FFN block rewritten and exact, the attention-expert blocks not rewritten (their reason column "
+        f"says so).",
         "",
         "Generated by `python benchmarks/hf_hub.py` (families and tiny configs: `samples/hf_hub.py`; the exact "
         "ones are asserted by `tests/test_hf_hub.py`). A model type is listed when its config class, built with "
         "its defaults, has a field counting experts (`num_experts`, `num_local_experts`, `n_routed_experts`, "
         "`moe_num_experts`), itself or in a sub-config. Each family is built from its config with random "
         "weights, fp32, eager attention and eager experts, dropout off, E = 6 experts, k = 2, width 32, "
-        "2 layers. "
+        "2 layers. Detection runs as `moepass.detect(model)` (its forward recorded on synthesized token ids); a "
+        "model whose forward cannot run on those alone (an encoder-decoder needs decoder ids) is detected on its own "
+        "batch, `moepass.detect(model, example_inputs=batch)`. "
         "*Expected*: the modules one forward shows computing a top-k / argmax / max over E router scores. "
         "*Detected*: accepted / rejected report lines covering them; *not reported*: routed modules no "
-        "report line covers. *Exact under single*: `moepass.compile(model, Plan(form=\"single\"))` gives the "
+        "report line covers; *left alone*: blocks detection reports as no MoE FFN block (their selection drives an "
+        "attention: attention experts), not rewritten. *Exact under single*: `moepass.compile(model, Plan(form=\"single\"))` gives the "
         "original's eval output, train loss and every parameter gradient (rtol 1e-5, atol 1e-6); an expert no token "
         "reaches keeps `grad=None` under a per-expert loop and gets an exact zero gradient after the rewrite (batched, "
         "as transformers' own batched expert kernels and every EP form compute it): parity takes the two as equal "
         "(an optimizer with weight decay or momentum then steps such an expert after the rewrite, not before).",
         "",
-        "| family | built | model class | expected | detected (acc / rej / not rep.) | verdict | reason | way out |",
+        "| family | built | model class | expected | detected (acc / rej / not rep. [/ left alone]) | verdict | reason "
+        "| way out |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for o in own:
         cause, way = ("", "") if o.verdict == "exact under single" else _reason(o)
+        if o.verdict == "exact under single" and o.left_alone:
+            path, why = next(iter(o.left_alone.items()))
+            cause = (f"its MoE FFN blocks are rewritten and exact; {len(o.left_alone)} block(s) left as they are, "
+                     f"not rewritten: {path}: {why}")
+            way = "attention experts are out of scope of an MoE-block rewrite (token-wise experts)"
+        counted = f"{len(o.accepted)} / {len(o.rejected)} / {len(o.not_reported)}" + (
+            f" / {len(o.left_alone)}" if o.left_alone else "")
         lines.append(
             f"| {o.family.model_type} | {'yes' if o.built else 'no'} | {o.model_class} | "
             f"{o.expected if o.built else ''} | "
-            f"{f'{len(o.accepted)} / {len(o.rejected)} / {len(o.not_reported)}' if o.built else ''} | "
+            f"{counted if o.built else ''} | "
             f"{o.verdict} | {_cell(cause)} | {_cell(way)} |")
     lines += ["", "Composite configs whose experts live in another model type's config (covered by that row):", ""]
     lines += [f"- {o.family.model_type} ({o.family.expert_field}) → {o.family.covered_by}"

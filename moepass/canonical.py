@@ -65,6 +65,7 @@ from moepass.errors import PlanError
 from moepass.row_ops import expert_slots, ffn_rows, row_weights, weighted_rows, zero_compute_rows
 from moepass.spec import (
     LOAD_OUTPUT,
+    ROUTER_OUTPUT,
     TRACED_ROUTER,
     CapacitySpec,
     Constant,
@@ -207,8 +208,8 @@ class GraphBuilder:
     def method(self, method: str, *args: Any, name: str | None = None) -> fx.Node:
         return self._stamp(self.graph.create_node("call_method", method, args, {}, name=name))
 
-    def module(self, target: str, *args: Any, name: str | None = None) -> fx.Node:
-        return self._stamp(self.graph.create_node("call_module", target, args, {}, name=name))
+    def module(self, target: str, *args: Any, name: str | None = None, **kwargs: Any) -> fx.Node:
+        return self._stamp(self.graph.create_node("call_module", target, args, kwargs, name=name))
 
     def item(self, node: fx.Node, index: int, name: str) -> fx.Node:
         return self.fn(operator.getitem, node, index, name=name)
@@ -423,6 +424,7 @@ def build_graph(spec: MoESpec) -> fx.Graph:
 
     # router: logits in the router's dtype, then selection in fp32
     router_logits = None  # what the router module returns as logits (its hooks record this value)
+    out = None  # the router module's call, when the graph calls it
     if r.logits_from == "selection":  # the user's router module selects: its weights and experts as they are
         assert r.module_output_index is not None and r.module_experts_index is not None  # RouterSpec.validate
         out = router_call(b, r, hidden, x_TD, dict(zip(spec.input_names, inputs)))
@@ -430,7 +432,8 @@ def build_graph(spec: MoESpec) -> fx.Graph:
                               name="weights_TK")
         experts_TK = b.method("reshape", b.item(out, r.module_experts_index, "router_experts"), -1, K,
                               name="experts_TK")
-        return build_experts_and_output(b, spec, inputs, hidden, x_TD, weights_TK, experts_TK, None, None, None)
+        return build_experts_and_output(b, spec, inputs, hidden, x_TD, weights_TK, experts_TK, None, None, None,
+                                        router_out=out)
     if r.logits_from in ("module", "traced"):  # called on the block's input as given, like HF blocks call it
         out = router_call(b, r, hidden, x_TD, dict(zip(spec.input_names, inputs)))
         router_logits = out if r.module_output_index is None else b.item(out, r.module_output_index,
@@ -453,7 +456,7 @@ def build_graph(spec: MoESpec) -> fx.Graph:
     weights_TK = b.item(routed, 0, "weights_TK")
     experts_TK = b.item(routed, 1, "experts_TK")
     return build_experts_and_output(b, spec, inputs, hidden, x_TD, weights_TK, experts_TK, logits_TE, router_logits,
-                                    selection_bias)
+                                    selection_bias, router_out=out)
 
 
 def block_inputs(b: GraphBuilder, spec: MoESpec) -> list[fx.Node]:
@@ -491,8 +494,10 @@ def router_call(b: GraphBuilder, r: RouterSpec, hidden: fx.Node, x_TD: fx.Node,
 
 def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Node], hidden: fx.Node, x_TD: fx.Node,
                              weights_TK: fx.Node, experts_TK: fx.Node, logits_TE: fx.Node | None,
-                             router_logits: fx.Node | None, selection_bias: fx.Node | None) -> fx.Graph:
-    """Capacity, the routed experts, pass-through, shared experts and the outputs (see the module doc)."""
+                             router_logits: fx.Node | None, selection_bias: fx.Node | None,
+                             router_out: fx.Node | None = None) -> fx.Graph:
+    """Capacity, the routed experts, pass-through, shared experts and the outputs (see the module doc).
+    `router_out`: the router module's call (a shared expert may take its outputs)."""
     r, E, K = spec.router, spec.num_experts, spec.top_k
     selected = {"topk_weights": weights_TK, "topk_experts": experts_TK}  # as routed, before capacity
     dropped_TK = None
@@ -536,7 +541,13 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         out_TD = b.fn(operator.add, out_TD, passthrough_TD, name="out_with_passthrough_TD")
 
     if spec.shared is not None:
-        shared_TD = b.module(spec.shared.module_path, xe_TD, name="shared_TD")
+        if spec.shared.router_outputs:  # it also takes router outputs (MoESpec.validate: the router is a module)
+            assert router_out is not None
+            taken = [(key, b.item(router_out, i, f"shared_arg_{i}")) for key, i in spec.shared.router_outputs]
+            shared_TD = b.module(spec.shared.module_path, xe_TD, *[n for key, n in taken if not key], name="shared_TD",
+                                 **{key: n for key, n in taken if key})
+        else:
+            shared_TD = b.module(spec.shared.module_path, xe_TD, name="shared_TD")
         if spec.shared.gate_path is not None:
             gate_T1 = b.module(spec.shared.gate_path, xe_TD, name="shared_gate_T1")
             shared_TD = b.fn(operator.mul, b.fn(torch.sigmoid, gate_T1, name="shared_gate_sigmoid"), shared_TD,
@@ -549,7 +560,10 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
     side: dict[str, Any] = {"router_logits": logits_TE if router_logits is None else router_logits, "none": None,
                             **selected}
     for name in spec.side_outputs:
-        if name.startswith(LOAD_OUTPUT):  # each expert's load, in the dtype the block returns it in
+        if name.startswith(ROUTER_OUTPUT):  # what the router module returns there, as it is (spec.validate)
+            assert router_out is not None
+            side[name] = b.item(router_out, int(name.removeprefix(ROUTER_OUTPUT)), name.replace(".", "_"))
+        elif name.startswith(LOAD_OUTPUT):  # each expert's load, in the dtype the block returns it in
             dtype = getattr(torch, name.removeprefix(LOAD_OUTPUT))
             load_O = b.fn(dialect.expert_load_ref, experts_TK, spec.router.num_experts, name="expert_load_O")
             side[name] = b.method("to", load_O, dtype, name="expert_load_as_returned")

@@ -80,6 +80,9 @@ MODULE_INPUTS = ("hidden", "tokens")
 # the selection itself (each token's K weights, K experts)
 SIDE_OUTPUTS = ("router_logits", "none", "topk_weights", "topk_experts")  # the last two: [T, K], as routed
 LOAD_OUTPUT = "expert_load."  # + a dtype name: "expert_load.int64", "expert_load.float32"
+# + an index: what the router module returns at that index, returned by the block as it is (a router state the
+# next layer's router reads); needs a router called as a module
+ROUTER_OUTPUT = "router_output."
 LOAD_DTYPES = ("int64", "int32", "float32", "float64", "float16", "bfloat16")
 EXPERT_KINDS = ("ffn", "generic")
 WEIGHTS_ON = ("output", "input")  # what a token's routing weight multiplies: each expert's output, or its input
@@ -321,11 +324,15 @@ class SharedExpertSpec:
     """Dense experts every token goes through, added to the routed output.
 
     `module_path` is called as a module (its own forward). With `gate_path`, its output is scaled
-    by `sigmoid(gate(x))` (Qwen2-MoE).
+    by `sigmoid(gate(x))` (Qwen2-MoE). With `router_outputs`, it also takes outputs of the router module.
     """
 
     module_path: str
     gate_path: str | None = None
+    # further arguments the block passes it, each an output of its router module: (keyword, index into what the
+    # router module returns); keyword "" passes it by position. A shared-expert "sink" scored beside the routed
+    # experts gets its weight this way (`shared(x, gammas=router(x)[3])`); needs a router called as a module.
+    router_outputs: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -442,6 +449,11 @@ class MoESpec:
                                            or self.experts.routed_experts != self.experts.num_experts):
             raise PlanError(f"{where}.weights_on='input' is invalid with heads or identity / zero experts in this "
                             f"build: only FFN experts take their weighted input; use weights_on='output'.")
+        if self.shared is not None and self.shared.router_outputs and self.router.logits_from not in (
+                "module", "selection"):
+            raise PlanError(f"{where}.shared.router_outputs={list(self.shared.router_outputs)} is invalid with "
+                            f"router.logits_from={self.router.logits_from!r}: the shared expert reads outputs of the "
+                            f"router module, so the router must be called as a module ('module' or 'selection').")
         if self.heads is not None:
             self._validate_heads(where, self.heads)
         elif self.router.num_experts != self.experts.routed_experts:
@@ -458,6 +470,14 @@ class MoESpec:
                 f"Plan.capacity_factor unset)."
             )
         for name in self.side_outputs:
+            if name.startswith(ROUTER_OUTPUT):
+                if not name.removeprefix(ROUTER_OUTPUT).isdigit() or self.router.logits_from not in ("module",
+                                                                                                       "selection"):
+                    raise PlanError(f"{where}.side_outputs[{name!r}] is invalid: '{ROUTER_OUTPUT}<index>' names an "
+                                    f"output of the router module, which must be called as a module "
+                                    f"(router.logits_from 'module' or 'selection', here "
+                                    f"{self.router.logits_from!r}).")
+                continue
             if name.startswith(LOAD_OUTPUT):
                 _check_choice(f"{where}.side_outputs[{name!r}] dtype", name.removeprefix(LOAD_OUTPUT), LOAD_DTYPES)
                 continue
@@ -552,7 +572,9 @@ class MoESpec:
         if x.output_scale is not None:
             parts.append("expert-output-scale")
         if self.shared is not None:
-            parts.append("shared" + ("(gated)" if self.shared.gate_path else ""))
+            parts.append("shared" + ("(gated)" if self.shared.gate_path else "")
+                         + (f"(takes router outputs {[i for _, i in self.shared.router_outputs]})"
+                            if self.shared.router_outputs else ""))
         if self.load_counter is not None:
             parts.append(f"counts load in {'.'.join(self.load_counter.paths)}")
         if self.output_bias is not None:

@@ -5,6 +5,9 @@ Rules (each violation names the rule, the node and what is wrong):
   V1 provenance   every node records the pass that made it: node.meta["moepass"]["pass"].
   V2 shapes       FakeTensor propagation succeeds from the block's input; every dialect op's fake
                   implementation validates its operands, so a wrong shape fails "while executing <node>".
+                  A user's module the graph runs as it is (a router module) whose own forward reads data
+                  (`.tolist()`, `.item()`: no fake value) ends the propagation there without a violation:
+                  what is past it is not checked by this rule.
   V3 pairing      every `moe.permute` (or `moe_lowered.permute`) has its order consumed by exactly
                   one inverse (`moe.unpermute`, or a lowered op fusing it) with the same top_k, and
                   every inverse's order comes from a permute (or a communication op).
@@ -87,10 +90,25 @@ def check_shapes(gm: fx.GraphModule, example_inputs: list[torch.Tensor] | None) 
         node = getattr(err, "node", None)
         msg = str(err).split("\n\nWhile executing")[0].strip()
         where = _failing_node(err) or (node.name if node is not None else "<graph>")
+        failing = next((n for n in gm.graph.nodes if n.name == where), None)
+        if failing is not None and failing.op == "call_module" and _data_dependent(err):
+            return []  # the user's module reads data as it runs: not fake-propagatable (module doc)
         return [Violation("V2 shapes", where, msg)]
     finally:
         fake_log.setLevel(level)
     return []
+
+
+def _data_dependent(err: BaseException) -> bool:
+    """Whether `err` (or an exception it was raised from) is fake propagation meeting a value read as data."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, DataDependentOutputException) or "_local_scalar_dense" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _failing_node(err: BaseException) -> str | None:

@@ -87,8 +87,9 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 OVERRIDES: dict[str, dict[str, Any]] = {
     "switch_transformers": dict(num_layers=2, num_decoder_layers=2, encoder_sparse_step=2, decoder_sparse_step=2,
                                 dropout_rate=0.0),  # experts' dropout: a train-mode difference not rewritten
+    # moe_token_dropout: a dropout on each expert's output (train mode), off like every dropout here
     "nllb-moe": dict(encoder_sparse_step=2, decoder_sparse_step=2, dropout=0.0, activation_dropout=0.0,
-                     attention_dropout=0.0, expert_capacity=8),
+                     attention_dropout=0.0, expert_capacity=8, moe_token_dropout=0.0),
     "jamba": dict(expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0),
     # the default config leaves rope_theta unset and clip_qkv None, which its attention clamps with
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
@@ -374,6 +375,9 @@ class Outcome:
     accepted: list[str] = field(default_factory=list)  # block paths covering a routed module
     rejected: dict[str, str] = field(default_factory=dict)  # block path -> reason
     not_reported: list[str] = field(default_factory=list)  # routed modules no report line covers
+    # block path -> reason: rejected by design, no MoE FFN block (`BlockReport.left_alone`: attention experts); left as
+    # it is, which keeps the model exact, and named in the table's reason column (not counted as a rejection)
+    left_alone: dict[str, str] = field(default_factory=dict)
     crash: str = ""  # detect or compile raised
     parity: str = ""  # "" exact; else what differed
     seconds: float = 0.0
@@ -478,6 +482,8 @@ def evaluate(family: Family, compile_: bool = True) -> Outcome:
     out.built, out.model_class = True, type(model).__name__
     try:
         report = moepass.detect(model)
+        if report.recording.startswith("forward not recorded"):  # e.g. an encoder-decoder needs decoder ids too:
+            report = moepass.detect(model, example_inputs=batch)  # its own batch, as its user would pass it
     except Exception as err:  # noqa: BLE001
         out.crash = f"detect raised {_error(err)}"
         return out
@@ -485,11 +491,14 @@ def evaluate(family: Family, compile_: bool = True) -> Outcome:
     rejected = {d.path: d.reason for d in report.details if not d.accepted}
     # a block outlined from its host's forward (`moepass.detect.outline`) holds the host's router and experts
     outlined = {f"{o.host}.{name}": path for path, o in report.outlines.items() for name in o.block_of_names()}
+    alone = {d.path for d in report.details if not d.accepted and d.left_alone}
     for path in out.routed:
         held = _block_of(path, list(outlined))
         block = outlined[held] if held is not None else _block_of(path, list(accepted) + list(rejected))
         if block is None:
             out.not_reported.append(path)
+        elif block in alone:
+            out.left_alone[block] = rejected[block]
         elif block in rejected:
             out.rejected[block] = rejected[block]
         elif block not in out.accepted:

@@ -599,6 +599,75 @@ class ResidualGluDict(nn.Module):
         return loop_combine(x, w, idx, list(self.bank.values())).view_as(h)
 
 
+class SinkRouter(nn.Module):
+    """Scores E routed experts and one shared "sink" with one [E + 1, D] weight; selects among the first E
+    (sigmoid scores); the K chosen logits and the sink's are normalised together (a softmax over K + 1);
+    returns (weights [T, K], experts [T, K], the sink's weight [T, 1])."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(E + 1, D) * 0.3)
+
+    def forward(self, x_TD):
+        logits = x_TD @ self.w.T
+        idx = torch.sigmoid(logits[:, :E]).topk(K, dim=-1).indices
+        joint = torch.softmax(torch.cat([logits[:, :E].gather(1, idx), logits[:, E:]], dim=-1), dim=-1)
+        return joint[:, :K], idx, joint[:, K:]
+
+
+class SinkShared(nn.Module):
+    """A shared expert weighted by the router's sink output, passed by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = Mlp()
+
+    def forward(self, x, share):
+        return self.mlp(x) * share
+
+
+class SharedSink(nn.Module):
+    """A shared-expert sink: the router scores E + 1 experts, selects among E, and hands the shared expert its
+    weight (normalised jointly with the chosen ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pick = SinkRouter()
+        self.experts = nn.ModuleList(Mlp() for _ in range(E))
+        self.common = SinkShared()
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        w, idx, sink = self.pick(x)
+        return (loop_combine(x, w, idx, list(self.experts)) + self.common(x, share=sink)).view_as(h)
+
+
+class PlacementRouter(nn.Module):
+    """Softmax top-k, then the chosen (logical) experts mapped through a placement table to the ids the block
+    dispatches by: the ids it returns are not its top-k's (no known rule; read as they are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, E, bias=False)
+        self.register_buffer("placement", torch.tensor([3, 0, 5, 1, 4, 2]))
+
+    def forward(self, x_TD):
+        w, idx = softmax_topk(self.proj(x_TD))
+        return self.placement[idx], w
+
+
+class PlacedExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = PlacementRouter()
+        self.experts = nn.ModuleList(Mlp() for _ in range(E))
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        idx, w = self.router(x)
+        return loop_combine(x, w, idx, list(self.experts)).view_as(h)
+
+
 def _router(**changes):
     return lambda s: s.replace(router=replace(s.router, **changes))
 
@@ -635,6 +704,11 @@ def _generic_experts_shifted(s: MoESpec) -> MoESpec:  # expert e runs with exper
     (name, source), *rest = s.experts.tensors
     shifted = replace(source, paths=source.paths[1:] + source.paths[:1])
     return s.replace(experts=replace(s.experts, tensors=((name, shifted), *rest)))
+
+
+def _sink_output_misread(s: MoESpec) -> MoESpec:  # the shared expert handed the routed weights, not the sink's
+    assert s.shared is not None and s.router.module_output_index is not None
+    return s.replace(shared=replace(s.shared, router_outputs=(("share", s.router.module_output_index),)))
 
 
 @dataclass
@@ -734,6 +808,15 @@ CASES: dict[str, Case] = {
         lambda s: s.experts.kind == "generic" and s.experts.template == "bank.expert_0"
         and s.experts.tensors[0][1].paths == tuple(f"bank.expert_{e}.gate.weight" for e in range(E))
         and not s.router.renormalize and s.router.score_func == "sigmoid", ep=True),
+    "shared-expert sink: router over E + 1, selection over E, the sink weight handed to the shared expert": Case(
+        SharedSink, _sink_output_misread, "fails",
+        lambda s: s.router.logits_from == "selection" and s.router.num_experts == E and s.experts.num_experts == E
+        and s.shared is not None and s.shared.module_path == "common" and s.shared.router_outputs == (("share", 2),),
+        ep=True),
+    "router module returning the ids the block dispatches by, not its top-k's (a placement table)": Case(
+        PlacedExperts, _module_outputs_swapped, "fails",
+        lambda s: s.router.logits_from == "selection" and not s.router.known_kind
+        and (s.router.module_output_index, s.router.module_experts_index) == (1, 0) and s.top_k == K, ep=True),
 }
 NOT_YET: dict[str, str] = {}
 IDENTITY = "identity (zero-compute) experts beside FFN experts"
@@ -1090,3 +1173,142 @@ def test_square_fused_experts_tie_on_shapes_and_the_check_decides():
     compiled = moepass.compile(block, report=report)
     x = torch.randn(2, 7, 32)
     torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention experts: a selection driving per-expert projections around an attention is no MoE FFN block.
+# ----------------------------------------------------------------------------------------------
+
+
+class AttentionExperts(nn.Module):
+    """A mixture of attention experts: each token's K chosen experts project its query; one attention over the
+    sequence; each expert's output projection, weighted, summed. Its experts are not functions of one token."""
+
+    def __init__(self, mix_first: bool = False):
+        super().__init__()
+        self.mix_first = mix_first  # the twin: attention first, then routed token-wise experts
+        self.router = nn.Linear(D, E, bias=False)
+        self.q = nn.Parameter(torch.randn(E, D, D) * 0.2)
+        self.o = nn.Parameter(torch.randn(E, D, D) * 0.2)
+        self.kv = nn.Linear(D, 2 * D, bias=False)
+
+    def attend(self, q_BSD, h):
+        k, v = self.kv(h).chunk(2, dim=-1)
+        return torch.softmax(q_BSD @ k.transpose(1, 2) / D ** 0.5, dim=-1) @ v
+
+    def forward(self, h):
+        B, S, _ = h.shape
+        if self.mix_first:
+            h = h + self.attend(h, h)
+        x = h.reshape(-1, D)
+        w, idx = softmax_topk(self.router(x))
+        out = torch.zeros_like(x)
+        for k in range(K):
+            if self.mix_first:  # token-wise experts: [E, D, D] in, [E, D, D] out, between them a GELU
+                y = torch.einsum("td,tfd->tf", x, self.q[idx[:, k]])
+                y = F.gelu(y)
+            else:  # the query of each token's k-th expert, then attention over the sequence
+                q = torch.einsum("td,tfd->tf", x, self.q[idx[:, k]]).view(B, S, D)
+                y = self.attend(q, h).reshape(-1, D)
+            out = out + torch.einsum("tf,tdf->td", y, self.o[idx[:, k]]) * w[:, k, None]
+        return out.view_as(h)
+
+
+def test_attention_experts_are_left_alone_with_the_reason():
+    torch.manual_seed(0)
+    block = AttentionExperts()
+    report = moepass.detect(block, example_inputs=torch.randn(2, 5, D))
+    (d,) = report.details
+    assert not d.accepted and d.left_alone, report.summary()
+    assert "mixture of attention experts" in d.reason and "positions" in d.reason, d.reason
+    assert "LEFT ALONE" in report.summary()
+    compiled = moepass.compile(copy.deepcopy(block), moepass.Plan(form="single"), report=report)
+    x = torch.randn(2, 5, D)
+    torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)  # left as it is
+
+
+def test_attention_before_the_experts_is_no_attention_expert():
+    """The twin: the same parts with the attention before the selection: the selection drives token-wise work,
+    so the block is not left alone (it is read, or rejected, as an MoE block)."""
+    torch.manual_seed(0)
+    report = moepass.detect(AttentionExperts(mix_first=True), example_inputs=torch.randn(2, 5, D))
+    (d,) = report.details
+    assert not d.left_alone and "attention experts" not in d.reason, report.summary()
+
+
+# ----------------------------------------------------------------------------------------------
+# A router carrying a state from the previous layer (by keyword), a skip expert, the state returned.
+# ----------------------------------------------------------------------------------------------
+
+
+class CarryRouter(nn.Module):
+    """Scores E experts and a skip expert (id E) from the tokens plus the previous layer's router state; a token
+    that picks the skip expert gets expert 0 at weight 0 for it. Returns (weights, experts, its own state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Linear(D, 8)
+        self.out = nn.Linear(8, E + 1, bias=False)
+
+    def forward(self, x_TD, carry=None):
+        s = self.down(x_TD)
+        if carry is not None:
+            s = s + carry
+        w, idx = torch.softmax(self.out(s), dim=-1).topk(K, dim=-1)
+        skip = idx == E
+        return w.masked_fill(skip, 0), idx.masked_fill(skip, 0), s
+
+
+class CarryBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.route = CarryRouter()
+        self.experts = nn.ModuleList(Mlp() for _ in range(E))
+
+    def forward(self, h, carry=None):
+        x = h.reshape(-1, D)
+        w, idx, state = self.route(x, carry=carry)
+        return loop_combine(x, w, idx, list(self.experts)).view_as(h), state
+
+
+def test_router_state_carried_across_layers_and_a_skip_expert():
+    """The router module is called by keyword with a block input (the previous layer's state), picks a skip
+    expert (masked to expert 0 at weight 0), and the block returns the router's new state: read as it is
+    (`ROUTER_OUTPUT` side output), exact under single with the state given (outputs, every gradient, the state's
+    gradient); the twin returning another router output is rejected."""
+    torch.manual_seed(0)
+    block = _build_fn(CarryBlock)
+    x, carry = torch.randn(2, 7, D), torch.randn(14, 8)
+    report = moepass.detect(block, example_inputs=(x, carry))
+    (spec,) = report.blocks
+    assert spec.side_outputs == ("router_output.2",) and spec.router.logits_from == "selection", spec
+    assert spec.input_names == ("hidden_states", "carry") and spec.router.module_args == ("carry",), spec
+    twin = spec.replace(side_outputs=("router_output.0",))
+    good, miss = check_specs(block, [spec, twin], passthrough={"carry": carry}, shape=tuple(x.shape))
+    assert good.accepted, good.reason
+    assert not miss.accepted and "shape" in miss.reason, miss.reason
+    compiled = moepass.compile(copy.deepcopy(block), moepass.Plan(form="single"), report=report)
+    runs = []
+    for module in (block, compiled):
+        module.zero_grad(set_to_none=True)
+        xi, ci = x.clone().requires_grad_(True), carry.clone().requires_grad_(True)
+        out, state = module(xi, ci)
+        (out.sum() + (state * 0.5).sum()).backward()
+        runs.append((out, state, xi.grad, ci.grad, {n: p.grad for n, p in module.named_parameters()}))
+    for a, b in zip(runs[1][:4], runs[0][:4]):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    for n, g in runs[0][4].items():
+        got = runs[1][4][n]
+        if g is None:
+            assert got is None or not got.any(), n
+        else:
+            torch.testing.assert_close(got, g, rtol=RTOL, atol=ATOL)
+
+
+def _build_fn(cls) -> nn.Module:
+    block = cls()
+    with torch.no_grad():
+        for t in [*block.parameters(), *block.buffers()]:
+            if t.is_floating_point() and not t.any():
+                t.copy_(torch.randn(t.shape) * 0.1)
+    return block

@@ -30,17 +30,23 @@ from samples import hf_hub as H  # noqa: E402
 # expert no token reaches: None against zero, `hf_hub.UNROUTED`), inkling2_text (a softcapped SwiGLU, its caps the
 # constants of the graph's `tanh(v / c)` calls), gemma4_text and diffusion_gemma_text (router and experts inline in
 # the decoder layer beside attention: the region outlined from the traced layer, `moepass.detect.outline`; the
-# experts' own input norm, `MoESpec.input_module`; gated GELU-tanh experts).
+# experts' own input norm, `MoESpec.input_module`; gated GELU-tanh experts),
+# inkling_text (a shared-expert sink: a router over E + 1 selecting
+# among E, the sink's weight handed to the shared expert, `SharedExpertSpec.router_outputs`), nllb-moe (its router
+# module's dispatch ids read as they are, its optional padding mask passed through; detected on its own batch),
+# jetmoe (its attention experts left alone, `BlockReport.left_alone`; its MoE MLP rewritten), zaya (a router called
+# by keyword with the previous layer's router state, which the block returns: `ROUTER_OUTPUT`; a skip expert).
 EXACT = (
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_ocr2_text",
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "diffusion_gemma_text", "dots1", "ernie4_5_moe",
     "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text",
     "glm5_next_text", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "jamba", "kimi_linear", "kolibri1",
-    "laguna", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
-    "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "olmoe", "openai_privacy_filter", "phimoe",
-    "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_text", "qwen3_vl_moe_text",
-    "solar_open", "step3p5", "switch_transformers", "unlimited_ocr_text",
+    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "inkling_text", "jamba", "jetmoe",
+    "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax",
+    "minimax_m2", "minimax_m3_vl_text", "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "nllb-moe",
+    "olmoe", "openai_privacy_filter", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
+    "qwen3_omni_moe_text", "qwen3_vl_moe_text", "solar_open", "step3p5", "switch_transformers",
+    "unlimited_ocr_text", "zaya",
 )
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "HF_FAMILIES.md"
 
@@ -126,3 +132,13 @@ def test_a_router_linear_subclass_is_a_router_module(families):
         assert (spec.router.logits_from, spec.router.module_path, spec.router.score_func) == (
             "module", "router", "sigmoid"), spec.summary()
         assert (spec.weights_on, spec.flat_output, spec.side_outputs) == ("input", True, ("router_logits",))
+
+
+def test_only_attention_experts_are_left_alone(families):
+    """jetmoe is exact with its attention-expert blocks left as they are (not rewritten): those, and nothing else,
+    are the blocks detection leaves alone by design."""
+    out = _outcome(families["jetmoe"])
+    assert out.verdict == "exact under single", (out.rejected, out.parity, out.crash)
+    assert sorted(out.left_alone) == ["model.layers.0.self_attention", "model.layers.1.self_attention"]
+    assert all("mixture of attention experts" in why for why in out.left_alone.values()), out.left_alone
+    assert sorted(out.accepted) == ["model.layers.0.mlp", "model.layers.1.mlp"]

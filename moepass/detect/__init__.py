@@ -32,8 +32,9 @@ from moepass.detect.candidates import (
 from moepass.detect.check import CheckResult, holds_meta, materialise, semantic_check
 from moepass.detect.graph_candidates import GraphBlock, graph_blocks, record_model, synthesize_inputs
 from moepass.detect.structure import structural_key
+from moepass.errors import PlanError
 from moepass.module_copy import deepcopy_module, gc_paused
-from moepass.spec import LOAD_OUTPUT, MoESpec, TensorSource
+from moepass.spec import LOAD_OUTPUT, ROUTER_OUTPUT, MoESpec, TensorSource
 
 Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
 
@@ -74,6 +75,9 @@ class BlockReport:
     reason: str = ""
     tried: list[CheckResult] = field(default_factory=list)
     same_as: str | None = None  # the block whose verdict this one reuses (identical structure: not re-checked)
+    # rejected by design: it selects among E experts but is no MoE FFN block (its experts are not functions of one
+    # token: a mixture of attention experts); the reason says what it is. Left as it is, like any rejected block
+    left_alone: bool = False
 
 
 @dataclass
@@ -106,7 +110,8 @@ class DetectionReport:
                 lines.append(f"  {d.path or '<root>'}{where}: {d.recogniser}: {d.spec.summary()}; check "
                              f"{d.check.describe()}{same}")
             else:
-                lines.append(f"  {d.path or '<root>'} ({d.module_type}): REJECTED: {d.reason}{same}")
+                verdict = "LEFT ALONE" if d.left_alone else "REJECTED"
+                lines.append(f"  {d.path or '<root>'} ({d.module_type}): {verdict}: {d.reason}{same}")
         for path in self.dense:
             lines.append(f"  {path}: dense FFN, not MoE")
         lines += [f"  note: {note}" for note in self.notes]
@@ -134,7 +139,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
     if candidate.experts_kind != SELF_DESCRIBED:
         why_not = capture_candidate(candidate)
         if why_not is not None:
-            report.reason = why_not
+            report.reason, report.left_alone = why_not, candidate.left_alone
             return report
     if candidate.experts_kind == GRAPH:
         report.reason = undescribed(candidate)
@@ -149,7 +154,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         if isinstance(found, str):
             reasons.append(f"{name}: {found}")
             continue
-        found = [replace(spec, **observed) for spec in found]
+        found = [spec for spec in (_observed(spec, observed) for spec in found) if spec is not None]
         if candidate.output_bias is not None:  # a bias on the combined output: tried with it first, then without
             bias = TensorSource.param(candidate.output_bias)
             found = [replace(spec, output_bias=bias) for spec in found] + found
@@ -212,6 +217,15 @@ def detect_outlined(candidate: Candidate, outlines: dict[str, outline.Outline]) 
     return outlined
 
 
+def _observed(spec: MoESpec, observed: dict[str, Any]) -> MoESpec | None:
+    """`spec` with what the capture observed, or None when the two cannot go together (a router that does not
+    call the router module cannot return what that module returned: `ROUTER_OUTPUT`)."""
+    try:
+        return replace(spec, **observed)
+    except PlanError:
+        return None
+
+
 def observed_fields(c: Candidate) -> dict[str, Any]:
     """MoESpec fields every hypothesis of a block takes from what its capture showed, whichever recogniser
     made it: its load counter, its inputs as the model passes them, what it returns when moepass reproduces
@@ -224,7 +238,7 @@ def observed_fields(c: Candidate) -> dict[str, Any]:
     if c.input_names != ("hidden_states",):
         fields.update(input_names=c.input_names, unused_inputs=tuple(c.passthrough))
     kinds = c.side_outputs
-    if any(k in ("none", "topk_weights", "topk_experts") or k.startswith(LOAD_OUTPUT) for k in kinds) \
+    if any(k in ("none", "topk_weights", "topk_experts") or k.startswith((LOAD_OUTPUT, ROUTER_OUTPUT)) for k in kinds) \
             and not any(k.startswith("?") for k in kinds):
         fields["side_outputs"] = tuple(kinds)
     return fields
@@ -314,7 +328,8 @@ def _detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[s
             path = host.rerooted(path).path
         report.details.append(BlockReport(path, first.module_type, first.accepted, first.recogniser,
                                           first.spec.replace(path=path) if first.spec is not None else None,
-                                          first.check, first.reason, same_as=first.path))
+                                          first.check, first.reason, same_as=first.path,
+                                          left_alone=first.left_alone))
     try:
         report.dense = find_dense_mlps(model, [d.path for d in report.details], tree)
     except Exception as err:

@@ -19,7 +19,7 @@ from moepass.detect.capture import (
 from moepass.detect.graph_candidates import selections
 from moepass.detect.router import ADD
 from moepass.dialect import expert_load_ref
-from moepass.spec import LOAD_OUTPUT, SharedExpertSpec
+from moepass.spec import LOAD_OUTPUT, ROUTER_OUTPUT, SharedExpertSpec
 
 
 def input_weighted(c: Candidate) -> bool:
@@ -69,9 +69,15 @@ def side_outputs(c: Candidate) -> list[str]:
         return []
     R, (T, K) = c.num_experts, c.selection.indices.shape
     load = expert_load_ref(c.selection.indices, R)
+    module = c.router.module if c.router is not None else None
+    router = next((r for r in reversed(c.graph.calls) if r.path == module), None) if module else None
+    returned = router.output if router is not None and isinstance(router.output, (tuple, list)) else ()
     kinds = []
     for i, v in enumerate(out[1:], start=1):
-        if v is None:
+        mine = next((j for j, r in enumerate(returned) if v is not None and r is v), None)
+        if mine is not None and not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == T * R):
+            kinds.append(f"{ROUTER_OUTPUT}{mine}")  # what the router module returned, as it is (not its logits)
+        elif v is None:
             kinds.append("none")
         elif isinstance(v, torch.Tensor) and tuple(v.shape) == (R,) and torch.equal(v.double(), load.double()):
             kinds.append(LOAD_OUTPUT + str(v.dtype).removeprefix("torch."))
@@ -215,6 +221,7 @@ def shared_expert(c: Candidate) -> SharedExpertSpec | None:
     skip = [p for p in (c.experts_path, c.router_path, c.router.module if c.router else None, c.output_module,
                         c.input_module) if p]
     shared = gate = None
+    taken: tuple[tuple[str, int], ...] = ()
     for call in c.graph.calls:
         if call.parent != "" or call.path == "" or not call.args or any(
                 within(call.path, p) or within(p, call.path) for p in skip):  # the experts, the router, or above
@@ -224,8 +231,26 @@ def shared_expert(c: Candidate) -> SharedExpertSpec | None:
                 or arg.numel() != T * D:  # called on the tokens ([T, D], or the input as given)
             continue
         if out.shape == arg.shape and shared is None:
-            shared = call.path
+            shared, taken = call.path, _router_outputs(c, call)
         elif out.shape == (*arg.shape[:-1], 1) and isinstance(c.module.get_submodule(call.path), nn.Linear) \
                 and gate is None:
             gate = call.path
-    return None if shared is None else SharedExpertSpec(module_path=shared, gate_path=gate)
+    return None if shared is None else SharedExpertSpec(module_path=shared, gate_path=gate, router_outputs=taken)
+
+
+def _router_outputs(c: Candidate, call: Any) -> tuple[tuple[str, int], ...]:
+    """The further arguments of the shared expert's `call` that are outputs of the block's router module (the
+    very tensors its last call returned): (keyword, or "" by position; index into the router's outputs).
+    A sink scored beside the routed experts is weighted this way (`SharedExpertSpec.router_outputs`)."""
+    module = c.router.module if c.router is not None else None
+    router = next((r for r in reversed(c.graph.calls) if r.path == module), None) if c.graph is not None else None
+    if router is None or not isinstance(router.output, (tuple, list)):
+        return ()
+    given = [("", a) for a in call.args[1:]] + list(call.kwargs.items())
+    found = []
+    for key, arg in given:
+        index = next((i for i, v in enumerate(router.output) if isinstance(arg, torch.Tensor) and v is arg), None)
+        if index is None:
+            return ()  # something else is passed too: not read (the check decides without it)
+        found.append((key, index))
+    return tuple(found)

@@ -55,6 +55,9 @@ class Candidate:
     passthrough: dict[str, Any] = field(default_factory=dict)
     probe_shape: tuple[int, ...] = ()
     graph_block: GraphBlock | None = None  # what the model's recorded forward shows of it (`graph_candidates`)
+    # no MoE FFN block (its selection drives work that mixes tokens, e.g. attention experts): rejected by design,
+    # left as it is (`BlockReport.left_alone`)
+    left_alone: bool = False
 
     @property
     def num_ffn_experts(self) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from moepass.detect.block_outputs import (  # noqa: F401  (re-exported)
     input_module,
@@ -38,9 +39,12 @@ from moepass.detect.block_outputs import (  # noqa: F401  (re-exported)
 )
 from moepass.detect.candidate import GRAPH, PROBE_TOKENS, SELF_DESCRIBED, SPEC_METHOD, Candidate, within  # noqa: F401
 from moepass.detect.capture import (
+    Selection,
     capture,
+    downstream,
     selection,
     upstream,
+    value,
 )
 from moepass.detect.check import probe_copy, token_ids
 from moepass.detect.graph_candidates import GraphBlock, router_weight
@@ -383,6 +387,64 @@ def recorded_arguments(c: Candidate) -> tuple[tuple[str, ...], list[Any], tuple[
     return tuple(names), values, tuple(values[0].shape)
 
 
+MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.einsum)
+ATTENTION = (torch.nn.functional.scaled_dot_product_attention,)
+
+
+def _token_mixing(c: Candidate, probe: nn.Module) -> str | None:
+    """Why the candidate is no MoE FFN block, when its recorded call (`Candidate.call`, keywords included), replayed
+    on the probe, shows the selection driving work that mixes tokens: an attention (scaled dot-product, or a
+    product of two activations giving [..., S, S] scores over the S positions) downstream of the selection. Its
+    experts are then not functions of one token (a mixture of attention experts: per-expert projections around an
+    attention), which no MoESpec describes: the block is left as it is. None when not so, or not probed."""
+    call = c.call
+    if call is None:
+        return None
+    try:  # state objects it would update (a cache the model passed) are left at their defaults: not replayed
+        signature = inspect.signature(c.module.forward)
+        bound = signature.bind(*call.args, **call.kwargs)
+        for name, param in signature.parameters.items():
+            if name in bound.arguments and param.default is not param.empty and not _plain(bound.arguments[name]):
+                bound.arguments[name] = param.default
+        args = tree_map(probe_value, tuple(bound.args))
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 3:  # [..., S, D] hidden states
+            return None
+        kwargs = tree_map(probe_value, dict(bound.kwargs))
+        cap = capture(probe, *args, kwargs=kwargs)
+    except Exception:  # noqa: BLE001  (not probed: the kwargs reason stands)
+        return None
+    found = selection(cap, c.num_experts)
+    return None if found is None else mixes_tokens(c, found, args[0].shape[-2])
+
+
+def mixes_tokens(c: Candidate, found: Selection, S: int) -> str | None:
+    """Why the block is no MoE FFN block when its selection (`found`, in its probe graph) drives an attention over
+    its S positions (`_token_mixing`); else None."""
+    for node in downstream(found.node):
+        val = value(node)
+        if node.op != "call_function" or not isinstance(val, torch.Tensor):
+            continue
+        activations = [a for a in node.all_input_nodes if a.op != "get_attr" and isinstance(value(a), torch.Tensor)
+                       and not all(u.op == "get_attr" for u in upstream(a) if u.op in ("get_attr", "placeholder"))]
+        scores = node.target in MATMULS and len(activations) >= 2 and val.dim() >= 2 and val.shape[-2:] == (S, S)
+        if node.target in ATTENTION or scores:
+            return (f"a mixture of attention experts: the selection over E={c.num_experts} scores drives per-expert "
+                    f"projections around an attention ({getattr(node.target, '__name__', node.target)} giving "
+                    f"{list(val.shape)} over the {S} positions), so its experts are not functions of one token and "
+                    f"no MoESpec describes it: not an MoE FFN block; left as it is (moepass rewrites token-wise "
+                    f"experts)")
+    return None
+
+
+def _plain(value: Any) -> bool:
+    """Tensors, constants and tuples / lists / dicts of them (not a state object such as a cache)."""
+    if isinstance(value, (tuple, list)):
+        return all(map(_plain, value))
+    if isinstance(value, dict):
+        return all(map(_plain, value.values()))
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device))
+
+
 def probe_value(value: Any) -> Any:
     """A recorded argument as the fp32 probe takes it: tensors detached and cloned (floating ones in fp32)."""
     if isinstance(value, torch.Tensor):  # on the CPU, as the probe copy is
@@ -400,6 +462,10 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     gen = torch.Generator().manual_seed(seed + 1)
     recorded = recorded_arguments(c)
     if isinstance(recorded, str):
+        mixing = _token_mixing(c, probe)  # probed as the model called it, keywords included: what it is
+        if mixing is not None:
+            c.left_alone = True
+            return mixing
         return recorded
     if recorded is None:  # the probe's shape when one is set (an outlined block called on [T, D] tokens)
         x = torch.randn(*(c.probe_shape or (*PROBE_TOKENS, c.hidden_dim)), generator=gen)
@@ -414,11 +480,27 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
     except Exception as err:  # the user's block fails on probe inputs: reject, never raise
         return f"probing the block failed: {type(err).__name__}: {err}"
     c.selection = selection(c.graph, c.num_experts)
+    # else the selection the model's recorded forward showed (over its own E), or one over the expert group's E
+    # alone (the router scores more than the group: a shared expert scored beside them, a sink)
+    others = [n for n in (c.graph_block.num_experts if c.graph_block is not None else 0, c.ffn_experts)
+              if n and n != c.num_experts]
+    for other in others if c.selection is None else []:
+        c.selection = selection(c.graph, other)
+        if c.selection is not None:
+            c.num_experts = other
+            break
     if c.selection is None:
         return f"no top-k / argmax over E={c.num_experts} scores in the block's graph: not an MoE selection"
+    mixing = mixes_tokens(c, c.selection, x.shape[-2]) if x.dim() >= 3 else None
+    if mixing is not None:  # attention experts: no MoE FFN block
+        c.left_alone = True
+        return mixing
     if recorded is not None:  # what the selection reads is a further input (token ids); the rest passes through
         read = {n.target for n in upstream(c.selection.node) if n.op == "placeholder"}
-        c.passthrough = {name: v for name, v in zip(c.input_names[1:], extras) if name not in read}
+        # a floating input (a state the previous layer computed) is passed as recorded too, read or not: only
+        # token ids can be drawn afresh
+        c.passthrough = {name: v for name, v in zip(c.input_names[1:], extras) if name not in read
+                         or isinstance(v, torch.Tensor) and v.is_floating_point()}
     if c.passthrough:
         c.probe_shape = tuple(x.shape)
     c.router = read_router(c.graph, c.selection, c.num_experts)

@@ -25,6 +25,7 @@ first, "" the traced module itself).
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -52,6 +53,9 @@ class ModuleCall:
     args: tuple
     kwargs: dict
     output: Any = None
+    # with keyword arguments: every argument by position (the keywords folded in, in the forward's order), when
+    # they are its positional parameters right after the ones given by position; else None
+    positional: tuple | None = None
 
 
 @dataclass
@@ -65,6 +69,8 @@ class Capture:
     # module path -> the path of an earlier module of the same structure whose calls stand for its own: the
     # calls inside it ran but were not recorded (`capture(skip=)`); only its module calls were
     repeats: dict[str, str] = field(default_factory=dict)
+    # names of the positional inputs passed as None (no placeholder: an optional mask the caller left out)
+    absent: tuple[str, ...] = ()
 
     def nodes(self, targets: Iterable[Any]) -> list[fx.Node]:
         wanted = tuple(targets)
@@ -97,6 +103,25 @@ def downstream(node: fx.Node) -> set[fx.Node]:
 def attrs(nodes: Iterable[fx.Node]) -> list[fx.Node]:
     """The `get_attr` nodes (parameters and buffers) among `nodes`, in graph order."""
     return sorted((n for n in nodes if n.op == "get_attr"), key=lambda n: n.meta["order"])
+
+
+def as_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """`module(*args, **kwargs)` as one call by position, when each keyword names a positional parameter of its
+    forward and together they fill the parameters right after `args` (defaults in between); else None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(k not in {p.name for p in positional[len(args):]} for k in kwargs):
+        return None
+    last = max(i for i, p in enumerate(positional) if p.name in kwargs)
+    filled = list(args)
+    for p in positional[len(args):last + 1]:
+        if p.name not in kwargs and p.default is p.empty:
+            return None
+        filled.append(kwargs.get(p.name, p.default))
+    return tuple(filled)
 
 
 def value(node: object) -> Any:
@@ -180,7 +205,8 @@ class _Recorder(TorchFunctionMode):
                 continue
 
             def pre(_m, args, kwargs, path=path):
-                self.calls.append(ModuleCall(path, self.stack[-1] if self.stack else "", args, kwargs))
+                self.calls.append(ModuleCall(path, self.stack[-1] if self.stack else "", args, kwargs,
+                                             positional=as_positional(_m, args, kwargs) if kwargs else None))
                 self.stack.append(path)
                 self.paused += path in self.skip
                 return None
@@ -221,7 +247,8 @@ def capture(module: nn.Module, *inputs: Any, names: tuple[str, ...] = (), kwargs
             h.remove()
     outs = tree_map(recorder._arg, out if isinstance(out, tuple) else (out,))
     recorder.graph.output(outs)
-    return Capture(recorder.graph, out, recorder.calls, placeholders[0] if placeholders else None)
+    absent = tuple(names[i] for i, x in enumerate(inputs) if x is None and i < len(names))
+    return Capture(recorder.graph, out, recorder.calls, placeholders[0] if placeholders else None, absent=absent)
 
 
 @dataclass

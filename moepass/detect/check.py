@@ -281,13 +281,20 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list
         if spec.router.n_group > 1 and logits_name in cap.values:
             result.group_sensitive_tokens += _group_sensitive(spec, cap.values[logits_name].float(),
                                                               cap.values.get(bias_name))
-        if seen.other_k is not None:
+        as_is = spec.router.logits_from == "selection"
+        # the graph calls the block's router module itself: its selection is the module's, read as it is (ids the
+        # block dispatches by, whatever top-k the module ran on the way, e.g. mapped through a placement table);
+        # when they are not that top-k's, the outputs decide
+        mine = cap.values[experts_name].sort(dim=-1).values if experts_name in cap.values else None
+        theirs = seen.indices.sort(dim=-1).values if seen.indices is not None else None
+        if as_is and (seen.other_k is not None or mine is None or theirs is None or mine.shape != theirs.shape
+                      or bool(((mine != theirs).any(dim=-1) & seen.clear).any())):
+            result.selection_observed = False
+        elif seen.other_k is not None:
             result.accepted = False
             result.selection_observed = False
             other_k = seen.other_k
-        elif seen.indices is not None and seen.clear is not None and experts_name in cap.values:
-            mine = cap.values[experts_name].sort(dim=-1).values
-            theirs = seen.indices.sort(dim=-1).values
+        elif seen.clear is not None and mine is not None and theirs is not None:
             if mine.shape != theirs.shape:
                 return CheckResult(spec, False, float("inf"), reason=f"selects {mine.shape[-1]} experts per token ({mine.shape[0]} "
                                                        f"tokens), block selects {theirs.shape[-1]} ({theirs.shape[0]})")

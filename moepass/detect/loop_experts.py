@@ -12,7 +12,7 @@ from dataclasses import replace
 from moepass.detect.candidates import Candidate, output_scales, shared_expert
 from moepass.detect.experts import Role, read_expert, read_generic_expert
 from moepass.detect.router import router_hypotheses
-from moepass.spec import ExpertsSpec, MoESpec, RouterSpec, TensorSource
+from moepass.spec import ROUTER_OUTPUT, ExpertsSpec, MoESpec, RouterSpec, TensorSource
 
 NAME = "modulelist-loop"
 
@@ -83,6 +83,8 @@ def block_specs(c: Candidate, name: str, experts: ExpertsSpec, routers: list[Rou
         return f"the block returns {c.outputs} values; {', '.join(unknown) or 'some'} not reproduced"
     if "router_logits" in side and routers and routers[0].logits_from == "selection":
         return "the block returns router logits, but its router module returns a selection, not logits"
+    if any(k.startswith(ROUTER_OUTPUT) for k in side):  # it returns what its router module returned: only the
+        routers = [r for r in routers if r.logits_from in ("module", "selection")]  # routers calling it qualify
     fields.setdefault("shared", shared_expert(c))
     fields.setdefault("input_names", c.input_names)
     return [MoESpec(path=c.path, recogniser=name, router=r, experts=x, side_outputs=side, **fields)  # type: ignore[arg-type]

@@ -75,6 +75,10 @@ class RouterFacts:
     unknown_tensors: tuple[str, ...] = ()
     selection: Selection | None = field(default=None, repr=False)  # the selection call these facts are of
     why_not_traced: str = ""  # why the block's router code up to the logits cannot run as traced (`traced_logits`)
+    # the module's returned ids hold no selection of the block's: they are the ids the block dispatches by
+    # (`_dispatch_ids`); its module router is then tried after the known rules, not instead of them
+    dispatch_ids: bool = False
+    module_k: int = 0  # with `dispatch_ids`: how many ids per token the module returns (its router's top_k)
 
 
 def _is_vector(node: fx.Node, E: int) -> bool:
@@ -148,18 +152,43 @@ def _module_selection(cap: Capture, facts: RouterFacts, sel: Selection) -> None:
         return bool((rows.unsqueeze(-1) == sel.indices.unsqueeze(1)).any(1).all())
 
     experts = next((i for i, v in enumerate(out) if holds_selection(v)), None)
+    if experts is None:  # no output holds the selection: the ids the block dispatches by, read as they are
+        experts = _dispatch_ids(cap, facts, out, T)
+        facts.dispatch_ids = experts is not None
     K = out[experts].numel() // T if experts is not None else facts.top_k
     weights = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.is_floating_point()
                     and v.numel() == T * K), None)
     if experts is None or weights is None:
         return
-    facts.top_k = K
+    if facts.dispatch_ids:  # the module's k ids per token; the block's own top-k stays what the rules read
+        facts.module_k = K
+    else:
+        facts.top_k = K
     found = module_call(cap, facts.module)
     if isinstance(found, str):
         facts.why_not_module = found
         return
     facts.selection_outputs = (weights, experts)
     facts.module_input, facts.module_args = found
+
+
+def _dispatch_ids(cap: Capture, facts: RouterFacts, out: tuple | list, T: int) -> int | None:
+    """The router module's output the block dispatches tokens by, when none holds the selection itself (a
+    router whose rule moepass does not know, e.g. one returning a mask whose values pick the experts): an
+    integer [T, k] tensor of expert ids in [0, E) that the block reads after the call, with a floating output
+    of the same size beside it (the weights). Read as the selection as it is: k choices per token, whatever
+    the rule (`RouterSpec.logits_from="selection"`); the semantic check decides."""
+    read_after = {id(value(n)) for n in cap.graph.nodes for u in n.users
+                  if facts.module not in u.meta.get("stack", ()) and value(n) is not None}
+    for i, v in enumerate(out):
+        if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.dtype == torch.bool or not v.numel() \
+                or v.numel() % T or id(v) not in read_after:
+            continue
+        if int(v.min()) < 0 or int(v.max()) >= facts.num_experts:
+            continue
+        if any(isinstance(w, torch.Tensor) and w.is_floating_point() and w.numel() == v.numel() for w in out):
+            return i
+    return None
 
 
 CONSTANTS = (type(None), bool, int, float, str)  # passed to a router module as they are (`spec.Constant`)
@@ -173,11 +202,19 @@ def module_call(cap: Capture, path: str) -> tuple[str, tuple[str | Constant, ...
     if call is None:
         return f"the block does not call {path}"
     block_input = value(cap.input_node)
-    first = _tensor_arg(cap, call.args[0], block_input) if call.args else None
+    args = call.positional if call.kwargs and call.positional is not None else call.args
+    kwargs = {} if args is not call.args else call.kwargs
+    first = _tensor_arg(cap, args[0], block_input) if args else None
     if first not in ("hidden", "tokens"):
         return f"router module {path} is not called on the block's input (as given, or as [T, D] tokens)"
     rest: list[str | Constant] = []
-    for i, arg in enumerate(call.args[1:], start=1):
+    # the block's further inputs the model passed as None (an optional mask left out): a None the router gets is
+    # taken to be that input, passed on as the block passes it (a tensor there later reaches the router too)
+    absent = cap.absent
+    for i, arg in enumerate(args[1:], start=1):
+        if arg is None and len(absent) == 1:
+            rest.append(absent[0])
+            continue
         if isinstance(arg, CONSTANTS):
             rest.append(Constant(arg))
             continue
@@ -187,8 +224,8 @@ def module_call(cap: Capture, path: str) -> tuple[str, tuple[str | Constant, ...
                     f"block: only the block's input, its own tensors, its further inputs and constants can be "
                     f"passed as the block passes them")
         rest.append(str(found))
-    if call.kwargs:
-        return (f"router module {path} is called with keyword arguments {sorted(call.kwargs)}: pass them "
+    if kwargs:
+        return (f"router module {path} is called with keyword arguments {sorted(kwargs)}: pass them "
                 f"positionally for moepass to call it as the block does")
     return str(first), tuple(rest)
 
@@ -282,7 +319,7 @@ def known_rule(cap: Capture, facts: RouterFacts) -> dict[str, Any] | None:
     weight = weight.T if facts.weight_transposed else weight
     x_TD = call.args[0].reshape(-1, weight.shape[1])
     logits_TE = F.linear(x_TD.float(), weight.float(), None if bias is None else bias.float())
-    K = facts.top_k
+    K = facts.module_k or facts.top_k
     w_TK, e_TK = (call.output[i].reshape(-1, K) for i in facts.selection_outputs)
     order = e_TK.argsort(-1)
     want_e, want_w = e_TK.gather(1, order), w_TK.float().gather(1, order)
@@ -308,7 +345,7 @@ def module_router(cap: Capture, facts: RouterFacts) -> RouterSpec | None:
         return None
     weights, experts = facts.selection_outputs
     known = known_rule(cap, facts)
-    return RouterSpec(num_experts=facts.num_experts, top_k=facts.top_k, logits_from="selection",
+    return RouterSpec(num_experts=facts.num_experts, top_k=facts.module_k or facts.top_k, logits_from="selection",
                       module_path=facts.module, module_output_index=weights, module_experts_index=experts,
                       module_input=facts.module_input, module_args=facts.module_args,
                       weight=TensorSource.param(facts.weight or f"{facts.module}.weight"),
@@ -365,7 +402,12 @@ def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | st
     found = module_router(cap, facts)
     if found is not None:  # a constant after the module's weights (on them or on the output): tried first
         scaled = [dataclasses.replace(found, selection_scale=s) for s in dict.fromkeys(facts.scales) if s != 1]
-        return scaled + [found]
+        if not facts.dispatch_ids:
+            return scaled + [found]
+        # ids that are not the block's selection: the known rules over its weight first (a one-hot dispatch mask a
+        # known rule reproduces with capacity, say), the module as it is last
+        by_rule = router_hypotheses(cap, dataclasses.replace(facts, selection_outputs=None, dispatch_ids=False))
+        return (by_rule if isinstance(by_rule, list) else []) + scaled + [found]
     if facts.weight is None:
         return (f"no [E={facts.num_experts}, D] weight feeds the selection scores"
                 + (f" ({facts.why_not_module})" if facts.why_not_module else ""))

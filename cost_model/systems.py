@@ -243,14 +243,14 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
             from moepass.runtime.placement import planned_routing  # moepass's package imports cost_model.search
 
             ctx.routed[key] = planned_routing(counts, hw, C=C, ranks_per_node=case.per_node, D=case.D,
-                                                            F=case.F, gated=case.gated, history_HWE=trace.history)
+                                                            F=case.F, gated=case.gated, history_aWE=trace.history)
         routed = ctx.routed[key]
 
         def restore(b: float) -> float:
             return float(fsep_formulas.restore_time(C, S_e, W, case.per_node, b, v["B_intra"], v["B_inter"],
                                                     v["alpha"]))
 
-        layout = Layout(routed.rows_SR, params=ParamTraffic(restore(v["b"]), restore(v["b"]), restore(v["b_g"]),
+        layout = Layout(routed.rows_PP, params=ParamTraffic(restore(v["b"]), restore(v["b"]), restore(v["b_g"]),
                                                             plan.prefetch), router_fwd=router_fwd)
         details.update(slots=C, table=routed.decision.candidate, max_mean=round(routed.max_over_mean, 3),
                        ep_max_mean=round(routed.decision.ep_max_over_mean, 3), prefetch=plan.prefetch)
@@ -258,7 +258,7 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
 
         def memory_of(sharded: bool, recompute: bool) -> dict[str, float]:
             return memory_breakdown(case, v, expert_params=case.layers * case.E * S_e / W, expert_dp=1,
-                                    dense_params=dense_total, dense_dp=W, rows_max=float(routed.rows_SR.sum(0).max()),
+                                    dense_params=dense_total, dense_dp=W, rows_max=float(routed.rows_PP.sum(0).max()),
                                     sharded_optimizer=sharded, recompute=recompute, buffers=buffers)
     elif plan.form == "locality":
         layout, memory_of = _locality_layout(plan, ctx, details, notes, router_fwd)

@@ -56,11 +56,13 @@ SHAPES: dict[str, str] = {
     "e": "elements of one rank's shard of a flat buffer (FSDP's all-gather input, reduce-scatter output)",
     "h": "head width",
     "l": "the local part of the letter before it (Ql = Q/P, Hl = H/P)",
+    "m": "residues modulo an expert's replica count (FSEP's placement cost)",
     "n": "nodes",
     "p": "a grouped GEMM's reduction width (a [N, p] by an expert's [p, q]; wgrad: out[e] = a_Np^T b_Nq)",
     "q": "a grouped GEMM's output width",
     "r": "ranks per node",
     "s": "elements of one slot's slice of an expert weight (FSEP)",
+    "u": "the slots of one node, r*C (a node's part of U)",
 }
 
 ScoreFunc = Literal["softmax", "sigmoid"]

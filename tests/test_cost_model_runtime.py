@@ -85,8 +85,8 @@ def test_counters_equal_exact_formula(nodes, capacity):
     counts = counts_SE(capacity)
     if capacity is not None:
         assert (counts < counts_SE(None)).any()  # capacity binds somewhere: the test covers drops
-    rows_SR = cm.rank_rows(counts, ep=W)
-    dispatch = cm.exact_a2a(rows_SR, D, BYTES, G=W // nodes)
+    rows_PP = cm.rank_rows(counts, ep=W)
+    dispatch = cm.exact_a2a(rows_PP, D, BYTES, G=W // nodes)
     combine = dispatch.transposed()
     link = "intra" if nodes == 1 else "inter"
     other = "inter" if nodes == 1 else "intra"
@@ -97,7 +97,7 @@ def test_counters_equal_exact_formula(nodes, capacity):
             assert s[kind]["intra"] == int(a2a.sent_intra[r]), (r, kind, s[kind], a2a)
             assert s[kind]["inter"] == int(a2a.sent_inter[r]), (r, kind, s[kind], a2a)
             assert s[kind][other] == 0 and s[kind][link] > 0
-            assert s[kind]["self"] == int(rows_SR[r, r]) * D * BYTES  # local rows: counted as self, never sent
+            assert s[kind]["self"] == int(rows_PP[r, r]) * D * BYTES  # local rows: counted as self, never sent
             assert s[kind]["calls"] == 1
         # the formula's per-rank received bytes are the peer's sent bytes: what the combine sends back
         assert s["combine"][link] == int(dispatch.recv_intra[r] + dispatch.recv_inter[r])

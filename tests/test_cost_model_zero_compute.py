@@ -359,11 +359,11 @@ def test_exact_bytes_of_the_ffn_counts_equal_the_counters():
                 else:
                     zero_compute += 1
     assert zero_compute > 0 and (counts_SE.sum(axis=1) > 0).all()  # both kinds on the ranks' batches
-    rows_SR = cm.rank_rows(counts_SE, ep=2)
-    dispatch = cm.exact_a2a(rows_SR, 16, 4, G=2)
+    rows_PP = cm.rank_rows(counts_SE, ep=2)
+    dispatch = cm.exact_a2a(rows_PP, 16, 4, G=2)
     for r, res in enumerate(results):
         s = res["stats"]
         for kind, a2a in (("dispatch", dispatch), ("combine", dispatch.transposed()),
                           ("combine_bwd", dispatch), ("dispatch_bwd", dispatch.transposed())):
             assert s[kind]["intra"] == int(a2a.sent_intra[r]), (r, kind, s[kind])
-            assert s[kind]["inter"] == 0 and s[kind]["self"] == int(rows_SR[r, r]) * 16 * 4, (r, kind, s[kind])
+            assert s[kind]["inter"] == 0 and s[kind]["self"] == int(rows_PP[r, r]) * 16 * 4, (r, kind, s[kind])

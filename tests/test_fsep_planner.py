@@ -49,7 +49,7 @@ def brute_force_route(counts_WE, table: PlacementTable) -> np.ndarray:
     """Independent lite router: send every routed row j of (i, e) to Pref[(j*m) // n], one at a time."""
     counts = np.asarray(counts_WE)
     W, C, G = table.world, table.slots, table.ranks_per_node
-    S_WG = np.zeros((W, W * C), dtype=np.int64)
+    rows_WU = np.zeros((W, W * C), dtype=np.int64)
     for i in range(W):
         for e in range(counts.shape[1]):
             hosting = [g for g in range(W * C) if table.slot_expert[g] == e]
@@ -57,8 +57,8 @@ def brute_force_route(counts_WE, table: PlacementTable) -> np.ndarray:
             pref = local or hosting
             n = int(counts[i, e])
             for j in range(n):
-                S_WG[i, pref[(j * len(pref)) // n]] += 1
-    return S_WG
+                rows_WU[i, pref[(j * len(pref)) // n]] += 1
+    return rows_WU
 
 
 def zipf_topk_counts(W: int, E: int, T: int, K: int, s: float, seed: int) -> torch.Tensor:
@@ -177,10 +177,10 @@ def test_every_planned_table_is_valid_and_routes_every_row(shape, seed, high):
     assert sum(table.replicas) == W * C and min(table.replicas) >= 1
     assert set(decision.costs) == {"even", "proportional"} and decision.candidate in decision.costs
     assert decision.costs[decision.candidate] == min(decision.costs.values())
-    S_WG = lite_route_counts(counts, table)
+    rows_WU = lite_route_counts(counts, table)
     for e, slots in enumerate(table.expert_slots):  # every row reaches a replica of its expert
-        assert torch.equal(S_WG[:, list(slots)].sum(dim=1), counts[:, e])
-    rows = device_rows(S_WG, C)
+        assert torch.equal(rows_WU[:, list(slots)].sum(dim=1), counts[:, e])
+    rows = device_rows(rows_WU, C)
     q_intra, q_inter, q_max = cf.link_rows(rows, G)
     totals = route_totals(counts, table)
     assert (totals.q_intra, totals.q_inter) == (q_intra, q_inter)

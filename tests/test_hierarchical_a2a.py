@@ -243,14 +243,14 @@ def _assert_stage(stats, kind, link, sent, self_bytes):
                                                                                                            entry)
 
 
-def _assert_hierarchical_bytes(stats, kind, rows_SR, D, rank):
+def _assert_hierarchical_bytes(stats, kind, rows_PP, D, rank):
     """Forward stages = the formula's sent bytes; backward stages = its received bytes (sent back)."""
-    exact = cm.exact_hierarchical(rows_SR, D, BYTES, NODES, PER_NODE)
+    exact = cm.exact_hierarchical(rows_PP, D, BYTES, NODES, PER_NODE)
     _assert_stage(stats, f"{kind}_intra", "intra", exact.sent_intra[rank], exact.self_intra[rank])
     _assert_stage(stats, f"{kind}_inter", "inter", exact.sent_inter[rank], exact.self_inter[rank])
     _assert_stage(stats, f"{kind}_bwd_intra", "intra", exact.recv_intra[rank], exact.self_intra[rank])
     _assert_stage(stats, f"{kind}_bwd_inter", "inter", exact.recv_inter[rank], exact.self_inter[rank])
-    flat = cm_ep.exact_a2a(rows_SR, D, BYTES, G=PER_NODE)
+    flat = cm_ep.exact_a2a(rows_PP, D, BYTES, G=PER_NODE)
     # rows cross the nodes once: a node sends the flat exchange's inter-node bytes (its ranks share them otherwise)
     assert np.array_equal(exact.sent_inter.reshape(NODES, -1).sum(1), flat.sent_inter.reshape(NODES, -1).sum(1))
     assert np.array_equal(exact.recv_inter.reshape(NODES, -1).sum(1), flat.recv_inter.reshape(NODES, -1).sum(1))
@@ -278,16 +278,16 @@ def test_ops_equal_flat_exactly_and_count_the_formula(seed):
     L, D = 2, 3
     counts_SB = random_counts(seed, L)
     stats_by_rank = pool(W).run(case_ops, counts_SB.tolist(), [seed] * W, D)
-    rows_SR = counts_SB.reshape(W, W, L).sum(2)
+    rows_PP = counts_SB.reshape(W, W, L).sum(2)
     for kind in ("dispatch", "combine"):  # the runtime's counters: each node's inter-node bytes as flat
         assert node_sums(stats_by_rank, f"{kind}_inter") == node_sums(stats_by_rank, f"flat_{kind}")
         assert node_sums(stats_by_rank, f"{kind}_bwd_inter") == node_sums(stats_by_rank, f"flat_{kind}_bwd")
     for rank, stats in enumerate(stats_by_rank):
-        dispatch = _assert_hierarchical_bytes(stats, "dispatch", rows_SR, D, rank)
-        _assert_hierarchical_bytes(stats, "combine", rows_SR.T, D, rank)
+        dispatch = _assert_hierarchical_bytes(stats, "dispatch", rows_PP, D, rank)
+        _assert_hierarchical_bytes(stats, "combine", rows_PP.T, D, rank)
         # stage 1 moves every row not bound for the sender's own local index: more intra bytes than flat
         assert stats["dispatch_intra"]["intra"] >= stats["flat_dispatch"]["intra"]
-        assert dispatch.sent_intra[rank] + dispatch.self_intra[rank] == rows_SR[rank].sum() * D * BYTES
+        assert dispatch.sent_intra[rank] + dispatch.self_intra[rank] == rows_PP[rank].sum() * D * BYTES
 
 
 @pytest.mark.parametrize("nodes", [3, 2])
@@ -298,9 +298,9 @@ def test_ops_equal_flat_on_unequal_geometry(nodes):
     counts[1, :] = 0
     counts[:, 4 * L:5 * L] = 0  # nobody sends to rank 4
     stats_by_rank = pool(world).run(case_ops, counts.tolist(), [1] * world, 3, nodes=nodes)
-    rows_SR = counts.reshape(world, world, L).sum(2)
+    rows_PP = counts.reshape(world, world, L).sum(2)
     for rank, stats in enumerate(stats_by_rank):
-        exact = cm.exact_hierarchical(rows_SR, 3, BYTES, nodes, world // nodes)
+        exact = cm.exact_hierarchical(rows_PP, 3, BYTES, nodes, world // nodes)
         _assert_stage(stats, "dispatch_intra", "intra", exact.sent_intra[rank], exact.self_intra[rank])
         _assert_stage(stats, "dispatch_inter", "inter", exact.sent_inter[rank], exact.self_inter[rank])
 
@@ -353,14 +353,14 @@ def test_ep_bytes_per_stage_equal_the_formula():
         for pair in fixed_routing(r, tokens, E):
             for e in pair:
                 counts_SE[r, e] += 1
-    rows_SR = cm_ep.rank_rows(counts_SE, W)
-    assert (rows_SR == 0).any()  # some pairs exchange nothing
+    rows_PP = cm_ep.rank_rows(counts_SE, W)
+    assert (rows_PP == 0).any()  # some pairs exchange nothing
     L = E // W
     for kind in ("dispatch", "combine"):  # each node's inter-node bytes = the flat EP's
         assert node_sums(hier, f"{kind}_inter") == node_sums(flat, kind)
         assert node_sums(hier, f"{kind}_bwd_inter") == node_sums(flat, f"{kind}_bwd")
     for rank, stats in enumerate(hier):
-        for kind, rows in (("dispatch", rows_SR), ("combine", rows_SR.T)):
+        for kind, rows in (("dispatch", rows_PP), ("combine", rows_PP.T)):
             _assert_hierarchical_bytes(stats, kind, rows, D, rank)
         assert "dispatch" not in stats and "combine" not in stats
         # counts: the flat exchange (L int64 per peer) + the node counts (2n int64 per rank of the node), 2 calls

@@ -20,8 +20,8 @@ reduction order matters), and nothing iterates a set or depends on a dict's hist
 no threads: the caller runs `plan` on a worker thread. torch's intra-op threads are process-wide; on a
 busy host one is fastest (benchmarks/fsep_planner.py).
 
-Shape legend: W ranks (sources and devices), E experts, G = W*C global slots, N nodes, S the rpn =
-ranks_per_node ranks of one node (as sources), L the rpn*C slots of one node.
+Shape letters: `moepass.spec.SHAPES` (here W ranks as sources and as devices, U = W*C global slots, n nodes, r
+the ranks of one node as sources, u the r*C slots of one node, m residues modulo an expert's replica count).
 """
 
 from __future__ import annotations
@@ -118,11 +118,11 @@ class PlacementTable:
 # ---- lite routing ------------------------------------------------------------------------------------
 
 
-def _rank_within(key_G: torch.Tensor) -> torch.Tensor:
-    """[G] position of each entry among the entries with the same key, in increasing index."""
-    order = torch.argsort(key_G, stable=True)
-    sorted_key = key_G[order]
-    idx = torch.arange(key_G.numel())
+def _rank_within(key_U: torch.Tensor) -> torch.Tensor:
+    """[U] position of each entry among the entries with the same key, in increasing index."""
+    order = torch.argsort(key_U, stable=True)
+    sorted_key = key_U[order]
+    idx = torch.arange(key_U.numel())
     start = torch.ones_like(sorted_key, dtype=torch.bool)
     start[1:] = sorted_key[1:] != sorted_key[:-1]
     first = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=0).values
@@ -149,11 +149,11 @@ def _as_counts(counts_WE: Any, W: int | None = None, E: int | None = None) -> to
 
 
 class _SlotLayout(NamedTuple):
-    """Per-slot facts of one table that lite routing reads (all [G] = [W*C] int64 unless noted)."""
+    """Per-slot facts of one table that lite routing reads (all [U] = [W*C] int64 unless noted)."""
 
     expert: torch.Tensor  # expert in slot g
     node: torch.Tensor  # node of slot g
-    on_node_EN: torch.Tensor  # [E, N] replicas of expert e on node n
+    on_node_En: torch.Tensor  # [E, n] replicas of expert e on node n
     replicas: torch.Tensor  # replicas of slot g's expert (len(R_e))
     global_rank: torch.Tensor  # position of g in R_e
     local_rank: torch.Tensor  # position of g among R_e's slots on its node
@@ -188,14 +188,14 @@ def lite_route_counts(counts_WE: Any, table: PlacementTable) -> torch.Tensor:
     N, n_slots = W // rpn, W * C
     lay = _slot_layout(table)
     # per (source node, slot): is the slot in Pref, its position q in Pref, and m = len(Pref)
-    local_m_NG = lay.on_node_EN[lay.expert].T  # [N, G] replicas of slot g's expert on node n
-    has_local = local_m_NG > 0
+    local_m_nU = lay.on_node_En[lay.expert].T  # [n, U] replicas of slot g's expert on node n
+    has_local = local_m_nU > 0
     same_node = lay.node[None, :] == torch.arange(N)[:, None]
     in_pref = torch.where(has_local, same_node, torch.ones_like(same_node))
-    m_NG = torch.where(has_local, local_m_NG, lay.replicas[None, :])
-    q_NG = torch.where(has_local, lay.local_rank[None, :], lay.global_rank[None, :])
-    n_NSG = counts[:, lay.expert].view(N, rpn, n_slots)  # rows of each source (node, rank in node) for g's expert
-    S = _split(q_NG[:, None, :], n_NSG, m_NG[:, None, :]) * in_pref[:, None, :]
+    m_nU = torch.where(has_local, local_m_nU, lay.replicas[None, :])
+    q_nU = torch.where(has_local, lay.local_rank[None, :], lay.global_rank[None, :])
+    n_nrU = counts[:, lay.expert].view(N, rpn, n_slots)  # rows of each source (node, rank in node) for g's expert
+    S = _split(q_nU[:, None, :], n_nrU, m_nU[:, None, :]) * in_pref[:, None, :]
     return S.view(W, n_slots)
 
 
@@ -211,7 +211,7 @@ class RouteTotals(NamedTuple):
 def route_totals(counts_WE: Any, table: PlacementTable) -> RouteTotals:
     """`RouteTotals` of lite routing without building S (equal to reducing `lite_route_counts`).
 
-    On-node rows: each node's sources and slots only ([N, G, G*C]). Off-node rows (expert e has no
+    On-node rows: each node's sources and slots only ([n, r, u]). Off-node rows (expert e has no
     replica on the source's node) split over all of R_e: slot q of e receives sum_i ceil((q+1) n_i/m) -
     ceil(q n_i/m), and sum_i ceil(q n_i/m) = (q * sum_i n_i + sum_i ((-q * (n_i mod m)) mod m)) / m, so a
     histogram of n_i mod m per expert replaces the [sources, slots] matrix.
@@ -221,47 +221,47 @@ def route_totals(counts_WE: Any, table: PlacementTable) -> RouteTotals:
     counts = _as_counts(counts_WE, W, E)
     N, n_slots, node_slots = W // rpn, W * C, rpn * C
     lay = _slot_layout(table)
-    counts_NSE = counts.view(N, rpn, E)
-    off_node_NE = lay.on_node_EN.T == 0  # [N, E] expert e has no replica on node n
-    q_inter = int((counts_NSE.sum(dim=1) * off_node_NE).sum())
+    counts_nrE = counts.view(N, rpn, E)
+    off_node_nE = lay.on_node_En.T == 0  # [n, E] expert e has no replica on node n
+    q_inter = int((counts_nrE.sum(dim=1) * off_node_nE).sum())
     # on-node part: node n's sources to node n's slots
-    expert_NL = lay.expert.view(N, node_slots)
-    n_local = counts_NSE.gather(2, expert_NL[:, None, :].expand(N, rpn, node_slots))  # [N, S, L]
-    m_local = lay.on_node_EN[lay.expert, lay.node].view(N, 1, node_slots)
+    expert_nu = lay.expert.view(N, node_slots)
+    n_local = counts_nrE.gather(2, expert_nu[:, None, :].expand(N, rpn, node_slots))  # [n, r, u]
+    m_local = lay.on_node_En[lay.expert, lay.node].view(N, 1, node_slots)
     rows_local = _split(lay.local_rank.view(N, 1, node_slots), n_local, m_local)
     own = int(rows_local.view(N, rpn, rpn, C).diagonal(dim1=1, dim2=2).sum())
     q_intra = int(counts.sum()) - q_inter - own
     slot_rows = rows_local.sum(dim=1).reshape(n_slots)
     # off-node part, per expert with off-node sources
-    has_off_E = off_node_NE.any(dim=0)
+    has_off_E = off_node_nE.any(dim=0)
     if bool(has_off_E.any()):
         m_E = torch.bincount(lay.expert, minlength=E)
         M = int(m_E[has_off_E].max())  # residues n_i mod m_e < M for every expert with off-node sources
-        off_NSE = off_node_NE[:, None, :].expand(N, rpn, E)
-        residue = torch.where(off_NSE, counts_NSE % m_E, 0)
-        hist_EM = torch.zeros(E * M, dtype=torch.int64).index_add_(
-            0, (torch.arange(E) * M + residue).flatten(), off_NSE.to(torch.int64).flatten()).view(E, M)
-        sum_E = (counts_NSE.sum(dim=1) * off_node_NE).sum(dim=0)  # off-node rows to each expert
+        off_nrE = off_node_nE[:, None, :].expand(N, rpn, E)
+        residue = torch.where(off_nrE, counts_nrE % m_E, 0)
+        hist_Em = torch.zeros(E * M, dtype=torch.int64).index_add_(
+            0, (torch.arange(E) * M + residue).flatten(), off_nrE.to(torch.int64).flatten()).view(E, M)
+        sum_E = (counts_nrE.sum(dim=1) * off_node_nE).sum(dim=0)  # off-node rows to each expert
         g = torch.nonzero(has_off_E[lay.expert]).flatten()  # slots whose expert has off-node sources
         e_g, q_g, m_g = lay.expert[g], lay.global_rank[g], m_E[lay.expert[g]]
         rho = torch.arange(M)
 
         def ceil_sum(q: torch.Tensor) -> torch.Tensor:  # m * sum_i ceil(q n_i / m), per slot
-            return q * sum_E[e_g] + (hist_EM[e_g] * torch.remainder(-q[:, None] * rho, m_g[:, None])).sum(dim=1)
+            return q * sum_E[e_g] + (hist_Em[e_g] * torch.remainder(-q[:, None] * rho, m_g[:, None])).sum(dim=1)
 
         slot_rows[g] += torch.div(ceil_sum(q_g + 1) - ceil_sum(q_g), m_g, rounding_mode="floor")
     return RouteTotals(q_intra, q_inter, slot_rows.view(W, C).sum(dim=1))
 
 
-def device_rows(S_WG: torch.Tensor, slots: int) -> torch.Tensor:
+def device_rows(rows_WU: torch.Tensor, slots: int) -> torch.Tensor:
     """[W, W] rows source rank i sends to device k, from the per-slot rows S [W, W*C]."""
-    W = S_WG.shape[0]
-    return S_WG.view(W, W, slots).sum(dim=2)
+    W = rows_WU.shape[0]
+    return rows_WU.view(W, W, slots).sum(dim=2)
 
 
-def device_loads(S_WG: torch.Tensor, slots: int) -> torch.Tensor:
+def device_loads(rows_WU: torch.Tensor, slots: int) -> torch.Tensor:
     """[W] rows each device computes (all sources, all its slots)."""
-    return device_rows(S_WG, slots).sum(dim=0)
+    return device_rows(rows_WU, slots).sum(dim=0)
 
 
 def max_over_mean(loads: Any) -> float:
@@ -542,27 +542,27 @@ class PlannedRouting:
     """The planner's decision for a steady routing and the rows lite routing sends under its table.
 
     decision: the planner's `Decision` (table, candidate, max/mean vs plain EP's);
-    rows_SR: [W, W] int64 rows source rank i sends to device k (own-device rows on the diagonal).
+    rows_PP: [W, W] int64 rows source rank i sends to device k (own-device rows on the diagonal).
     """
 
     decision: Decision
-    rows_SR: np.ndarray
+    rows_PP: np.ndarray
 
     @property
     def mean_rows(self) -> float:
         """Routed rows per rank (T*K*phi: the FFN rows): the mean a device computes."""
-        return float(self.rows_SR.sum()) / self.rows_SR.shape[0]
+        return float(self.rows_PP.sum()) / self.rows_PP.shape[0]
 
     @property
     def max_over_mean(self) -> float:
         """The busiest device's rows over the mean (1.0 when nothing is routed)."""
         mean = self.mean_rows
-        return float(self.rows_SR.sum(axis=0).max()) / mean if mean > 0 else 1.0
+        return float(self.rows_PP.sum(axis=0).max()) / mean if mean > 0 else 1.0
 
     def busiest_a2a_rows(self, ranks_per_node: int, B_intra: float, B_inter: float) -> tuple[float, float]:
         """(intra-node, inter-node) rows of the token all-to-all's slowest rank and direction (sending the
         dispatch or receiving it; the combine is its transpose), over the mean routed rows per rank."""
-        a2a = ep_cost.exact_a2a(self.rows_SR, 1, 1, ranks_per_node)
+        a2a = ep_cost.exact_a2a(self.rows_PP, 1, 1, ranks_per_node)
         mean = self.mean_rows or 1.0
         ends = [(a2a.sent_intra, a2a.sent_inter), (a2a.recv_intra, a2a.recv_inter)]
         intra, inter = max(((float(i[k]), float(o[k])) for i, o in ends for k in range(len(i))),
@@ -571,20 +571,20 @@ class PlannedRouting:
 
 
 def planned_routing(counts_WE: Any, hw: Any, *, C: int, ranks_per_node: int, D: int, F: int, gated: bool,
-                    recompute: bool | None = None, history_HWE: Any = None) -> PlannedRouting:
+                    recompute: bool | None = None, history_aWE: Any = None) -> PlannedRouting:
     """What FSEP does with [W source ranks, E experts] routed rows: the table `plan` picks from them (summed
     over its history, as the runtime does; costs from `hw`, a `cost_model.presets.Hardware`) and the rows lite
-    routing sends under it. Float counts are rounded per row (`cost_model.fsep.integer_rows`). `history_HWE`:
+    routing sends under it. Float counts are rounded per row (`cost_model.fsep.integer_rows`). `history_aWE`:
     the earlier steps' counts the planner plans from, when the routing moves (the table is then priced on
     `counts_WE`, the step after them); without it the same routing repeats on each step of its history."""
     counts = fsep_cost.integer_rows(counts_WE)
     W, E = counts.shape
     config = PlannerConfig.from_hardware(hw, E=E, W=W, C=C, ranks_per_node=ranks_per_node, D=D, F=F, gated=gated,
                                          recompute=recompute)
-    seen = counts * config.history if history_HWE is None else sum(fsep_cost.integer_rows(h) for h in history_HWE)
+    seen = counts * config.history if history_aWE is None else sum(fsep_cost.integer_rows(h) for h in history_aWE)
     decision = plan(seen, config)
-    rows_SR = device_rows(lite_route_counts(counts, decision.table), C).numpy()
-    return PlannedRouting(decision, rows_SR)
+    rows_PP = device_rows(lite_route_counts(counts, decision.table), C).numpy()
+    return PlannedRouting(decision, rows_PP)
 
 
 __all__ = [

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import pool, shutdown  # noqa: E402
 from test_cost_model import fsep_by_hand  # noqa: E402
-from test_detect_zoo import IdentityExperts, Relu2Experts, ZeroExpertsFirst, softmax_topk  # noqa: E402
+from zoo_blocks import IdentityExperts, Relu2Experts, ZeroExpertsFirst, softmax_topk  # noqa: E402
 
 import moepass  # noqa: E402
 from cost_model import ep as cm  # noqa: E402

@@ -30,8 +30,9 @@ from moepass.verify import verify
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import pool, shutdown  # noqa: E402
-from test_detect_zoo import FF, D, E, NormExpert, NormExperts, ResidualGluDict, assert_exact, loop_combine  # noqa: E402
 from test_expert_compute import OpLog  # noqa: E402
+from zoo_blocks import FF, D, E, loop_combine  # noqa: E402
+from zoo_cases import NormExpert, NormExperts, ResidualGluDict, assert_exact  # noqa: E402
 
 
 class TanhScaled(nn.Module):
@@ -243,7 +244,7 @@ def test_a_buffer_is_stacked_like_a_parameter():
 
 
 def test_known_ffns_keep_the_expert_ffn():
-    from test_detect_zoo import CASES
+    from zoo_cases import CASES
 
     (spec,) = moepass.detect(_block(CASES["squared-ReLU experts"].block)).blocks
     assert spec.experts.kind == "ffn" and spec.experts.tensors == () and spec.experts.activation == "relu2"

@@ -5,7 +5,7 @@ by hand from the scenario file and the a100 preset, priced with the cost model's
 (`cost_model.ep.ep_step`, whose own terms tests/test_cost_model.py checks against known answers),
 and the bytes, memory and the candidate set against closed formulas. FSEP candidates (uniform routing:
 the set-up gives none) are priced by hand from the runtime planner's table (`fsep_by_hand`, shared with
-tests/test_cost_model.py), HP candidates from the converted block's sizes (`hp_by_hand`, likewise), both
+tests/cost_by_hand.py), HP candidates from the converted block's sizes (`hp_by_hand`, likewise), both
 plus the last layer's dense all-reduce, which every form pays (`cost_model.ep.dense_allreduce_tail`).
 Wall time: benchmarks/tool_time.py.
 """

@@ -17,7 +17,7 @@ from moepass.api import resolve_auto
 from moepass.errors import PlanError
 from moepass.plan import Plan
 from moepass.runtime.topology import Topology
-from tests.test_cost_model import MIXTRAL_8, spec
+from tests.cost_by_hand import MIXTRAL_8, spec
 
 SMALL = [spec(8, 2, 512, 1024)] * 4
 

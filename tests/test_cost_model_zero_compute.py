@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import pool, shutdown  # noqa: E402
-from test_cost_model import fsep_by_hand  # noqa: E402
+from cost_by_hand import fsep_by_hand  # noqa: E402
 from zoo_blocks import IdentityExperts, Relu2Experts, ZeroExpertsFirst, softmax_topk  # noqa: E402
 
 import moepass  # noqa: E402
@@ -151,7 +151,7 @@ def test_fsep_plans_the_ffn_rows_and_is_never_picked():
     space = PlanSpace(forms=("single", "ep", "fsep"), ep=EPSpace(packings=(1,), a2a_chunks=(1,), capacity_factors=(None,)),
                       fsep=FSEPSpace(a2a_chunks=(1,)))
     common = dict(profile=A100, pricing=Pricing(imbalance=2.5, dense_params=0))
-    # strong skew: FSEP wins the plain block (tests/test_cost_model.py: test_fsep_wins_under_strong_skew)
+    # strong skew: FSEP wins the plain block (tests/test_cost_model_fsep_search.py: test_fsep_wins_under_strong_skew)
     plain = search([PLAIN] * L, (1, W), BATCH, space, **common)
     zero = search([ZERO_COMPUTE] * L, (1, W), BATCH, space, **common)
     assert plain.best.form == "fsep"
@@ -231,7 +231,7 @@ def test_the_fraction_of_zoo_blocks_and_form_auto():
     bytes_ = H100.values()["b"]
     assert float(ep.formula.a2a_bytes) == pytest.approx(2048 * 2 * 4 / 6 * 16 * bytes_ / 2, rel=1e-12)
     # a Mixtral-sized zero-compute block, 32 layers on 2 x 8 A100: only FSEP's shards would fit (as for the
-    # plain block in tests/test_cost_model.py), but its rewrite refuses the block: no plan, and the reason
+    # plain block in tests/test_cost_model_fsep_search.py), but its rewrite refuses the block: no plan, and the reason
     big = identity.replace(experts=dataclasses.replace(identity.experts, hidden_dim=4096, ffn_dim=14336))
     assert BlockShape.of(big, 1024).ffn_fraction == 4 / 6
     auto = moepass.Plan(form="auto", batch=(1, 1024), topology=Topology(2, 8), hardware="a100")

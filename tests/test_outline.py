@@ -173,6 +173,7 @@ def case_distributed(rank, world, form):
     every parameter's gradient under the user's name (`logical_grads`), and checkpoints both ways
     (`logical_state_dict` into the original model, an original state dict into the compiled one)."""
     from moepass.runtime.grads import all_reduce_replicated_grads
+    from moepass.runtime.layout import expert_parameter_names
 
     model = _model()
     cm = moepass.compile(model, moepass.Plan(form=form, topology=moepass.Topology(1, world)))
@@ -194,7 +195,11 @@ def case_distributed(rank, world, form):
     for n, (g, rows) in grads.items():
         want = ref_grads[n] if rows is None else ref_grads[n][rows]
         torch.testing.assert_close(g, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"{n}: {m}")
-    # checkpoints: the user's keys, full logical tensors, into the original model; an original one back in
+    # the sharded experts DDP ignores are named as the model names them
+    assert sorted(expert_parameter_names(cm)) == sharded
+    # checkpoints: the user's keys (DCP's local form and full logical tensors), into the original model; an original
+    # one back in
+    assert list(moepass.logical_state_dict(cm)) == list(model.state_dict())
     full = moepass.logical_state_dict(cm, full=True)
     assert list(full) == list(model.state_dict())
     fresh = _model(seed=5)

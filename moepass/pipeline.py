@@ -214,20 +214,22 @@ def stage(info: CompileInfo, name: str, **stats: Any) -> Iterator[dict[str, Any]
         log.info("%s [model]: %.1f ms %s", name, record["seconds"] * 1e3, record["stats"])
 
 
+OUTLINED_FORMS = ("single", "ep", "fsep")  # the forms built for an outlined block (tests/test_outline.py)
+
+
 def refuse_distributed_outlines(plan: Plan, report: DetectionReport) -> None:
-    """A block outlined from its host's forward (`moepass.detect.outline`) is built under form="single" only:
-    under a distributed form its forward holds, but its sharded experts keep the host's parameter names while
-    their layout is keyed by the block's path, so `logical_grads` / `logical_state_dict` (checkpoints) would not
-    map them. Refused before anything is copied, naming the way out."""
+    """A block outlined from its host's forward (`moepass.detect.outline`) is built under the `OUTLINED_FORMS`
+    (single, EP, FSEP: their layouts' names follow the host, `runtime.layout.user_prefix`); another form (HP,
+    locality: not proven on one) is refused before anything is copied, naming the way out."""
     for path, how in report.outlines.items():
         block_plan = plan.for_block(path)
-        if block_plan is not None and block_plan.form != "single":
+        if block_plan is not None and block_plan.form not in OUTLINED_FORMS:
             raise PlanError(
                 f"block {path!r} is an MoE region outlined from {how.host or 'the model'!r}'s own forward (router and "
                 f"experts written inline beside other work): form={block_plan.form!r} is not built for it yet (its "
-                f"sharded experts' checkpoint and gradient names are not mapped). Use Plan(blocks={{{path!r}: "
-                f"{{'form': 'single'}}}}) or leave it alone with Plan(blocks={{{path!r}: None}}), or move the MoE part "
-                f"of that forward into a submodule of its own.")
+                f"rewrite is not proven on a block whose modules its host shares). Use Plan(blocks={{{path!r}: "
+                f"{{'form': 'single'}}}}) (or 'ep' / 'fsep') or leave it alone with Plan(blocks={{{path!r}: None}}), "
+                f"or move the MoE part of that forward into a submodule of its own.")
 
 
 def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace: bool) -> tuple[nn.Module, CompileInfo]:

@@ -152,19 +152,78 @@ def test_single_is_exact_and_keeps_the_users_names(detected):
     model.load_state_dict(compiled.state_dict())
 
 
-@pytest.mark.parametrize("form", ["ep", "fsep"])
-def test_a_distributed_form_on_an_outlined_block_is_refused_naming_the_way_out(detected, form):
-    """Under EP the outlined block's sharded experts keep the host's names while their layout is keyed by the
-    block's path (checkpoints would not map them): refused before anything is copied, with both ways out."""
+@pytest.mark.parametrize("form,options", [("hp", {}), ("locality", {"mu": 0.1})])
+def test_a_form_not_built_for_an_outlined_block_is_refused_naming_the_way_out(detected, form, options):
+    """HP and locality are not built for an outlined block yet: refused before anything is copied, with both ways
+    out (EP and FSEP are: `test_ep_and_fsep_on_outlined_blocks_w2`)."""
     model, report = detected
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(moepass.PlanError, match=(
             rf"block 'layers.0.moe' is an MoE region outlined from 'layers.0'.s own forward .*form='{form}' is not "
             r"built for it yet.*Plan\(blocks=\{'layers.0.moe': \{'form': 'single'\}\}\)")):
-        moepass.compile(model, moepass.Plan(form=form), report=report)
+        moepass.compile(model, moepass.Plan(form=form, **options), report=report)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    mixed = moepass.compile(model, moepass.Plan(form=form, blocks={"layers.*.moe": {"form": "single"}}), report=report)
+    mixed = moepass.compile(model, moepass.Plan(form=form, blocks={"layers.*.moe": {"form": "single"}}, **options),
+                            report=report)
     assert sorted(mixed.moepass_info.rewritten) == ["layers.0.moe", "layers.1.moe"]
+
+
+def case_distributed(rank, world, form):
+    """The two-layer model with outlined blocks under `form` vs the original on the full batch: this rank's output,
+    every parameter's gradient under the user's name (`logical_grads`), and checkpoints both ways
+    (`logical_state_dict` into the original model, an original state dict into the compiled one)."""
+    from moepass.runtime.grads import all_reduce_replicated_grads
+    from moepass.runtime.layout import expert_parameter_names
+
+    model = _model()
+    cm = moepass.compile(model, moepass.Plan(form=form, topology=moepass.Topology(1, world)))
+    assert sorted(cm.moepass_info.rewritten) == ["layers.0.moe", "layers.1.moe"]
+    assert [n for n, _ in cm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    ids = torch.randint(0, VOCAB, (2 * world, 7), generator=torch.Generator().manual_seed(3))
+    weight = torch.randn(2 * world, 7, VOCAB, generator=torch.Generator().manual_seed(4))
+    mine = slice(2 * rank, 2 * rank + 2)
+    model.train(), cm.train()
+    ref_out = model(ids)
+    (ref_out * weight).sum().div(world).backward()  # EP's convention: each rank's loss is its own, the reference their mean
+    out = cm(ids[mine])
+    (out * weight[mine]).sum().backward()
+    torch.testing.assert_close(out, ref_out[mine], rtol=RTOL, atol=ATOL)
+    all_reduce_replicated_grads(cm)
+    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = moepass.logical_grads(cm)
+    sharded = sorted(n for n, (_, rows) in grads.items() if rows is not None)
+    for n, (g, rows) in grads.items():
+        want = ref_grads[n] if rows is None else ref_grads[n][rows]
+        torch.testing.assert_close(g, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"{n}: {m}")
+    # the sharded experts DDP ignores are named as the model names them
+    assert sorted(expert_parameter_names(cm)) == sharded
+    # checkpoints: the user's keys (DCP's local form and full logical tensors), into the original model; an original
+    # one back in
+    assert list(moepass.logical_state_dict(cm)) == list(model.state_dict())
+    full = moepass.logical_state_dict(cm, full=True)
+    assert list(full) == list(model.state_dict())
+    fresh = _model(seed=5)
+    fresh.load_state_dict(full)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    other = _model(seed=7)
+    moepass.load_logical_state_dict(cm, other.state_dict())
+    with torch.no_grad():
+        other.eval(), cm.eval()
+        torch.testing.assert_close(cm(ids[mine]), other(ids)[mine], rtol=RTOL, atol=ATOL)
+    return sorted(grads), sharded
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("form", ["ep", "fsep"])
+def test_ep_and_fsep_on_outlined_blocks_w2(form):
+    from _dist import pool
+
+    results = pool(2).run(case_distributed, form)
+    names = [n for n, _ in _model().named_parameters()]
+    assert set(results[0][0]) | set(results[1][0]) == set(names)  # every gradient compared on some rank
+    # the outlined blocks' experts are sharded under the user's (host's) names
+    assert results[0][1] == results[1][1] == [f"layers.{i}.experts.{w}" for i in range(2) for w in ("down", "gate_up")]
 
 
 def test_a_region_holding_the_attention_is_rejected():

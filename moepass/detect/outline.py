@@ -22,10 +22,12 @@ with the region replaced by the call. The host keeps its other children and attr
 and `__call__` too: only its `forward` is the traced one), and keeps registering the modules the block
 shares (router, experts), first: `named_parameters()` and `state_dict()` name every tensor as the user's
 model does (the block's aliases are dropped from the state dict and filled from the original keys when
-one is loaded). Distributed forms are refused for an outlined block (`pipeline.refuse_distributed_outlines`,
-naming the way out): the forward would hold, but the rewritten block's layout (`runtime.layout.expert_layouts`)
-is keyed by the block's path while its expert parameters keep the host's names, so `logical_grads` /
-`logical_state_dict` would not map its sharded experts.
+one is loaded). Under EP and FSEP the rewritten block's layout (`runtime.layout.expert_layouts`) is keyed by the
+block's path while its sharded experts keep the host's names: `adopt` marks the rewritten block with its host
+(`runtime.layout.OUTLINED_FROM`), and `runtime.layout.user_prefix` puts the layout's relative names under the host's
+path, so `logical_grads`, `logical_state_dict`, DDP's ignore list and the replica gradient sums name them as the
+user's model does. HP and locality are refused for an outlined block (`pipeline.refuse_distributed_outlines`,
+naming the way out).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from moepass.detect.candidates import ModuleTree, find_candidates, probe_value
 from moepass.detect.capture import ARGMAX, SORT, TOPK, ModuleCall, downstream, upstream
 from moepass.detect.check import probe_copy
 from moepass.detect.graph_candidates import graph_blocks, record_model
+from moepass.runtime.layout import OUTLINED_FROM
 
 BLOCK_NAME = "moe"  # the outlined block's child name in its host ("moe_1", ... when taken)
 
@@ -94,7 +97,10 @@ class Outline:
 
     def adopt(self, host: nn.Module, rewritten: nn.Module) -> None:
         """After the block's rewrite: the host's children the block shared are the rewritten block's (a form
-        that replaced one, e.g. experts placed across ranks), or gone when the rewrite dropped them."""
+        that replaced one, e.g. experts placed across ranks), or gone when the rewrite dropped them. The rewritten
+        block records its host (`runtime.layout.OUTLINED_FROM`): its layout's relative names are the user's under
+        the host's path (`runtime.layout.user_prefix`), for checkpoints and gradients."""
+        setattr(rewritten, OUTLINED_FROM, self.host)
         for name in [n for n in self.block_of_names() if n in host._modules]:
             if name in rewritten._modules:
                 host._modules[name] = rewritten._modules[name]

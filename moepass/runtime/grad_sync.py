@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moepass.runtime.layout import expert_layouts, local_part
+from moepass.runtime.layout import block_expert_parameter_names, expert_layouts, local_part
 from moepass.runtime.scheduler import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, MicroOp, PriorityScheduler
 
 # ----------------------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ def expert_replica_parameters(model: nn.Module) -> dict[str, dist.ProcessGroup]:
     out = {}
     for path, layout in expert_layouts(model):
         if layout.groups.dp_size > 1:
-            out.update({f"{path}.{n}" if path else n: layout.groups.dp_group for n in layout.expert_param_names()})
+            out.update({n: layout.groups.dp_group for n in block_expert_parameter_names(model, path, layout)})
     return out
 
 

@@ -50,6 +50,28 @@ def expert_layouts(model: nn.Module) -> Iterator[tuple[str, ExpertLayout]]:
             yield path, layout
 
 
+OUTLINED_FROM = "moepass_outlined_from"  # a rewritten block's attribute: the path of the host it was outlined from
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def user_prefix(model: nn.Module, path: str) -> str:
+    """The prefix that makes a block's relative names (its layout's `sharded` and `stacked` per-expert paths) the
+    user's model's names: the block's path; for a block outlined from its host's forward (`moepass.detect.outline`,
+    which sets `OUTLINED_FROM` on the rewritten block) its host's path, as the host registers the modules the block
+    shares first (the same relative names) and the block's aliases are dropped from its names and state dict."""
+    return getattr(model.get_submodule(path) if path else model, OUTLINED_FROM, path)
+
+
+def block_expert_parameter_names(model: nn.Module, path: str, layout: ExpertLayout) -> list[str]:
+    """Fully qualified names (as `model.named_parameters()` gives them) of one block's expert parameters: the
+    sharded ones under `user_prefix`, the stacked ones (the block's own) under the block's path."""
+    prefix = user_prefix(model, path)
+    return [*(join(prefix, n) for n in layout.sharded), *(join(path, n) for n in layout.stacked)]
+
+
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """Fully qualified names of every sharded expert parameter in `model`."""
-    return [f"{path}.{n}" if path else n for path, layout in expert_layouts(model) for n in layout.expert_param_names()]
+    return [n for path, layout in expert_layouts(model) for n in block_expert_parameter_names(model, path, layout)]

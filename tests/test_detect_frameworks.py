@@ -397,10 +397,6 @@ def test_unrecordable_model_falls_back_to_structure(inputs):
 @pytest.mark.parametrize("extra", ["none", "load"])
 def test_returned_none_and_expert_load_are_reproduced(extra):
     torch.manual_seed(0)
-    if extra == "input_weighted":  # weights on the experts' input: single only, EP says so and what to do
-        with pytest.raises(moepass.PlanError, match=r"weights_on='input'.*form='single'.*Plan\(blocks="):
-            moepass.compile(LM(InputWeighted), moepass.Plan(form="ep"), example_inputs=(_ids(),))
-        return True
     ReturnsMore.extra = extra
     model = LM(ReturnsMore)
     report = moepass.detect(model)

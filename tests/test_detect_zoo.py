@@ -28,7 +28,7 @@ from moepass.detect.check import check_specs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import pool, shutdown  # noqa: E402
-from zoo_blocks import ATOL, FF, RTOL, D, E, FusedGateUpMlp, IdentityExperts, K, Mlp, loop_combine, softmax_topk  # noqa: E402
+from zoo_blocks import ATOL, FF, RTOL, D, E, FusedGateUpMlp, IdentityExperts, K, Mlp, Routed, loop_combine, softmax_topk  # noqa: E402
 from zoo_cases import CASES, IDENTITY, NOT_YET, assert_exact, build, token_inputs  # noqa: E402
 
 
@@ -304,11 +304,9 @@ def test_a_wider_router_is_read_only_where_no_exact_one_exists():
 def test_not_an_moe_selection_is_reported():
     """Structure alone (E modules and an [E, D] weight) is not enough: the graph must select among them."""
 
-    class NoSelection(nn.Module):
+    class NoSelection(Routed):
         def __init__(self):
-            super().__init__()
-            self.mix = nn.Linear(D, E, bias=False)
-            self.experts = nn.ModuleList(Mlp() for _ in range(E))
+            super().__init__(name="mix")
 
         def forward(self, h):
             weights = self.mix(h).softmax(-1)

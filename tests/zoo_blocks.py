@@ -63,6 +63,21 @@ class FusedGateUpMlp(nn.Module):
         return self.proj_out(F.silu(h[..., 0::2]) * h[..., 1::2])
 
 
+class Routed(nn.Module):
+    """The parts many zoo blocks share: a bias-free [E, D] router linear (under `name`), E experts made by
+    `expert`, and the reference forward (softmax top-k, each expert on its tokens) unless a block has its own."""
+
+    def __init__(self, expert: Callable[[], nn.Module] = lambda: Mlp(), name: str = "router"):
+        super().__init__()
+        setattr(self, name, nn.Linear(D, E, bias=False))
+        self.experts = nn.ModuleList(expert() for _ in range(E))
+
+    def forward(self, h):
+        x = h.reshape(-1, D)
+        w, idx = softmax_topk(self.router(x))
+        return loop_combine(x, w, idx, list(self.experts)).view_as(h)
+
+
 def softmax_topk(logits_TE, k=K, renorm=True):
     probs = logits_TE.float().softmax(-1)
     w, idx = probs.topk(k, dim=-1)
@@ -223,18 +238,11 @@ class InterleavedGateUp(nn.Module):
         return loop_combine(x, w, idx, experts).view_as(h)
 
 
-class InterleavedExpertModules(nn.Module):
+class InterleavedExpertModules(Routed):
     """ModuleList experts, each one linear holding gate and up rows interleaved."""
 
     def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(D, E, bias=False)
-        self.experts = nn.ModuleList(FusedGateUpMlp() for _ in range(E))
-
-    def forward(self, h):
-        x = h.reshape(-1, D)
-        w, idx = softmax_topk(self.router(x))
-        return loop_combine(x, w, idx, list(self.experts)).view_as(h)
+        super().__init__(FusedGateUpMlp)
 
 
 class Inner(nn.Module):
@@ -305,13 +313,11 @@ class ArgmaxTop1(nn.Module):
         return loop_combine(x, w, idx, list(self.experts)).view_as(h)
 
 
-class InlineScaling(nn.Module):
+class InlineScaling(Routed):
     """Sigmoid, top-k, renormalise, then a constant scale written inline (no attribute says it)."""
 
     def __init__(self):
-        super().__init__()
-        self.r = nn.Linear(D, E, bias=False)
-        self.experts = nn.ModuleList(Mlp() for _ in range(E))
+        super().__init__(name="r")
 
     def forward(self, h):
         x = h.reshape(-1, D)
@@ -339,13 +345,11 @@ class DenseEinsum(nn.Module):
         return torch.einsum("te,ted->td", dense_w, y_TED).view_as(h)
 
 
-class SharedBeside(nn.Module):
+class SharedBeside(Routed):
     """A shared expert (any name) with a sigmoid gate beside the routed ones; softmax top-k, no renorm."""
 
     def __init__(self):
         super().__init__()
-        self.router = nn.Linear(D, E, bias=False)
-        self.experts = nn.ModuleList(Mlp() for _ in range(E))
         self.always = Mlp()
         self.always_gate = nn.Linear(D, 1, bias=False)
 
@@ -469,13 +473,11 @@ class ExpertScale(nn.Module):
         return loop_combine(x, w, idx, experts).view_as(h)
 
 
-class SortSelection(nn.Module):
+class SortSelection(Routed):
     """Experts picked by a descending sort of the softmax scores and slicing (no top-k call), renormalised."""
 
     def __init__(self):
-        super().__init__()
-        self.ranker = nn.Linear(D, E, bias=False)
-        self.experts = nn.ModuleList(Mlp() for _ in range(E))
+        super().__init__(name="ranker")
 
     def forward(self, h):
         x = h.reshape(-1, D)

@@ -42,6 +42,7 @@ from zoo_blocks import (  # noqa: E402
     NestedTwoLevels,
     Relu2Experts,
     ReturnsLogits,
+    Routed,
     RouterModuleLogits,
     RouterReturnsSelection,
     RouterWithExtraArg,
@@ -99,18 +100,11 @@ class NormExpert(nn.Module):
         return self.down(F.gelu(self.norm(self.up(x))))
 
 
-class NormExperts(nn.Module):
+class NormExperts(Routed):
     """Experts with a norm inside: they run as traced (generic experts)."""
 
     def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(D, E, bias=False)
-        self.experts = nn.ModuleList(NormExpert() for _ in range(E))
-
-    def forward(self, h):
-        x = h.reshape(-1, D)
-        w, idx = softmax_topk(self.router(x))
-        return loop_combine(x, w, idx, list(self.experts)).view_as(h)
+        super().__init__(NormExpert)
 
 
 class ResidualGlu(nn.Module):

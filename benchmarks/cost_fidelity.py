@@ -43,8 +43,11 @@ Results per form go to `by_form` (median and worst |rel err|, how many within 15
 
 Per phase: each timed step also records its forward alone (the forward's ops, gloo's exchanges included, are
 done when the block returns on CPU), so `measured` has fwd_s and bwd_s beside step_s, and `predicted` splits
-the same way (the forward: its expert GEMMs, a third of the host terms and of the other compute, half of the
-exchanges); `rel_error_fwd` / `rel_error_bwd` say which phase a config's error is in.
+the same way (the forward: its expert GEMMs, half of the fixed layer overhead, a third of the other host terms and
+of the other compute, half of the exchanges, FSEP's weight restore); `rel_error_fwd` / `rel_error_bwd` say which
+phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s` are the calling thread's
+CPU time (user + sys, page faults included; max over the ranks): wall minus CPU is time a rank waited (for the
+other rank at an exchange, or for a core on the shared machine), which the CPU-work terms do not price.
 
 In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
 CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate
@@ -188,10 +191,15 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
         t = cm.ep_layer(x, ep=W, n=1, dp=1, dropless=dropless, cross_node_dp=False)
     if cfg.form != "hp":  # the forward's expert GEMMs on the busiest rank's rows
         fwd_gemm = float(cm.expert_flops(cfg.tokens * cfg.K * factor, cfg.D, cfg.F, 3)) / float(x["R"])
-    # the forward phase: its GEMMs (a third of the fwd + bwd FLOPs besides the recompute), a third of the host
-    # work, half of the exchanges (dispatch + combine of four); the backward phase the rest
-    fwd = fwd_gemm + float(t.compute - (3 + float(x.get("r_c", 0)) * 2 / 3) * fwd_gemm) / 3 + float(t.host) / 3 \
-        + float(t.a2a_exposed) / 2
+    # the forward phase: its GEMMs (a third of the fwd + bwd FLOPs besides the recompute), half of the fixed layer
+    # overhead c_layer (the vanishing-size EP layer's forward and backward take equal CPU time here: 0.9-1.3 ms each,
+    # thread CPU time at T=16, D=F=16, E=8 and 64, K=1), a third of the other host work, half of the exchanges
+    # (dispatch + combine of four) and, FSEP, one of its three restores (the weights; the backward's weights again
+    # and the gradient slices, b = b_g here); the backward phase the rest
+    c_layer = float(x.get("c_layer", 0))
+    restore_fwd = float(t.other_comm) / 3 if cfg.form == "fsep" else 0.0
+    fwd = fwd_gemm + float(t.compute - (3 + float(x.get("r_c", 0)) * 2 / 3) * fwd_gemm) / 3 + c_layer / 2 \
+        + (float(t.host) - c_layer) / 3 + float(t.a2a_exposed) / 2 + restore_fwd
     return {"step_s": float(t.step), "fwd_s": fwd, "bwd_s": float(t.step) - fwd, "compute_s": float(t.compute),
             "a2a_s": float(t.a2a_exposed), "host_s": float(t.host), "other_s": float(t.other_comm),
             "dispatch_bytes": float(t.a2a_bytes),
@@ -236,6 +244,8 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
             routing.append(gathered)
         samples: list[list[float]] = [[] for _ in configs]
         fwd_samples: list[list[float]] = [[] for _ in configs]
+        cpu_samples: list[list[float]] = [[] for _ in configs]  # the calling thread's CPU time (user + sys)
+        fwd_cpu_samples: list[list[float]] = [[] for _ in configs]
         probes: list[list[float]] = [[] for _ in configs]
         a, b = torch.randn(PROBE_N, PROBE_N), torch.randn(PROBE_N, PROBE_N)
         for _ in range(rounds):
@@ -246,28 +256,33 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
                     for _ in range(PROBE_INNER):
                         torch.mm(a, b)
                     probes[i].append((time.perf_counter() - t0) / PROBE_INNER)
-                times, fwd_times = [], []
+                times, fwd_times, cpu_times, fwd_cpu = [], [], [], []
                 for j in range(steps + 1):
                     for p in layer.parameters():
                         p.grad = None
                     x.grad = None
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     loss = layer(x).sum()
-                    t1 = time.perf_counter()  # CPU: the forward's ops (gloo's exchanges included) are done
+                    t1, c1 = time.perf_counter(), time.thread_time()  # the forward's ops (gloo's included) are done
                     loss.backward()
                     if j:  # one warm-up step per round
                         times.append(time.perf_counter() - t0)
                         fwd_times.append(t1 - t0)
-                slowest = torch.tensor([times, fwd_times], dtype=torch.float64)
+                        cpu_times.append(time.thread_time() - c0)
+                        fwd_cpu.append(c1 - c0)
+                slowest = torch.tensor([times, fwd_times, cpu_times, fwd_cpu], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
                 samples[i] += slowest[0].tolist()
                 fwd_samples[i] += slowest[1].tolist()
+                cpu_samples[i] += slowest[2].tolist()
+                fwd_cpu_samples[i] += slowest[3].tolist()
         slow = torch.tensor(probes, dtype=torch.float64)
         dist.all_reduce(slow, op=dist.ReduceOp.MAX)
         if rank == 0:
-            results.put([{"samples_s": s, "fwd_samples_s": f, "stats": r, "probe_s": p}
-                         for s, f, r, p in zip(samples, fwd_samples, routing, slow.tolist())])
+            results.put([{"samples_s": s, "fwd_samples_s": f, "stats": r, "probe_s": p, "cpu_s": c, "fwd_cpu_s": fc}
+                         for s, f, r, p, c, fc in zip(samples, fwd_samples, routing, slow.tolist(), cpu_samples,
+                                                      fwd_cpu_samples)])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -439,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = json.loads(args.profile.read_text())
     shares = [cpu_share(profile, m.get("probe_s", [])) for m in measured]
     share_run = float(np.median([x for x in shares if x])) if any(shares) else None
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c, m, share_c in zip(configs, measured, shares):
         hw_run = at_share(hw, share_c) if share_c else None
         if c.form == "hp":  # equal exchanges: every rank computes T*H*K rows whatever the routing
@@ -459,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             "predicted_uniform": predict(c, hw),
             "measured": {"step_s": meas, "samples_s": m["samples_s"], "fwd_s": fwd, "bwd_s": meas - fwd,
                          "fwd_samples_s": m["fwd_samples_s"],
+                         "cpu_s": float(np.median(m["cpu_s"])), "fwd_cpu_s": float(np.median(m["fwd_cpu_s"])),
+                         "bwd_cpu_s": float(np.median(m["cpu_s"])) - float(np.median(m["fwd_cpu_s"])),
                          "dispatch_bytes": [s["dispatch"]["intra"] + s["dispatch"]["inter"] for s in m["stats"]
                                             if "dispatch" in s]},
             "exact_dispatch_bytes": sent,
@@ -519,14 +536,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"), rho, med)
     print(f"{'form':>4} {'T':>5} {'D':>4} {'F':>4} {'E':>3} {'K':>2} {'cap':>5} {'factor':>6} {'pred ms':>8} "
-          f"{'meas ms':>8} {'err':>7} {'fwd err':>7} {'bwd err':>7}")
+          f"{'meas ms':>8} {'err':>7} {'fwd err':>7} {'bwd err':>7} {'fwd p/wall/cpu ms':>18} {'bwd p/wall/cpu ms':>18}")
     for r in rows:
         c = r["config"]
         print(f"{c['form'] + (str(c['slots']) if c['slots'] else ''):>4} {c['tokens']:>5} {c['D']:>4} {c['F']:>4} "
               f"{c['E']:>3} {c['K']:>2} {str(c['capacity']):>5} "
               f"{r['predicted']['factor']:>6.3f} {r['predicted']['step_s'] * 1e3:>8.2f} "
               f"{r['measured']['step_s'] * 1e3:>8.2f} {100 * r['rel_error']:>+6.1f}% "
-              f"{100 * r['rel_error_fwd']:>+6.1f}% {100 * r['rel_error_bwd']:>+6.1f}%")
+              f"{100 * r['rel_error_fwd']:>+6.1f}% {100 * r['rel_error_bwd']:>+6.1f}% "
+              f"{r['predicted']['fwd_s'] * 1e3:>6.1f}/{r['measured']['fwd_s'] * 1e3:>5.1f}/"
+              f"{r['measured']['fwd_cpu_s'] * 1e3:>5.1f} {r['predicted']['bwd_s'] * 1e3:>6.1f}/"
+              f"{r['measured']['bwd_s'] * 1e3:>5.1f}/{r['measured']['bwd_cpu_s'] * 1e3:>5.1f}")
     print(f"Spearman = {rho:.3f}, median |rel err| = {100 * med:.1f}% (uniform routing: {100 * med_uniform:.1f}%), "
           f"measured spread {out['measured_spread']:.2f}x, load {load_before[0]:.2f} -> {load_after[0]:.2f}")
     for form, f in by_form.items():

@@ -120,6 +120,9 @@ class DetectionReport:
         return "\n".join(lines)
 
 
+DETECTION_FAILED = "detection failed on this block"  # the reason's start when reading the block raised
+
+
 def detect_block(candidate: Candidate) -> BlockReport:
     """The verdict on one candidate. Never raises: whatever fails while reading the block (a recogniser, its
     probe, the block's own code) becomes the reason it is rejected, with the exception's type."""
@@ -127,7 +130,7 @@ def detect_block(candidate: Candidate) -> BlockReport:
         return _detect_block(candidate)
     except Exception as err:
         return BlockReport(candidate.path, type(candidate.module).__name__, accepted=False,
-                           reason=f"detection failed on this block: {type(err).__name__}: {err}")
+                           reason=f"{DETECTION_FAILED}: {type(err).__name__}: {err}")
 
 
 def _detect_block(candidate: Candidate) -> BlockReport:
@@ -199,7 +202,8 @@ def detect_outlined(candidate: Candidate, outlines: dict[str, outline.Outline]) 
     region outlined from its forward (`moepass.detect.outline`) is tried as a block of its own: accepted, it is
     the verdict (and `outlines` records how to outline it); else the host's reason says why it was not."""
     report = detect_block(candidate)
-    if report.accepted or candidate.graph_block is None or candidate.call is None:
+    if (report.accepted or candidate.graph_block is None or candidate.call is None
+            or report.reason.startswith(DETECTION_FAILED)):  # a block whose reading raised: that error is the verdict
         return report
     try:
         found = outline.outline_candidate(candidate)

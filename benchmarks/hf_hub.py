@@ -30,15 +30,6 @@ from samples import hf_hub as H  # noqa: E402
 
 # family -> (verdict it was read under, cause, way out): what reading the family's code found
 CAUSES: dict[str, tuple[str, str, str]] = {
-    "llama4_text": ("rejected", "the router score (sigmoid of the top-k logits) multiplies each expert's *input* "
-                    "(`routed_in * router_scores`), and the block returns ([T, D], logits): no MoESpec field "
-                    "describes input-side weighting",
-                    "a spec field for input-side weighting (and a flattened output), or a self-described block"),
-    "deepseek_v4": ("crash", "the compiled model calls the rewritten block with `input_ids=` (its hash-routed "
-                    "layers need token ids); the top-k layer's rewritten forward takes no such keyword. The hash "
-                    "layer is rejected: probed without its optional `input_ids`",
-                    "the rewritten block accepts (and ignores) optional keyword inputs the captured graph never "
-                    "read; probe optional inputs with token ids when the block fails without them"),
     "muse_spark_text": ("rejected", "its router module's own selection could be read as it is (the logits it returns are "
                         "scaled by `output_multiplier`, which only the logits-module recognisers need); what no "
                         "MoESpec describes is around and inside the experts: they run at `moe_hidden_size` (16) "

@@ -30,19 +30,15 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from moepass.runtime.layout import ExpertLayout, expert_layouts, user_prefix
+from moepass.runtime.layout import ExpertLayout, expert_layouts, join, user_prefix
 from moepass.runtime.topology import HeadEPGroups
 
 Index = slice | tuple[slice, ...] | None  # where in the original tensor a local value lies
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _stacked_keys(model: nn.Module) -> dict[str, tuple[ExpertLayout, tuple[str, ...]]]:
     """cm state_dict key of each stacked parameter -> (layout, original per-expert keys)."""
-    return {_join(path, name): (layout, tuple(_join(user_prefix(model, path), p) for p in paths))
+    return {join(path, name): (layout, tuple(join(user_prefix(model, path), p) for p in paths))
             for path, layout in expert_layouts(model) for name, paths in layout.stacked.items()}
 
 
@@ -169,7 +165,7 @@ def logical_grads(model: nn.Module) -> dict[str, tuple[Tensor, Index]]:
     """
     stacked = _stacked_keys(model)
     experts = {name: layout for path, layout in expert_layouts(model) for name in
-               (_join(user_prefix(model, path), n) for n in layout.sharded)}
+               (join(user_prefix(model, path), n) for n in layout.sharded)}
     out: dict[str, tuple[Tensor, Index]] = {}
     for name, p in model.named_parameters():
         if p.grad is None:

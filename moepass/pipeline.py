@@ -235,7 +235,6 @@ def refuse_distributed_outlines(plan: Plan, report: DetectionReport) -> None:
 def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace: bool) -> tuple[nn.Module, CompileInfo]:
     """`moepass.compile`'s work after detection and the plan checks: the model stages (module doc)."""
     info = CompileInfo(plan=plan, report=report)
-    refuse_distributed_outlines(plan, report)
     mode = determinism.deterministic() if plan.deterministic else contextlib.nullcontext()
     with module_copy.gc_paused(), mode:  # thousands of modules and graph nodes are made: no collection walks them
         with stage(info, "copy", inplace=inplace) as stats:

@@ -67,7 +67,7 @@ class Routed(nn.Module):
     """The parts many zoo blocks share: a bias-free [E, D] router linear (under `name`), E experts made by
     `expert`, and the reference forward (softmax top-k, each expert on its tokens) unless a block has its own."""
 
-    def __init__(self, expert: Callable[[], nn.Module] = lambda: Mlp(), name: str = "router"):
+    def __init__(self, expert: Callable[[], nn.Module] = Mlp, name: str = "router"):
         super().__init__()
         setattr(self, name, nn.Linear(D, E, bias=False))
         self.experts = nn.ModuleList(expert() for _ in range(E))

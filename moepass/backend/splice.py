@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any
 
@@ -30,18 +31,12 @@ def tensor_inputs(gm: fx.GraphModule) -> dict[int, fx.Node]:
                 found.setdefault(id(example), node)
         elif node.op == "get_attr":
             try:
-                value = getattr_path(gm, node.target)
+                value = operator.attrgetter(node.target)(gm)
             except AttributeError:
                 continue
             if isinstance(value, torch.Tensor):
                 found.setdefault(id(value), node)
     return found
-
-
-def getattr_path(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _region_io(gm: fx.GraphModule, nodes: list[fx.Node], params: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -105,7 +100,7 @@ def rewrite_region(gm: fx.GraphModule, block: Block, plan: Plan, tensors: dict[i
     reads: dict[str, fx.Node] = {}
     for node in dialect.graph.nodes:
         if node.op == "get_attr":
-            value = getattr_path(dialect, node.target)
+            value = operator.attrgetter(node.target)(dialect)
             if isinstance(value, torch.Tensor):
                 if id(value) not in tensors:
                     raise Decline(f"its tensor {node.target!r} is not an input of this graph (the block is split "
@@ -158,7 +153,7 @@ def rewrite_region(gm: fx.GraphModule, block: Block, plan: Plan, tensors: dict[i
                 new_results = [env[r] for r in results]
                 continue
             if node.op == "get_attr":  # a weight: its placeholder; anything else (e.g. `training`): its value
-                env[node] = reads[node.target] if node.target in reads else getattr_path(dialect, node.target)
+                env[node] = reads[node.target] if node.target in reads else operator.attrgetter(node.target)(dialect)
                 continue
             args = fx.map_arg(node.args, env.__getitem__)
             kwargs = fx.map_arg(node.kwargs, env.__getitem__)

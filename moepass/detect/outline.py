@@ -230,14 +230,8 @@ def _integer(value: Any) -> bool:
 def _reads_parameters(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_module":
         return any(True for _ in gm.get_submodule(str(node.target)).parameters())
-    return any(a.op == "get_attr" and isinstance(getattr_path(gm, str(a.target)), nn.Parameter)
+    return any(a.op == "get_attr" and isinstance(operator.attrgetter(str(a.target))(gm), nn.Parameter)
                for a in node.all_input_nodes)
-
-
-def getattr_path(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def find_outline(host: nn.Module, host_path: str, call_args: tuple, call_kwargs: dict, num_experts: int,

@@ -8,30 +8,39 @@
 #   bench         benchmarks/kernels.py: the grouped-GEMM kernels' timings against the roofline
 #   never_slower  benchmarks/never_slower.py: form="single" (Triton path) vs the untouched block, fp32 + bf16
 #   train         python -m moepass train on one GPU (NCCL, W=1), single / ep / fsep, 40 steps with --reference
+#   never_slower_hf  the same as never_slower over every Hugging Face family moepass rewrites (fp32, layer size)
+# TOTAL (seconds, default 560) bounds the whole run: each step's timeout is cut to what is left, and a step with
+# under 20 s left is skipped, so the device call ends inside its limit with every finished step's files in $OUT.
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 STEPS="${STEPS:-kernels selfcheck bench never_slower train}"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 python3 -c "import torch, triton, sympy; print('torch', torch.__version__, 'triton', triton.__version__, 'sympy', sympy.__version__, torch.cuda.get_device_name())"
+deadline=$(( $(date +%s) + ${TOTAL:-560} ))
+left() { local want=$1 rest=$(( deadline - $(date +%s) )); echo $(( want < rest ? want : rest )); }
 for step in $STEPS; do
+  if [ "$(left 20)" -lt 20 ]; then echo "== $step skipped: under 20 s of TOTAL=${TOTAL:-560} left"; continue; fi
   echo "== $step"; start=$(date +%s)
   case $step in
-    kernels) timeout "${KERNELS_TIMEOUT:-240}" python3 -m lowering.numerics cuda > "$OUT/kernels_gpu.log" 2>&1
+    kernels) timeout "$(left "${KERNELS_TIMEOUT:-240}")" python3 -m lowering.numerics cuda > "$OUT/kernels_gpu.log" 2>&1
              echo "rc=$?"; tail -c 4000 "$OUT/kernels_gpu.log" ;;
-    selfcheck) timeout "${SELFCHECK_TIMEOUT:-300}" python3 -m moepass selfcheck --json "$OUT/selfcheck.json" 2>&1 \
+    selfcheck) timeout "$(left "${SELFCHECK_TIMEOUT:-300}")" python3 -m moepass selfcheck --json "$OUT/selfcheck.json" 2>&1 \
                | tee "$OUT/selfcheck.log"; echo "rc=${PIPESTATUS[0]}" ;;
-    bench) timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/kernels.py --out "$OUT/kernels.json" \
+    bench) timeout "$(left "${BENCH_TIMEOUT:-200}")" python3 benchmarks/kernels.py --out "$OUT/kernels.json" \
            > "$OUT/kernels_bench.log" 2>&1; echo "rc=$?"; tail -c 3000 "$OUT/kernels_bench.log" ;;
-    never_slower) timeout "${NEVER_SLOWER_TIMEOUT:-200}" python3 benchmarks/never_slower.py --device cuda \
+    never_slower) timeout "$(left "${NEVER_SLOWER_TIMEOUT:-200}")" python3 benchmarks/never_slower.py --device cuda \
                   --dtypes float32,bfloat16 --sizes layer,tiny --rounds 5 --iters 20 ${NEVER_SLOWER_ARGS:-} --out "$OUT/never_slower_cuda.json" 2>&1 \
                   | tee "$OUT/never_slower.log"; echo "rc=${PIPESTATUS[0]}" ;;
     train) for form in single ep fsep; do
-             timeout "${TRAIN_TIMEOUT:-90}" python3 -m moepass train --form $form --nproc 1 --device cuda --steps 40 \
+             timeout "$(left "${TRAIN_TIMEOUT:-90}")" python3 -m moepass train --form $form --nproc 1 --device cuda --steps 40 \
                --reference --out "$OUT/train_$form" > "$OUT/train_$form.log" 2>&1; echo "train $form rc=$?"
              tail -n 3 "$OUT/train_$form.log"
            done ;;
-    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower train" ;;
+    never_slower_hf) timeout "$(left "${NEVER_SLOWER_HF_TIMEOUT:-200}")" python3 benchmarks/never_slower.py --device cuda \
+                     --dtypes float32 --sizes layer --rounds 3 --iters 10 --hf --out "$OUT/never_slower_hf_cuda.json" 2>&1 \
+                     | tee "$OUT/never_slower_hf.log"; echo "rc=${PIPESTATUS[0]}" ;;
+    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower train never_slower_hf" ;;
   esac
   echo "($step: $(( $(date +%s) - start )) s)"
 done

@@ -10,7 +10,8 @@ D=256, F=512, E=8, K=2; "tiny" is D=16, F=32, E=8, K=2, 8 tokens: no arithmetic 
 the host overhead (dispatch, Python, host reads) of moepass's path against the block's own. Each block is built
 with seed 0; x (seed 1, requires grad) and a fixed random probe of y's shape (seed 2) are shared by both sides;
 loss = (y * probe).sum(). `--hf` adds every Hugging Face family whose tiny block moepass rewrites
-(samples/hf_hub.py), each at the same D/F/E/K where its config takes them.
+(samples/hf_hub.py), its block built at the size's D/F/E/K where its config has those fields (the rest of
+the model tiny).
 
 Method: R rounds; in each, both sides run `--iters` timed forward+backward steps after warm-up, in an order
 that alternates per round (original first on even rounds). A side's round figure is its median step; the
@@ -120,13 +121,19 @@ def sample_cases(size: Size) -> Iterator[tuple[str, Callable[[], nn.Module]]]:
         yield f"sample {style}", lambda style=style: make_moe(style, cfg)
 
 
-def hf_cases() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
-    """Every HF family whose tiny model moepass rewrites: its first MoE block, taken from the built model."""
+def hf_cases(size: Size) -> Iterator[tuple[str, Callable[[], nn.Module]]]:
+    """Every HF family moepass detects a block of: its first MoE block that is a module of its own, taken from
+    the family's tiny model built with that block at `size`'s D/F/E/K (`hf_hub.Widths`; the rest stays tiny).
+    A family whose experts sit in a sub-config of another family's (`covered_by`) is that family's row."""
     from samples import hf_hub
 
+    widths = hf_hub.Widths(D=size.D, F=size.F, E=size.E, K=size.K)
     for family in hf_hub.moe_families():
+        if family.covered_by is not None:
+            continue
+
         def block(family=family) -> nn.Module:
-            model, batch = hf_hub.build(family, seed=0)
+            model, batch = hf_hub.build(family, seed=0, widths=widths)
             report = moepass.detect(model, example_inputs=batch)
             plain = [spec.path for spec in report.blocks if spec.path not in report.outlines]
             if not plain:
@@ -221,16 +228,19 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
 def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, size: Size,
             rounds: int, iters: int, warmup: int, profile: bool) -> dict:
     torch.manual_seed(0)
+    x = torch.randn(size.seqs, size.tokens // size.seqs, size.D, generator=torch.Generator().manual_seed(1))
+    x = x.to(device, dtype).requires_grad_(True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         original = make().to(device=device, dtype=dtype)
-        compiled = moepass.compile(copy.deepcopy(original), moepass.Plan(form="single"))
+        compiled = moepass.compile(copy.deepcopy(original), moepass.Plan(form="single"), example_inputs=(x,))
     rewritten = list(compiled.moepass_info.rewritten) if hasattr(compiled, "moepass_info") else []
     if not rewritten:
         return {"case": name, "dtype": str(dtype).removeprefix("torch."), "skipped": "moepass rewrote no block"}
     dim = next(iter(compiled.moepass_info.rewritten.values())).spec.experts.hidden_dim
-    x = torch.randn(size.seqs, size.tokens // size.seqs, dim, generator=torch.Generator().manual_seed(1))
-    x = x.to(device, dtype).requires_grad_(True)
+    if dim != size.D:
+        return {"case": name, "dtype": str(dtype).removeprefix("torch."),
+                "skipped": f"its config did not take D={size.D} (the block is {dim} wide)"}
     with torch.no_grad():
         probe = torch.randn(output(original(x)).shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     for block in (original, compiled):
@@ -304,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size_name in sizes:
         size = SIZES[size_name]
-        cases = list(sample_cases(size)) + (list(hf_cases()) if args.hf else [])
+        cases = list(sample_cases(size)) + (list(hf_cases(size)) if args.hf else [])
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
             for name, make in cases:
                 name = f"{size_name} {name}"

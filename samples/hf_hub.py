@@ -41,6 +41,11 @@ VOCAB, SEQ, BATCH = 64, 9, 2
 E, K, LAYERS = 6, 2, 2
 EXPERT_COUNT = re.compile(r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts)$")
 
+# the fields of the roles `Widths` can set: model width, expert hidden width, dense / shared-expert hidden width
+HIDDEN = r"^(hidden_size|d_model|n_embd|router_hidden_size)$"
+EXPERT_FFN = r"(moe_intermediate_size|expert_ffn_hidden_size|moe_hidden_size|share_expert_dim)$"
+FFN = r"(intermediate_size|ffn_hidden_size|^d_ff$|_ffn_dim$|intermediate_size_mlp)$"
+
 # field name -> tiny value, first match wins (an int field only; lists indexed by layer are cut separately)
 SHRINK: list[tuple[str, Any]] = [
     (r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts)$", E),
@@ -54,16 +59,16 @@ SHRINK: list[tuple[str, Any]] = [
     (r"^(num_sparse_encoder_layers|num_sparse_decoder_layers)$", 1),
     (r"^encoder_sparse_step$", 2),
     (r"^(vocab_size|unpadded_vocab_size)$", VOCAB),
-    (r"^(hidden_size|d_model|n_embd|router_hidden_size)$", 32),
+    (HIDDEN, 32),
     (r"(num_attention_heads|num_heads|_attention_heads|n_heads)$", 4),
     (r"(num_key_value_heads|num_kv_heads)$", 2),
     (r"(^|_)head_dim$|^d_kv$|^kv_channels$", 8),
     (r"^(qk_rope_head_dim|qk_nope_head_dim|v_head_dim|rotary_dim)$", 8),
     (r"^qk_head_dim$", 16),
     (r"lora_rank$", 16),
-    (r"(moe_intermediate_size|expert_ffn_hidden_size|moe_hidden_size|share_expert_dim)$", 16),
+    (EXPERT_FFN, 16),
     (r"shared_expert[s]?_intermediate_size$|^shared_intermediate_size$", 24),
-    (r"(intermediate_size|ffn_hidden_size|^d_ff$|_ffn_dim$|intermediate_size_mlp)$", 48),
+    (FFN, 48),
     (r"^(max_position_embeddings|model_max_length)$", 64),
     (r"^(sliding_window|sliding_window_size|attention_chunk_size)$", 16),
     (r"^(index_topk|index_n_heads)$", 4),
@@ -162,15 +167,33 @@ def moe_families() -> tuple[Family, ...]:
     return tuple(found)
 
 
-def tiny_config(family: Family) -> Any:
+@dataclass(frozen=True)
+class Widths:
+    """The MoE block's sizes to build a family at instead of the tiny ones (`tiny_config(widths=...)`): model
+    width D, expert hidden width F, experts E, experts per token K — each applied to the fields the SHRINK
+    table gives that role, where the config has them (the rest of the model stays tiny)."""
+
+    D: int
+    F: int
+    E: int
+    K: int
+
+    def roles(self) -> dict[str, int]:
+        """SHRINK pattern -> this size, for the four roles' patterns (set exactly, not capped by the default)."""
+        return {SHRINK[0][0]: self.E, SHRINK[1][0]: self.K, HIDDEN: self.D, EXPERT_FFN: self.F, FFN: self.F}
+
+
+def tiny_config(family: Family, widths: Widths | None = None) -> Any:
     """The family's config made tiny (module doc): the shrunk fields are passed to the config class, so
-    that what it derives from them (per-layer lists) follows; lists it keeps at the old length are cut."""
+    that what it derives from them (per-layer lists) follows; lists it keeps at the old length are cut.
+    `widths`: the MoE block at these sizes instead (the rest of the model tiny)."""
     import transformers
 
     cls = getattr(transformers, family.config_class)
     default = cls()
     before = getattr(default, "num_hidden_layers", None)
-    fields = {**_shrunk(default), **{k: v for k, v in OVERRIDES.get(family.model_type, {}).items() if "." not in k}}
+    fields = {**_shrunk(default, widths.roles() if widths is not None else {}),
+              **{k: v for k, v in OVERRIDES.get(family.model_type, {}).items() if "." not in k}}
     config = cls(**fields)
     for name, val in fields.items():  # a class that ignores a keyword it does not declare
         setattr(config, name, val)
@@ -184,8 +207,9 @@ def tiny_config(family: Family) -> Any:
     return config
 
 
-def _shrunk(config: Any) -> dict[str, Any]:
-    """The tiny values of the config's fields (sub-configs shrunk in place and passed as they are)."""
+def _shrunk(config: Any, roles: dict[str, int]) -> dict[str, Any]:
+    """The tiny values of the config's fields (sub-configs shrunk in place and passed as they are); a field
+    whose SHRINK pattern is in `roles` takes that value exactly."""
     import transformers
 
     fields: dict[str, Any] = {}
@@ -193,7 +217,7 @@ def _shrunk(config: Any) -> dict[str, Any]:
         if name.startswith("_") or isinstance(val, bool):
             continue
         if isinstance(val, transformers.PretrainedConfig):
-            for sub_name, sub_val in _shrunk(val).items():
+            for sub_name, sub_val in _shrunk(val, roles).items():
                 setattr(val, sub_name, sub_val)
             fields[name] = val
             continue
@@ -201,6 +225,9 @@ def _shrunk(config: Any) -> dict[str, Any]:
             continue
         for pattern, tiny in SHRINK:
             if re.search(pattern, name):
+                if pattern in roles:
+                    fields[name] = roles[pattern]
+                    break
                 exact = val is None or tiny == 0 or EXPERT_COUNT.match(name)  # else 0 (off) stays 0
                 fields[name] = tiny if exact else min(val, tiny)
                 break
@@ -275,12 +302,12 @@ def model_class(family: Family) -> Any:
     raise ValueError(f"no model class of {package} takes {family.config_class}")
 
 
-def build(family: Family, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def build(family: Family, seed: int = 0, widths: Widths | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The tiny random-init model of `family` (fp32, train mode) and one batch (input ids, labels when the
-    model takes them, decoder ids for an encoder-decoder)."""
+    model takes them, decoder ids for an encoder-decoder); `widths`: its MoE block at those sizes."""
     import inspect
 
-    config = tiny_config(family)
+    config = tiny_config(family, widths)
     cls = model_class(family)
     torch.manual_seed(seed)
     model = cls._from_config(config, dtype=torch.float32)

@@ -142,3 +142,16 @@ def test_only_attention_experts_are_left_alone(families):
     assert sorted(out.left_alone) == ["model.layers.0.self_attention", "model.layers.1.self_attention"]
     assert all("mixture of attention experts" in why for why in out.left_alone.values()), out.left_alone
     assert sorted(out.accepted) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_widths_build_the_moe_block_at_the_given_sizes(family, families):
+    """`hf_hub.Widths` (the never-slower benchmark's layer case): the detected block has exactly D, F, E and K;
+    the tiny build keeps its own sizes."""
+    import moepass
+
+    widths = H.Widths(D=96, F=160, E=8, K=3)
+    for given, want in ((widths, (96, 160, 8, 3)), (None, (32, 16 if family == "deepseek_v3" else 48, H.E, H.K))):
+        model, batch = H.build(families[family], seed=0, widths=given)
+        spec = moepass.detect(model, example_inputs=batch).blocks[0]
+        assert (spec.experts.hidden_dim, spec.experts.ffn_dim, spec.router.num_experts, spec.router.top_k) == want

@@ -311,7 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
-    rows = []
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
+            "iters": args.iters, "sizes": {name: asdict(SIZES[name]) for name in sizes}}
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
     for size_name in sizes:
         size = SIZES[size_name]
         cases = list(sample_cases(size)) + (list(hf_cases(size)) if args.hf else [])
@@ -328,12 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                            "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
                 rows.append(row)
                 print_row(row)
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
-            "iters": args.iters, "sizes": {name: asdict(SIZES[name]) for name in sizes}}
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                # written after every row: a run stopped at a time limit (a device lease) keeps what it measured
+                out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     measured = [r for r in rows if "ratio" in r]
     worst = max(measured, key=lambda r: r["ratio"]) if measured else None
     print(f"{len(measured)} cases measured; worst ratio {worst['ratio']:.3f} ({worst['case']}, {worst['dtype']})"

@@ -208,7 +208,11 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
     for _ in range(steps):
         step(block, x, probe)
     profiler.disable()
-    python_calls = pstats.Stats(profiler).total_calls  # type: ignore[attr-defined]
+    stats = pstats.Stats(profiler)
+    python_calls = stats.total_calls  # type: ignore[attr-defined]
+    by_file: Counter[str] = Counter()
+    for (filename, _, _), (_, calls, *_) in stats.stats.items():  # type: ignore[attr-defined]
+        by_file["/".join(Path(filename).parts[-2:])] += calls
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
         step(block, x, probe)
@@ -222,7 +226,10 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
         "item": names["aten::_local_scalar_dense"], "syncs": sum(names[name] for name in SYNC_EVENTS),
         "python_calls": python_calls, "page_faults": faults,
     }
-    return {key: value / steps for key, value in counts.items()}
+    per_step = {key: value / steps for key, value in counts.items()}
+    # where the Python calls are (a file's last two path parts: which library's launch path, moepass's own)
+    per_step["python_calls_by_file"] = {f: n / steps for f, n in by_file.most_common(8)}
+    return per_step
 
 
 def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, size: Size,
@@ -286,7 +293,9 @@ def print_row(row: dict) -> None:
         print(f"{'':40s} host ms per step: original {row['host_ms']['original']:.3f}  moepass "
               f"{row['host_ms']['moepass']:.3f}", flush=True)
     for side, counts in row.get("per_step", {}).items():
-        print(f"{'':40s} {side:8s} per step: " + "  ".join(f"{k} {v:g}" for k, v in counts.items()), flush=True)
+        by_file = counts.get("python_calls_by_file", {})
+        print(f"{'':40s} {side:8s} per step: " + "  ".join(f"{k} {v:g}" for k, v in counts.items() if k != "python_calls_by_file")
+              + "\n" + f"{'':49s} Python calls by file: " + ", ".join(f"{f} {n:g}" for f, n in by_file.items()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

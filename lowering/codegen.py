@@ -79,6 +79,8 @@ from typing import Any
 
 import torch
 
+from moepass import process_state
+
 # Autocast policy of lowered ops: the dialect's registration (same policies as the ops they replace).
 from moepass.dialect import register_autocast  # noqa: F401
 
@@ -96,8 +98,6 @@ def round_bf16(x):
     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 '''
-
-_MODULES: dict[tuple[str, bool], ModuleType] = {}  # (source sha256, interpreted) -> module
 
 SIG_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
               torch.int32: "i32"}
@@ -198,9 +198,6 @@ class KernelCacheError(PermissionError):
     """The kernel cache directory is not private to this user, or a cached file changed after it was written."""
 
 
-_FALLBACK_DIR: Path | None = None  # this process's own temp directory, when the default cannot be created
-
-
 def cache_dir() -> Path:
     """The private directory generated sources are written to (see "Cache" in the module doc).
 
@@ -210,7 +207,6 @@ def cache_dir() -> Path:
     process use a fresh private temp directory of its own (`tempfile.mkdtemp`: random name, 0700) -- never
     a fixed shared path.
     """
-    global _FALLBACK_DIR
     chosen = os.environ.get("MOEPASS_KERNEL_CACHE")
     if chosen:
         return private_dir(Path(chosen), "MOEPASS_KERNEL_CACHE")
@@ -220,10 +216,14 @@ def cache_dir() -> Path:
     except KernelCacheError:
         raise
     except OSError:
-        if _FALLBACK_DIR is None:
-            _FALLBACK_DIR = Path(tempfile.mkdtemp(prefix="moepass-kernels-"))
-            atexit.register(shutil.rmtree, _FALLBACK_DIR, ignore_errors=True)  # nothing reuses it after this process
-        return _FALLBACK_DIR
+        return process_state.KERNEL_FALLBACK_DIR.get(_temp_kernel_dir)  # made once per process
+
+
+def _temp_kernel_dir() -> Path:
+    """A fresh private temp directory (`tempfile.mkdtemp`: random name, 0700), removed when the process exits."""
+    path = Path(tempfile.mkdtemp(prefix="moepass-kernels-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # nothing reuses it after this process
+    return path
 
 
 def private_dir(path: Path, what: str) -> Path:
@@ -312,7 +312,7 @@ def load_kernel_module(source: str, name: str) -> ModuleType:
     sha256 = hashlib.sha256(data).hexdigest()
     key = sha256[:16]  # = source_key(source)
     interpreted = is_interpreted()
-    cached = _MODULES.get((sha256, interpreted))
+    cached = process_state.KERNEL_MODULES.get((sha256, interpreted))
     if cached is not None:
         return cached
     path = cache_dir() / f"{name}_{key}.py"
@@ -325,7 +325,7 @@ def load_kernel_module(source: str, name: str) -> ModuleType:
         current = path.read_bytes()
     module_name = f"{PACKAGE}.{name}_{key}{'_interp' if interpreted else ''}"
     module = exec_verified(module_name, path, current, sha256)
-    _MODULES[(sha256, interpreted)] = module
+    process_state.KERNEL_MODULES[(sha256, interpreted)] = module
     return module
 
 

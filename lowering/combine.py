@@ -30,8 +30,9 @@ from lowering import Lowering
 from lowering import codegen as cg
 from moepass import dialect, eager
 from moepass.operands import OpSchema
+from moepass.process_state import KERNEL_FALLBACKS
 
-FALLBACKS = {"unpermute_combine": 0, "unpermute_combine_backward": 0}
+FALLBACKS = KERNEL_FALLBACKS  # op name -> launches that fell back to the torch reference (device cannot run Triton)
 
 
 @dataclass(frozen=True)

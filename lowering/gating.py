@@ -44,10 +44,11 @@ from torch import Tensor
 from lowering import Lowering
 from lowering import codegen as cg
 from moepass import dialect
+from moepass.process_state import KERNEL_FALLBACKS
 from moepass.spec import GROUP_SCORES, SCORE_FUNCS
 
 MAX_EXPERTS = 1024  # E_PAD * BLOCK_T floats per tile stay within registers up to here
-FALLBACKS = {"route": 0}  # launches that fell back to the torch reference (device cannot run Triton)
+FALLBACKS = KERNEL_FALLBACKS  # op name -> launches that fell back to the torch reference (device cannot run Triton)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,7 @@ import torch
 from lowering import FAMILIES, codegen, registry
 from moepass import dialect
 from moepass.activations import ACTIVATIONS, GATED_ACTIVATIONS
-
-_FAULTS: set[str] = set()  # families whose kernel output is offset on purpose (`--fault`)
-
+from moepass.process_state import KERNEL_FAULTS
 
 # ----------------------------------------------------------------------------------------------
 # Helpers.
@@ -45,7 +43,7 @@ _FAULTS: set[str] = set()  # families whose kernel output is offset on purpose (
 
 def _entry(family: str):
     (entry,) = [r for r in registry() if r.family == family]
-    if family in _FAULTS:
+    if family in KERNEL_FAULTS:
         return dataclasses.replace(entry, lowered_op=_offset(entry.lowered_op))
     return entry
 
@@ -336,8 +334,8 @@ def run(device: str, small: bool, faults: tuple[str, ...] = ()) -> dict[str, dic
     unknown = sorted(set(faults) - set(CHECKS))
     if unknown:
         raise ValueError(f"lowering.numerics: --fault {unknown} names no kernel family: choose from {list(CHECKS)}")
-    _FAULTS.clear()
-    _FAULTS.update(faults)
+    KERNEL_FAULTS.clear()
+    KERNEL_FAULTS.update(faults)
     torch.manual_seed(0)
     report = {}
     # small shapes check that every specialisation builds and is right, not which block sizes are fastest:

@@ -33,9 +33,10 @@ from lowering import Lowering, combine
 from lowering import codegen as cg
 from moepass import dialect, eager
 from moepass.operands import OpSchema
+from moepass.process_state import KERNEL_FALLBACKS
 
 MAX_EXPERTS = 1024
-FALLBACKS = {"permute": 0, "permute_backward": 0}
+FALLBACKS = KERNEL_FALLBACKS  # op name -> launches that fell back to the torch reference (device cannot run Triton)
 
 
 @dataclass(frozen=True)

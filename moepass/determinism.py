@@ -46,6 +46,7 @@ import torch
 from torch.autograd import Variable
 
 from moepass.errors import PlanError
+from moepass.process_state import DETERMINISTIC_BACKWARD
 
 CUBLAS_WORKSPACE_CONFIGS = (":4096:8", ":16:8")
 
@@ -125,7 +126,9 @@ class BackwardMode:
         restore(mode)
 
 
-BACKWARD = BackwardMode()
+def backward_mode() -> BackwardMode:
+    """This process's one `BackwardMode` (`moepass.process_state.DETERMINISTIC_BACKWARD`, made on first use)."""
+    return DETERMINISTIC_BACKWARD.get(BackwardMode)
 
 
 class Scope:
@@ -153,7 +156,7 @@ class Scope:
                     tensor.register_hook(self.enter_backward)
 
     def enter_backward(self, grad: torch.Tensor) -> None:
-        BACKWARD.enter()
+        backward_mode().enter()
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` run as a scoped module's forward (the torch.compile backend's compiled graph)."""

@@ -50,14 +50,13 @@ experts of 2 rows, equal at 512 rows — so `_grouped_mm` stays the CPU engine.)
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from moepass.activations import GATED_ACTIVATIONS, activate, activate_and_backward
+from moepass.process_state import GRAD_BUFFERS, GRAD_BUFFERS_LOCK
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PADDED_MACS = 0  # the small engine's bound (module doc): off
@@ -228,10 +227,6 @@ def gradient_like(w: Tensor) -> Tensor:
     return torch.empty_like(w) if transposed(w) else w.new_empty(w.shape)
 
 
-_GRAD_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight storage -> {key: (buffer, its storage's use count)}
-_GRAD_BUFFERS_LOCK = threading.Lock()
-
-
 def storage_use_count(t: Tensor) -> int:
     """How many tensors (views included) and storage objects hold `t`'s memory."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -262,8 +257,8 @@ def reusable_grad_buffer(w: Tensor, shape: tuple[int, ...]) -> Tensor | None:
     if numel * itemsize < GRAD_BUFFER_BYTES:
         return None
     key = (w.storage_offset(), tuple(shape), w.dtype)
-    with _GRAD_BUFFERS_LOCK:
-        buffers = _GRAD_BUFFERS.setdefault(w.untyped_storage(), {})
+    with GRAD_BUFFERS_LOCK:
+        buffers = GRAD_BUFFERS.setdefault(w.untyped_storage(), {})
         found = buffers.get(key)
         if found is None or storage_use_count(found[0]) > found[1]:
             buffer = w.new_empty(shape)

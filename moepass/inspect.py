@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from moepass import process_state
 from moepass.detect.graph_candidates import record_model, synthesize_inputs
 from moepass.envflags import flag
 from moepass.spec import MoESpec
@@ -33,25 +34,22 @@ log = logging.getLogger("moepass")
 # Debug logging.
 # ----------------------------------------------------------------------------------------------
 
-_HANDLER: logging.Handler | None = None
-
-
 def set_debug(enabled: bool = True) -> None:
     """Log every pass (name, block, time, counts) and every backend decision to stderr.
 
     The same as `MOEPASS_DEBUG=1` at import, but at any time; `set_debug(False)` undoes it.
     """
-    global _HANDLER
     if enabled:
-        if _HANDLER is None:
-            _HANDLER = logging.StreamHandler()
-            _HANDLER.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-            log.addHandler(_HANDLER)
+        if process_state.DEBUG_HANDLER.value is None:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            log.addHandler(handler)
+            process_state.DEBUG_HANDLER.set(handler)
         log.setLevel(logging.DEBUG)
     else:
-        if _HANDLER is not None:
-            log.removeHandler(_HANDLER)
-            _HANDLER = None
+        if process_state.DEBUG_HANDLER.value is not None:
+            log.removeHandler(process_state.DEBUG_HANDLER.value)
+            process_state.DEBUG_HANDLER.clear()
         log.setLevel(logging.NOTSET)
 
 
@@ -180,7 +178,7 @@ COMM_NAMESPACES = ("_c10d_functional", "c10d_functional", "moe_comm")
 
 # A communication node's extra label, e.g. from the cost model: node -> (bytes, predicted seconds) or None.
 CommAnnotator = Callable[[fx.Node], "tuple[int | None, float | None] | None"]
-COMM_ANNOTATORS: list[CommAnnotator] = []
+COMM_ANNOTATORS: list[CommAnnotator] = process_state.COMM_ANNOTATORS  # the process's list: append to add one
 
 
 def pass_of(node: fx.Node) -> str | None:

@@ -69,7 +69,8 @@ def case_bit_equal(rank, world, style, nodes=1, ep_size=None, steps=2, grad_sync
     replicated gradients, `clip_grad_norm_`, SGD. Returns every mismatch (empty: bit-equal), the accumulate
     calls per parameter and backward, and how many reductions each backward deferred."""
     import moepass
-    from moepass.runtime.fsep import DEFERRED
+    from moepass.runtime.fsep import deferred
+    DEFERRED = deferred()  # the process's queue (moepass.process_state.FSEP_DEFERRED)
     from moepass.runtime.grads import all_reduce_replicated_grads, clip_grad_norm_
     from samples.models import tiny_mixtral
 
@@ -125,7 +126,8 @@ def check_bit_equal(reports, deferred_per_backward):
 def case_hf(rank, world, nodes):
     """HF Mixtral, deferred vs waited: every gradient over two accumulated backward calls."""
     import moepass
-    from moepass.runtime.fsep import DEFERRED
+    from moepass.runtime.fsep import deferred
+    DEFERRED = deferred()  # the process's queue (moepass.process_state.FSEP_DEFERRED)
     from moepass.runtime.grads import all_reduce_replicated_grads
     from samples import hf_models as H
 
@@ -182,7 +184,8 @@ def case_stack(rank, world, checkpointed=None, retain=False, fail_step=None, ste
     """A 3-block stack, deferred vs waited, per step: every gradient (with `retain`, two backward calls over
     one retained graph); with `fail_step`, that step's backward raises in both models on every rank, and the
     next steps must match again."""
-    from moepass.runtime.fsep import DEFERRED
+    from moepass.runtime.fsep import deferred
+    DEFERRED = deferred()  # the process's queue (moepass.process_state.FSEP_DEFERRED)
 
     torch.manual_seed(0)
     # the waited path's prefetch does not survive non-reentrant checkpointing of each block (its gather saves the
@@ -221,7 +224,8 @@ def case_unusual(rank, world, variant):
     """Deferred vs waited over 2 steps of a model off the usual path: "reversed" (two blocks that run in the
     other order than registered, prefetch off so the chain stays enabled), "frozen" (a 3-block stack whose
     block 0 experts are frozen: nothing completes block 1's reduction but the end of the backward)."""
-    from moepass.runtime.fsep import DEFERRED
+    from moepass.runtime.fsep import deferred
+    DEFERRED = deferred()  # the process's queue (moepass.process_state.FSEP_DEFERRED)
 
     torch.manual_seed(0)
     if variant == "reversed":

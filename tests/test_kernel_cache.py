@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lowering import codegen as cg
+from moepass import process_state
 
 SOURCE = '''
 import triton
@@ -40,7 +41,7 @@ def cache(tmp_path, monkeypatch):
     """A fresh cache directory and an empty in-process module table."""
     root = tmp_path / "kernels"
     monkeypatch.setenv("MOEPASS_KERNEL_CACHE", str(root))
-    monkeypatch.setattr(cg, "_MODULES", {})
+    monkeypatch.setattr(process_state, "KERNEL_MODULES", {})
     monkeypatch.delattr(builtins, "MOEPASS_EVIL_RAN", raising=False)
     yield root
     for name in [n for n in sys.modules if n.startswith(f"{cg.PACKAGE}.cachetest")]:
@@ -97,7 +98,7 @@ def test_a_default_that_cannot_be_created_falls_back_to_a_private_temp_dir(tmp_p
     monkeypatch.delenv("MOEPASS_KERNEL_CACHE", raising=False)
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # mkdir under a file fails
-    monkeypatch.setattr(cg, "_FALLBACK_DIR", None)
+    monkeypatch.setattr(process_state, "KERNEL_FALLBACK_DIR", process_state.Slot())
     first = cg.cache_dir()
     assert first.name.startswith("moepass-kernels-") and first != Path(cg.tempfile.gettempdir()) / "moepass_kernels"
     assert stat.S_IMODE(first.stat().st_mode) == 0o700 and cg.cache_dir() == first  # one per process
@@ -139,7 +140,7 @@ def test_the_cache_hits_on_a_second_load(cache, monkeypatch):
     assert cg.load_kernel_module(SOURCE, "cachetest") is first  # in this process
     path = Path(first.__file__)
     before = path.stat()
-    monkeypatch.setattr(cg, "_MODULES", {})  # as a new process would: the file is reused, not rewritten
+    monkeypatch.setattr(process_state, "KERNEL_MODULES", {})  # as a new process would: the file is reused, not rewritten
     second = cg.load_kernel_module(SOURCE, "cachetest")
     after = path.stat()
     assert second is not first and (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch import fx, nn
 
 from moepass.backend.reports import BackendReport, Region
 from moepass.canonical import MoEGraphModule
+from moepass.process_state import DETECTED
 
 
 def frame_scope() -> dict[str, Any] | None:
@@ -100,22 +100,20 @@ class Modules:
         return id(module)
 
 
-# Detection per module object (weak: a module that goes away takes its report with it).
-_DETECTED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-
-
 def _detect(module: nn.Module) -> Any:
-    report = _DETECTED.get(module)
+    """The detection report of `module`, kept per module object (`moepass.process_state.DETECTED`: weak, a module
+    that goes away takes its report with it)."""
+    report = DETECTED.get(module)
     if report is None:
         from moepass.detect import detect
 
-        report = _DETECTED[module] = detect(module)
+        report = DETECTED[module] = detect(module)
         for detail in report.details:  # each accepted block, as seen from itself (another frame's root)
             if detail.accepted and detail.spec is not None and detail.path and detail.path not in report.outlines:
                 block = module.get_submodule(detail.path)
-                if block not in _DETECTED:
+                if block not in DETECTED:
                     alone = dataclasses.replace(detail, path="", spec=detail.spec.replace(path=""))
-                    _DETECTED[block] = type(report)(details=[alone])
+                    DETECTED[block] = type(report)(details=[alone])
     return report
 
 

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import collections
 import weakref
 from dataclasses import dataclass, field
 
 from torch import fx
 
+from moepass.process_state import BACKEND
+
 NAME = "moepass"
-MAX_REPORTS = 64
-
-COUNTERS: collections.Counter[str] = collections.Counter()
-
+MAX_REPORTS = BACKEND.max_reports
+COUNTERS = BACKEND.counters  # the process's backend counters (moepass.process_state.BACKEND): never rebound
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,47 +66,37 @@ class BackendReport:
         return "\n".join(lines)
 
 
-_REPORTS: collections.deque[BackendReport] = collections.deque(maxlen=MAX_REPORTS)
-_GRAPHS = 0
-_LAST_GRAPH: weakref.ref[fx.GraphModule] | None = None
-
-
 def last_report() -> BackendReport | None:
     """What the backend did to the last graph it was given (None before the first)."""
-    return _REPORTS[-1] if _REPORTS else None
+    return BACKEND.reports[-1] if BACKEND.reports else None
 
 
 def last_graph() -> fx.GraphModule | None:
     """The last graph the backend handed to its inner compiler (after the rewrite)."""
-    return _LAST_GRAPH() if _LAST_GRAPH is not None else None
+    return BACKEND.last_graph() if BACKEND.last_graph is not None else None
 
 
 def reports() -> list[BackendReport]:
     """The reports of the last graphs (at most MAX_REPORTS), oldest first."""
-    return list(_REPORTS)
+    return list(BACKEND.reports)
 
 
 def reset() -> None:
     """Forget reports and counters (the detection cache is per module and needs no reset)."""
-    global _GRAPHS
-    _REPORTS.clear()
-    COUNTERS.clear()
-    _GRAPHS = 0
+    BACKEND.clear()
 
 
 
 def new_report(inner: str) -> BackendReport:
     """A report for the next graph, numbered and kept (the last MAX_REPORTS)."""
-    global _GRAPHS
-    report = BackendReport(graph=_GRAPHS, inner=inner)
-    _GRAPHS += 1
-    _REPORTS.append(report)
+    report = BackendReport(graph=BACKEND.graphs, inner=inner)
+    BACKEND.graphs += 1
+    BACKEND.reports.append(report)
     return report
 
 
 def set_last_graph(gm: fx.GraphModule) -> None:
-    global _LAST_GRAPH
-    _LAST_GRAPH = weakref.ref(gm)
+    BACKEND.last_graph = weakref.ref(gm)
 
 
 def count(name: str, n: int = 1) -> None:

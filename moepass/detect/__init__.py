@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moepass.detect import fused_experts, gshard, loop_experts, outline, self_described
+from moepass.detect import fused_experts, gshard, hf, loop_experts, outline, self_described
 from moepass.detect.candidates import (
     GRAPH,
     SELF_DESCRIBED,
@@ -38,8 +38,11 @@ from moepass.spec import LOAD_OUTPUT, ROUTER_OUTPUT, MoESpec, TensorSource
 
 Recogniser = Callable[[Candidate], "list[MoESpec] | str"]
 
-# Tried in order; a recogniser declines by returning the reason as a string.
+# Tried in order; a recogniser declines by returning the reason as a string. The recogniser registry, built here
+# in one statement: the router modules returning logits (transformers 5.x style) first, then the generic ones;
+# `register_recogniser` is its one writer (a user's own recogniser).
 RECOGNISERS: list[tuple[str, Recogniser]] = [
+    *hf.RECOGNISERS,
     (gshard.NAME, gshard.recognise),
     (loop_experts.NAME, loop_experts.recognise),
     (fused_experts.NAME, fused_experts.recognise),
@@ -54,12 +57,6 @@ SELF_DESCRIBED_RECOGNISERS: list[tuple[str, Recogniser]] = [(self_described.NAME
 def register_recogniser(name: str, fn: Recogniser, first: bool = True) -> None:
     """Add a recogniser (e.g. for a model family); `first` gives it priority over the generic ones."""
     RECOGNISERS.insert(0 if first else len(RECOGNISERS), (name, fn))
-
-
-from moepass.detect import hf  # noqa: E402  (router modules returning logits, transformers 5.x style: first)
-
-for _name, _fn in reversed(hf.RECOGNISERS):
-    register_recogniser(_name, _fn)
 
 
 @dataclass

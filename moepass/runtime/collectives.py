@@ -75,10 +75,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
-from torch.utils.weak import WeakIdKeyDictionary
 
 from moepass import eager
 from moepass.envflags import flag
+from moepass.process_state import TRANSFERS
 from moepass.runtime import scheduler, stats
 from moepass.runtime.topology import Topology, group_info
 
@@ -172,9 +172,6 @@ def peer_lost(kind: str, group_name: str, err: Exception) -> Exception:
         return RuntimeError(message)
 
 
-_transfers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # pending output tensor -> Transfer, until its wait
-
-
 def _eager(t: Tensor) -> bool:
     """A real tensor outside any tracing (fake tensors, torch.compile): only then are transfers linked."""
     return type(t) is Tensor and not torch.compiler.is_compiling()
@@ -200,7 +197,7 @@ def issue(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int],
     torch._C._distributed_c10d._register_work(out, work)
     key = out if key is None else key
     if _eager(key):
-        _transfers[key] = transfer
+        TRANSFERS[key] = transfer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +306,7 @@ def _a2a_setup(ctx, inputs, output):
     ctx.save_for_backward(send_counts_E, recv_counts_E)
     # the reverse exchange sends what this one received: the same table, rows swapped (no sync in backward)
     ctx.options = (group_name, kind, x_XD.shape[0], None if splits_2P is None else splits_2P.flip(0))
-    ctx.transfer = _transfers.get(output) if _eager(output) else None
+    ctx.transfer = TRANSFERS.get(output) if _eager(output) else None
     if ctx.transfer is not None:
         ctx.transfer.reverse = functools.partial(_reverse_a2a, ctx)
 
@@ -416,7 +413,7 @@ _lib.define("wait(Tensor(a) t) -> Tensor(a)")
 class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Tensor) -> Tensor:
-        transfer = _transfers.pop(t, None) if _eager(t) else None
+        transfer = TRANSFERS.pop(t, None) if _eager(t) else None
         if transfer is not None:
             scheduler.notify_waited(transfer.issued)
         try:

@@ -24,7 +24,8 @@ end-of-backward callbacks queued at its start (`GradientSync`, DDP) run; the end
 drops what a backward that raised left. Blocks that do not run in chain order defer nothing. Cost: the
 previous layer's gradient slices (2·C·S elements: its send and receive buffers) stay alive one layer longer;
 `Plan(defer_expert_grads=False)` waits for them in the layer's own backward instead (the restore as plain ops).
-`DEFERRED` is this process's one queue of reductions in flight (autograd's backward is process-wide too).
+`deferred()` is this process's one queue of reductions in flight (autograd's backward is process-wide too;
+`moepass.process_state.FSEP_DEFERRED` holds it).
 
 The planner (`FSEPPlacement`): with `Plan(planner="auto")` each training forward gathers every rank's
 per-expert counts (`moe_comm.gather_counts`, P*E integers), hands the last 5 steps' sum to a worker thread
@@ -56,6 +57,7 @@ from torch import Tensor, fx, nn
 
 from cost_model.fsep import ep_device_rows
 from moepass.errors import PlanError
+from moepass.process_state import FSEP_DEFERRED
 from moepass.runtime import collectives as comm
 from moepass.runtime import placement
 from moepass.runtime.fsep_ops import gather_slices, slice_grads
@@ -147,14 +149,16 @@ class DeferredReductions:
                         "finish", [reduction.block for reduction in stale])
 
 
-DEFERRED = DeferredReductions()
+def deferred() -> DeferredReductions:
+    """This process's queue of reductions in flight (made on first use)."""
+    return FSEP_DEFERRED.get(DeferredReductions)
 
 
 class _RestoreExchange(torch.autograd.Function):
     """One restore as one autograd node of the block that uses it: gather this rank's slices and issue the
     equal all_to_all (pending; `moe_comm.wait` completes it), or take the one an earlier block prefetched
     (issued without autograd). Its backward issues the gradient slices' exchange and, when the block
-    `defers_reduction`, leaves it in flight (`DEFERRED`) instead of waiting for it. The shards are not inputs
+    `defers_reduction`, leaves it in flight (`deferred()`) instead of waiting for it. The shards are not inputs
     of the node (the model's backward never reaches the expert parameters through it); `anchor`, an empty
     tensor, makes the output require grad.
 
@@ -172,11 +176,11 @@ class _RestoreExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_Us):  # type: ignore[override]
         controller = ctx.controller
-        DEFERRED.complete()  # the earlier blocks' reductions, before this one is issued
+        deferred().complete()  # the earlier blocks' reductions, before this one is issued
         pending = comm.EQUAL_ALL_TO_ALL(grad_Us.contiguous(), controller.restore.group_name, "restore_bwd")
         reduction = DeferredReduction(pending, ctx.slot_expert_U, ctx.shards, controller.block)
         if controller.defers_reduction:
-            DEFERRED.defer(reduction)
+            deferred().defer(reduction)
         else:
             reduction.complete()
         return None, None, None, None, None
@@ -372,7 +376,7 @@ class FSEPPlacement(nn.Module):
     def forward(self) -> Tensor:
         """This step's table: install the layout planned after the previous step first."""
         if self.training and not _shape_only():
-            DEFERRED.drop_stale()
+            deferred().drop_stale()
             if self.chain is not None:
                 self.chain.entered(self)
             self.advance()

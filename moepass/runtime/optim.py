@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.utils.hooks import RemovableHandle
+
+from moepass.process_state import OPTIM_HOOKS, OPTIM_OPEN
 
 __all__ = ["disable_mixed_steps", "enable_mixed_steps", "mixes_dtensors"]
 
-# the registered hook pair and the replication context a step entered (one step runs at a time per process)
-_handles: list[RemovableHandle] = []
-_open: list[Any] = []
+# the registered hook pair (OPTIM_HOOKS) and the replication context a step entered (OPTIM_OPEN; one step runs at
+# a time per process) are process-wide: moepass.process_state
 
 
 def mixes_dtensors(tensors: Iterable[torch.Tensor]) -> bool:
@@ -45,31 +45,31 @@ def _mixed(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    while _open:  # a step that raised left its context open: close it first
-        _open.pop().__exit__(None, None, None)
+    while OPTIM_OPEN:  # a step that raised left its context open: close it first
+        OPTIM_OPEN.pop().__exit__(None, None, None)
     if _mixed(optimizer):
         context = implicit_replication()
         context.__enter__()
-        _open.append(context)
+        OPTIM_OPEN.append(context)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    while _open:
-        _open.pop().__exit__(None, None, None)
+    while OPTIM_OPEN:
+        OPTIM_OPEN.pop().__exit__(None, None, None)
 
 
 def enable_mixed_steps() -> None:
     """Let every optimizer step over parameter groups that mix DTensors and plain tensors (module doc)."""
-    if _handles:
+    if OPTIM_HOOKS:
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    _handles.append(register_optimizer_step_pre_hook(_before_step))
-    _handles.append(register_optimizer_step_post_hook(_after_step))
+    OPTIM_HOOKS.append(register_optimizer_step_pre_hook(_before_step))
+    OPTIM_HOOKS.append(register_optimizer_step_post_hook(_after_step))
 
 
 def disable_mixed_steps() -> None:
     """Remove the hooks `enable_mixed_steps` registered."""
-    while _handles:
-        _handles.pop().remove()
+    while OPTIM_HOOKS:
+        OPTIM_HOOKS.pop().remove()
 

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from moepass import eager
 from moepass.dialect import WGRAD_SINK, WeightGradSink
+from moepass.process_state import COMPLETION_WATCHER, LISTENERS
 
 A2A = "all_to_all"
 ALL_REDUCE = "all_reduce"
@@ -62,22 +63,19 @@ ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # ----------------------------------------------------------------------------------------------
-# The registry.
+# The registry (`moepass.process_state.LISTENERS`).
 # ----------------------------------------------------------------------------------------------
-
-_listeners: list[Any] = []
-
 
 def add_listener(listener: Any) -> None:
     """`listener` has queued(kind, category, group_name, nbytes) -> token, completed(token, end_time),
     mark(name, phase)."""
-    if listener not in _listeners:
-        _listeners.append(listener)
+    if listener not in LISTENERS:
+        LISTENERS.append(listener)
 
 
 def remove_listener(listener: Any) -> None:
-    if listener in _listeners:
-        _listeners.remove(listener)
+    if listener in LISTENERS:
+        LISTENERS.remove(listener)
 
 
 def issue_collective(kind: str, group_name: str, nbytes: int, launch: Callable[[], Any], category: str = A2A,
@@ -85,9 +83,9 @@ def issue_collective(kind: str, group_name: str, nbytes: int, launch: Callable[[
     """Launch one asynchronous collective, telling every listener before the launch and when its
     work's future completes (one completion time, taken before any listener hears of it). `issued`,
     if given, receives the (listener, token) pairs for `notify_waited`."""
-    if not _listeners:
+    if not LISTENERS:
         return launch()
-    listeners = list(_listeners)
+    listeners = list(LISTENERS)
     tokens = [lst.queued(kind, category, group_name, nbytes) for lst in listeners]
     if issued is not None:
         issued.extend(zip(listeners, tokens))
@@ -111,7 +109,7 @@ def on_completion(work: Any, callback: Callable[[], None]) -> Any:
     work = with_future(work)
     future = work.get_future()
     if future.done() and not work.is_completed():
-        _watcher.add(work, callback)
+        COMPLETION_WATCHER.get(CompletionWatcher).add(work, callback)
     else:
         future.then(lambda fut: callback())
     return work
@@ -158,9 +156,6 @@ class CompletionWatcher:
                 callback()
 
 
-_watcher = CompletionWatcher()
-
-
 class FutureOnWait:
     """A backend work that has no future (gloo's reduce-scatter: `Work::getFuture not implemented`),
     given one that completes when `wait()` returns (on such a backend `wait` blocks until it is done)."""
@@ -202,7 +197,7 @@ def notify_waited(issued: list[tuple[Any, Any]]) -> None:
 
 def notify_mark(name: str, phase: str) -> None:
     """A `moe_sched.mark` node ran: phase "forward" or "backward"."""
-    for lst in list(_listeners):
+    for lst in list(LISTENERS):
         lst.mark(name, phase)
 
 
@@ -218,13 +213,13 @@ class _Mark(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Tensor, name: str) -> Tensor:
         ctx.name = name
-        if _listeners and not isinstance(t, torch._subclasses.FakeTensor):
+        if LISTENERS and not isinstance(t, torch._subclasses.FakeTensor):
             notify_mark(name, "forward")
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        if _listeners:
+        if LISTENERS:
             notify_mark(ctx.name, "backward")
         return grad, None
 
@@ -264,10 +259,10 @@ class _DeferWgrad(torch.autograd.Function):
         if sink is None or sink.pending is None:  # the expert FFN did not defer: its gradient is `grad`
             return grad
         first = not sink.pending.done  # the whole call's weight GEMMs run now
-        if first and _listeners:
+        if first and LISTENERS:
             notify_mark(WGRAD_IN, "backward")
         real = sink.take()
-        if first and _listeners:
+        if first and LISTENERS:
             notify_mark(WGRAD_OUT, "backward")
         return real
 

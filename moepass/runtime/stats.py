@@ -12,18 +12,15 @@ node of the `Topology`.
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
+from moepass.process_state import COMM_STATS, COMM_STATS_LOCK
 
 _FIELDS = ("intra", "inter", "self", "calls")
-_lock = threading.Lock()
-_stats: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(_FIELDS, 0))
 
 
 def record(kind: str, *, intra: int = 0, inter: int = 0, self_bytes: int = 0) -> None:
     """Add one call of collective `kind` that sent these bytes."""
-    with _lock:
-        entry = _stats[kind]
+    with COMM_STATS_LOCK:
+        entry = COMM_STATS.setdefault(kind, dict.fromkeys(_FIELDS, 0))
         entry["intra"] += int(intra)
         entry["inter"] += int(inter)
         entry["self"] += int(self_bytes)
@@ -32,12 +29,12 @@ def record(kind: str, *, intra: int = 0, inter: int = 0, self_bytes: int = 0) ->
 
 def comm_stats() -> dict[str, dict[str, int]]:
     """A copy of this rank's counters, per op kind, plus a "total" entry (bytes only)."""
-    with _lock:
-        out = {kind: dict(entry) for kind, entry in _stats.items()}
+    with COMM_STATS_LOCK:
+        out = {kind: dict(entry) for kind, entry in COMM_STATS.items()}
     out["total"] = {f: sum(e[f] for e in out.values()) for f in _FIELDS}
     return out
 
 
 def reset_comm_stats() -> None:
-    with _lock:
-        _stats.clear()
+    with COMM_STATS_LOCK:
+        COMM_STATS.clear()

@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from moepass.errors import PlanError
 from moepass.plan_options import TopologyLike
+from moepass.process_state import WORLD_GROUPS
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -125,16 +126,15 @@ class _WorldCache:
         return world is not None and self.world is not None and self.world() is world
 
 
-_CACHE = _WorldCache(None)
-
-
 def _cache() -> _WorldCache:
-    """The cache of the current world; a fresh one when the world changed since it was filled."""
-    global _CACHE
+    """The cache of the current world (`process_state.WORLD_GROUPS`); a fresh one when the world changed since
+    it was filled."""
     world = dist.group.WORLD if dist.is_initialized() else None
-    if not _CACHE.belongs_to(world):
-        _CACHE = _WorldCache(world)
-    return _CACHE
+    cache = WORLD_GROUPS.value
+    if cache is None or not cache.belongs_to(world):
+        cache = _WorldCache(world)
+        WORLD_GROUPS.set(cache)
+    return cache
 
 
 def group_info(group_name: str) -> tuple[Topology, list[int]]:
@@ -279,8 +279,7 @@ def head_ep_groups(topology: TopologyLike | None, ep_size: int | None, head_ep_s
 def reset_groups() -> None:
     """Forget every cached group now. Not needed for correctness (a new world never sees the groups
     of a destroyed one, see `_WorldCache`); it only drops the references early."""
-    global _CACHE
-    _CACHE = _WorldCache(None)
+    WORLD_GROUPS.clear()
 
 
 def register_group(group: dist.ProcessGroup, topology: Topology) -> None:

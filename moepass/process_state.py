@@ -127,6 +127,7 @@ DEBUG_HANDLER: Slot[Any] = Slot()
 # inspect: extra labellers of communication nodes in drawn graphs (the cost model's hook); callers append
 COMM_ANNOTATORS: list[Callable[..., Any]] = []
 
+
 def reset() -> None:
     """Empty the caches and records (for tests): detection reports, backend reports and counters,
     communication counters, cached process groups, kernel fallback counts, gradient buffers. Compiled kernel

@@ -88,6 +88,9 @@ KiB = 1024
 # Maximum dynamic shared memory per block after opt-in (CUDA programming guide, compute capabilities).
 SHARED_LIMIT_BYTES = {80: 163 * KiB, 86: 99 * KiB, 89: 99 * KiB, 90: 227 * KiB}
 PACKAGE = "moepass_kernels"  # sys.modules prefix of generated kernel modules
+# op name (route, permute, unpermute_combine, ...) -> launches that fell back to the torch reference (a device
+# Triton cannot run on): the process's counter, `moepass.process_state.KERNEL_FALLBACKS`
+FALLBACKS = process_state.KERNEL_FALLBACKS
 
 # A @triton.jit helper pasted into generated sources (see the module docstring).
 ROUND_BF16_SOURCE = '''

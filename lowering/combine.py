@@ -30,9 +30,6 @@ from lowering import Lowering
 from lowering import codegen as cg
 from moepass import dialect, eager
 from moepass.operands import OpSchema
-from moepass.process_state import KERNEL_FALLBACKS
-
-FALLBACKS = KERNEL_FALLBACKS  # op name -> launches that fell back to the torch reference (device cannot run Triton)
 
 
 @dataclass(frozen=True)
@@ -283,7 +280,7 @@ def combine_backward_triton(grad_TD: Tensor, y_ND: Tensor, order_N: Tensor, weig
 
 def _unpermute_combine(y_ND: Tensor, order_N: Tensor, top_k: int, weights_TK: Tensor) -> Tensor:
     if cg.launch_blocker(y_ND.device) is not None:
-        FALLBACKS["unpermute_combine"] += 1
+        cg.FALLBACKS["unpermute_combine"] += 1
         return unpermute_combine_ref(y_ND, order_N, top_k, weights_TK)
     return combine_triton(y_ND, order_N, top_k, weights_TK)
 
@@ -295,7 +292,7 @@ def _unpermute_combine_fake(y_ND, order_N, top_k, weights_TK):
 def _unpermute_combine_backward(grad_TD: Tensor, y_ND: Tensor, order_N: Tensor,
                                 weights_TK: Tensor) -> tuple[Tensor, Tensor]:
     if cg.launch_blocker(y_ND.device) is not None:
-        FALLBACKS["unpermute_combine_backward"] += 1
+        cg.FALLBACKS["unpermute_combine_backward"] += 1
         return unpermute_combine_backward_ref(grad_TD, y_ND, order_N, weights_TK)
     return combine_backward_triton(grad_TD, y_ND, order_N, weights_TK)
 

@@ -44,11 +44,9 @@ from torch import Tensor
 from lowering import Lowering
 from lowering import codegen as cg
 from moepass import dialect
-from moepass.process_state import KERNEL_FALLBACKS
 from moepass.spec import GROUP_SCORES, SCORE_FUNCS
 
 MAX_EXPERTS = 1024  # E_PAD * BLOCK_T floats per tile stay within registers up to here
-FALLBACKS = KERNEL_FALLBACKS  # op name -> launches that fell back to the torch reference (device cannot run Triton)
 
 
 @dataclass(frozen=True)
@@ -326,7 +324,7 @@ def route_triton(logits_TE, selection_bias, score_func, softmax_before_topk, top
 
 def _route(*args: Any) -> tuple[Tensor, Tensor]:
     if cg.launch_blocker(args[0].device) is not None:  # e.g. a CPU tensor with interpretation off
-        FALLBACKS["route"] += 1
+        cg.FALLBACKS["route"] += 1
         with torch.no_grad():
             return dialect.route_ref(*args)
     return route_triton(*args)

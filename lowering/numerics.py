@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
 import time
@@ -66,10 +65,9 @@ def _triton_path(family: str, args: tuple) -> Iterator[None]:
     """Fails unless the arguments are eligible and no launch of the family falls back to torch."""
     reason = _entry(family).eligible(*args)
     assert reason is None, f"{family}: not eligible, the torch fallback would run: {reason}"
-    fallbacks = getattr(importlib.import_module(f"lowering.{family}"), "FALLBACKS", {})
-    before = dict(fallbacks)
+    before = dict(codegen.FALLBACKS)
     yield
-    assert dict(fallbacks) == before, f"{family}: fell back to the torch reference: {before} -> {dict(fallbacks)}"
+    assert dict(codegen.FALLBACKS) == before, f"{family}: fell back to the torch reference: {before} -> {dict(codegen.FALLBACKS)}"
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, *, fp32_tol: float = 1e-5) -> None:

@@ -33,10 +33,8 @@ from lowering import Lowering, combine
 from lowering import codegen as cg
 from moepass import dialect, eager
 from moepass.operands import OpSchema
-from moepass.process_state import KERNEL_FALLBACKS
 
 MAX_EXPERTS = 1024
-FALLBACKS = KERNEL_FALLBACKS  # op name -> launches that fell back to the torch reference (device cannot run Triton)
 
 
 @dataclass(frozen=True)
@@ -245,7 +243,7 @@ def permute_triton(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[
 
 def _permute(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     if cg.launch_blocker(x_TD.device) is not None:
-        FALLBACKS["permute"] += 1
+        cg.FALLBACKS["permute"] += 1
         return dialect.permute_ref(x_TD, experts_TK, num_experts)
     return permute_triton(x_TD, experts_TK, num_experts)
 
@@ -253,7 +251,7 @@ def _permute(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor
 def _permute_backward(grad_x_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
     """grad_x_TD[t] = sum over k of grad_x_ND[row of (t, k)] (fp32 accumulation)."""
     if cg.launch_blocker(grad_x_ND.device) is not None:
-        FALLBACKS["permute_backward"] += 1
+        cg.FALLBACKS["permute_backward"] += 1
         return combine.unpermute_combine_ref(grad_x_ND, order_N, top_k, None)
     return combine.combine_triton(grad_x_ND, order_N, top_k, None)
 

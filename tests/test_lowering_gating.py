@@ -148,9 +148,9 @@ def test_eligible_declines_with_reasons(monkeypatch):
 def test_falls_back_to_reference_when_triton_cannot_launch(monkeypatch):
     args = _args(CASES[0])
     monkeypatch.setattr(cg, "launch_blocker", lambda device: "no Triton here")
-    before = gating.FALLBACKS["route"]
+    before = cg.FALLBACKS["route"]
     weights_TK, experts_TK = torch.ops.moe_lowered.route(*args)
-    assert gating.FALLBACKS["route"] == before + 1
+    assert cg.FALLBACKS["route"] == before + 1
     assert torch.equal(experts_TK, dialect.route_ref(*args)[1])
 
 
@@ -397,7 +397,7 @@ def test_lower_pass_lowers_the_gating_of_a_latent_moe_and_matches_the_unlowered_
         launches["route"] += 1
         return real_route_triton(*args)
 
-    fallbacks = gating.FALLBACKS["route"]
+    fallbacks = cg.FALLBACKS["route"]
     tokens = torch.randint(0, 256, (2, 7))
     with pytest.MonkeyPatch.context() as m:
         m.setattr(gating, "route_triton", counting_route_triton)
@@ -421,4 +421,4 @@ def test_lower_pass_lowers_the_gating_of_a_latent_moe_and_matches_the_unlowered_
         with torch.no_grad():
             torch.testing.assert_close(lowered(tokens), unlowered(tokens), rtol=1e-5, atol=1e-6)
     assert launches["route"] == 2 + 1  # 2 train steps + 1 eval forward
-    assert gating.FALLBACKS["route"] == fallbacks
+    assert cg.FALLBACKS["route"] == fallbacks

@@ -253,11 +253,11 @@ def test_a_slot_makes_its_object_once():
 
 
 def test_owners_share_the_state_objects():
-    from lowering import combine, gating, permute
+    from lowering import codegen
     from moepass import backend, inspect
     from moepass.runtime import fsep
 
-    assert gating.FALLBACKS is permute.FALLBACKS is combine.FALLBACKS is process_state.KERNEL_FALLBACKS
+    assert codegen.FALLBACKS is process_state.KERNEL_FALLBACKS
     assert backend.COUNTERS is process_state.BACKEND.counters and backend.MAX_REPORTS == 64
     assert inspect.COMM_ANNOTATORS is process_state.COMM_ANNOTATORS
     assert fsep.deferred() is fsep.deferred() is process_state.FSEP_DEFERRED.value

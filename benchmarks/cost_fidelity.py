@@ -60,6 +60,15 @@ step after each round's timed steps counts them too (`page_faults_counting_step`
 50 % from the timed steps' here). Profiled (W=2, load 4-7): HP 0-24,000 faults per step (its T*H*K-row hidden
 buffers, H times EP's), FSEP and most EP configs 0-2.
 
+Not priced (issue 31, measured): the CPU of a rank's other threads. On these two cores the two ranks' main
+threads fill both, so gloo's transfer threads and FSEP's planner thread (0.7-1.2 ms per step) take time from
+them: the quiet run's step (Nov 27, load 1-2) is 1.04-1.11x the busiest rank's CPU over all its threads (/proc
+task stats, load 5-6) for EP, FSEP and HP alike, and those other threads use 1-5 ms per step under EP, 5-11 ms
+under FSEP (the restore's three exchanges). With `restore_cost` (4.3 ns per element) and `page_cost` (1.6 us
+per fault, one process) beside the quiet profile's figures, the model is within 1-6 % of the ranks' main-thread
+CPU (`cpu_s`, load 4-7) for the four FSEP configs; HP's main thread does 11-24 % more than its terms (routing
+on T*H rows: topk, softmax, the per-head selects; c_layer is measured at T=16).
+
 In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
 CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate
 has read 14 to 54 GFLOP/s per rank here, 93-108 alone). So beside each config in each round both ranks time

@@ -30,7 +30,8 @@ formula with rho = 1 (dropless) and c_f = the capacity factor. No figure is fitt
 FSEP (`--forms fsep`, or `ep,fsep`): the same block compiled with `Plan(form="fsep", slots_per_device=C)`, predicted
 by `cost_model.fsep.fsep_layer` (one block: the gradient slices waited at once) with rho the busiest rank's rows
 and the off-rank rows it sends or receives (both over T*K) read from the same untimed step's counters; the
-restore and the gradient slices are priced at the calibrated all-to-all figures.
+restore and the gradient slices are priced at the calibrated all-to-all figures, the restore's re-layout on the
+rank's thread (gather, assemble, gradient slices) at the calibrated `restore_cost` (`fsep.restore_host_time`).
 HP (`--forms hp`): the block converted by `Plan(form="hp")` to a Multi-Head LatentMoE of equal active parameters
 (`moepass.rewrite.latent.latent_shape`), predicted by `cost_model.hp.hp_layer` (equal exchanges: no routing factor).
 Locality (`--forms locality`): top-1 configs compiled with `Plan(form="locality", gate="learned", mu=...)` on
@@ -48,6 +49,25 @@ of the other compute, half of the exchanges, FSEP's weight restore); `rel_error_
 phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s` are the calling thread's
 CPU time (user + sys, page faults included; max over the ranks): wall minus CPU is time a rank waited (for the
 other rank at an exchange, or for a core on the shared machine), which the CPU-work terms do not price.
+
+Page faults: every timed step also counts the calling thread's minor page faults (getrusage; max over the
+ranks); their median is the model's n_f (`page_faults`), priced at the calibrated `page_cost` (s per fault,
+`cost_model.ep.host_time`): a count of what the runtime did, like the routing read from the counters, whose
+seconds come from the calibration. How many pages a step faults in depends on the allocator's state (glibc
+hands large freed blocks back to the OS, by thresholds set by every buffer the process freed before), not on a
+formula of the config: the same HP config took 11,489 faults per step in one run and 0 in the next. An untimed
+step after each round's timed steps counts them too (`page_faults_counting_step`: a check; it deviated by up to
+50 % from the timed steps' here). Profiled (W=2, load 4-7): HP 0-24,000 faults per step (its T*H*K-row hidden
+buffers, H times EP's), FSEP and most EP configs 0-2.
+
+Not priced (issue 31, measured): the CPU of a rank's other threads. On these two cores the two ranks' main
+threads fill both, so gloo's transfer threads and FSEP's planner thread (0.7-1.2 ms per step) take time from
+them: the quiet run's step (Nov 27, load 1-2) is 1.04-1.11x the busiest rank's CPU over all its threads (/proc
+task stats, load 5-6) for EP, FSEP and HP alike, and those other threads use 1-5 ms per step under EP, 5-11 ms
+under FSEP (the restore's three exchanges). With `restore_cost` (4.3 ns per element) and `page_cost` (1.6 us
+per fault, one process) beside the quiet profile's figures, the model is within 1-6 % of the ranks' main-thread
+CPU (`cpu_s`, load 4-7) for the four FSEP configs; HP's main thread does 11-24 % more than its terms (routing
+on T*H rows: topk, softmax, the per-head selects; c_layer is measured at T=16).
 
 In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
 CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate
@@ -164,17 +184,19 @@ def hp_shape(cfg: Config) -> object:
     return latent_shape(spec, moepass.Plan(form="hp", topology=moepass.Topology(1, W)), W)
 
 
-def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: float | None = None) -> dict[str, float]:
+def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: float | None = None,
+            faults: float | None = None) -> dict[str, float]:
     """Cost-model step time (s) of one EP, FSEP, HP or locality layer fwd+bwd and its terms; `factor`: rho (dropless) or the
     kept fraction c_f (capacity) of the busiest rank, None for uniform routing; `a2a_share` (FSEP): the rows the
-    busiest rank sends or receives off-rank over T*K (None: 1/2, uniform)."""
+    busiest rank sends or receives off-rank over T*K (None: 1/2, uniform); `faults`: the minor page faults of one
+    step (n_f, None: 0)."""
     dropless = cfg.capacity is None
     if factor is None:
         factor = 1.0 if cfg.capacity is None else cfg.capacity
     rows_per_expert = cfg.tokens * cfg.K * factor / (cfg.E / W)
     x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
          "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
-         "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0}
+         "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0, "n_f": faults or 0.0}
     if cfg.form == "hp":  # equal exchanges: the routing does not move a rank's rows (cost_model.hp)
         shape: Any = hp_shape(cfg)
         x.update(H=shape.heads, h=shape.head_dim, E=shape.experts, K=shape.top_k, F=shape.ffn_dim,
@@ -202,11 +224,16 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
         + (float(t.host) - c_layer) / 3 + float(t.a2a_exposed) / 2 + restore_fwd
     return {"step_s": float(t.step), "fwd_s": fwd, "bwd_s": float(t.step) - fwd, "compute_s": float(t.compute),
             "a2a_s": float(t.a2a_exposed), "host_s": float(t.host), "other_s": float(t.other_comm),
-            "dispatch_bytes": float(t.a2a_bytes),
+            "dispatch_bytes": float(t.a2a_bytes), "page_s": float(x["c_page"]) * float(x["n_f"]),
+            "restore_host_s": float(fsep_formulas.restore_host_time(
+                int(cfg.slots or 0), fsep_formulas.expert_elements(cfg.D, cfg.F, 3), x["c_restore"]))
+            if cfg.form == "fsep" else 0.0,
             "factor": float(factor), "gemm_flops": float(x["R"])}
 
 
 def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, steps: int, results, timeout_s: float):
+    import resource
+
     import torch
     import torch.distributed as dist
 
@@ -246,6 +273,8 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
         fwd_samples: list[list[float]] = [[] for _ in configs]
         cpu_samples: list[list[float]] = [[] for _ in configs]  # the calling thread's CPU time (user + sys)
         fwd_cpu_samples: list[list[float]] = [[] for _ in configs]
+        fault_samples: list[list[float]] = [[] for _ in configs]  # the calling thread's minor page faults
+        counted_faults: list[list[float]] = [[] for _ in configs]  # those of the untimed step after each round's
         probes: list[list[float]] = [[] for _ in configs]
         a, b = torch.randn(PROBE_N, PROBE_N), torch.randn(PROBE_N, PROBE_N)
         for _ in range(rounds):
@@ -256,12 +285,13 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
                     for _ in range(PROBE_INNER):
                         torch.mm(a, b)
                     probes[i].append((time.perf_counter() - t0) / PROBE_INNER)
-                times, fwd_times, cpu_times, fwd_cpu = [], [], [], []
+                times, fwd_times, cpu_times, fwd_cpu, faults = [], [], [], [], []
                 for j in range(steps + 1):
                     for p in layer.parameters():
                         p.grad = None
                     x.grad = None
                     dist.barrier()
+                    f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
                     t0, c0 = time.perf_counter(), time.thread_time()
                     loss = layer(x).sum()
                     t1, c1 = time.perf_counter(), time.thread_time()  # the forward's ops (gloo's included) are done
@@ -271,18 +301,30 @@ def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, step
                         fwd_times.append(t1 - t0)
                         cpu_times.append(time.thread_time() - c0)
                         fwd_cpu.append(c1 - c0)
-                slowest = torch.tensor([times, fwd_times, cpu_times, fwd_cpu], dtype=torch.float64)
+                        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
+                for p in layer.parameters():  # the counting step (untimed): its page faults are the model's input
+                    p.grad = None
+                x.grad = None
+                dist.barrier()
+                f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+                layer(x).sum().backward()
+                counted = torch.tensor([resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0], dtype=torch.float64)
+                dist.all_reduce(counted, op=dist.ReduceOp.MAX)
+                counted_faults[i].append(float(counted))
+                slowest = torch.tensor([times, fwd_times, cpu_times, fwd_cpu, faults], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
                 samples[i] += slowest[0].tolist()
                 fwd_samples[i] += slowest[1].tolist()
                 cpu_samples[i] += slowest[2].tolist()
                 fwd_cpu_samples[i] += slowest[3].tolist()
+                fault_samples[i] += slowest[4].tolist()
         slow = torch.tensor(probes, dtype=torch.float64)
         dist.all_reduce(slow, op=dist.ReduceOp.MAX)
         if rank == 0:
-            results.put([{"samples_s": s, "fwd_samples_s": f, "stats": r, "probe_s": p, "cpu_s": c, "fwd_cpu_s": fc}
-                         for s, f, r, p, c, fc in zip(samples, fwd_samples, routing, slow.tolist(), cpu_samples,
-                                                      fwd_cpu_samples)])
+            results.put([{"samples_s": s, "fwd_samples_s": f, "stats": r, "probe_s": p, "cpu_s": c, "fwd_cpu_s": fc,
+                          "faults": pf, "counted_faults": cf}
+                         for s, f, r, p, c, fc, pf, cf in zip(samples, fwd_samples, routing, slow.tolist(), cpu_samples,
+                                                              fwd_cpu_samples, fault_samples, counted_faults)])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -310,7 +352,8 @@ def at_share(hw: Hardware, share: float) -> Hardware:
     return hw.with_figures(f"calibration x in-run CPU share {share:.3f}", flops=float(hw.flops) * share,
                            layer_overhead=float(hw.layer_overhead) / share,
                            expert_overhead=float(hw.expert_overhead) / share,
-                           row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share)
+                           row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share,
+                           restore_cost=float(hw.restore_cost) / share, page_cost=float(hw.page_cost) / share)
 
 
 def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
@@ -465,17 +508,19 @@ def main(argv: list[str] | None = None) -> int:
             sent = cm.exact_a2a(rows_PP, c.D, BYTES, G=W).sent.tolist()
             off = rows_PP - np.diag(np.diag(rows_PP))
             share = float(max(off.sum(axis=1).max(), off.sum(axis=0).max()) / (c.tokens * c.K))
-        pred = predict(c, hw, factor, share)
+        faults = float(np.median(m["faults"]))  # a count of events in the run (like the routing), priced below
+        pred = predict(c, hw, factor, share, faults)
         meas = float(np.median(m["samples_s"]))
         fwd = float(np.median(m["fwd_samples_s"]))
         rows.append({
             "config": asdict(c),
             "predicted": pred,
-            "predicted_uniform": predict(c, hw),
+            "predicted_uniform": predict(c, hw, faults=faults),
             "measured": {"step_s": meas, "samples_s": m["samples_s"], "fwd_s": fwd, "bwd_s": meas - fwd,
                          "fwd_samples_s": m["fwd_samples_s"],
                          "cpu_s": float(np.median(m["cpu_s"])), "fwd_cpu_s": float(np.median(m["fwd_cpu_s"])),
                          "bwd_cpu_s": float(np.median(m["cpu_s"])) - float(np.median(m["fwd_cpu_s"])),
+                         "page_faults": faults, "page_faults_counting_step": float(np.median(m["counted_faults"])),
                          "dispatch_bytes": [s["dispatch"]["intra"] + s["dispatch"]["inter"] for s in m["stats"]
                                             if "dispatch" in s]},
             "exact_dispatch_bytes": sent,
@@ -484,11 +529,11 @@ def main(argv: list[str] | None = None) -> int:
             "rel_error_bwd": (pred["bwd_s"] - (meas - fwd)) / (meas - fwd),
         })
         if hw_run is not None:
-            run = predict(c, hw_run, factor, share)
+            run = predict(c, hw_run, factor, share, faults)
             rows[-1].update(cpu_share=share_c, predicted_at_run_share=run,
                             rel_error_at_run_share=(run["step_s"] - meas) / meas)
         if after is not None:
-            rows[-1]["predicted_after"] = predict(c, after["hw"], factor, share)
+            rows[-1]["predicted_after"] = predict(c, after["hw"], factor, share, faults)
     pred_s = [r["predicted"]["step_s"] for r in rows]
     meas_s = [r["measured"]["step_s"] for r in rows]
     rho = spearman(pred_s, meas_s)
@@ -510,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
         "profile_created": profile.get("created"),
         "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
-                                                "row_cost", "act_cost", "flops_one_process")},
+                                                "row_cost", "act_cost", "restore_cost", "page_cost",
+                                                "flops_one_process")},
         "world_size": W, "rounds": args.rounds, "steps_per_round": args.steps,
         "load_average_at_calibration": load_at_calibration, "waited_for_load_s": waited,
         "load_average_before": list(load_before), "load_average_after": list(load_after),

@@ -20,6 +20,12 @@
     multiplies by `flops` (small D or M run below the square-matmul rate);
   * the expert FFN's elementwise work on one expert's [M, F] hidden tensors (`moepass.activations.activate`
     forward, again as the backward recomputes it, `activate_backward`) over M x F: slope -> `act_cost`.
+  * first-touch page faults: one fresh buffer of FRESH_BYTES (above glibc's largest mmap threshold, 32 MiB, so
+    every allocation is a new mapping) filled, minus the same fill into a buffer already touched, over the
+    minor page faults the fresh fill took (getrusage) -> `page_cost`, s per minor fault;
+  * FSEP's restore re-layout on the rank's own thread (`moepass.runtime.fsep_ops`: gather_slices, assemble,
+    the backward's restore again, the gradient's assemble backward and slice_grads into the shards; the
+    exchanges themselves are the all-to-all figures) over the restored elements C x S_e -> `restore_cost`.
   These run on WORLD concurrent ranks with sustained timings, like the workload (see `_host_worker`).
 
 Usage: `python -m cost_model.calibrate [--out PATH] [--quick]` (moepass wires `python -m moepass
@@ -58,6 +64,8 @@ ACT_SIZES = ((128, 256), (512, 256), (1024, 512), (2048, 512))  # (rows of one e
 GEMM_D = (64, 128, 256, 512)  # width D of the expert GEMM benchmark (F = 2D)
 GEMM_M = (64, 256, 1024)  # rows per expert
 GEMM_REF = 256  # the square matmul each expert-GEMM timing is taken relative to
+FRESH_BYTES = 64 << 20  # the first-touch buffer: above glibc's largest dynamic mmap threshold (32 MiB)
+RESTORE_SIZES = ((2, 64, 128), (4, 128, 256), (4, 192, 384), (6, 256, 512))  # (C slots, D, F) of the restore
 
 
 def fit_latency_rate(amounts: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -143,6 +151,45 @@ def _act_step(h_gate: Any, h_up: Any, grad_a: Any) -> None:
     activate_backward(grad_a, h_gate, h_up, "swiglu", 0.0, 0.0)
 
 
+def restore_step(slots: int, D: int, F: int, E: int = 8, peers: int = WORLD) -> tuple[Any, list[Any]]:
+    """FSEP's restore work on one rank without its exchanges (an equal all_to_all keeps the buffer's shape, so
+    the send buffer stands in for the received one), forward + backward as `moepass.rewrite.fsep` runs it:
+    gather_slices + assemble (the forward restore), the same under no_grad (the backward's `Restore.run`), and
+    the weights' gradients through assemble's backward and gather_slices' (slice_grads into the shards). Three
+    SwiGLU weights of [F, D] per expert; C*S_e = slots * 3 * D * F restored elements. Returns the step and the
+    shards it leaves gradients on."""
+    import torch
+
+    from moepass.runtime.fsep_ops import assemble, gather_slices
+
+    shapes = ((F, D), (F, D), (D, F))
+    shards = [torch.randn(E, s[0] // peers, s[1], requires_grad=True) for s in shapes]
+    slot_expert_U = torch.arange(peers * slots) % E
+    grads = [torch.randn(slots, *s) for s in shapes]
+
+    def step() -> None:
+        for shard in shards:
+            shard.grad = None
+        weights = assemble(gather_slices(shards, slot_expert_U), peers, shapes)
+        with torch.no_grad():
+            assemble(gather_slices([s.detach() for s in shards], slot_expert_U), peers, shapes)
+        torch.autograd.backward(weights, grads)
+
+    return step, shards
+
+
+def fresh_fill(nbytes: int) -> tuple[float, int]:
+    """(seconds, minor page faults) of filling a freshly mapped buffer of `nbytes`."""
+    import resource
+
+    import torch
+
+    f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    t0 = time.perf_counter()
+    torch.empty(nbytes // 4).fill_(1.0)
+    return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0
+
+
 def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: Sequence[tuple[int, int]],
                  act_sizes: Sequence[tuple[int, int]], gemm_dims: Sequence[int], gemm_rows: Sequence[int],
                  experts: Sequence[int], reps: int, results: Any, timeout_s: float) -> None:
@@ -225,6 +272,20 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
             gen = torch.Generator().manual_seed(M + F + rank)
             h_gate, h_up, grad_a = (torch.randn(M, F, generator=gen) for _ in range(3))
             timed("act", M * F, lambda g=h_gate, u=h_up, a=grad_a: _act_step(g, u, a))
+        for C, D, F in RESTORE_SIZES:
+            torch.manual_seed(C + D + F + rank)
+            timed("restore", C * 3 * D * F, restore_step(C, D, F)[0])
+        warm = torch.empty(FRESH_BYTES // 4)
+        warm.fill_(0.0)
+        faults = []
+        for _ in range(reps):  # first-touch: the fresh fill's faults, then both fills timed together
+            faults.append(fresh_fill(FRESH_BYTES)[1])
+        timed("fresh", FRESH_BYTES, lambda: fresh_fill(FRESH_BYTES))
+        timed("warm", FRESH_BYTES, lambda w=warm: w.fill_(1.0))
+        fault_count = torch.tensor(float(np.median(faults)))
+        dist.all_reduce(fault_count, op=dist.ReduceOp.MIN)
+        if rank == 0:
+            results.put(("faults", FRESH_BYTES, float(fault_count)))
         for j, E in enumerate((experts[0], *experts)):  # the first run warms the process up: discarded
             torch.manual_seed(0)
             plan = moepass.Plan(form="ep", topology=moepass.Topology(1, WORLD), a2a_chunks=1)
@@ -294,8 +355,10 @@ def measure_host(
     (routed elements rows*D), "act" (hidden elements M*F), "layer" (E, at T=16, D=F=16, K=1)."""
     args = (tuple(matmul_sizes), tuple(row_sizes), tuple(act_sizes), tuple(gemm_dims), tuple(gemm_rows),
             tuple(experts), reps)
-    count = len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(gemm_dims) * len(gemm_rows) + len(experts)
-    out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "gemm": [], "layer": []}
+    count = (len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(gemm_dims) * len(gemm_rows) + len(experts)
+             + len(RESTORE_SIZES) + 3)
+    out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "gemm": [], "layer": [],
+                                               "restore": [], "fresh": [], "warm": [], "faults": []}
     for kind, size, seconds in spawn_ranks(_host_worker, args, count, "host timing", timeout_s, progress):
         out[kind].append((size, seconds))
     return out
@@ -355,7 +418,8 @@ def calibrate(
     from tqdm import tqdm
 
     total = len(sizes) + len(matmul_sizes) * (2 if host else 1)
-    total += len(layer_experts) + len(row_sizes) + len(ACT_SIZES) + len(GEMM_D) * len(GEMM_M) if host else 0
+    total += (len(layer_experts) + len(row_sizes) + len(ACT_SIZES) + len(GEMM_D) * len(GEMM_M) + len(RESTORE_SIZES)
+              + 3) if host else 0
     with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
         mm = measure_matmul(matmul_sizes, progress=bar)
@@ -376,12 +440,17 @@ def calibrate(
         intercept, per_expert = _fit_line([E / WORLD for E, _ in layer], [s for _, s in layer])
         _, row_rate = fit_latency_rate([n for n, _ in moves], [s for _, s in moves])
         _, act_rate = fit_latency_rate([n for n, _ in concurrent["act"]], [s for _, s in concurrent["act"]])
+        _, restore_rate = fit_latency_rate([n for n, _ in concurrent["restore"]],
+                                           [s for _, s in concurrent["restore"]])
+        (_, fresh_s), (_, warm_s), (_, faults) = concurrent["fresh"][0], concurrent["warm"][0], concurrent["faults"][0]
         extra.update({
             "layer_overhead": max(0.0, intercept - 5 * alpha),
             "layer_intercept": intercept,
             "expert_overhead": max(0.0, per_expert),
             "row_cost": 1.0 / row_rate,
             "act_cost": 1.0 / act_rate,
+            "restore_cost": 1.0 / restore_rate,
+            "page_cost": max(0.0, fresh_s - warm_s) / max(faults, 1.0),
             "gemm": [
                 {"D": key // 100_000, "M": key % 100_000, "time_ratio": ratio,
                  "efficiency": 3 * 2.0 * (key % 100_000) * (key // 100_000) * 2 * (key // 100_000)
@@ -410,6 +479,9 @@ def calibrate(
             "expert_overhead": "s per local expert per EP layer step (fwd+bwd)",
             "row_cost": "s per routed element (rows x D) per EP layer step (fwd+bwd)",
             "act_cost": "s per hidden element (rows x F) per EP layer step (fwd + recompute + bwd)",
+            "restore_cost": "s per restored expert element (C x S_e) per FSEP layer step: the restore's re-layout "
+                            "on the rank's thread (forward, the backward's restore again, the gradient slices)",
+            "page_cost": "s per minor page fault: a fresh buffer's fill minus a touched one's, over its faults",
             "gemm": "efficiency of the expert FFN GEMM trio at width D (F = 2D), M rows per expert: its FLOP/s "
                     "over the 256^3 matmul's, timed back to back on WORLD concurrent ranks",
         },
@@ -428,6 +500,9 @@ def calibrate(
                     "layer": [{"experts": E, "local_experts": E // WORLD, "seconds": t} for E, t in concurrent["layer"]],
                     "rows": [{"elements": n, "seconds": t} for n, t in concurrent["rows"]],
                     "act": [{"elements": n, "seconds": t} for n, t in concurrent["act"]],
+                    "restore": [{"elements": n, "seconds": t} for n, t in concurrent["restore"]],
+                    "first_touch": [{"bytes": FRESH_BYTES, "fresh_seconds": fresh_s, "warm_seconds": warm_s,
+                                     "faults": faults}],
                 }
                 if host
                 else {}
@@ -478,7 +553,9 @@ def run(args: argparse.Namespace) -> int:
         + (
             f", layer overhead = {profile['layer_overhead'] * 1e3:.2f} ms + "
             f"{profile['expert_overhead'] * 1e6:.0f} us/local expert, row cost = {profile['row_cost'] * 1e9:.2f} ns/element, "
-            f"activation = {profile['act_cost'] * 1e9:.2f} ns/hidden element, expert GEMMs "
+            f"activation = {profile['act_cost'] * 1e9:.2f} ns/hidden element, FSEP restore re-layout = "
+            f"{profile['restore_cost'] * 1e9:.2f} ns/element, page fault = {profile['page_cost'] * 1e6:.2f} us, "
+            f"expert GEMMs "
             + " ".join(f"D{g['D']}/M{g['M']}:{g['efficiency']:.2f}" for g in profile["gemm"])
             + " x the 256^3 matmul rate"
             if "row_cost" in profile

@@ -119,6 +119,15 @@ def restore_time(C, S_e, W, G, b, B_intra, B_inter, alpha):
     return alpha + intra / B_intra + inter / B_inter
 
 
+def restore_host_time(C, S_e, c_restore):
+    """The restore's local work on the rank's own thread per step, besides its exchanges: the send buffer
+    gathered from the shards (index_select + cat) and the C experts laid out from the received slices (forward,
+    and again in the backward's `Restore.run`), the weights' gradients laid into the gradient send buffer and the
+    received slices summed into the shards (`moepass.runtime.fsep_ops`): memory traffic over the C*S_e restored
+    elements, `c_restore` seconds each per step (`cost_model.calibrate`'s restore benchmark runs those ops)."""
+    return c_restore * C * S_e
+
+
 def deferred_grad_time(t_grad, bwd_compute):
     """The exposed part of a deferred gradient-slice exchange of `t_grad` seconds: what the earlier layer's
     backward expert compute (`bwd_compute`, the same layer shape) does not hide."""
@@ -200,6 +209,8 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
       back (b_g bytes), `restore_time`, exposed, or with `deferred_grads` (the runtime's default for every
       FSEP block but the first, whose exchange is waited at once) what the earlier layer's backward expert
       compute does not hide (`deferred_grad_time`);
+    - host: `ep.host_time` on the busiest device's rows and C experts (page faults n_f included), plus the
+      restore's re-layout on the rank's thread (`restore_host_time`; 0 unless calibrated);
     - memory: the 1/W shards of all E experts with grads and optimizer state (s), the busiest device's
       activations (`ep.memory_per_rank`'s estimate) and, with `keep_restored`, the C restored experts
       autograd keeps from the forward to the backward (b). Without it the restored experts, and in any case
@@ -225,6 +236,8 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     if keep_restored:
         memory += C * S_e * x["b"]
     host = ep_formulas.host_time(rows, D, F, C, 1, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
-                                 c_row=x.get("c_row", 0), c_act=x.get("c_act", 0))
+                                 c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0),
+                                 n_f=x.get("n_f", 0))
+    host += restore_host_time(C, S_e, x.get("c_restore", 0))
     return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=restores, memory=memory, a2a_bytes=intra + inter,
                       host=host)

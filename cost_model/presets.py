@@ -56,6 +56,8 @@ class Hardware:
     expert_overhead: Figure = Figure(0.0, _NOT_MODELLED)  # c_expert, s per local expert per step
     row_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_row, s per routed element (rows x D) per step
     act_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_act, s per hidden element (rows x F) per step
+    restore_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_restore, s per FSEP restored element (C x S_e) per step
+    page_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_page, s per minor page fault (first touch of fresh memory)
     recompute: Figure = Figure(0.0, "GPU kernels assumed to save the gate/up GEMM outputs for backward")
     # measured efficiency of the expert FFN's GEMMs (x `flops`) by (width D, rows per expert M)
     gemm_table: tuple[tuple[int, int, float], ...] = ()
@@ -104,6 +106,8 @@ class Hardware:
             "c_expert": float(self.expert_overhead),
             "c_row": float(self.row_cost),
             "c_act": float(self.act_cost),
+            "c_restore": float(self.restore_cost),
+            "c_page": float(self.page_cost),
             "r_c": float(self.recompute),
         }
 
@@ -207,6 +211,8 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
             ("expert_overhead", "2-rank EP layer at vanishing size, slope per local expert"),
             ("row_cost", "permute/unpermute/combine chain fwd+bwd, slope per routed element"),
             ("act_cost", "SwiGLU activation fwd + recompute + bwd, slope per hidden element"),
+            ("restore_cost", "FSEP restore re-layout fwd + restore again + gradient slices, slope per element"),
+            ("page_cost", "fresh 64 MiB buffer fill minus a touched one's, per minor page fault"),
         )
     }
     return Hardware(
@@ -225,6 +231,8 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         expert_overhead=host["expert_overhead"],
         row_cost=host["row_cost"],
         act_cost=host["act_cost"],
+        restore_cost=host["restore_cost"],
+        page_cost=host["page_cost"],
         recompute=Figure(0.0, "moepass.grouped_ffn keeps the gate/up pre-activations for backward "
                               "(Plan.expert_recompute=True recomputes them: r_c = 1)"),
         gemm_table=tuple((int(g["D"]), int(g["M"]), float(g["efficiency"])) for g in data.get("gemm", ())

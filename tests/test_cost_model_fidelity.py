@@ -46,3 +46,39 @@ def test_the_in_run_share_scales_compute_and_host_only():
     profile = {"samples": {"matmul": [{"n": bench.PROBE_N, "seconds": 2e-3}]}}
     assert bench.cpu_share(profile, [1e-3, 1e-3, 4e-3]) == pytest.approx(2.0)
     assert bench.cpu_share({}, [1e-3]) is None
+
+
+def test_page_faults_and_the_restore_relayout_are_priced_from_their_figures():
+    """The step's page faults (an input read from the run, n_f) cost `page_cost` each in every form's host term;
+    FSEP's restore re-layout costs `restore_cost` per restored element C*S_e (S_e = 3*D*F, SwiGLU); neither
+    moves the exchanges or the compute, and a GPU preset prices neither (its caching allocator keeps its pages)."""
+    bench = _bench()
+    hw = this_machine(bench.PROFILE).with_figures("test", page_cost=2e-6, restore_cost=3e-9)
+    for c in (bench.CONFIGS[0], bench.FSEP_CONFIGS[0], bench.HP_CONFIGS[0], bench.LOCALITY_CONFIGS[0]):
+        base, faulted = bench.predict(c, hw, faults=0), bench.predict(c, hw, faults=1000)
+        assert faulted["host_s"] - base["host_s"] == pytest.approx(1000 * 2e-6, rel=1e-9), c
+        assert faulted["page_s"] == pytest.approx(2e-3, rel=1e-12) and base["page_s"] == 0
+        for key in ("compute_s", "a2a_s", "other_s"):
+            assert faulted[key] == base[key], (c, key)
+    c = bench.FSEP_CONFIGS[0]
+    without = bench.predict(c, hw.with_figures("test", restore_cost=0.0))
+    restored = c.slots * 3 * c.D * c.F
+    assert bench.predict(c, hw)["host_s"] - without["host_s"] == pytest.approx(3e-9 * restored, rel=1e-9)
+    from cost_model.presets import H100
+
+    assert H100.values()["c_page"] == H100.values()["c_restore"] == 0
+
+
+def test_the_restore_and_first_touch_benchmarks_run_the_runtime_ops():
+    """`cost_model.calibrate`'s FSEP restore benchmark runs the runtime's own ops (gather_slices, assemble and their
+    backward) and leaves every shard a gradient of its shape; a fresh buffer above glibc's largest mmap threshold
+    faults in about one page per 4 KiB on first touch (what `page_cost` divides by)."""
+    import resource
+
+    from cost_model import calibrate
+
+    step, shards = calibrate.restore_step(2, 8, 16)
+    step()
+    assert all(s.grad is not None and s.grad.shape == s.shape for s in shards)
+    seconds, faults = calibrate.fresh_fill(calibrate.FRESH_BYTES)
+    assert seconds > 0 and faults >= calibrate.FRESH_BYTES // resource.getpagesize() // 2

@@ -50,14 +50,14 @@ phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bw
 CPU time (user + sys, page faults included; max over the ranks): wall minus CPU is time a rank waited (for the
 other rank at an exchange, or for a core on the shared machine), which the CPU-work terms do not price.
 
-Page faults: every timed step also counts the calling thread's minor page faults (getrusage; max over the
-ranks); their median is the model's n_f (`page_faults`), priced at the calibrated `page_cost` (s per fault,
-`cost_model.ep.host_time`): a count of what the runtime did, like the routing read from the counters, whose
-seconds come from the calibration. How many pages a step faults in depends on the allocator's state (glibc
-hands large freed blocks back to the OS, by thresholds set by every buffer the process freed before), not on a
-formula of the config: the same HP config took 11,489 faults per step in one run and 0 in the next. An untimed
-step after each round's timed steps counts them too (`page_faults_counting_step`: a check; it deviated by up to
-50 % from the timed steps' here). Profiled (W=2, load 4-7): HP 0-24,000 faults per step (its T*H*K-row hidden
+Page faults: an untimed step after each round's timed steps counts the calling thread's minor page faults
+(getrusage; max over the ranks); their median is the model's n_f (`page_faults_counting_step`), priced at the
+calibrated `page_cost` (s per fault, `cost_model.ep.host_time`): a count of what the runtime does, read from an
+untimed step like the routing from the counters, whose seconds come from the calibration. The timed steps count
+them too (`page_faults`: a check, never an input; the two deviated by up to 50 % here). How many pages a step
+faults in depends on the allocator's state (glibc hands large freed blocks back to the OS, by thresholds set by
+every buffer the process freed before), not on a formula of the config: the same HP config took 11,489 faults
+per step in one run and 0 in the next. Profiled (W=2, load 4-7): HP 0-24,000 faults per step (its T*H*K-row hidden
 buffers, H times EP's), FSEP and most EP configs 0-2.
 
 Not priced (issue 31, measured): the CPU of a rank's other threads. On these two cores the two ranks' main
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             sent = cm.exact_a2a(rows_PP, c.D, BYTES, G=W).sent.tolist()
             off = rows_PP - np.diag(np.diag(rows_PP))
             share = float(max(off.sum(axis=1).max(), off.sum(axis=0).max()) / (c.tokens * c.K))
-        faults = float(np.median(m["faults"]))  # a count of events in the run (like the routing), priced below
+        faults = float(np.median(m["counted_faults"]))  # counted on the untimed step (like the routing), priced below
         pred = predict(c, hw, factor, share, faults)
         meas = float(np.median(m["samples_s"]))
         fwd = float(np.median(m["fwd_samples_s"]))
@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                          "fwd_samples_s": m["fwd_samples_s"],
                          "cpu_s": float(np.median(m["cpu_s"])), "fwd_cpu_s": float(np.median(m["fwd_cpu_s"])),
                          "bwd_cpu_s": float(np.median(m["cpu_s"])) - float(np.median(m["fwd_cpu_s"])),
-                         "page_faults": faults, "page_faults_counting_step": float(np.median(m["counted_faults"])),
+                         "page_faults": float(np.median(m["faults"])), "page_faults_counting_step": faults,
                          "dispatch_bytes": [s["dispatch"]["intra"] + s["dispatch"]["inter"] for s in m["stats"]
                                             if "dispatch" in s]},
             "exact_dispatch_bytes": sent,

@@ -97,26 +97,23 @@ def activate_and_backward(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """`activate(...)` and `activate_backward(...)` together, sharing what both compute: the backward
     of the expert FFN needs the activation output (for the down projection's weight gradient) and the
-    pre-activation gradients. SwiGLU / GeGLU: 5 elementwise passes instead of 6, and 3 new [N, F] buffers
-    (the gate and up gradients written into `out_gate` / `out_up` when given, e.g. the two halves of one
-    [N, 2F] gradient, so nothing is concatenated): on a CPU every fresh buffer of this size is paid again
-    in page faults. Same values as the two functions (the same operations, fewer buffers)."""
+    pre-activation gradients. SwiGLU / GeGLU: 5 elementwise passes instead of 6, and one new [N, F] buffer when
+    the gate and up gradients are written into `out_gate` / `out_up` (e.g. the two halves of one [N, 2F]
+    gradient, so nothing is concatenated; three new buffers otherwise): act(gate) becomes the activation
+    output in place, grad_a * up is formed in the gate gradient's place; on a CPU every fresh buffer of this
+    size is paid again in page faults. Same values as the two functions (the same operations, fewer buffers)."""
     if activation in ("swiglu", "geglu", "geglu_tanh") and not torch.is_grad_enabled():  # out= ops: no autograd
         assert h_up is not None
         act_g = F.silu(h_gate) if activation == "swiglu" else F.gelu(h_gate, approximate=_approximate(activation))
-        a = act_g * h_up
-        if out_up is None:
-            grad_up = act_g.mul_(grad_a)  # act(g) is not needed after this
-        else:
-            grad_up = torch.mul(act_g, grad_a, out=out_up)
-            del act_g
-        grad_a_up = grad_a * h_up
-        into = grad_a_up if out_gate is None else out_gate  # an elementwise kernel may write over its input
+        grad_up = torch.mul(act_g, grad_a) if out_up is None else torch.mul(act_g, grad_a, out=out_up)
+        a = act_g.mul_(h_up)  # act(g) is not needed after this: a = act(g) * up, in its buffer
+        # grad_a * up, written where the gate gradient goes: an elementwise kernel may write over its input
+        grad_a_up = torch.mul(grad_a, h_up) if out_gate is None else torch.mul(grad_a, h_up, out=out_gate)
         if activation == "swiglu":
-            grad_gate = torch.ops.aten.silu_backward.grad_input(grad_a_up, h_gate, grad_input=into)
+            grad_gate = torch.ops.aten.silu_backward.grad_input(grad_a_up, h_gate, grad_input=grad_a_up)
         else:
             grad_gate = torch.ops.aten.gelu_backward.grad_input(grad_a_up, h_gate, approximate=_approximate(activation),
-                                                                grad_input=into)
+                                                                grad_input=grad_a_up)
         return a, grad_gate, grad_up
     a = activate(h_gate, h_up, activation, clamp_limit, alpha)
     grad_g, grad_u = activate_backward(grad_a, h_gate, h_up, activation, clamp_limit, alpha)

@@ -187,10 +187,13 @@ def permute_ref(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Ten
 
 
 def unpermute_ref(y_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
-    """Back to (token, choice) order: `y_TKD.view(-1, D)[order_N] = y_ND`."""
+    """Back to (token, choice) order: `y_TKD.view(-1, D)[order_N] = y_ND`, computed as a gather through the inverse
+    permutation (`argsort(order_N)`: row i comes from `y_ND[inverse_N[i]]`). The same rows as scattering with
+    `index_copy`, bit for bit; on a CPU gathering whole rows is ~3x faster than scattering them, and there is no
+    clone of a fresh buffer (the out-of-place `index_copy`'s)."""
     N, D = y_ND.shape
-    out = y_ND.new_empty(N, D).index_copy(0, order_N, y_ND)
-    return out.view(N // top_k, top_k, D)
+    inverse_N = torch.argsort(order_N)  # order_N is a permutation: unique keys, so any sort gives the inverse
+    return y_ND.index_select(0, inverse_N).view(N // top_k, top_k, D)
 
 
 def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
@@ -372,8 +375,9 @@ def _permute_setup(ctx, inputs, output):
 
 
 def permute_backward(grad_x_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
-    """grad_x_TD of `permute`: each token's K routed rows summed."""
-    return eager.call(torch.ops.moe.unpermute.default, grad_x_ND, order_N, top_k).sum(dim=1)
+    """grad_x_TD of `permute`: each token's K routed rows summed (one row each when K = 1: no sum to copy)."""
+    grad_x_TKD = eager.call(torch.ops.moe.unpermute.default, grad_x_ND, order_N, top_k)
+    return grad_x_TKD.squeeze(1) if top_k == 1 else grad_x_TKD.sum(dim=1)
 
 
 def _permute_bwd(ctx, grad_x_ND, _grad_counts, _grad_order):

@@ -75,20 +75,54 @@ class ScenarioSearch:
         return "\n".join(lines)
 
 
-def rank_case(ctx: Any) -> ScenarioSearch:
-    """Every plan of one scenario case priced by `systems.price` and ranked (`ScenarioSearch`); on a tie the
-    set-up's system comes first, then the order `system_plans.moepass_plans` lists."""
+def case_plans(ctx: Any) -> list[Any]:
+    """Every plan of one scenario case: the set-up's systems as they run, then the plans moepass builds."""
     plans: list[Any] = []
     for system in ctx.scenario.get("systems") or []:
         family = system_plans.system_plans(system, ctx)
         plans += family
         ctx.system_fsep += [p for p in family if p.form == "fsep"]
-    plans += system_plans.moepass_plans(ctx)
+    return plans + system_plans.moepass_plans(ctx)
+
+
+def _math_changes(ctx: Any) -> frozenset[str]:
+    """The math-changing forms a case's plan may use: those the set-up's systems use (HP, locality)."""
+    return frozenset(s.get("form") for s in ctx.scenario.get("systems") or [] if s.get("form") in ("hp", "locality"))
+
+
+def rank_case(ctx: Any) -> ScenarioSearch:
+    """Every plan of one scenario case priced by `systems.price` and ranked (`ScenarioSearch`); on a tie the
+    set-up's system comes first, then the order `system_plans.moepass_plans` lists."""
+    plans = case_plans(ctx)
     priced = [systems.price(p, ctx) for p in plans]
     order = sorted(range(len(priced)), key=lambda i: (not priced[i].feasible, priced[i].step_s,
                                                        priced[i].plan.system is None, i))
-    allowed = frozenset(s.get("form") for s in ctx.scenario.get("systems") or [] if s.get("form") in ("hp", "locality"))
-    return ScenarioSearch(ctx.case.label, [priced[i] for i in order], allowed)
+    return ScenarioSearch(ctx.case.label, [priced[i] for i in order], _math_changes(ctx))
+
+
+FLOOR_SLACK = 1e-9  # a floor is over the best step only by more than this (relative): the sums' rounding is ~1e-15
+
+
+def best_eligible(ctx: Any) -> Any | None:
+    """`rank_case(ctx).eligible()[0]` (None where no plan is eligible) without running the timeline of a plan
+    whose step cannot be under the best: every plan is laid out (`systems.step_floor`: its memory fit and a lower
+    bound of its step), and the eligible ones are priced in the order of their floors until a floor is over the
+    best step found. Ties go as `rank_case` breaks them (the set-up's system first, then the listing order)."""
+    plans = case_plans(ctx)
+    floors = [systems.step_floor(p, ctx) for p in plans]  # in the listing order: the layouts' notes as rank_case's
+    allowed = _math_changes(ctx)
+    candidates = sorted((floor, i) for i, (p, (feasible, floor)) in enumerate(zip(plans, floors))
+                        if feasible and p.builds and (not p.math_changing or p.form in allowed))
+    best: Any = None
+    best_key: tuple[float, bool, int] | None = None
+    for floor, i in candidates:
+        if best is not None and floor > best.step_s * (1 + FLOOR_SLACK):
+            break
+        priced = systems.price(plans[i], ctx)
+        key = (priced.step_s, priced.plan.system is None, i)
+        if best_key is None or key < best_key:
+            best, best_key = priced, key
+    return best
 
 
 def scenario_contexts(scenario: Any) -> tuple[Any, list[Any]]:

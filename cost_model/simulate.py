@@ -28,7 +28,7 @@ import numpy as np
 
 from cost_model import ep as ep_formulas
 from cost_model.presets import Hardware
-from cost_model.scenario_search import rank_case, scenario_contexts
+from cost_model.scenario_search import best_eligible, scenario_contexts
 from cost_model.scenarios import Case
 from cost_model.schedule import DDP_BUCKET_BYTES
 from cost_model.step_timeline import ExpertGrads, Layout, ParamTraffic, breakdown_of, timeline_step
@@ -172,9 +172,9 @@ def simulate(scenario: str | Path | dict[str, Any]) -> SimResult:
                 continue
             priced = best([price(plan, ctx) for plan in system_plans(system, ctx)])
             predictions.append(_prediction(system["id"], priced, ctx))
-        pick = rank_case(ctx).eligible()
-        if pick:
-            predictions.append(_prediction(SEARCH_ROW, pick[0], ctx))
+        pick = best_eligible(ctx)  # rank_case(ctx).eligible()[0], the plans that cannot be it not run
+        if pick is not None:
+            predictions.append(_prediction(SEARCH_ROW, pick, ctx))
     for system in systems_:
         if system.get("form") not in MODELLED_FORMS:
             predictions.append(Prediction(system["id"], "-", system.get("form", "?"), modelled=False))

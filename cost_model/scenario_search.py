@@ -100,29 +100,17 @@ def rank_case(ctx: Any) -> ScenarioSearch:
     return ScenarioSearch(ctx.case.label, [priced[i] for i in order], _math_changes(ctx))
 
 
-FLOOR_SLACK = 1e-9  # a floor is over the best step only by more than this (relative): the sums' rounding is ~1e-15
-
-
 def best_eligible(ctx: Any) -> Any | None:
     """`rank_case(ctx).eligible()[0]` (None where no plan is eligible) without running the timeline of a plan
-    whose step cannot be under the best: every plan is laid out (`systems.step_floor`: its memory fit and a lower
-    bound of its step), and the eligible ones are priced in the order of their floors until a floor is over the
-    best step found. Ties go as `rank_case` breaks them (the set-up's system first, then the listing order)."""
+    that cannot be it (`systems.fastest`): every plan is laid out (`systems.step_floor`: its memory fit and a
+    lower bound of its step), the eligible ones compared. Ties go as `rank_case` breaks them (the set-up's
+    system first, then the listing order)."""
     plans = case_plans(ctx)
-    floors = [systems.step_floor(p, ctx) for p in plans]  # in the listing order: the layouts' notes as rank_case's
+    floors = [systems.step_floor(p, ctx) for p in plans]  # in the listing order, as rank_case prices them
     allowed = _math_changes(ctx)
-    candidates = sorted((floor, i) for i, (p, (feasible, floor)) in enumerate(zip(plans, floors))
-                        if feasible and p.builds and (not p.math_changing or p.form in allowed))
-    best: Any = None
-    best_key: tuple[float, bool, int] | None = None
-    for floor, i in candidates:
-        if best is not None and floor > best.step_s * (1 + FLOOR_SLACK):
-            break
-        priced = systems.price(plans[i], ctx)
-        key = (priced.step_s, priced.plan.system is None, i)
-        if best_key is None or key < best_key:
-            best, best_key = priced, key
-    return best
+    eligible = [(i, p, floor) for i, (p, (feasible, floor)) in enumerate(zip(plans, floors))
+                if feasible and p.builds and (not p.math_changing or p.form in allowed)]
+    return systems.fastest(ctx, eligible, lambda i, priced: (priced.plan.system is None, i))
 
 
 def scenario_contexts(scenario: Any) -> tuple[Any, list[Any]]:

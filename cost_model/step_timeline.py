@@ -139,16 +139,20 @@ def layer_work(case: Case, hw: Hardware, layout: Layout, chunks: int) -> LayerWo
 
 
 def step_floor(case: Case, hw: Hardware, layout: Layout, *, chunks: int, bucket_bytes: float) -> float:
-    """A lower bound of `timeline_step`'s step, without laying it out: the compute stream runs one op at a time
-    at full speed, so the step is at least its work; the two communication streams share the link (together at
-    most full speed), so it is at least their work (the ops `timeline_step` lays out, summed per kind). A bound
-    up to the rounding of the timeline's sums (relative ~1e-15): the plan search skips a plan whose floor is
-    over its best step (`cost_model.scenario_search.best_eligible`)."""
+    """A lower bound of `timeline_step`'s step, without laying it out. The compute stream runs one op at a time
+    at full speed, and in each pass of a layer it waits, idle, for TP's collective, the split exchange and the
+    first dispatch chunk (its experts need them) and for the last combine chunk (the next compute op needs it),
+    each at most at full link speed: the step is at least that work and those waits. The two communication
+    streams share the link (together at most full speed): the step is at least their work (the ops
+    `timeline_step` lays out, summed per kind). A bound up to the rounding of the timeline's sums (relative
+    ~1e-15): the plan search skips a plan whose floor is over its best step (`systems.fastest`)."""
     w = layer_work(case, hw, layout, chunks)
     v, params = w.v, layout.params
     recompute = w.dense_fwd + w.expert_fwd if layout.recompute else 0.0
-    compute = case.layers * (3 * w.dense_fwd + w.expert_fwd + w.expert_bwd + recompute)
-    per_pass = 0.0 if w.ep == 1 else 2 * chunks * max(w.t_a, 0.0) + (v["alpha"] if layout.split_exchange else 0.0)
+    split = v["alpha"] if layout.split_exchange else 0.0
+    waits = max(layout.tp_comm, 0.0) + (0.0 if w.ep == 1 else max(split, 0.0) + 2 * max(w.t_a, 0.0))
+    compute = case.layers * (3 * w.dense_fwd + w.expert_fwd + w.expert_bwd + recompute + 2 * waits)
+    per_pass = 0.0 if w.ep == 1 else 2 * chunks * max(w.t_a, 0.0) + split
     other = max(layout.migration, 0.0)
     if params is None:
         g = w.expert_grads

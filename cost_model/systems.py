@@ -50,6 +50,7 @@ Shape letters: `moepass.spec.SHAPES` (here P: ranks as sources and as destinatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -236,6 +237,26 @@ def step_floor(plan: StepPlan, ctx: CaseContext) -> tuple[bool, float]:
                                                       bucket_bytes=plan.bucket)
     done = price(plan, ctx)
     return done.feasible, done.step_s
+
+
+FLOOR_SLACK = 1e-9  # a floor is over a step only by more than this (relative): the sums' rounding is ~1e-15
+
+
+def fastest(ctx: CaseContext, plans: list[tuple[int, StepPlan, float]],
+            tie: Callable[[int, Priced], tuple[Any, ...]] = lambda i, priced: (i,)) -> Priced | None:
+    """Of `plans` ((index, plan, its `step_floor`)), the priced one with the least (step, *tie(index, priced))
+    (None for none), without running the timeline of a plan that cannot be it: they are priced in the order
+    of their floors until a floor is over the best step found. `min` over every plan priced, fewer timelines."""
+    best: Priced | None = None
+    best_key: tuple[Any, ...] = ()
+    for floor, i, plan in sorted(((floor, i, plan) for i, plan, floor in plans), key=lambda t: (t[0], t[1])):
+        if best is not None and floor > best.step_s * (1 + FLOOR_SLACK):
+            break
+        priced = price(plan, ctx)
+        key = (priced.step_s, *tie(i, priced))
+        if best is None or key < best_key:
+            best, best_key = priced, key
+    return best
 
 
 @dataclass

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -82,15 +83,20 @@ FLOORS: dict[str, str] = {  # what `python -m cost_model` cannot start faster th
 def interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:
     """Each of `runs` once per repeat, in turn (so the load of the moment falls on all of them alike)."""
     seconds: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}  # the child's user + system seconds
     loads: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, fn in runs.items():
             loads[name].append(os.getloadavg()[0])
+            used = resource.getrusage(resource.RUSAGE_CHILDREN)
             start = time.perf_counter()
             fn()
             seconds[name].append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[name].append(after.ru_utime - used.ru_utime + after.ru_stime - used.ru_stime)
     return {name: {"seconds": seconds[name], "min_seconds": min(seconds[name]), "max_seconds": max(seconds[name]),
-                   "median_seconds": statistics.median(seconds[name]), "load_avg_1min_before": loads[name]}
+                   "median_seconds": statistics.median(seconds[name]), "cpu_seconds": cpu[name],
+                   "median_cpu_seconds": statistics.median(cpu[name]), "load_avg_1min_before": loads[name]}
             for name in runs}
 
 
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     shown = {**results["tools"], **{k: v for k, v in results.get("cost_model_cli", {}).items() if isinstance(v, dict)
                                     and "seconds" in v}}
     for name, r in shown.items():
-        print(f"{name}: min {r['min_seconds']:.2f} s, median {r['median_seconds']:.2f} s over {args.repeats} "
+        cpu = f", median cpu {r['median_cpu_seconds']:.2f} s" if "median_cpu_seconds" in r else ""
+        print(f"{name}: min {r['min_seconds']:.2f} s, median {r['median_seconds']:.2f} s{cpu} over {args.repeats} "
               f"(load {', '.join(f'{x:.1f}' for x in r['load_avg_1min_before'])})")
     if "stdout_identical" in results.get("cost_model_cli", {}):
         print(f"stdout identical to {args.baseline}'s: {results['cost_model_cli']['stdout_identical']}")

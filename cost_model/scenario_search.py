@@ -75,20 +75,42 @@ class ScenarioSearch:
         return "\n".join(lines)
 
 
-def rank_case(ctx: Any) -> ScenarioSearch:
-    """Every plan of one scenario case priced by `systems.price` and ranked (`ScenarioSearch`); on a tie the
-    set-up's system comes first, then the order `system_plans.moepass_plans` lists."""
+def case_plans(ctx: Any) -> list[Any]:
+    """Every plan of one scenario case: the set-up's systems as they run, then the plans moepass builds."""
     plans: list[Any] = []
     for system in ctx.scenario.get("systems") or []:
         family = system_plans.system_plans(system, ctx)
         plans += family
         ctx.system_fsep += [p for p in family if p.form == "fsep"]
-    plans += system_plans.moepass_plans(ctx)
+    return plans + system_plans.moepass_plans(ctx)
+
+
+def _math_changes(ctx: Any) -> frozenset[str]:
+    """The math-changing forms a case's plan may use: those the set-up's systems use (HP, locality)."""
+    return frozenset(s.get("form") for s in ctx.scenario.get("systems") or [] if s.get("form") in ("hp", "locality"))
+
+
+def rank_case(ctx: Any) -> ScenarioSearch:
+    """Every plan of one scenario case priced by `systems.price` and ranked (`ScenarioSearch`); on a tie the
+    set-up's system comes first, then the order `system_plans.moepass_plans` lists."""
+    plans = case_plans(ctx)
     priced = [systems.price(p, ctx) for p in plans]
     order = sorted(range(len(priced)), key=lambda i: (not priced[i].feasible, priced[i].step_s,
                                                        priced[i].plan.system is None, i))
-    allowed = frozenset(s.get("form") for s in ctx.scenario.get("systems") or [] if s.get("form") in ("hp", "locality"))
-    return ScenarioSearch(ctx.case.label, [priced[i] for i in order], allowed)
+    return ScenarioSearch(ctx.case.label, [priced[i] for i in order], _math_changes(ctx))
+
+
+def best_eligible(ctx: Any) -> Any | None:
+    """`rank_case(ctx).eligible()[0]` (None where no plan is eligible) without running the timeline of a plan
+    that cannot be it (`systems.fastest`): every plan is laid out (`systems.step_floor`: its memory fit and a
+    lower bound of its step), the eligible ones compared. Ties go as `rank_case` breaks them (the set-up's
+    system first, then the listing order)."""
+    plans = case_plans(ctx)
+    floors = [systems.step_floor(p, ctx) for p in plans]  # in the listing order, as rank_case prices them
+    allowed = _math_changes(ctx)
+    eligible = [(i, p, floor) for i, (p, (feasible, floor)) in enumerate(zip(plans, floors))
+                if feasible and p.builds and (not p.math_changing or p.form in allowed)]
+    return systems.fastest(ctx, eligible, lambda i, priced: (priced.plan.system is None, i))
 
 
 def scenario_contexts(scenario: Any) -> tuple[Any, list[Any]]:

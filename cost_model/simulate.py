@@ -28,12 +28,12 @@ import numpy as np
 
 from cost_model import ep as ep_formulas
 from cost_model.presets import Hardware
-from cost_model.scenario_search import rank_case, scenario_contexts
+from cost_model.scenario_search import best_eligible, scenario_contexts
 from cost_model.scenarios import Case
 from cost_model.schedule import DDP_BUCKET_BYTES
 from cost_model.step_timeline import ExpertGrads, Layout, ParamTraffic, breakdown_of, timeline_step
 from cost_model.system_plans import best, is_lina, micro_op_bytes, system_plans
-from cost_model.systems import CaseContext, Priced, price
+from cost_model.systems import CaseContext, Priced
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "scenarios"
 MODELLED_FORMS = ("ep", "fsep", "hp", "locality")
@@ -170,11 +170,11 @@ def simulate(scenario: str | Path | dict[str, Any]) -> SimResult:
         for system in systems_:
             if system.get("form") not in MODELLED_FORMS:
                 continue
-            priced = best([price(plan, ctx) for plan in system_plans(system, ctx)])
+            priced = best(system_plans(system, ctx), ctx)
             predictions.append(_prediction(system["id"], priced, ctx))
-        pick = rank_case(ctx).eligible()
-        if pick:
-            predictions.append(_prediction(SEARCH_ROW, pick[0], ctx))
+        pick = best_eligible(ctx)  # rank_case(ctx).eligible()[0], the plans that cannot be it not run
+        if pick is not None:
+            predictions.append(_prediction(SEARCH_ROW, pick, ctx))
     for system in systems_:
         if system.get("form") not in MODELLED_FORMS:
             predictions.append(Prediction(system["id"], "-", system.get("form", "?"), modelled=False))
@@ -218,9 +218,9 @@ def ablation(ctx: CaseContext, system: dict[str, Any]) -> list[tuple[str, float,
     case, hw = ctx.case, ctx.hw
     micro_op = micro_op_bytes(ctx.scenario)
     counts = ctx.trace("learned").current
-    family = [price(p, ctx) for p in system_plans({**system, "packing": "auto"}, ctx)]
-    pick = best(family).plan
-    unpacked = best([p for p in family if p.plan.packing == 1]).plan
+    family = system_plans({**system, "packing": "auto"}, ctx)
+    pick = best(family, ctx).plan
+    unpacked = best([p for p in family if p.packing == 1], ctx).plan
     steps: list[tuple[str, dict[str, Any], str]] = [
              ("plain", dict(), "fair, DDP buckets"),
              ("+ priority", dict(policy="priority"), "priority, DDP buckets"),

@@ -45,10 +45,17 @@ class ExpertGrads:
 def allreduce_ops(tl: Timeline, name: str, nbytes: float, dp: int, B: float, alpha: float, bucket_bytes: float,
                deps: list[int]) -> None:
     """A gradient all-reduce on the "other" stream, in pieces of `bucket_bytes` (none over one rank)."""
+    pieces, work = allreduce_work(nbytes, dp, B, alpha, bucket_bytes)
+    if pieces:
+        tl.add("other", f"{name}.ar", work, deps, pieces)
+
+
+def allreduce_work(nbytes: float, dp: int, B: float, alpha: float, bucket_bytes: float) -> tuple[int, float]:
+    """(pieces, seconds) of a gradient all-reduce in pieces of `bucket_bytes`; (0, 0.0): none (one rank)."""
     if dp == 1 or nbytes <= 0:
-        return
+        return 0, 0.0
     pieces = max(1, math.ceil(nbytes / bucket_bytes))
-    tl.add("other", f"{name}.ar", pieces * ep_formulas.allreduce_time(nbytes / pieces, dp, B, alpha), deps, pieces)
+    return pieces, pieces * ep_formulas.allreduce_time(nbytes / pieces, dp, B, alpha)
 
 
 def ring_half(nbytes: float, group: float, B: float, alpha: float) -> float:
@@ -77,9 +84,27 @@ class Layout:
     split_exchange: bool = False  # dropless EP: the split sizes are exchanged (one small all-to-all) before the dispatch
 
 
-def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, policy: str,
-                  bucket_bytes: float) -> tuple[Timeline, dict[str, float]]:
-    """Lay out one step of `case` under `layout`; returns the run timeline and the per-layer figures."""
+@dataclass(frozen=True)
+class LayerWork:
+    """The per-layer figures `timeline_step` lays a step out from (seconds at full speed): the token exchange of
+    one all-to-all chunk, the expert and dense compute of a layer's passes, the gradient all-reduces."""
+
+    v: dict[str, float]  # the hardware figures (`Hardware.values`)
+    ep: int
+    dispatch: ep_formulas.ExactA2A  # the exact bytes of one dispatch
+    t_a: float  # one dispatch or combine chunk (latency + its share of the transfer)
+    rows_max: float
+    expert_fwd: float
+    expert_bwd: float
+    dense_fwd: float
+    ar_bw: float  # the gradient all-reduce's bandwidth
+    expert_grads: ExpertGrads
+    dense_grad: float  # bytes per rank
+    dense_dp: int
+
+
+def layer_work(case: Case, hw: Hardware, layout: Layout, chunks: int) -> LayerWork:
+    """The figures of one layer of `case` under `layout` with the all-to-all in `chunks` (`LayerWork`)."""
     v = hw.values()
     W = case.nodes * case.per_node
     m = ep_formulas.matmuls(case.gated)
@@ -95,21 +120,66 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
     # the GEMMs; the backward's GEMMs twice the forward's, plus the gate/up recomputed where the kernel does (r_c)
     host = ep_formulas.host_time(rows_max, case.D, case.F, case.E, ep, c_layer=v["c_layer"], c_expert=v["c_expert"],
                                  c_row=v["c_row"], c_act=v["c_act"])
-    expert_fwd = gemm_fwd + host / 3 + layout.router_fwd
-    expert_bwd = (2 + v["r_c"] * (m - 1) / m) * gemm_fwd + 2 * host / 3 + 2 * layout.router_fwd
-    dense_fwd = dense_flops(case) / rate
     ar_bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
-    expert_grads = layout.expert_grads or ExpertGrads(
-        ep_formulas.expert_params(case.E, case.D, case.F, m) / ep * v["b_g"], W // ep, ar_bw)
-    dense_grad = case.dense_params * v["b_g"] if layout.dense_grad_bytes is None else layout.dense_grad_bytes
-    dense_dp = W if layout.dense_dp is None else layout.dense_dp
+    return LayerWork(
+        v=v,
+        ep=ep,
+        dispatch=dispatch,
+        t_a=v["alpha"] + transfer / chunks,
+        rows_max=rows_max,
+        expert_fwd=gemm_fwd + host / 3 + layout.router_fwd,
+        expert_bwd=(2 + v["r_c"] * (m - 1) / m) * gemm_fwd + 2 * host / 3 + 2 * layout.router_fwd,
+        dense_fwd=dense_flops(case) / rate,
+        ar_bw=ar_bw,
+        expert_grads=layout.expert_grads or ExpertGrads(
+            ep_formulas.expert_params(case.E, case.D, case.F, m) / ep * v["b_g"], W // ep, ar_bw),
+        dense_grad=case.dense_params * v["b_g"] if layout.dense_grad_bytes is None else layout.dense_grad_bytes,
+        dense_dp=W if layout.dense_dp is None else layout.dense_dp,
+    )
+
+
+def step_floor(case: Case, hw: Hardware, layout: Layout, *, chunks: int, bucket_bytes: float) -> float:
+    """A lower bound of `timeline_step`'s step, without laying it out. The compute stream runs one op at a time
+    at full speed, and in each pass of a layer it waits, idle, for TP's collective, the split exchange and the
+    first dispatch chunk (its experts need them) and for the last combine chunk (the next compute op needs it),
+    each at most at full link speed: the step is at least that work and those waits. The two communication
+    streams share the link (together at most full speed): the step is at least their work (the ops
+    `timeline_step` lays out, summed per kind). A bound up to the rounding of the timeline's sums (relative
+    ~1e-15): the plan search skips a plan whose floor is over its best step (`systems.fastest`)."""
+    w = layer_work(case, hw, layout, chunks)
+    v, params = w.v, layout.params
+    recompute = w.dense_fwd + w.expert_fwd if layout.recompute else 0.0
+    split = v["alpha"] if layout.split_exchange else 0.0
+    waits = max(layout.tp_comm, 0.0) + (0.0 if w.ep == 1 else max(split, 0.0) + 2 * max(w.t_a, 0.0))
+    compute = case.layers * (3 * w.dense_fwd + w.expert_fwd + w.expert_bwd + recompute + 2 * waits)
+    per_pass = 0.0 if w.ep == 1 else 2 * chunks * max(w.t_a, 0.0) + split
+    other = max(layout.migration, 0.0)
+    if params is None:
+        g = w.expert_grads
+        other += allreduce_work(g.nbytes, g.replicas, g.bandwidth, v["alpha"], bucket_bytes)[1]
+    else:  # every layer's weights gathered once per pass, its gradients sent once
+        other += max(params.gather_fwd, 0.0) + max(params.gather_bwd, 0.0) + max(params.grads, 0.0)
+    if params is None or not params.dense:
+        other += allreduce_work(w.dense_grad, w.dense_dp, w.ar_bw, v["alpha"], bucket_bytes)[1]
+    links = case.layers * (2 * (per_pass + max(layout.tp_comm, 0.0)) + other)
+    return max(compute, links)
+
+
+def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, policy: str,
+                  bucket_bytes: float) -> tuple[Timeline, dict[str, float]]:
+    """Lay out one step of `case` under `layout` (`layer_work`'s figures); returns the run timeline and the
+    per-layer figures."""
+    w = layer_work(case, hw, layout, chunks)
+    v, ep, dispatch, t_a, rows_max = w.v, w.ep, w.dispatch, w.t_a, w.rows_max
+    expert_fwd, expert_bwd, dense_fwd, ar_bw = w.expert_fwd, w.expert_bwd, w.dense_fwd, w.ar_bw
+    expert_grads, dense_grad, dense_dp = w.expert_grads, w.dense_grad, w.dense_dp
+    rows_PP = layout.rows_PP
     params = layout.params
 
     def moe(prefix: str, compute: float, after: int, weights: list[int]) -> list[int]:
         """Chunked dispatch -> expert compute -> combine; issue order d1 d2 c1 d3 c2 ... (schedule.py)."""
         if ep == 1:
             return [tl.add("compute", f"{prefix}.experts", compute, [after, *weights])]
-        t_a = v["alpha"] + transfer / chunks
         exp: list[int] = []
         comb: list[int] = []
         if layout.split_exchange:

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from cost_model.scenarios import Case
-from cost_model.systems import CaseContext, Priced, StepPlan
+from cost_model.systems import CaseContext, Priced, StepPlan, fastest, step_floor
 
 CHUNKS = (1, 2, 4, 8, 16, 32)
 PACKINGS = (1, 2, 4)
@@ -138,9 +138,16 @@ def system_plans(system: dict[str, Any], ctx: CaseContext) -> list[StepPlan]:
     return [StepPlan("ep", ep=ep, system=sid)]
 
 
-def best(priced: list[Priced]) -> Priced:
-    """The fastest of a family, feasible first; on a tie the first listed."""
-    return min(priced, key=lambda p: (not p.feasible, p.step_s))
+def best(plans: list[StepPlan], ctx: CaseContext) -> Priced:
+    """The fastest of a family priced on `ctx`, feasible first; on a tie the first listed. Every plan is laid
+    out (`systems.step_floor`), the feasible ones (all where none fits) compared by `systems.fastest`: the same
+    pick as the least of them all priced, without running the timelines of those that cannot be it."""
+    floors = [step_floor(p, ctx) for p in plans]
+    fits = [(i, p, floor) for i, (p, (feasible, floor)) in enumerate(zip(plans, floors)) if feasible]
+    picked = fastest(ctx, fits or [(i, p, floor) for i, (p, (_, floor)) in enumerate(zip(plans, floors))])
+    if picked is None:
+        raise ValueError(f"{ctx.case.label}: a system with no plan to price")
+    return picked
 
 
 def moepass_plans(ctx: CaseContext) -> list[StepPlan]:

@@ -50,6 +50,7 @@ Shape letters: `moepass.spec.SHAPES` (here P: ranks as sources and as destinatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,7 +59,7 @@ import numpy as np
 from cost_model import ep as ep_formulas
 from cost_model import fsep as fsep_formulas
 from cost_model import hp as hp_formulas
-from cost_model import locality
+from cost_model import locality, step_timeline
 from cost_model.presets import Hardware
 from cost_model.routing import RoutingTrace, routing_trace
 from cost_model.scenarios import Case
@@ -169,6 +170,7 @@ class CaseContext:
     system_fsep: list[StepPlan] = field(default_factory=list)  # the set-up's FSEP plans (their slots are searched)
     routed: dict[tuple[int, str], Any] = field(default_factory=dict)  # FSEP: the planner's table per slot count
     priced: dict[StepPlan, Priced] = field(default_factory=dict)  # `price`'s results, by plan
+    laid: dict[StepPlan, Laid] = field(default_factory=dict)  # `step_floor`'s layouts not yet priced, by plan
 
     @property
     def W(self) -> int:
@@ -206,11 +208,15 @@ def _fit(memory_of: Any, hw: Hardware) -> tuple[dict[str, float], bool, bool, bo
     return memory_of(True, True), True, True, False
 
 
+def _key(plan: StepPlan) -> StepPlan:
+    """Plans that differ only in their name (the system, Lina's packing label) are one layout of a case."""
+    return replace(plan, system=plan.system if plan.form == "locality" else None, packing=1, builds=True,
+                   math_changing=False)
+
+
 def price(plan: StepPlan, ctx: CaseContext) -> Priced:
-    """One step of `plan` on `ctx`'s case (module docstring). Plans that differ only in their name (the
-    system, Lina's packing label) are laid out once per case."""
-    key = replace(plan, system=plan.system if plan.form == "locality" else None, packing=1, builds=True,
-                  math_changing=False)
+    """One step of `plan` on `ctx`'s case (module docstring), laid out once per case and name (`_key`)."""
+    key = _key(plan)
     if key not in ctx.priced:
         with collector_paused():
             ctx.priced[key] = _price(plan, ctx)
@@ -218,9 +224,70 @@ def price(plan: StepPlan, ctx: CaseContext) -> Priced:
     return replace(done, plan=plan, breakdown=dict(done.breakdown), details=dict(done.details), notes=list(done.notes))
 
 
+def step_floor(plan: StepPlan, ctx: CaseContext) -> tuple[bool, float]:
+    """(feasible, a lower bound of `price(plan, ctx).step_s`) without running the plan's timeline: its layout
+    and memory fit (`Laid`, kept for `price`) and `cost_model.step_timeline.step_floor`. The exact step where the
+    plan is priced already, and for HP (its own timeline: priced)."""
+    key = _key(plan)
+    if key not in ctx.priced and plan.form != "hp":
+        if key not in ctx.laid:
+            ctx.laid[key] = _lay_out(plan, ctx)
+        laid = ctx.laid[key]
+        return laid.feasible, step_timeline.step_floor(ctx.case, ctx.hw, laid.layout, chunks=plan.chunks,
+                                                      bucket_bytes=plan.bucket)
+    done = price(plan, ctx)
+    return done.feasible, done.step_s
+
+
+FLOOR_SLACK = 1e-9  # a floor is over a step only by more than this (relative): the sums' rounding is ~1e-15
+
+
+def fastest(ctx: CaseContext, plans: list[tuple[int, StepPlan, float]],
+            tie: Callable[[int, Priced], tuple[Any, ...]] = lambda i, priced: (i,)) -> Priced | None:
+    """Of `plans` ((index, plan, its `step_floor`)), the priced one with the least (step, *tie(index, priced))
+    (None for none), without running the timeline of a plan that cannot be it: they are priced in the order
+    of their floors until a floor is over the best step found. `min` over every plan priced, fewer timelines."""
+    best: Priced | None = None
+    best_key: tuple[Any, ...] = ()
+    for floor, i, plan in sorted(((floor, i, plan) for i, plan, floor in plans), key=lambda t: (t[0], t[1])):
+        if best is not None and floor > best.step_s * (1 + FLOOR_SLACK):
+            break
+        priced = price(plan, ctx)
+        key = (priced.step_s, *tie(i, priced))
+        if best is None or key < best_key:
+            best, best_key = priced, key
+    return best
+
+
+@dataclass
+class Laid:
+    """A plan made ready for the step timeline (`_lay_out`): its layout, its memory fit, what the table shows."""
+
+    plan: StepPlan
+    layout: Layout
+    memory: dict[str, float]
+    feasible: bool
+    details: dict[str, Any]
+    notes: list[str]
+
+
 def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
     if plan.form == "hp":
         return _price_hp(plan, ctx)
+    laid = ctx.laid.pop(_key(plan), None) or _lay_out(plan, ctx)
+    plan, case, details, notes = laid.plan, ctx.case, laid.details, laid.notes  # the plan it was laid out for
+    tl, figures = timeline_step(case, ctx.hw, laid.layout, chunks=plan.chunks, policy=plan.sched,
+                                bucket_bytes=plan.bucket)
+    breakdown = breakdown_of(tl, figures)
+    breakdown.update(details.pop("extra_breakdown", {}))
+    if not laid.feasible:
+        notes.append(f"{case.label} {plan.system or plan.label}: {laid.memory['total'] / 1e9:.3g} GB/rank exceeds "
+                     f"{float(ctx.hw.memory) / 1e9:.3g} GB even with the optimizer sharded and activations recomputed")
+    return Priced(plan, tl.step, breakdown, laid.memory, laid.feasible, details, notes)
+
+
+def _lay_out(plan: StepPlan, ctx: CaseContext) -> Laid:
+    """The layout of a plan that is not HP and its memory: the least sharding / recomputation that fits."""
     case, hw, W = ctx.case, ctx.hw, ctx.W
     v = hw.values()
     m = ep_formulas.matmuls(case.gated)
@@ -320,14 +387,8 @@ def _price(plan: StepPlan, ctx: CaseContext) -> Priced:
     replicated_bytes = memory_of(False, False)["total"]  # as moepass builds a plan: what a model's search checks
     if recompute:
         layout = replace(layout, recompute=True)
-    tl, figures = timeline_step(case, hw, layout, chunks=plan.chunks, policy=plan.sched, bucket_bytes=plan.bucket)
-    breakdown = breakdown_of(tl, figures)
-    breakdown.update(details.pop("extra_breakdown", {}))
     details.update(sharded_optimizer=sharded, recompute=recompute, replicated_bytes=replicated_bytes)
-    if not feasible:
-        notes.append(f"{case.label} {plan.system or plan.label}: {memory['total'] / 1e9:.3g} GB/rank exceeds "
-                     f"{float(hw.memory) / 1e9:.3g} GB even with the optimizer sharded and activations recomputed")
-    return Priced(plan, tl.step, breakdown, memory, feasible, details, notes)
+    return Laid(plan, layout, memory, feasible, details, notes)
 
 
 def _replicated_rows(counts_WE: np.ndarray, history_aWE: np.ndarray, ranks_per_node: int,

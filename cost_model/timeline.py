@@ -20,7 +20,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 STREAMS = ("compute", "a2a", "other")
 POLICIES = ("fair", "priority")
@@ -43,6 +43,8 @@ def collector_paused() -> Iterator[None]:
 
 @dataclass(slots=True)
 class Op:
+    """One op of a timeline as `Timeline.ops` shows it (the timeline keeps its ops as rows of plain values)."""
+
     stream: str
     name: str
     work: float
@@ -54,48 +56,76 @@ class Op:
     busy: float = 0.0  # seconds it ran (end - start less the pauses between its pieces)
 
 
-@dataclass
 class Timeline:
-    ops: list[Op] = field(default_factory=list)
+    """Ops added in program order (`add`), simulated once (`run`), then read (`step`, `busy`, `breakdown`,
+    `ops`). Each op is kept as a row (stream index, name, work, deps, pieces) and its times as four columns:
+    the search and the simulator lay out ~10^6 ops per `python -m cost_model`, and an object per op cost more
+    than simulating it."""
+
+    __slots__ = ("_rows", "_ready", "_start", "_end", "_busy")
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[int, str, float, tuple[int, ...], int]] = []
+        n0: list[float] = []
+        self._ready, self._start, self._end, self._busy = n0, n0, n0, n0  # filled by `run`
 
     def add(self, stream: str, name: str, work: float, deps: tuple[int, ...] | list[int] = (), pieces: int = 1) -> int:
         """An op of `work` seconds after `deps`; `pieces` > 1: that many equal pieces of work / pieces, back to
         back (between two of them a "priority" timeline lets a ready all-to-all go first)."""
-        if stream not in _STREAM_INDEX:
+        k = _STREAM_INDEX.get(stream)
+        if k is None:
             raise ValueError(f"stream={stream!r} is invalid: use one of {list(STREAMS)}")
         if pieces < 1:
             raise ValueError(f"pieces={pieces!r} is invalid: an op is one or more pieces")
-        ops = self.ops
         work = float(work)
-        ops.append(Op(stream, name, work if work > 0.0 else 0.0, tuple(deps), pieces=int(pieces)))
-        return len(ops) - 1
+        rows = self._rows
+        rows.append((k, name, work if work > 0.0 else 0.0, tuple(deps), int(pieces)))
+        return len(rows) - 1
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def ops(self) -> list[Op]:
+        """The ops in issue order with their times (-1 before `run`): a copy, built on each read."""
+        ops = [Op(STREAMS[k], name, work, deps, pieces=pieces) for k, name, work, deps, pieces in self._rows]
+        if len(self._end) == len(ops):
+            for op, ready, start, end, busy in zip(ops, self._ready, self._start, self._end, self._busy):
+                op.ready, op.start, op.end, op.busy = ready, start, end, busy
+        return ops
 
     def run(self, policy: str = "fair") -> Timeline:
         """Simulate in place; returns self. Each op counts its dependencies not yet done (an op finishing
         decrements its users'), so a stream's head is ready when its count is 0. Streams by index:
-        0 compute, 1 a2a, 2 other (`STREAMS`). The loop keeps its state in flat lists (one event per op start
-        or piece end; a step of a large case has ~10^4 ops and the search lays out thousands of steps)."""
+        0 compute, 1 a2a, 2 other (`STREAMS`); the running op of stream k, its remaining work (of the running
+        piece) and the seconds it has run are locals (r_k, w_k, b_k: one event per op start or piece end; a
+        step of a large case has ~10^4 ops and the search lays out thousands of steps). Only an "other" op
+        is ever paused (priority), so one slot holds it (p2, with its w and b)."""
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is invalid: use one of {list(POLICIES)}")
-        ops = self.ops
-        n = len(ops)
-        queues: list[list[int]] = [[], [], []]
+        rows = self._rows
+        n = len(rows)
+        q0: list[int] = []
+        q1: list[int] = []
+        q2: list[int] = []
+        queues = (q0, q1, q2)
         users: list[list[int]] = [[] for _ in range(n)]
         pending = [0] * n
         piece = [0.0] * n  # work of one piece
         left = [0] * n  # pieces after the running one
-        for i, op in enumerate(ops):
-            queues[_STREAM_INDEX[op.stream]].append(i)
-            pending[i] = len(op.deps)
-            for d in op.deps:
+        for i, (k, _, work, deps, pieces) in enumerate(rows):
+            queues[k].append(i)
+            pending[i] = len(deps)
+            for d in deps:
                 users[d].append(i)
-            piece[i] = op.work / op.pieces
-            left[i] = op.pieces - 1
-        sizes = [len(q) for q in queues]
-        head = [0, 0, 0]
-        running = [-1, -1, -1]  # the op running on each stream, -1: none
-        paused = [-1, -1, -1]  # a pieced op that yielded to an all-to-all, resumed first on its stream
-        remaining = [0.0] * n  # of the running piece
+            piece[i] = work / pieces
+            left[i] = pieces - 1
+        n0, n1, n2 = len(q0), len(q1), len(q2)
+        h0 = h1 = h2 = 0  # each stream's head (next op to start)
+        r0 = r1 = r2 = -1  # the op running on each stream, -1: none
+        w0 = w1 = w2 = 0.0  # work left of the running piece
+        b0 = b1 = b2 = 0.0  # seconds the running op has run
+        p2, pw2, pb2 = -1, 0.0, 0.0  # a pieced "other" op that yielded to an all-to-all, resumed first
         busy = [0.0] * n
         ready_at = [-1.0] * n
         start_at = [-1.0] * n
@@ -105,70 +135,100 @@ class Timeline:
         priority = policy == "priority"
         inf = float("inf")
 
-        def next_ready(k: int) -> int:
-            if paused[k] >= 0:
-                return paused[k]
-            h = head[k]
-            if h >= sizes[k]:
-                return -1
-            i = queues[k][h]
-            return i if pending[i] == 0 else -1
-
         while True:
-            for k in (0, 1, 2):  # start what may start
-                if running[k] >= 0:
-                    continue
-                i = next_ready(k)
-                if i < 0:
-                    continue
-                if ready_at[i] < 0:
-                    ready_at[i] = now
-                if priority and ((k == 2 and (running[1] >= 0 or next_ready(1) >= 0)) or (k == 1 and running[2] >= 0)):
-                    continue
-                running[k] = i
-                if paused[k] == i:
-                    paused[k] = -1
-                    continue
-                start_at[i] = now
-                remaining[i] = piece[i]
-                head[k] += 1
-            r0, r1, r2 = running
+            # start what may start, stream by stream in index order
+            if r0 < 0 and h0 < n0:
+                i = q0[h0]
+                if pending[i] == 0:
+                    if ready_at[i] < 0:
+                        ready_at[i] = now
+                    r0, w0, b0 = i, piece[i], 0.0
+                    start_at[i] = now
+                    h0 += 1
+            if r1 < 0 and h1 < n1:
+                i = q1[h1]
+                if pending[i] == 0:
+                    if ready_at[i] < 0:
+                        ready_at[i] = now
+                    if not (priority and r2 >= 0):
+                        r1, w1, b1 = i, piece[i], 0.0
+                        start_at[i] = now
+                        h1 += 1
+            if r2 < 0:
+                i = p2 if p2 >= 0 else (q2[h2] if h2 < n2 and pending[q2[h2]] == 0 else -1)
+                if i >= 0:
+                    if ready_at[i] < 0:
+                        ready_at[i] = now
+                    if not (priority and (r1 >= 0 or (h1 < n1 and pending[q1[h1]] == 0))):
+                        r2 = i
+                        if p2 == i:
+                            p2, w2, b2 = -1, pw2, pb2
+                        else:
+                            w2, b2 = piece[i], 0.0
+                            start_at[i] = now
+                            h2 += 1
             if r0 < 0 and r1 < 0 and r2 < 0:
                 break
             shared = 0.5 if (r1 >= 0 and r2 >= 0) else 1.0
-            dt = remaining[r0] if r0 >= 0 else inf
-            if r1 >= 0 and remaining[r1] / shared < dt:
-                dt = remaining[r1] / shared
-            if r2 >= 0 and remaining[r2] / shared < dt:
-                dt = remaining[r2] / shared
+            dt = w0 if r0 >= 0 else inf
+            if r1 >= 0 and w1 / shared < dt:
+                dt = w1 / shared
+            if r2 >= 0 and w2 / shared < dt:
+                dt = w2 / shared
             now += dt
-            between: list[int] = []  # streams whose pieced op is at the end of a piece, more to come
-            for k in (0, 1, 2):
-                i = running[k]
-                if i < 0:
-                    continue
-                remaining[i] -= dt * (1.0 if k == 0 else shared)
-                busy[i] += dt
-                if remaining[i] <= 1e-15:
-                    if left[i] > 0:
-                        between.append(k)
-                        continue
-                    end_at[i] = now
-                    finished += 1
-                    for u in users[i]:
-                        pending[u] -= 1
-                    running[k] = -1
-            for k in between:  # the next piece, unless (priority) a ready all-to-all goes before an "other" one
-                i = running[k]
-                left[i] -= 1
-                remaining[i] = piece[i]
-                if priority and k == 2 and running[1] < 0 and next_ready(1) >= 0:
-                    running[k] = -1
-                    paused[k] = i
-        for i, op in enumerate(ops):
-            op.ready, op.start, op.end, op.busy = ready_at[i], start_at[i], end_at[i], busy[i]
+            # advance each running op; at the end of a piece with more to come, the next piece (between1/2)
+            between0 = between1 = between2 = False
+            if r0 >= 0:
+                w0 -= dt
+                b0 += dt
+                if w0 <= 1e-15:
+                    if left[r0] > 0:
+                        between0 = True
+                    else:
+                        end_at[r0], busy[r0] = now, b0
+                        finished += 1
+                        for u in users[r0]:
+                            pending[u] -= 1
+                        r0 = -1
+            if r1 >= 0:
+                w1 -= dt * shared
+                b1 += dt
+                if w1 <= 1e-15:
+                    if left[r1] > 0:
+                        between1 = True
+                    else:
+                        end_at[r1], busy[r1] = now, b1
+                        finished += 1
+                        for u in users[r1]:
+                            pending[u] -= 1
+                        r1 = -1
+            if r2 >= 0:
+                w2 -= dt * shared
+                b2 += dt
+                if w2 <= 1e-15:
+                    if left[r2] > 0:
+                        between2 = True
+                    else:
+                        end_at[r2], busy[r2] = now, b2
+                        finished += 1
+                        for u in users[r2]:
+                            pending[u] -= 1
+                        r2 = -1
+            if between0:
+                left[r0] -= 1
+                w0 = piece[r0]
+            if between1:
+                left[r1] -= 1
+                w1 = piece[r1]
+            if between2:  # (priority) a ready all-to-all goes before the next piece
+                left[r2] -= 1
+                w2 = piece[r2]
+                if priority and r1 < 0 and h1 < n1 and pending[q1[h1]] == 0:
+                    p2, pw2, pb2 = r2, w2, b2
+                    r2 = -1
+        self._ready, self._start, self._end, self._busy = ready_at, start_at, end_at, busy
         if finished < n:
-            stuck = next(op.name for op in ops if op.end < 0)
+            stuck = next(rows[i][1] for i in range(n) if end_at[i] < 0)
             raise ValueError(f"timeline deadlocked at {stuck!r}: a dependency is issued after its user on its stream")
         return self
 
@@ -176,10 +236,11 @@ class Timeline:
 
     @property
     def step(self) -> float:
-        return max((op.end for op in self.ops), default=0.0)
+        return max(self._end, default=0.0)
 
     def busy(self, stream: str) -> float:
-        return sum(op.busy for op in self.ops if op.stream == stream)
+        k = _STREAM_INDEX[stream]
+        return sum(b for row, b in zip(self._rows, self._busy) if row[0] == k)
 
     def breakdown(self) -> dict[str, float]:
         """compute (busy), exposed a2a (compute idle before its last op), exposed other comm (the tail). One
@@ -187,21 +248,20 @@ class Timeline:
         step = last_compute = float("-inf")
         busy = a2a_busy = other_busy = 0.0
         wait = float("-inf")
-        for op in self.ops:
-            end = op.end
+        for (k, _, work, _, _), ready, start, end, ran in zip(self._rows, self._ready, self._start, self._end,
+                                                              self._busy):
             if end > step:
                 step = end
-            stream = op.stream
-            if stream == "compute":
-                busy += op.work
+            if k == 0:
+                busy += work
                 if end > last_compute:
                     last_compute = end
-            elif stream == "a2a":
-                a2a_busy += op.busy
-                if op.start - op.ready > wait:
-                    wait = op.start - op.ready
+            elif k == 1:
+                a2a_busy += ran
+                if start - ready > wait:
+                    wait = start - ready
             else:
-                other_busy += op.busy
+                other_busy += ran
         step = 0.0 if step == float("-inf") else step
         last_compute = 0.0 if last_compute == float("-inf") else last_compute
         return {

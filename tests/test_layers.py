@@ -146,3 +146,27 @@ def test_the_check_reads_imports_anywhere(tmp_path, where):
     found = imported_modules(probe, "moepass.errors", {"moepass.errors", "moepass.api"})
     assert [t for t, _ in found] == ["moepass.api"]
     assert not layers.may_import("moepass.errors", "moepass.api")
+
+
+def test_public_names_are_imported_when_first_read():
+    """`moepass/__init__` imports its public names lazily (PEP 562): the cost-model CLI's planner import costs neither
+    the passes nor Dynamo (installed: the backend comes from the entry point); every name in `__all__` resolves, and
+    `moepass.detect` / `moepass.verify` are the functions even though modules of those names exist."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, importlib.metadata\n"
+        "import moepass.runtime.placement\n"
+        "installed = any(ep.name == 'moepass' for ep in importlib.metadata.entry_points(group='torch_dynamo_backends'))\n"
+        "print(int('moepass.api' in sys.modules), int(installed and 'torch._dynamo' in sys.modules))\n"
+        "import moepass, moepass.detect, moepass.verify, inspect\n"
+        "assert inspect.isfunction(moepass.detect) and inspect.isfunction(moepass.verify)\n"
+        "assert all(getattr(moepass, name) is not None for name in moepass.__all__)\n"
+        "import torch\n"
+        "assert 'moepass' in torch._dynamo.list_backends()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "0"], out.stdout

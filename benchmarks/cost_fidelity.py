@@ -8,9 +8,8 @@ or both in one go, the calibration immediately before the measurement, after wai
 
     python benchmarks/cost_fidelity.py --calibrate --wait-load 2.5 [--calibrate-after]
 
-(`--calibrate-after` re-runs the calibration after measuring and reports those predictions too: on
-shared cores the per-rank CPU share changes within a minute, and the prediction is only as good as
-the calibration's conditions match the measurement's.)
+(`--calibrate-after` calibrates again after measuring and reports those predictions too: on shared cores the
+per-rank CPU share changes within a minute, and a prediction is as good as the calibration's conditions.)
 
 Two spawned gloo ranks (one thread each) build a bare fused MoE block (`samples.models.FusedMoE`, SwiGLU
 experts, m=3 GEMMs) per configuration, compile it with `moepass.compile(block, Plan(form="ep",
@@ -37,8 +36,7 @@ HP (`--forms hp`): the block converted by `Plan(form="hp")` to a Multi-Head Late
 Locality (`--forms locality`): top-1 configs compiled with `Plan(form="locality", gate="learned", mu=...)` on
 `Topology(2, 1)` (the two ranks as two one-rank nodes; loopback, so the inter-node figure is the calibrated
 all-to-all's), predicted by `ep_layer` as a capacity form with the kept fraction read from the counters.
-Lina's schedule is not measured here: a bare layer at ep = W = 2 has no expert gradient all-reduce for the
-scheduler to order (benchmarks/schedule.py measures it on a model).
+Lina's schedule is not measured here (a bare layer at ep = W = 2 has no expert gradient all-reduce to order).
 Results per form go to `by_form` (median and worst |rel err|, how many within 15 %); every form by default
 (benchmarks/results/cost_fidelity.json), a subset with --forms writes cost_fidelity_<forms>.json.
 
@@ -50,24 +48,16 @@ phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bw
 CPU time (user + sys, page faults included; max over the ranks): wall minus CPU is time a rank waited (for the
 other rank at an exchange, or for a core on the shared machine), which the CPU-work terms do not price.
 
-Page faults: an untimed step after each round's timed steps counts the calling thread's minor page faults
-(getrusage; max over the ranks); their median is the model's n_f (`page_faults_counting_step`), priced at the
-calibrated `page_cost` (s per fault, `cost_model.ep.host_time`): a count of what the runtime does, read from an
-untimed step like the routing from the counters, whose seconds come from the calibration. The timed steps count
-them too (`page_faults`: a check, never an input; the two deviated by up to 50 % here). How many pages a step
-faults in depends on the allocator's state (glibc hands large freed blocks back to the OS, by thresholds set by
-every buffer the process freed before), not on a formula of the config: the same HP config took 11,489 faults
-per step in one run and 0 in the next. Profiled (W=2, load 4-7): HP 0-24,000 faults per step (its T*H*K-row hidden
-buffers, H times EP's), FSEP and most EP configs 0-2.
+Page faults: an untimed step after each round's timed steps counts the thread's minor page faults (max over
+the ranks); their median is the model's n_f (`page_faults_counting_step`), priced at the calibrated `page_cost`
+(`cost_model.ep.host_time`), read like the routing from an untimed step; the timed steps' count is a check only
+(`page_faults`). The count follows the allocator's state (glibc returns large freed blocks to the OS), not the
+config: one HP config faulted 11,489 times per step in one run and 0 in the next (HP 0-24,000, FSEP/EP 0-2).
 
-Not priced (issue 31, measured): the CPU of a rank's other threads. On these two cores the two ranks' main
-threads fill both, so gloo's transfer threads and FSEP's planner thread (0.7-1.2 ms per step) take time from
-them: the quiet run's step (Nov 27, load 1-2) is 1.04-1.11x the busiest rank's CPU over all its threads (/proc
-task stats, load 5-6) for EP, FSEP and HP alike, and those other threads use 1-5 ms per step under EP, 5-11 ms
-under FSEP (the restore's three exchanges). With `restore_cost` (4.3 ns per element) and `page_cost` (1.6 us
-per fault, one process) beside the quiet profile's figures, the model is within 1-6 % of the ranks' main-thread
-CPU (`cpu_s`, load 4-7) for the four FSEP configs; HP's main thread does 11-24 % more than its terms (routing
-on T*H rows: topk, softmax, the per-head selects; c_layer is measured at T=16).
+Measured and not priced: with the calibrated figures the prediction is within a few % of the ranks' thread CPU
+(`cpu_s`); the step's wall time is above it by the time a rank waits for a core, which on these two cores the
+ranks' other threads take (gloo's transfer threads 1-5 ms per step under EP, 5-11 ms under FSEP; FSEP's
+planner 0.7-1.2 ms): the quiet step is 1.04-1.11x the busiest rank's CPU over all its threads.
 
 In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
 CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate
@@ -77,12 +67,8 @@ config with the calibrated FLOP/s times, and the host terms over, share = calibr
 time (`at_share`; the all-to-all figures as calibrated). The share is measured, never fitted to the steps;
 `by_form_at_run_share` summarises it beside `by_form` (the calibration as it is).
 
-Chunked all-to-all (a2a_chunks > 1) is not measured here: moepass pipelines only the forward, so
-`ep_layer`'s pipelined backward would not describe what runs.
-
-Output: per-config predicted / measured / relative error, Spearman's rank correlation, the median
-absolute relative error, the load average, `benchmarks/results/cost_fidelity.json` and a log-log
-scatter plot `benchmarks/results/cost_fidelity.png`.
+Not measured: chunked all-to-all (moepass pipelines only the forward). Output: per config predicted / measured /
+error, Spearman's rho, the median |rel err|, the load; the JSON and a log-log plot (cost_fidelity.png).
 """
 
 from __future__ import annotations
@@ -100,8 +86,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
 
 from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_formulas  # noqa: E402

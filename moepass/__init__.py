@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 # Imported for its registrations with torch: the moe:: ops (a graph that holds them needs them registered).

@@ -130,10 +130,16 @@ class Timeline:
         ready_at = [-1.0] * n
         start_at = [-1.0] * n
         end_at = [-1.0] * n
-        finished = 0
         now = 0.0
         priority = policy == "priority"
         inf = float("inf")
+
+        def done(i: int, at: float, ran: float) -> int:
+            """Op i's last piece ended at `at` after `ran` seconds: record it, release its users; -1 (none runs)."""
+            end_at[i], busy[i] = at, ran
+            for u in users[i]:
+                pending[u] -= 1
+            return -1
 
         while True:
             # start what may start, stream by stream in index order
@@ -176,44 +182,25 @@ class Timeline:
             if r2 >= 0 and w2 / shared < dt:
                 dt = w2 / shared
             now += dt
-            # advance each running op; at the end of a piece with more to come, the next piece (between1/2)
-            between0 = between1 = between2 = False
+            # advance each running op; at the end of a piece with more to come, the next piece (between0/1/2)
             if r0 >= 0:
                 w0 -= dt
                 b0 += dt
-                if w0 <= 1e-15:
-                    if left[r0] > 0:
-                        between0 = True
-                    else:
-                        end_at[r0], busy[r0] = now, b0
-                        finished += 1
-                        for u in users[r0]:
-                            pending[u] -= 1
-                        r0 = -1
             if r1 >= 0:
                 w1 -= dt * shared
                 b1 += dt
-                if w1 <= 1e-15:
-                    if left[r1] > 0:
-                        between1 = True
-                    else:
-                        end_at[r1], busy[r1] = now, b1
-                        finished += 1
-                        for u in users[r1]:
-                            pending[u] -= 1
-                        r1 = -1
             if r2 >= 0:
                 w2 -= dt * shared
                 b2 += dt
-                if w2 <= 1e-15:
-                    if left[r2] > 0:
-                        between2 = True
-                    else:
-                        end_at[r2], busy[r2] = now, b2
-                        finished += 1
-                        for u in users[r2]:
-                            pending[u] -= 1
-                        r2 = -1
+            between0 = r0 >= 0 and w0 <= 1e-15
+            between1 = r1 >= 0 and w1 <= 1e-15
+            between2 = r2 >= 0 and w2 <= 1e-15
+            if between0 and not left[r0]:
+                between0, r0 = False, done(r0, now, b0)
+            if between1 and not left[r1]:
+                between1, r1 = False, done(r1, now, b1)
+            if between2 and not left[r2]:
+                between2, r2 = False, done(r2, now, b2)
             if between0:
                 left[r0] -= 1
                 w0 = piece[r0]
@@ -227,7 +214,7 @@ class Timeline:
                     p2, pw2, pb2 = r2, w2, b2
                     r2 = -1
         self._ready, self._start, self._end, self._busy = ready_at, start_at, end_at, busy
-        if finished < n:
+        if n and min(end_at) < 0:
             stuck = next(rows[i][1] for i in range(n) if end_at[i] < 0)
             raise ValueError(f"timeline deadlocked at {stuck!r}: a dependency is issued after its user on its stream")
         return self

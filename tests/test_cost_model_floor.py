@@ -73,3 +73,16 @@ def test_ops_show_the_times_once_run():
     assert [(op.stream, op.start, op.end, op.busy) for op in tl.ops] == [("compute", 0.0, 1.0, 1.0),
                                                                          ("a2a", 1.0, 3.0, 2.0)]
     assert tl.step == 3.0 and tl.busy("a2a") == 2.0 and len(tl) == 2
+
+
+def test_a_dependency_issued_after_its_user_on_its_stream_is_a_deadlock():
+    """Streams run in issue order: an op waiting on one issued later on its own stream never starts, and `run`
+    says which; the ops before it still finish, pieces and all."""
+    tl = Timeline()
+    first = tl.add("compute", "first", 1.0, pieces=2)
+    tl.add("compute", "waits", 1.0, [first, 3])
+    tl.add("a2a", "send", 1.0, [first])
+    tl.add("compute", "later", 1.0)
+    with pytest.raises(ValueError, match="timeline deadlocked at 'waits'"):
+        tl.run()
+    assert [op.end for op in tl.ops][:3:2] == [1.0, 2.0]

@@ -39,17 +39,20 @@ VOCAB, SEQ, BATCH = 64, 9, 2
 # E differs from every other width a top-k or max may run over (4 heads, head_dim 8, SEQ, SEQ + 1 with an
 # attention sink), so a selection over E scores is routing
 E, K, LAYERS = 6, 2, 2
-EXPERT_COUNT = re.compile(r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts)$")
 
-# the fields of the roles `Widths` can set: model width, expert hidden width, dense / shared-expert hidden width
+# the fields of the roles `Widths` can set: expert count, experts per token, model width, expert hidden width,
+# dense / shared-expert hidden width
+EXPERTS = r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts)$"
+TOP_K = r"^(num_experts_per_tok|num_experts_per_token|moe_topk|moe_k|top_k_experts)$"
+EXPERT_COUNT = re.compile(EXPERTS)
 HIDDEN = r"^(hidden_size|d_model|n_embd|router_hidden_size)$"
 EXPERT_FFN = r"(moe_intermediate_size|expert_ffn_hidden_size|moe_hidden_size|share_expert_dim)$"
 FFN = r"(intermediate_size|ffn_hidden_size|^d_ff$|_ffn_dim$|intermediate_size_mlp)$"
 
 # field name -> tiny value, first match wins (an int field only; lists indexed by layer are cut separately)
 SHRINK: list[tuple[str, Any]] = [
-    (r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts)$", E),
-    (r"^(num_experts_per_tok|num_experts_per_token|moe_topk|moe_k|top_k_experts)$", K),
+    (EXPERTS, E),
+    (TOP_K, K),
     (r"^(n_group|num_expert_group)$", 2),
     (r"^topk_group$", 1),
     (r"^(n_shared_experts|num_shared_experts|moe_num_shared_experts)$", 1),
@@ -180,7 +183,7 @@ class Widths:
 
     def roles(self) -> dict[str, int]:
         """SHRINK pattern -> this size, for the four roles' patterns (set exactly, not capped by the default)."""
-        return {SHRINK[0][0]: self.E, SHRINK[1][0]: self.K, HIDDEN: self.D, EXPERT_FFN: self.F, FFN: self.F}
+        return {EXPERTS: self.E, TOP_K: self.K, HIDDEN: self.D, EXPERT_FFN: self.F, FFN: self.F}
 
 
 def tiny_config(family: Family, widths: Widths | None = None) -> Any:
@@ -225,11 +228,8 @@ def _shrunk(config: Any, roles: dict[str, int]) -> dict[str, Any]:
             continue
         for pattern, tiny in SHRINK:
             if re.search(pattern, name):
-                if pattern in roles:
-                    fields[name] = roles[pattern]
-                    break
                 exact = val is None or tiny == 0 or EXPERT_COUNT.match(name)  # else 0 (off) stays 0
-                fields[name] = tiny if exact else min(val, tiny)
+                fields[name] = roles[pattern] if pattern in roles else tiny if exact else min(val, tiny)
                 break
     for name, val in vars(config).items():  # train-mode parity is checked with dropout off
         if re.search(r"dropout|pdrop", name) and isinstance(val, float) and val > 0:

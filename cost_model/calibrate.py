@@ -66,6 +66,7 @@ GEMM_M = (64, 256, 1024)  # rows per expert
 GEMM_REF = 256  # the square matmul each expert-GEMM timing is taken relative to
 FRESH_BYTES = 64 << 20  # the first-touch buffer: above glibc's largest dynamic mmap threshold (32 MiB)
 RESTORE_SIZES = ((2, 64, 128), (4, 128, 256), (4, 192, 384), (6, 256, 512))  # (C slots, D, F) of the restore
+FIXED_HOST_ITEMS = len(RESTORE_SIZES) + 3  # host results beside the sized ones: restores, fresh and warm fills, faults
 
 
 def fit_latency_rate(amounts: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -356,7 +357,7 @@ def measure_host(
     args = (tuple(matmul_sizes), tuple(row_sizes), tuple(act_sizes), tuple(gemm_dims), tuple(gemm_rows),
             tuple(experts), reps)
     count = (len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(gemm_dims) * len(gemm_rows) + len(experts)
-             + len(RESTORE_SIZES) + 3)
+             + FIXED_HOST_ITEMS)
     out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "gemm": [], "layer": [],
                                                "restore": [], "fresh": [], "warm": [], "faults": []}
     for kind, size, seconds in spawn_ranks(_host_worker, args, count, "host timing", timeout_s, progress):
@@ -418,8 +419,8 @@ def calibrate(
     from tqdm import tqdm
 
     total = len(sizes) + len(matmul_sizes) * (2 if host else 1)
-    total += (len(layer_experts) + len(row_sizes) + len(ACT_SIZES) + len(GEMM_D) * len(GEMM_M) + len(RESTORE_SIZES)
-              + 3) if host else 0
+    total += (len(layer_experts) + len(row_sizes) + len(ACT_SIZES) + len(GEMM_D) * len(GEMM_M)
+              + FIXED_HOST_ITEMS) if host else 0
     with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
         mm = measure_matmul(matmul_sizes, progress=bar)

@@ -9,6 +9,10 @@
 #   never_slower  benchmarks/never_slower.py: form="single" (Triton path) vs the untouched block, fp32 + bf16
 #   train         python -m moepass train on one GPU (NCCL, W=1), single / ep / fsep, 40 steps with --reference
 #   never_slower_hf  the same as never_slower over every Hugging Face family moepass rewrites (fp32, layer size)
+#   never_slower_plain  never_slower with MOEPASS_PLAIN_TRITON_LAUNCH=1 (every launch through Triton's own path: the A/B
+#                 of lowering/launcher.py's direct launch; NEVER_SLOWER_ARGS applies to both)
+#   launch        benchmarks/launch_overhead.py: host us and Python calls per launch, Triton's path vs the direct launch
+# TRAIN_FORMS (default "single ep fsep") picks the train step's forms.
 # TOTAL (seconds, default 560) bounds the whole run: each step's timeout is cut to what is left, and a step with
 # under 20 s left is skipped, so the device call ends inside its limit with every finished step's files in $OUT.
 set -u
@@ -32,7 +36,7 @@ for step in $STEPS; do
     never_slower) timeout "$(left "${NEVER_SLOWER_TIMEOUT:-200}")" python3 benchmarks/never_slower.py --device cuda \
                   --dtypes float32,bfloat16 --sizes layer,tiny --rounds 5 --iters 20 ${NEVER_SLOWER_ARGS:-} --out "$OUT/never_slower_cuda.json" 2>&1 \
                   | tee "$OUT/never_slower.log"; echo "rc=${PIPESTATUS[0]}" ;;
-    train) for form in single ep fsep; do
+    train) for form in ${TRAIN_FORMS:-single ep fsep}; do
              timeout "$(left "${TRAIN_TIMEOUT:-90}")" python3 -m moepass train --form $form --nproc 1 --device cuda --steps 40 \
                --reference --out "$OUT/train_$form" > "$OUT/train_$form.log" 2>&1; echo "train $form rc=$?"
              tail -n 3 "$OUT/train_$form.log"
@@ -40,7 +44,13 @@ for step in $STEPS; do
     never_slower_hf) timeout "$(left "${NEVER_SLOWER_HF_TIMEOUT:-200}")" python3 benchmarks/never_slower.py --device cuda \
                      --dtypes float32 --sizes layer --rounds 3 --iters 10 --hf --out "$OUT/never_slower_hf_cuda.json" 2>&1 \
                      | tee "$OUT/never_slower_hf.log"; echo "rc=${PIPESTATUS[0]}" ;;
-    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower train never_slower_hf" ;;
+    never_slower_plain) MOEPASS_PLAIN_TRITON_LAUNCH=1 timeout "$(left "${NEVER_SLOWER_TIMEOUT:-200}")" python3 \
+                  benchmarks/never_slower.py --device cuda --dtypes float32,bfloat16 --sizes layer,tiny --rounds 5 --iters 20 \
+                  ${NEVER_SLOWER_ARGS:-} --out "$OUT/never_slower_cuda_plain.json" 2>&1 | tee "$OUT/never_slower_plain.log"
+                  echo "rc=${PIPESTATUS[0]}" ;;
+    launch) timeout "$(left "${LAUNCH_TIMEOUT:-90}")" python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 \
+            | tee "$OUT/launch_overhead.log"; echo "rc=${PIPESTATUS[0]}" ;;
+    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower never_slower_plain launch train never_slower_hf" ;;
   esac
   echo "($step: $(( $(date +%s) - start )) s)"
 done

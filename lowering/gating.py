@@ -108,6 +108,8 @@ Do not edit: regenerate from the template."""
 import triton
 import triton.language as tl
 
+from lowering.launcher import launcher
+
 $HELPERS
 
 @triton.jit(do_not_specialize=["bias_row_stride"])  # stride 0 and E: one compiled kernel
@@ -154,8 +156,8 @@ $WEIGHT_STAGES
 
 def launch(logits_TE, bias, bias_row_stride, weights_TK, experts_TK):
     T = logits_TE.shape[0]
-    route_kernel[(triton.cdiv(T, $BLOCK_T),)](logits_TE, bias, bias_row_stride, weights_TK, experts_TK, T,
-                                              BLOCK_T=$BLOCK_T, num_warps=$NUM_WARPS)
+    launcher(route_kernel)[(triton.cdiv(T, $BLOCK_T),)](logits_TE, bias, bias_row_stride, weights_TK, experts_TK, T,
+                                                        BLOCK_T=$BLOCK_T, num_warps=$NUM_WARPS)
 
 
 # One build serves an [E] bias (stride 0) and a [T, E] bias alike: bias_row_stride is never specialised.

@@ -1,5 +1,6 @@
 """Launching the grouped-GEMM kernels: one host wrapper per kernel (allocate outputs, lay out the
-arguments, size the grid), each launch autotuned on a GPU or run with `pick_config`'s config when interpreted or deterministic.
+arguments, size the grid), each launch autotuned on a GPU or run with `pick_config`'s config when interpreted or deterministic,
+through `lowering.launcher` (Triton's launch path once per launch signature, the compiled kernel's own after).
 
 Shape letters: `moepass.spec.SHAPES` (p, q: a grouped GEMM's reduction and output widths; rows_kernel's
 arguments K and Q are p and q, a weight gradient's P and Q its two sides). Tensors must be row-major
@@ -28,6 +29,7 @@ from lowering.grouped_gemm.configs import (
     rows_bucket,
 )
 from lowering.grouped_gemm.source import kernel_module
+from lowering.launcher import launcher
 
 _TUNING_KEYS = {
     "gate_up_kernel": ("D", "F", "rows_bucket"),
@@ -71,13 +73,13 @@ def _pruner(role: str, elem_bytes: int, gated: bool):
 def _launch(spec: FfnSpec, role: str, grid: Grid, args: tuple, constexprs: dict[str, Any],
             shape: tuple[int, int, int]) -> None:
     """Launch `role` with `grid(meta)`; with fixed configs, the config `pick_config` gives for `shape`."""
-    kernel = _kernels(spec)[role]
+    launch = launcher(_kernels(spec)[role])
     if spec.fixed_configs:
         cfg = pick_config(role, spec.dtype, *shape)
         meta = cfg.kwargs(kernel_name(role))
-        kernel[grid(meta)](*args, **constexprs, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        launch[grid(meta)](*args, **constexprs, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        kernel[grid](*args, **constexprs)
+        launch[grid](*args, **constexprs)
 
 
 def _row_grid(N: int, E: int, n_cols: int) -> Grid:

@@ -211,8 +211,10 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
     stats = pstats.Stats(profiler)
     python_calls = stats.total_calls  # type: ignore[attr-defined]
     by_file: Counter[str] = Counter()
-    for (filename, _, _), (_, calls, *_) in stats.stats.items():  # type: ignore[attr-defined]
+    by_function: Counter[str] = Counter()
+    for (filename, _, function), (_, calls, *_) in stats.stats.items():  # type: ignore[attr-defined]
         by_file["/".join(Path(filename).parts[-2:])] += calls
+        by_function[f"{Path(filename).name}:{function}"] += calls
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
         step(block, x, probe)
@@ -229,6 +231,7 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
     per_step = {key: value / steps for key, value in counts.items()}
     # where the Python calls are (a file's last two path parts: which library's launch path, moepass's own)
     per_step["python_calls_by_file"] = {f: n / steps for f, n in by_file.most_common(8)}
+    per_step["python_calls_by_function"] = {f: n / steps for f, n in by_function.most_common(12)}
     return per_step
 
 
@@ -294,8 +297,11 @@ def print_row(row: dict) -> None:
               f"{row['host_ms']['moepass']:.3f}", flush=True)
     for side, counts in row.get("per_step", {}).items():
         by_file = counts.get("python_calls_by_file", {})
-        print(f"{'':40s} {side:8s} per step: " + "  ".join(f"{k} {v:g}" for k, v in counts.items() if k != "python_calls_by_file")
-              + "\n" + f"{'':49s} Python calls by file: " + ", ".join(f"{f} {n:g}" for f, n in by_file.items()), flush=True)
+        by_function = counts.get("python_calls_by_function", {})
+        print(f"{'':40s} {side:8s} per step: " + "  ".join(f"{k} {v:g}" for k, v in counts.items()
+                                                            if not k.startswith("python_calls_by"))
+              + "\n" + f"{'':49s} Python calls by file: " + ", ".join(f"{f} {n:g}" for f, n in by_file.items())
+              + "\n" + f"{'':49s} by function: " + ", ".join(f"{f} {n:g}" for f, n in by_function.items()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

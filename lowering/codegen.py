@@ -26,7 +26,7 @@ API (stable; every family relies on it):
     rounding_helpers(**{name: dtype}) -> str   @triton.jit helpers rounding fp32 to a dtype's precision
     SIG_DTYPES / TL_DTYPES                     torch dtype -> Triton signature string / `tl.` dtype name
     FLOAT_DTYPES                               the floating dtypes the kernels take (fp32, fp16, bf16)
-    next_pow2(n) -> int
+    next_pow2(n), cdiv(a, b) -> int            host-side integer helpers (no constexpr unwrapping per call)
     register_autocast(op, policy)              autocast dtype policy of a lowered op: "fp32", "compute", "preserve"
 
 Generated-module convention: a module lists its kernels for the GPU build check as
@@ -58,6 +58,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.abc
 import importlib.util
@@ -113,6 +114,11 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of two ints: `triton.cdiv` without its constexpr unwrapping (host code runs it per launch)."""
+    return -(-a // b)
+
+
 def render(template: str, /, **values: Any) -> str:
     """Fill `$NAME` placeholders (a missing value raises KeyError, so nothing is left unfilled)."""
     return string.Template(template).substitute({k: str(v) for k, v in values.items()})
@@ -139,6 +145,7 @@ def rounding_helpers(**dtypes: torch.dtype) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowering.codegen import cdiv
 from lowering.launcher import launcher
 
 $HELPERS
@@ -104,8 +105,8 @@ def launch(y_ND, order_N, weights_TK, out_TD):
     N = order_N.shape[0]
     T = out_TD.shape[0]
     inv_N = torch.empty_like(order_N)
-    launcher(invert_kernel)[(triton.cdiv(N, 1024),)](order_N, inv_N, N, BLOCK=1024)
-    grid = (triton.cdiv(T, $BLOCK_ROWS), triton.cdiv($D, $BLOCK_D))
+    launcher(invert_kernel)[(cdiv(N, 1024),)](order_N, inv_N, N, BLOCK=1024)
+    grid = (cdiv(T, $BLOCK_ROWS), cdiv($D, $BLOCK_D))
     launcher(combine_kernel)[grid](y_ND, inv_N, weights_TK, out_TD, T, BLOCK_T=$BLOCK_ROWS, BLOCK_D=$BLOCK_D)
 
 
@@ -152,7 +153,7 @@ def combine_backward_kernel(
 
 def launch_backward(grad_TD, y_ND, order_N, weights_TK, grad_y_ND, grad_w_TK):
     N = order_N.shape[0]
-    launcher(combine_backward_kernel)[(triton.cdiv(N, $BLOCK_ROWS),)](
+    launcher(combine_backward_kernel)[(cdiv(N, $BLOCK_ROWS),)](
         grad_TD, y_ND, order_N, weights_TK, grad_y_ND, grad_w_TK, N, BLOCK_N=$BLOCK_ROWS, BLOCK_D=$BLOCK_D)
 '''
 _BACKWARD_BUILD = '''    dict(kernel="combine_backward_kernel", constexprs=dict(BLOCK_N=$BLOCK_ROWS, BLOCK_D=$BLOCK_D),

@@ -108,6 +108,7 @@ Do not edit: regenerate from the template."""
 import triton
 import triton.language as tl
 
+from lowering.codegen import cdiv
 from lowering.launcher import launcher
 
 $HELPERS
@@ -156,7 +157,7 @@ $WEIGHT_STAGES
 
 def launch(logits_TE, bias, bias_row_stride, weights_TK, experts_TK):
     T = logits_TE.shape[0]
-    launcher(route_kernel)[(triton.cdiv(T, $BLOCK_T),)](logits_TE, bias, bias_row_stride, weights_TK, experts_TK, T,
+    launcher(route_kernel)[(cdiv(T, $BLOCK_T),)](logits_TE, bias, bias_row_stride, weights_TK, experts_TK, T,
                                                         BLOCK_T=$BLOCK_T, num_warps=$NUM_WARPS)
 
 

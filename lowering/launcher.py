@@ -51,7 +51,8 @@ class Launcher:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.direct = direct_launch_available()
-        self.compiled: dict[tuple, tuple] = {}  # launch signature -> (run, function, packed metadata, meta, tail)
+        # launch signature -> (launcher, function, packed metadata, meta-parameters, the parameters after args)
+        self.compiled: dict[tuple, tuple] = {}
         if not self.direct:
             return
         self.arg_names: list[str] = list(kernel.arg_names)
@@ -82,7 +83,7 @@ class Launcher:
         launch, function, packed, meta, tail = entry
         g = grid(meta) if callable(grid) else grid
         launch(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, self.current_stream(device), function,
-               packed, None, None, None, *args, *[meta[name] for name in tail])
+               packed, None, None, None, *args, *tail)
 
     def remember(self, key: tuple, compiled: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         """Keep what the direct launch needs from the kernel Triton just launched, if it can be launched directly."""
@@ -93,7 +94,8 @@ class Launcher:
         if (signature is None or len(signature) != len(self.arg_names) or not hasattr(compiled, "packed_metadata")
                 or any(name not in meta for name in tail) or launch_hooks_installed()):
             return
-        self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, meta, tail)
+        self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, meta,
+                              tuple(meta[name] for name in tail))
 
 
 def direct_launch_available() -> bool:

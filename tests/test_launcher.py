@@ -192,3 +192,13 @@ def test_launch_hooks_installed_reads_a_hook_chain_or_a_function(monkeypatch):
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
         assert launcher_module.launch_hooks_installed()
     assert not launcher_module.launch_hooks_installed()
+
+
+def test_signature_is_arg_class_of_each_argument_then_the_tuning_keys_and_keywords(direct):
+    kernel = Autotuner()
+    launch = Launcher(kernel)
+    x = torch.zeros(9)[1:]
+    args = (x, torch.nn.Parameter(torch.zeros(4)), 1, 48, 2**40, 0.5, True, None)
+    kernel.arg_names = ["a", "b", "c", "D", "e", "f", "g", "h"]
+    launch.tuning_keys = [3]
+    assert launch.signature(0, args, {"BLOCK": 16}) == (0, *map(arg_class, args), 48, ("BLOCK", 16))

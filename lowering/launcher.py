@@ -17,7 +17,8 @@ would have launched. A grid callable is given the meta-parameters (the keyword c
 config), which is all moepass's grids read.
 
 Triton's path is taken every time when interpreted (`TRITON_INTERPRET=1`: no compiled kernel), when a launch hook
-is installed (profilers such as proton: the direct launch would skip it), when the compiled kernel does not carry
+is installed (profilers such as proton: the direct launch would skip it), when the kernel runs a hook before each
+launch (a config's `pre_hook`, the jit function's `pre_run_hooks`), when the compiled kernel does not carry
 the launcher this module calls (another Triton version), or with `MOEPASS_PLAIN_TRITON_LAUNCH=1` (A/B timing).
 """
 
@@ -61,6 +62,7 @@ class Launcher:
         base = kernel
         while not hasattr(base, "params"):  # an autotuner (or heuristics) wraps the JITFunction as .fn
             base = base.fn
+        self.base = base
         self.defaults = {p.name: p.default for p in base.params if p.default is not inspect.Parameter.empty}
         self.tuning_keys = [self.arg_names.index(name) for name in getattr(kernel, "keys", ())]
         self.current_device, self.current_stream = device_and_stream()
@@ -96,8 +98,9 @@ class Launcher:
         meta = {**self.defaults, **kwargs, **(config.kwargs if config is not None else {})}
         tail = self.arg_names[len(args):]
         signature = getattr(getattr(compiled, "src", None), "signature", None)
+        per_launch_hooks = getattr(config, "pre_hook", None) is not None or bool(getattr(self.base, "pre_run_hooks", ()))
         if (signature is None or len(signature) != len(self.arg_names) or not hasattr(compiled, "packed_metadata")
-                or any(name not in meta for name in tail) or launch_hooks_installed()):
+                or any(name not in meta for name in tail) or per_launch_hooks or launch_hooks_installed()):
             return
         self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, meta,
                               tuple(meta[name] for name in tail))

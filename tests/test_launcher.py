@@ -57,10 +57,12 @@ class Autotuner:
         self.arg_names, self.keys = self.fn.arg_names, ["D"]
         self.best_config = None
         self.compiled = self.fn.compiled
+        self.config_pre_hook = None  # what each chosen config's pre_hook is
 
     def __getitem__(self, grid):
         def runner(*args, **kwargs):
-            self.best_config = SimpleNamespace(kwargs={"BLOCK": 64 if args[3] <= 64 else 128})
+            self.best_config = SimpleNamespace(kwargs={"BLOCK": 64 if args[3] <= 64 else 128},
+                                               pre_hook=self.config_pre_hook)
             return self.fn[grid](*args, **kwargs, **self.best_config.kwargs)
         return runner
 
@@ -144,13 +146,15 @@ def test_triton_path_every_time_when_interpreted_or_switched_off(monkeypatch):
     assert len(kernel.triton_calls) == 3 and kernel.compiled.launches == []
 
 
-@pytest.mark.parametrize("why", ["launch hook", "other launcher signature", "no compiled kernel"])
+@pytest.mark.parametrize("why", ["launch hook", "other launcher signature", "no compiled kernel", "pre-run hook"])
 def test_not_remembered_when_the_direct_launch_would_differ(direct, monkeypatch, why):
     kernel = Jit(Compiled(NAMES[:-2]) if why == "other launcher signature" else None)
     if why == "launch hook":
         monkeypatch.setattr(launcher_module, "launch_hooks_installed", lambda: True)
     if why == "no compiled kernel":
         kernel.compiled = None
+    if why == "pre-run hook":
+        kernel.pre_run_hooks = [lambda *args, **kwargs: None]
     launch = Launcher(kernel)
     x, out = tensors()
     for _ in range(2):
@@ -202,3 +206,13 @@ def test_signature_is_arg_class_of_each_argument_then_the_tuning_keys_and_keywor
     kernel.arg_names = ["a", "b", "c", "D", "e", "f", "g", "h"]
     launch.tuning_keys = [3]
     assert launch.signature(0, args, {"BLOCK": 16}) == (0, *map(arg_class, args), 48, ("BLOCK", 16))
+
+
+def test_an_autotuner_config_with_a_pre_hook_is_never_launched_directly(direct):
+    kernel = Autotuner()
+    kernel.config_pre_hook = lambda nargs: None
+    launch = Launcher(kernel)
+    x, out = tensors()
+    for _ in range(2):
+        launch[(1,)](x, out, 8, 64)
+    assert len(kernel.fn.triton_calls) == 2 and kernel.compiled.launches == []

@@ -60,3 +60,18 @@ def test_gpu_checks_run_interpreted_on_cpu():
     for family in FAMILIES:
         result = report["families"][family]
         assert result["ok"] and result["checks"] > 0, f"{family}:\n{result['error']}"
+
+
+@pytest.mark.gpu
+def test_direct_launch_gives_the_bits_of_tritons_path_on_cuda(tmp_path):
+    """lowering/launcher.py's direct launch against Triton's own path, for a jit kernel, an autotuned one and the
+    expert FFN (benchmarks/launch_overhead.py, few launches): the same output bits, fewer Python calls."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "benchmarks/launch_overhead.py", "--rounds", "2", "--launches", "50", "--out",
+                          str(tmp_path / "launch.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    cases = json.loads((tmp_path / "launch.json").read_text())["cases"]
+    assert set(cases) == {"jit", "autotuned", "expert_ffn"}
+    for name, row in cases.items():
+        assert row["bit_identical"], name
+        assert row["direct"]["python_calls"] < row["plain"]["python_calls"], name

@@ -32,9 +32,9 @@ is recomputed from the saved pre-activations (elementwise, cheap) rather than ke
 relu(h) in h's place, which serves the backward as h does (`activation_output`), so nothing is recomputed.
 
 Expert by expert (`Rows.per_expert`, the first choice): where the row counts are in host memory (a CPU;
-reading them waits for nothing), the whole FFN runs one expert at a time — its GEMMs (`F.linear`'s: `addmm`
-with the bias), activation and, in the backward, its input and weight gradients — so an expert's [n, F]
-intermediates are still in cache when the next op reads them and no bias is gathered per row.
+reading them waits for nothing), the whole FFN runs one expert at a time — its GEMMs, activation and, in the
+backward, its input and weight gradients — so an expert's [n, F] intermediates are still in cache when the next
+op reads them, and its bias is added as one broadcast row (not gathered per row).
 
 Otherwise the GEMM engine, per GEMM: a small one (E·N·K·Q <= `PADDED_MACS`: the layer's host overhead outweighs its
 arithmetic; off by default, `PADDED_MACS = 0`: its batched GEMM sums in another order than a per-expert
@@ -51,7 +51,7 @@ on the host once per call. All three compute the same products; rows past an exp
 which add nothing to a weight gradient. (On a CPU, `torch._grouped_mm` is itself a loop over the groups,
 ~13 dispatcher ops and one `.item()` of host memory each, no device sync; the Python loop computes the same
 bits with fewer ops but costs more host time at small sizes — 0.27 ms against 0.11 ms for six GEMMs over 8
-experts of 2 rows, equal at 512 rows — so `_grouped_mm` is the CPU engine when `PER_EXPERT` is off.)
+experts of 2 rows, equal at 512 rows — so `_grouped_mm` is the CPU engine below `PER_EXPERT_ELEMENTS`.)
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from moepass.process_state import GRAD_BUFFERS, GRAD_BUFFERS_LOCK
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PADDED_MACS = 0  # the small engine's bound (module doc): off
 GRAD_BUFFER_BYTES = 1 << 20  # weight gradients at least this large reuse a buffer (`reusable_grad_buffer`)
-PER_EXPERT = True  # row counts in host memory: the FFN runs expert by expert (`Rows.per_expert`; tests turn it off)
+PER_EXPERT_ELEMENTS = 1 << 16  # the smallest [N, F] run expert by expert (`Rows.per_expert`); tests move it
 
 
 def fused_gate_up(w_up: Tensor | None, activation: str) -> bool:
@@ -137,8 +137,11 @@ class Rows:
 
     def per_expert(self, D: int, F: int) -> bool:
         """Whether the whole FFN runs expert by expert (`forward_per_expert`): the row counts are in host memory,
-        so reading them waits for nothing, and the padded engine is not chosen for this size."""
-        return PER_EXPERT and self.counts_E.device.type == "cpu" and not self.small(D, F)
+        so reading them waits for nothing, and the [N, F] intermediates are large enough (`PER_EXPERT_ELEMENTS`)
+        for cache misses to cost more than the loop's host time (~0.2 ms a step over 8 experts: smaller layers
+        keep the grouped engines)."""
+        return (self.counts_E.device.type == "cpu" and self.rows * F >= PER_EXPERT_ELEMENTS
+                and not self.small(D, F))
 
     @property
     def spans(self) -> list[tuple[int, slice]]:
@@ -458,18 +461,18 @@ def backward(
 # ----------------------------------------------------------------------------------------------
 # Expert by expert (`Rows.per_expert`): the row counts in host memory, each expert's GEMMs and activation run
 # on its own rows in turn, so an expert's [n, F] intermediates stay in cache from the GEMM that writes them to
-# the ones that read them (the whole [N, F] ones, op after op, do not: ~1 ms of the layer case's 30 on a CPU),
-# and a bias enters its GEMM as `F.linear` adds it (`addmm`: no [N, F] gather of bias rows, no extra pass).
+# the ones that read them (the whole [N, F] ones, op after op, do not), and a bias is added as one row
+# broadcast over the expert's rows (no [N, F] gather of bias rows).
 # The same `mm`s per expert as the grouped engines; the split backward (Lancet) runs the same two per-expert
 # functions as the whole one, so their gradients are equal bit for bit.
 # ----------------------------------------------------------------------------------------------
 
 
 def project(a_np: Tensor, w_qp: Tensor, b_q: Tensor | None, out_nq: Tensor) -> Tensor:
-    """out_nq = a_np @ w_qp^T (+ b_q), `F.linear`'s arithmetic, written into `out_nq`."""
-    if b_q is None:
-        return torch.mm(a_np, w_qp.t(), out=out_nq)
-    return torch.addmm(b_q, a_np, w_qp.t(), out=out_nq)
+    """out_nq = a_np @ w_qp^T (+ b_q), written into `out_nq`: the product, then the bias added to it (the grouped
+    engines' arithmetic and `x @ w + b`'s; `addmm` sums the bias in another order)."""
+    out_nq = torch.mm(a_np, w_qp.t(), out=out_nq)
+    return out_nq if b_q is None else out_nq.add_(b_q)
 
 
 def of(t_E: Tensor | None, e: int) -> Tensor | None:
@@ -528,7 +531,7 @@ def expert_input_grads(
     torch.mm(grad_gate, w_gate_EFD[e], out=grad_x_ND[r])
     if grad_up is not None:
         assert w_up_EFD is not None
-        grad_x_ND[r].addmm_(grad_up, w_up_EFD[e])
+        grad_x_ND[r] += torch.mm(grad_up, w_up_EFD[e])  # the two products added, as autograd sums them
     return ExpertGrads(e, r, a_nF, grad_gate, grad_up)
 
 

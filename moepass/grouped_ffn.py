@@ -392,10 +392,8 @@ def backward_input(
     x_ND, grad_y_ND = x_ND.contiguous(), grad_y_ND.contiguous()  # an expanded (stride-0) grad is legal
     weights, biases = (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED)
     if rows.per_expert(x_ND.shape[1], w_down_EDF.shape[2]):
-        grad_x_ND = x_ND.new_empty(x_ND.shape)
-        experts = [expert_input_grads(e, r, grad_y_ND, x_ND, h_gate_NF, h_up_NF, weights, biases, activation,
-                                      clamp_limit, alpha, grad_x_ND) for e, r in rows.spans]
-        rows.zero_tail(grad_x_ND)
+        grad_x_ND, experts = backward_per_expert(rows, grad_y_ND, x_ND, h_gate_NF, h_up_NF, weights, biases,
+                                                 activation, clamp_limit, alpha, None)
         return grad_x_ND, WeightGradInputs(rows, x_ND, grad_y_ND, None, None, None, weights, biases, experts)
     recomputed = h_gate_NF is None
     if h_gate_NF is None:
@@ -443,15 +441,10 @@ def backward(
     """
     rows = Rows(counts_E, x_ND.shape[0])
     if rows.per_expert(x_ND.shape[1], w_down_EDF.shape[2]):  # each expert's input and weight gradients in turn
-        x_ND, grad_y_ND = x_ND.contiguous(), grad_y_ND.contiguous()
         weights, biases = (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED)
-        grad_x_ND = x_ND.new_empty(x_ND.shape)
         grads = gradient_buffers(rows, weights, biases)
-        for e, r in rows.spans:
-            expert = expert_input_grads(e, r, grad_y_ND, x_ND, h_gate_NF, h_up_NF, weights, biases, activation,
-                                        clamp_limit, alpha, grad_x_ND)
-            expert_weight_grads(expert, grad_y_ND, x_ND, grads)
-        rows.zero_tail(grad_x_ND)
+        grad_x_ND, _ = backward_per_expert(rows, grad_y_ND.contiguous(), x_ND.contiguous(), h_gate_NF, h_up_NF,
+                                           weights, biases, activation, clamp_limit, alpha, grads)
         return [grad_x_ND, *grads]
     grad_x_ND, work = backward_input(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, w_gate_EFD, w_up_EFD,
                                      w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit, alpha)
@@ -531,8 +524,27 @@ def expert_input_grads(
     torch.mm(grad_gate, w_gate_EFD[e], out=grad_x_ND[r])
     if grad_up is not None:
         assert w_up_EFD is not None
-        grad_x_ND[r] += torch.mm(grad_up, w_up_EFD[e])  # the two products added, as autograd sums them
+        grad_x_ND[r].add_(torch.mm(grad_up, w_up_EFD[e]))  # the two products added, as autograd sums them
     return ExpertGrads(e, r, a_nF, grad_gate, grad_up)
+
+
+def backward_per_expert(
+    rows: Rows, grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor | None, h_up_NF: Tensor | None,
+    weights: tuple[Tensor, Tensor | None, Tensor], biases: tuple[Tensor | None, Tensor | None, Tensor | None],
+    activation: str, clamp_limit: float, alpha: float, grads: list[Tensor | None] | None,
+) -> tuple[Tensor, list[ExpertGrads]]:
+    """grad_x_ND expert by expert; given `grads` (`gradient_buffers`) each expert's weight gradients are written
+    right after its input gradient, else what they need is returned, one `ExpertGrads` per expert."""
+    grad_x_ND, experts = x_ND.new_empty(x_ND.shape), []
+    for e, r in rows.spans:
+        expert = expert_input_grads(e, r, grad_y_ND, x_ND, h_gate_NF, h_up_NF, weights, biases, activation,
+                                    clamp_limit, alpha, grad_x_ND)
+        if grads is None:
+            experts.append(expert)
+        else:
+            expert_weight_grads(expert, grad_y_ND, x_ND, grads)
+    rows.zero_tail(grad_x_ND)
+    return grad_x_ND, experts
 
 
 def gradient_buffers(rows: Rows, weights: tuple[Tensor, Tensor | None, Tensor],

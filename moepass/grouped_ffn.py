@@ -28,9 +28,15 @@ backward runs 6 GEMMs (gated; 4 otherwise) instead of recomputing 2 of the forwa
 `Plan(expert_recompute=True)` keeps only the inputs and recomputes h_gate/h_up in the backward: 2·N·F
 fewer elements alive between forward and backward for 2/3 more forward GEMM work (gated), the
 trade `cost_model.ep.compute_time(recompute=1)` prices. The activation output a = act(h_gate, h_up)
-is recomputed from the saved pre-activations (elementwise, cheap) rather than kept.
+is recomputed from the saved pre-activations (elementwise, cheap) rather than kept; ReLU's forward keeps
+relu(h) in h's place, which serves the backward as h does (`activation_output`), so nothing is recomputed.
 
-GEMM engine, per GEMM: a small one (E·N·K·Q <= `PADDED_MACS`: the layer's host overhead outweighs its
+Expert by expert (`Rows.per_expert`, the first choice): where the row counts are in host memory (a CPU;
+reading them waits for nothing), the whole FFN runs one expert at a time — its GEMMs, activation and, in the
+backward, its input and weight gradients — so an expert's [n, F] intermediates are still in cache when the next
+op reads them, and its bias is added as one broadcast row (not gathered per row).
+
+Otherwise the GEMM engine, per GEMM: a small one (E·N·K·Q <= `PADDED_MACS`: the layer's host overhead outweighs its
 arithmetic; off by default, `PADDED_MACS = 0`: its batched GEMM sums in another order than a per-expert
 one, and a gradient of the detection zoo then lands 1.2e-6 off its reference, over the 1e-6 the parity tests
 hold; set it to 2**18 to trade that for fewer ops on tiny layers) runs *padded*: the rows scattered into a zero `[E, N, K]` buffer (each expert's rows first, at
@@ -45,7 +51,7 @@ on the host once per call. All three compute the same products; rows past an exp
 which add nothing to a weight gradient. (On a CPU, `torch._grouped_mm` is itself a loop over the groups,
 ~13 dispatcher ops and one `.item()` of host memory each, no device sync; the Python loop computes the same
 bits with fewer ops but costs more host time at small sizes — 0.27 ms against 0.11 ms for six GEMMs over 8
-experts of 2 rows, equal at 512 rows — so `_grouped_mm` stays the CPU engine.)
+experts of 2 rows, equal at 512 rows — so `_grouped_mm` is the CPU engine below `PER_EXPERT_ELEMENTS`.)
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from moepass.process_state import GRAD_BUFFERS, GRAD_BUFFERS_LOCK
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PADDED_MACS = 0  # the small engine's bound (module doc): off
 GRAD_BUFFER_BYTES = 1 << 20  # weight gradients at least this large reuse a buffer (`reusable_grad_buffer`)
+PER_EXPERT_ELEMENTS = 1 << 16  # the smallest [N, F] run expert by expert (`Rows.per_expert`); tests move it
 
 
 def fused_gate_up(w_up: Tensor | None, activation: str) -> bool:
@@ -127,6 +134,30 @@ class Rows:
         self._experts: Tensor | None = None
         self._slots: Tensor | None = None
         self._padded: tuple[Tensor, Tensor] | None = None  # the last tensor `pad` was given, and its padding
+
+    def per_expert(self, D: int, F: int) -> bool:
+        """Whether the whole FFN runs expert by expert (`forward_per_expert`): the row counts are in host memory,
+        so reading them waits for nothing, and the [N, F] intermediates are large enough (`PER_EXPERT_ELEMENTS`)
+        for cache misses to cost more than the loop's host time (~0.2 ms a step over 8 experts: smaller layers
+        keep the grouped engines)."""
+        return (self.counts_E.device.type == "cpu" and self.rows * F >= PER_EXPERT_ELEMENTS
+                and not self.small(D, F))
+
+    @property
+    def spans(self) -> list[tuple[int, slice]]:
+        """(expert, its rows) for every expert with rows, in order (the counts read on the host)."""
+        spans, start = [], 0
+        for e, n in enumerate(self.sizes):
+            if n:
+                spans.append((e, slice(start, start + n)))
+            start += n
+        return spans
+
+    def zero_tail(self, out_Nq: Tensor) -> None:
+        """Rows past the last expert's (no expert computes them) set to zero, as the grouped engines leave them."""
+        total = sum(self.sizes)
+        if total < self.rows:
+            out_Nq[total:].zero_()
 
     def small(self, k: int, q: int) -> bool:
         """Whether a GEMM with reduction k and q output columns runs padded (`PADDED_MACS`)."""
@@ -276,6 +307,36 @@ def weight_grad(rows: Rows, a_Np: Tensor, b_Nq: Tensor, w_Epq: Tensor) -> Tensor
     return rows.wgrad(a_Np, b_Nq, reusable_grad_buffer(w_Epq, (E, P, Q)))
 
 
+OUTPUT_KEPT = ("relu",)  # activations whose output the forward keeps in place of their input (`activation_output`)
+
+
+def activation_output(h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float, alpha: float,
+                      fused: bool) -> Tensor:
+    """a = act(gate) [* up], the down projection's input. ReLU is applied in place: the forward then keeps relu(h)
+    where it kept h, which the backward reads as it reads h (relu(relu(h)) = relu(h), and relu(h) > 0 exactly
+    where h > 0: the same values), as `F.relu`'s own autograd keeps its output: no [N, F] buffer made for `a` in
+    the forward nor recomputed in the backward."""
+    if activation in OUTPUT_KEPT:
+        return h_gate.relu_()
+    return activate(*halves(h_gate, h_up, fused), activation, clamp_limit, alpha)
+
+
+def activation_grads(grad_a: Tensor, h_gate: Tensor, h_up: Tensor | None, activation: str, clamp_limit: float,
+                     alpha: float, fused: bool, recomputed: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(a, grad_gate, grad_up) from the activation's input gradient `grad_a` and the kept (or, `recomputed`, just
+    recomputed: ours to overwrite) pre-activations; with fused gate/up one [n, 2F] gradient, gate columns first,
+    and grad_up None. ReLU: `a` is the kept relu(h) (`activation_output`), its gradient written over grad_a."""
+    if activation in OUTPUT_KEPT:
+        a = h_gate.relu_() if recomputed else h_gate
+        return a, torch.ops.aten.threshold_backward.grad_input(grad_a, a, 0, grad_input=grad_a), None
+    if fused:  # one gradient for the one [2F, D] weight, its halves written in place
+        grad_gate_up = h_gate.new_empty(h_gate.shape)
+        a, _, _ = activate_and_backward(grad_a, *halves(h_gate, h_up, fused), activation, clamp_limit, alpha,
+                                        *halves(grad_gate_up, None, fused))
+        return a, grad_gate_up, None
+    return activate_and_backward(grad_a, h_gate, h_up, activation, clamp_limit, alpha)
+
+
 def pre_activations(
     rows: Rows, x_ND: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, b_gate_EF: Tensor | None,
     b_up_EF: Tensor | None,
@@ -294,8 +355,11 @@ def forward(
     fused gate/up (see `fused_gate_up`) the one [N, 2F] pre-activation and None."""
     rows = Rows(counts_E, x_ND.shape[0])
     x_ND = x_ND.contiguous()
+    if rows.per_expert(x_ND.shape[1], w_down_EDF.shape[2]):
+        return forward_per_expert(rows, x_ND, (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED),
+                                  activation, clamp_limit, alpha)
     h_gate, h_up = pre_activations(rows, x_ND, w_gate_EFD, w_up_EFD, b_gate_EF, b_up_EF)
-    a_NF = activate(*halves(h_gate, h_up, fused_gate_up(w_up_EFD, activation)), activation, clamp_limit, alpha)
+    a_NF = activation_output(h_gate, h_up, activation, clamp_limit, alpha, fused_gate_up(w_up_EFD, activation))
     y_ND = rows.add_bias(rows.mm(a_NF, w_down_EDF.transpose(-2, -1)), b_down_ED)
     return y_ND, h_gate, h_up
 
@@ -308,11 +372,12 @@ class WeightGradInputs:
     rows: Rows
     x_ND: Tensor
     grad_y_ND: Tensor
-    a_NF: Tensor
-    grad_gate: Tensor  # [N, F] (with fused gate/up: [N, 2F], gate columns first)
+    a_NF: Tensor | None  # None when run expert by expert: `experts` holds them
+    grad_gate: Tensor | None  # [N, F] (with fused gate/up: [N, 2F], gate columns first)
     grad_up: Tensor | None
     weights: tuple[Tensor, Tensor | None, Tensor]  # w_gate_EFD, w_up_EFD, w_down_EDF
     biases: tuple[Tensor | None, Tensor | None, Tensor | None]  # b_gate_EF, b_up_EF, b_down_ED
+    experts: list[ExpertGrads] | None = None  # expert by expert (`Rows.per_expert`): each expert's own
 
 
 def backward_input(
@@ -325,19 +390,16 @@ def backward_input(
     recomputed."""
     rows = Rows(counts_E, x_ND.shape[0])
     x_ND, grad_y_ND = x_ND.contiguous(), grad_y_ND.contiguous()  # an expanded (stride-0) grad is legal
-    fused = fused_gate_up(w_up_EFD, activation)
+    weights, biases = (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED)
+    if rows.per_expert(x_ND.shape[1], w_down_EDF.shape[2]):
+        grad_x_ND, experts = backward_per_expert(rows, grad_y_ND, x_ND, h_gate_NF, h_up_NF, weights, biases,
+                                                 activation, clamp_limit, alpha, None)
+        return grad_x_ND, WeightGradInputs(rows, x_ND, grad_y_ND, None, None, None, weights, biases, experts)
+    recomputed = h_gate_NF is None
     if h_gate_NF is None:
         h_gate_NF, h_up_NF = pre_activations(rows, x_ND, w_gate_EFD, w_up_EFD, b_gate_EF, b_up_EF)
-    grad_a_NF = rows.mm(grad_y_ND, w_down_EDF)
-    if fused:  # one [N, 2F] gradient for the one [E, 2F, D] weight, its halves written in place
-        grad_gate_up = h_gate_NF.new_empty(h_gate_NF.shape)
-        a_NF, _, _ = activate_and_backward(grad_a_NF, *halves(h_gate_NF, h_up_NF, fused), activation, clamp_limit,
-                                           alpha, *halves(grad_gate_up, None, fused))
-        grad_gate, grad_up = grad_gate_up, None
-    else:
-        a_NF, grad_gate, grad_up = activate_and_backward(grad_a_NF, h_gate_NF, h_up_NF, activation, clamp_limit,
-                                                         alpha)
-    del grad_a_NF
+    a_NF, grad_gate, grad_up = activation_grads(rows.mm(grad_y_ND, w_down_EDF), h_gate_NF, h_up_NF, activation,
+                                                clamp_limit, alpha, fused_gate_up(w_up_EFD, activation), recomputed)
     grad_gate, grad_up = grad_gate.contiguous(), None if grad_up is None else grad_up.contiguous()
     grad_x_ND = rows.mm(grad_gate, w_gate_EFD)
     if grad_up is not None:
@@ -349,6 +411,12 @@ def backward_input(
 
 def backward_weights(work: WeightGradInputs) -> list[Tensor | None]:
     """Gradients for (w_gate, w_up, w_down, b_gate, b_up, b_down) from `backward_input`'s leftovers."""
+    if work.experts is not None:
+        grads = gradient_buffers(work.rows, work.weights, work.biases)
+        for expert in work.experts:
+            expert_weight_grads(expert, work.grad_y_ND, work.x_ND, grads)
+        return list(grads)
+    assert work.a_NF is not None and work.grad_gate is not None
     rows, (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED) = work.rows, work.weights, work.biases
     grad_w_down = weight_grad(rows, work.grad_y_ND, work.a_NF, w_down_EDF)
     grad_b_down = rows.bias_grad(work.grad_y_ND, b_down_ED)
@@ -371,6 +439,150 @@ def backward(
 
     `h_gate_NF is None` means the forward kept only its inputs: the pre-activations are recomputed.
     """
+    rows = Rows(counts_E, x_ND.shape[0])
+    if rows.per_expert(x_ND.shape[1], w_down_EDF.shape[2]):  # each expert's input and weight gradients in turn
+        weights, biases = (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED)
+        grads = gradient_buffers(rows, weights, biases)
+        grad_x_ND, _ = backward_per_expert(rows, grad_y_ND.contiguous(), x_ND.contiguous(), h_gate_NF, h_up_NF,
+                                           weights, biases, activation, clamp_limit, alpha, grads)
+        return [grad_x_ND, *grads]
     grad_x_ND, work = backward_input(grad_y_ND, x_ND, h_gate_NF, h_up_NF, counts_E, w_gate_EFD, w_up_EFD,
                                      w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit, alpha)
     return [grad_x_ND, *backward_weights(work)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert by expert (`Rows.per_expert`): the row counts in host memory, each expert's GEMMs and activation run
+# on its own rows in turn, so an expert's [n, F] intermediates stay in cache from the GEMM that writes them to
+# the ones that read them (the whole [N, F] ones, op after op, do not), and a bias is added as one row
+# broadcast over the expert's rows (no [N, F] gather of bias rows).
+# The same `mm`s per expert as the grouped engines; the split backward (Lancet) runs the same two per-expert
+# functions as the whole one, so their gradients are equal bit for bit.
+# ----------------------------------------------------------------------------------------------
+
+
+def project(a_np: Tensor, w_qp: Tensor, b_q: Tensor | None, out_nq: Tensor) -> Tensor:
+    """out_nq = a_np @ w_qp^T (+ b_q), written into `out_nq`: the product, then the bias added to it (the grouped
+    engines' arithmetic and `x @ w + b`'s; `addmm` sums the bias in another order)."""
+    out_nq = torch.mm(a_np, w_qp.t(), out=out_nq)
+    return out_nq if b_q is None else out_nq.add_(b_q)
+
+
+def of(t_E: Tensor | None, e: int) -> Tensor | None:
+    return None if t_E is None else t_E[e]
+
+
+def forward_per_expert(
+    rows: Rows, x_ND: Tensor, weights: tuple[Tensor, Tensor | None, Tensor],
+    biases: tuple[Tensor | None, Tensor | None, Tensor | None], activation: str, clamp_limit: float, alpha: float,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`forward`, expert by expert: y_ND and the pre-activations written into whole [N, ...] tensors."""
+    (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, b_down_ED) = weights, biases
+    N, fused = x_ND.shape[0], fused_gate_up(w_up_EFD, activation)
+    h_gate = x_ND.new_empty(N, w_gate_EFD.shape[1])
+    h_up = None if w_up_EFD is None else x_ND.new_empty(N, w_up_EFD.shape[1])
+    y_ND = x_ND.new_empty(N, w_down_EDF.shape[1])
+    for e, r in rows.spans:
+        x_nD = x_ND[r]
+        g_nF = project(x_nD, w_gate_EFD[e], of(b_gate_EF, e), h_gate[r])
+        u_nF = None if h_up is None or w_up_EFD is None else project(x_nD, w_up_EFD[e], of(b_up_EF, e), h_up[r])
+        a_nF = activation_output(g_nF, u_nF, activation, clamp_limit, alpha, fused)
+        project(a_nF, w_down_EDF[e], of(b_down_ED, e), y_ND[r])
+    rows.zero_tail(y_ND)
+    return y_ND, h_gate, h_up
+
+
+@dataclass
+class ExpertGrads:
+    """One expert's rows, activation output and pre-activation gradients: what its weight gradients need."""
+
+    expert: int
+    rows: slice
+    a_nF: Tensor
+    grad_gate: Tensor  # [n, F] (fused gate/up: [n, 2F])
+    grad_up: Tensor | None
+
+
+def expert_input_grads(
+    e: int, r: slice, grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor | None, h_up_NF: Tensor | None,
+    weights: tuple[Tensor, Tensor | None, Tensor], biases: tuple[Tensor | None, Tensor | None, Tensor | None],
+    activation: str, clamp_limit: float, alpha: float, grad_x_ND: Tensor,
+) -> ExpertGrads:
+    """Expert e's rows of grad_x_ND (written in place), and what its weight gradients need. `h_gate_NF is None`:
+    its pre-activations are recomputed (the forward's GEMMs on its rows)."""
+    (w_gate_EFD, w_up_EFD, w_down_EDF), (b_gate_EF, b_up_EF, _) = weights, biases
+    if h_gate_NF is None:
+        x_nD = x_ND[r]
+        g_nF = project(x_nD, w_gate_EFD[e], of(b_gate_EF, e), x_nD.new_empty(x_nD.shape[0], w_gate_EFD.shape[1]))
+        u_nF = None if w_up_EFD is None else project(x_nD, w_up_EFD[e], of(b_up_EF, e),
+                                                      x_nD.new_empty(x_nD.shape[0], w_up_EFD.shape[1]))
+    else:
+        g_nF, u_nF = h_gate_NF[r], None if h_up_NF is None else h_up_NF[r]
+    a_nF, grad_gate, grad_up = activation_grads(torch.mm(grad_y_ND[r], w_down_EDF[e]), g_nF, u_nF, activation,
+                                                clamp_limit, alpha, fused_gate_up(w_up_EFD, activation),
+                                                h_gate_NF is None)
+    torch.mm(grad_gate, w_gate_EFD[e], out=grad_x_ND[r])
+    if grad_up is not None:
+        assert w_up_EFD is not None
+        grad_x_ND[r].add_(torch.mm(grad_up, w_up_EFD[e]))  # the two products added, as autograd sums them
+    return ExpertGrads(e, r, a_nF, grad_gate, grad_up)
+
+
+def backward_per_expert(
+    rows: Rows, grad_y_ND: Tensor, x_ND: Tensor, h_gate_NF: Tensor | None, h_up_NF: Tensor | None,
+    weights: tuple[Tensor, Tensor | None, Tensor], biases: tuple[Tensor | None, Tensor | None, Tensor | None],
+    activation: str, clamp_limit: float, alpha: float, grads: list[Tensor | None] | None,
+) -> tuple[Tensor, list[ExpertGrads]]:
+    """grad_x_ND expert by expert; given `grads` (`gradient_buffers`) each expert's weight gradients are written
+    right after its input gradient, else what they need is returned, one `ExpertGrads` per expert."""
+    grad_x_ND, experts = x_ND.new_empty(x_ND.shape), []
+    for e, r in rows.spans:
+        expert = expert_input_grads(e, r, grad_y_ND, x_ND, h_gate_NF, h_up_NF, weights, biases, activation,
+                                    clamp_limit, alpha, grad_x_ND)
+        if grads is None:
+            experts.append(expert)
+        else:
+            expert_weight_grads(expert, grad_y_ND, x_ND, grads)
+    rows.zero_tail(grad_x_ND)
+    return grad_x_ND, experts
+
+
+def gradient_buffers(rows: Rows, weights: tuple[Tensor, Tensor | None, Tensor],
+                     biases: tuple[Tensor | None, Tensor | None, Tensor | None]) -> list[Tensor | None]:
+    """The (w_gate, w_up, w_down, b_gate, b_up, b_down) gradients to write expert by expert, each laid out as its
+    tensor (`weight_grad`); the slices of experts without rows set to zero."""
+    out: list[Tensor | None] = []
+    for w in weights:
+        if w is None:
+            out.append(None)
+            continue
+        E, P, Q = w.shape
+        if transposed(w):
+            buffer = reusable_grad_buffer(w, (E, Q, P))
+            out.append((w.new_empty(E, Q, P) if buffer is None else buffer).transpose(-2, -1))
+        else:
+            buffer = reusable_grad_buffer(w, (E, P, Q))
+            out.append(w.new_empty(E, P, Q) if buffer is None else buffer)
+    for e, n in enumerate(rows.sizes):
+        if not n:
+            for g in out:
+                if g is not None:
+                    g[e].zero_()
+    return out + [None if b is None else b.new_zeros(b.shape) for b in biases]
+
+
+def expert_weight_grads(expert: ExpertGrads, grad_y_ND: Tensor, x_ND: Tensor, grads: list[Tensor | None]) -> None:
+    """Expert e's slices of the weight and bias gradients (`gradient_buffers`), as `F.linear`'s backward
+    computes them: grad_out^T @ input, and the bias's the column sums of grad_out."""
+    e, r = expert.expert, expert.rows
+    grad_w_gate, grad_w_up, grad_w_down, grad_b_gate, grad_b_up, grad_b_down = grads
+    x_nD, grad_y_nD = x_ND[r], grad_y_ND[r]
+    assert grad_w_gate is not None and grad_w_down is not None
+    torch.mm(grad_y_nD.t(), expert.a_nF, out=grad_w_down[e])
+    torch.mm(expert.grad_gate.t(), x_nD, out=grad_w_gate[e])
+    if expert.grad_up is not None:
+        assert grad_w_up is not None
+        torch.mm(expert.grad_up.t(), x_nD, out=grad_w_up[e])
+    for grad_b, g_nq in ((grad_b_gate, expert.grad_gate), (grad_b_up, expert.grad_up), (grad_b_down, grad_y_nD)):
+        if grad_b is not None and g_nq is not None:
+            torch.sum(g_nq, 0, out=grad_b[e])

@@ -36,6 +36,17 @@ class OpLog:
         return sum(1 for e in self.events if e.name == name)
 
 
+# the GEMM engines (`grouped_ffn` module doc): expert by expert (row counts in host memory and [N, F] large: a
+# CPU layer), else padded (opt-in), `torch._grouped_mm`, or the per-GEMM expert loop (unaligned rows)
+ENGINES = [(16, 32, "per_expert"), (6, 10, "per_expert"), (16, 32, "small"), (16, 32, "grouped_mm"),
+           (6, 10, "loop")]
+
+
+def use_engine(engine, monkeypatch):
+    monkeypatch.setattr(grouped_ffn, "PADDED_MACS", 1 << 18 if engine == "small" else 0)  # the small engine: opt-in
+    monkeypatch.setattr(grouped_ffn, "PER_EXPERT_ELEMENTS", 0 if engine == "per_expert" else 1 << 62)
+
+
 def ffn_args(activation, D, F, bias, dtype=torch.float32, counts=COUNTS):
     gen = torch.Generator().manual_seed(0)
     E, gated = counts.shape[0], activation in GATED
@@ -55,9 +66,9 @@ def grads_of(fn, args, probe):
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("D,F,engine", [(16, 32, "small"), (16, 32, "grouped_mm"), (6, 10, "loop")])
+@pytest.mark.parametrize("D,F,engine", ENGINES)
 def test_matches_the_reference_forward_and_every_gradient(activation, bias, recompute, D, F, engine, monkeypatch):
-    monkeypatch.setattr(grouped_ffn, "PADDED_MACS", 1 << 18 if engine == "small" else 0)  # the small engine: opt-in
+    use_engine(engine, monkeypatch)
     args = ffn_args(activation, D, F, bias)
     probe = torch.randn(args[0].shape[0], D)
     with OpLog() as log:
@@ -69,9 +80,29 @@ def test_matches_the_reference_forward_and_every_gradient(activation, bias, reco
     bwd = 6 if activation in GATED else 4  # backward: grad_a, wgrad down, and wgrad + grad_x per projection
     expected = gemms + bwd + (gemms - 1 if recompute else 0)
     assert log.count("aten::_grouped_mm") == (expected if engine == "grouped_mm" else 0)
+    if engine == "per_expert":  # each GEMM once per expert with rows; a bias inside its GEMM, never gathered per row
+        assert log.count("aten::mm") == expected * 4
+        assert log.count("aten::index_select") == log.count("aten::index_add_") == 0
     if engine == "small":  # one bmm per GEMM whatever E, and nothing read on the host
         assert log.count("aten::bmm") == expected
         assert log.count("aten::_local_scalar_dense") == 0
+
+
+@pytest.mark.parametrize("activation,bias", [("swiglu", True), ("relu", True), ("gelu", False)])
+def test_per_expert_split_backward_equals_the_whole_bit_for_bit(activation, bias, monkeypatch):
+    """Lancet's split backward (`backward_input`, later `backward_weights`) runs the same per-expert functions
+    as `backward`: the same gradients bit for bit, saved or recomputed pre-activations."""
+    use_engine("per_expert", monkeypatch)
+    x, counts, *weights_and_options = [a.detach() if isinstance(a, torch.Tensor) else a
+                                       for a in ffn_args(activation, 16, 32, bias)]
+    grad_y = torch.randn(x.shape[0], 16)
+    y, h_gate, h_up = grouped_ffn.forward(x, counts, *weights_and_options)
+    for saved in ((h_gate, h_up), (None, None)):
+        whole = grouped_ffn.backward(grad_y, x, *saved, counts, *weights_and_options)
+        grad_x, work = grouped_ffn.backward_input(grad_y, x, *saved, counts, *weights_and_options)
+        split = [grad_x, *grouped_ffn.backward_weights(work)]
+        assert [g is None for g in split] == [g is None for g in whole]
+        assert all(torch.equal(a, b) for a, b in zip(split, whole) if a is not None)
 
 
 def test_bf16_matches_the_reference_computed_in_fp32():
@@ -222,10 +253,10 @@ def test_a_compiled_modulelist_block_pickles_and_still_reads_in_place():
 
 
 @pytest.mark.parametrize("activation", GATED)
-@pytest.mark.parametrize("D,F,engine", [(16, 32, "small"), (16, 32, "grouped_mm"), (6, 10, "loop")])
+@pytest.mark.parametrize("D,F,engine", ENGINES)
 def test_fused_gate_up_equals_separate_gate_and_up(activation, D, F, engine, monkeypatch):
     """w_gate [E, 2F, D] without w_up (Hugging Face's gate_up_proj): the same function, one GEMM each way."""
-    monkeypatch.setattr(grouped_ffn, "PADDED_MACS", 1 << 18 if engine == "small" else 0)  # the small engine: opt-in
+    use_engine(engine, monkeypatch)
     x, counts, wg, wu, wd, *_, act, clamp, alpha = ffn_args(activation, D, F, bias=False)
     fused = torch.cat([wg.detach(), wu.detach()], 1).requires_grad_()
     probe = torch.randn(x.shape[0], D)

@@ -88,6 +88,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cost_fidelity_plot import plot, spearman  # noqa: E402
 from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_formulas  # noqa: E402
 from cost_model import hp as hp_formulas  # noqa: E402
@@ -181,7 +182,7 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
     rows_per_expert = cfg.tokens * cfg.K * factor / (cfg.E / W)
     x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
          "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
-         "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0, "n_f": faults or 0.0}
+         "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0, "n_f": faults or 0.0, "n_rank": W}  # W on one node
     if cfg.form == "hp":  # equal exchanges: the routing does not move a rank's rows (cost_model.hp)
         shape: Any = hp_shape(cfg)
         x.update(H=shape.heads, h=shape.head_dim, E=shape.experts, K=shape.top_k, F=shape.ffn_dim,
@@ -205,10 +206,13 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
     # and the gradient slices, b = b_g here); the backward phase the rest
     c_layer = float(x.get("c_layer", 0))
     restore_fwd = float(t.other_comm) / 3 if cfg.form == "fsep" else 0.0
+    links = float(t.a2a_exposed) + float(t.other_comm)  # the helper threads' CPU follows the exchanges' link time
     fwd = fwd_gemm + float(t.compute - (3 + float(x.get("r_c", 0)) * 2 / 3) * fwd_gemm) / 3 + c_layer / 2 \
-        + (float(t.host) - c_layer) / 3 + float(t.a2a_exposed) / 2 + restore_fwd
+        + (float(t.host) - c_layer) / 3 + float(t.a2a_exposed) / 2 + restore_fwd \
+        + (float(t.threads) * (float(t.a2a_exposed) / 2 + restore_fwd) / links if links else 0.0)
     return {"step_s": float(t.step), "fwd_s": fwd, "bwd_s": float(t.step) - fwd, "compute_s": float(t.compute),
             "a2a_s": float(t.a2a_exposed), "host_s": float(t.host), "other_s": float(t.other_comm),
+            "threads_s": float(t.threads),
             "dispatch_bytes": float(t.a2a_bytes), "page_s": float(x["c_page"]) * float(x["n_f"]),
             "restore_host_s": float(fsep_formulas.restore_host_time(
                 int(cfg.slots or 0), fsep_formulas.expert_elements(cfg.D, cfg.F, 3), x["c_restore"]))
@@ -338,7 +342,8 @@ def at_share(hw: Hardware, share: float) -> Hardware:
                            layer_overhead=float(hw.layer_overhead) / share,
                            expert_overhead=float(hw.expert_overhead) / share,
                            row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share,
-                           restore_cost=float(hw.restore_cost) / share, page_cost=float(hw.page_cost) / share)
+                           restore_cost=float(hw.restore_cost) / share, page_cost=float(hw.page_cost) / share,
+                           xfer_byte_cost=float(hw.xfer_byte_cost) / share, xfer_call_cost=float(hw.xfer_call_cost) / share)
 
 
 def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
@@ -350,58 +355,6 @@ def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
         rows[r, r] = s["dispatch"]["self"] / row
         rows[r, 1 - r] = (s["dispatch"]["intra"] + s["dispatch"]["inter"]) / row
     return rows
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-
-    def ranks(v: list[float]) -> np.ndarray:
-        arr = np.asarray(v, dtype=np.float64)
-        order = arr.argsort()
-        r = np.empty_like(arr)
-        r[order] = np.arange(len(arr), dtype=np.float64)
-        for value in np.unique(arr):  # ties share the mean rank
-            r[arr == value] = r[arr == value].mean()
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def plot(rows: list[dict], path: Path, rho: float, med: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
-    pred = [r["predicted"]["step_s"] * 1e3 for r in rows]
-    meas = [r["measured"]["step_s"] * 1e3 for r in rows]
-    fig, ax = plt.subplots(figsize=(5, 5))
-    lo, hi = min(pred + meas) / 1.3, max(pred + meas) * 1.3
-    ax.fill_between([lo, hi], [lo / 1.25, hi / 1.25], [lo / 0.75, hi / 0.75], color="0.9",
-                    label="|predicted - measured| <= 25% of measured")
-    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = predicted")
-    ax.loglog(pred, meas, "o")
-    for i, (p, m) in enumerate(zip(pred, meas)):
-        ax.annotate(str(i + 1), (p, m), textcoords="offset points", xytext=(4, 3), fontsize=7)
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(ScalarFormatter())
-        axis.set_minor_formatter(NullFormatter())
-    ticks = [t for t in (20, 30, 50, 70, 100, 150, 200, 300, 500) if lo <= t <= hi]
-    ax.set_xticks(ticks)
-    ax.set_yticks(ticks)
-    ax.set_title(f"MoE layer fwd+bwd (EP, FSEP, HP, locality), W=2 gloo, {len(rows)} configs (numbered as in "
-                 f"the JSON)\n"
-                 f"Spearman {rho:.2f}, median |rel err| {100 * med:.0f}%", fontsize=8)
-    ax.set_xlabel("predicted ms / step (cost model, calibrated profile)")
-    ax.set_ylabel("measured ms / step (median)")
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def load_average() -> float:
@@ -541,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile_created": profile.get("created"),
         "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
                                                 "row_cost", "act_cost", "restore_cost", "page_cost",
+                                                "xfer_byte_cost", "xfer_call_cost", "helper_threads", "cores",
                                                 "flops_one_process")},
         "world_size": W, "rounds": args.rounds, "steps_per_round": args.steps,
         "load_average_at_calibration": load_at_calibration, "waited_for_load_s": waited,

@@ -26,6 +26,9 @@
   * FSEP's restore re-layout on the rank's own thread (`moepass.runtime.fsep_ops`: gather_slices, assemble,
     the backward's restore again, the gradient's assemble backward and slice_grads into the shards; the
     exchanges themselves are the all-to-all figures) over the restored elements C x S_e -> `restore_cost`.
+  * the helper threads' CPU (gloo's transfer threads) around all-to-alls between matmuls, per byte sent and per
+    call, and the cores the ranks share -> `xfer_byte_cost`, `xfer_call_cost`, `helper_threads`, `cores`
+    (`cost_model.calibrate_threads`, priced by `cost_model.helper_cpu`).
   These run on WORLD concurrent ranks with sustained timings, like the workload (see `_host_worker`).
 
 Usage: `python -m cost_model.calibrate [--out PATH] [--quick]` (moepass wires `python -m moepass
@@ -51,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from cost_model import calibrate_threads
 from cost_model.presets import DEFAULT_PROFILE
 
 WORLD = 2
@@ -420,7 +424,7 @@ def calibrate(
 
     total = len(sizes) + len(matmul_sizes) * (2 if host else 1)
     total += (len(layer_experts) + len(row_sizes) + len(ACT_SIZES) + len(GEMM_D) * len(GEMM_M)
-              + FIXED_HOST_ITEMS) if host else 0
+              + FIXED_HOST_ITEMS + len(calibrate_threads.SIZES)) if host else 0
     with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
         mm = measure_matmul(matmul_sizes, progress=bar)
@@ -429,6 +433,8 @@ def calibrate(
             if host
             else {}
         )
+        threads = spawn_ranks(calibrate_threads.worker, (WORLD, calibrate_threads.SIZES, calibrate_threads.REPS),
+                              len(calibrate_threads.SIZES), "helper-thread timing", timeout_s, bar) if host else []
     sent = [size * (WORLD - 1) / WORLD for size, _ in a2a]
     alpha, bandwidth = fit_latency_rate(sent, [s for _, s in a2a])
     _, flops_one = fit_latency_rate([2.0 * n**3 for n, _ in mm], [s for _, s in mm])
@@ -452,6 +458,7 @@ def calibrate(
             "act_cost": 1.0 / act_rate,
             "restore_cost": 1.0 / restore_rate,
             "page_cost": max(0.0, fresh_s - warm_s) / max(faults, 1.0),
+            **calibrate_threads.figures(threads, WORLD, alpha, bandwidth),
             "gemm": [
                 {"D": key // 100_000, "M": key % 100_000, "time_ratio": ratio,
                  "efficiency": 3 * 2.0 * (key % 100_000) * (key // 100_000) * 2 * (key // 100_000)
@@ -483,6 +490,7 @@ def calibrate(
             "restore_cost": "s per restored expert element (C x S_e) per FSEP layer step: the restore's re-layout "
                             "on the rank's thread (forward, the backward's restore again, the gradient slices)",
             "page_cost": "s per minor page fault: a fresh buffer's fill minus a touched one's, over its faults",
+            **calibrate_threads.UNITS,
             "gemm": "efficiency of the expert FFN GEMM trio at width D (F = 2D), M rows per expert: its FLOP/s "
                     "over the 256^3 matmul's, timed back to back on WORLD concurrent ranks",
         },

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ MICRO_OP_BYTES = 30 * 2**20  # the all-reduce unit under "priority" (cost_model.
 
 
 _NOT_MODELLED = "not modelled: host overheads assumed hidden behind GPU kernels"
+_FREE_CORES = "not modelled: the collective's helper threads (NCCL's proxy) assumed on free host cores"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,12 @@ class Hardware:
     restore_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_restore, s per FSEP restored element (C x S_e) per step
     page_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_page, s per minor page fault (first touch of fresh memory)
     recompute: Figure = Figure(0.0, "GPU kernels assumed to save the gate/up GEMM outputs for backward")
+    # the collective library's helper threads (`cost_model.helper_cpu`): their CPU per byte sent and per exchange,
+    # how many are busy around an exchange, the cores a node's ranks share; the GPU presets price none
+    xfer_byte_cost: Figure = Figure(0.0, _FREE_CORES)  # c_xb, s of helper-thread CPU per byte a rank sends
+    xfer_call_cost: Figure = Figure(0.0, _FREE_CORES)  # c_xc, s of helper-thread CPU per exchange (collective call)
+    helper_threads: Figure = Figure(0.0, _FREE_CORES)  # n_help, helper threads busy around an exchange
+    cores: Figure = Figure(math.inf, _FREE_CORES)  # n_core, cores per node (infinite: every thread has its own)
     # measured efficiency of the expert FFN's GEMMs (x `flops`) by (width D, rows per expert M)
     gemm_table: tuple[tuple[int, int, float], ...] = ()
 
@@ -109,6 +117,10 @@ class Hardware:
             "c_restore": float(self.restore_cost),
             "c_page": float(self.page_cost),
             "r_c": float(self.recompute),
+            "c_xb": float(self.xfer_byte_cost),
+            "c_xc": float(self.xfer_call_cost),
+            "n_help": float(self.helper_threads),
+            "n_core": float(self.cores),
         }
 
     def sources(self) -> dict[str, str]:
@@ -213,6 +225,9 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
             ("act_cost", "SwiGLU activation fwd + recompute + bwd, slope per hidden element"),
             ("restore_cost", "FSEP restore re-layout fwd + restore again + gradient slices, slope per element"),
             ("page_cost", "fresh 64 MiB buffer fill minus a touched one's, per minor page fault"),
+            ("xfer_byte_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, slope per byte sent"),
+            ("xfer_call_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, intercept per call"),
+            ("helper_threads", "threads besides the main one that burned CPU during those all-to-alls"),
         )
     }
     return Hardware(
@@ -233,6 +248,11 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         act_cost=host["act_cost"],
         restore_cost=host["restore_cost"],
         page_cost=host["page_cost"],
+        xfer_byte_cost=host["xfer_byte_cost"],
+        xfer_call_cost=host["xfer_call_cost"],
+        helper_threads=host["helper_threads"],
+        cores=Figure(data["cores"], f"{src}: the CPUs this process may run on (sched_getaffinity)") if "cores" in data
+        else Figure(math.inf, f"not in the profile ({path})"),
         recompute=Figure(0.0, "moepass.grouped_ffn keeps the gate/up pre-activations for backward "
                               "(Plan.expert_recompute=True recomputes them: r_c = 1)"),
         gemm_table=tuple((int(g["D"]), int(g["M"]), float(g["efficiency"])) for g in data.get("gemm", ())

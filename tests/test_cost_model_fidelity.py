@@ -32,7 +32,8 @@ def test_every_form_is_priced_and_the_phases_add_up():
         p = bench.predict(c, hw)
         assert p["step_s"] > 0 and 0 < p["fwd_s"] < p["step_s"], c
         assert p["fwd_s"] + p["bwd_s"] == pytest.approx(p["step_s"], rel=1e-12)
-        assert p["step_s"] == pytest.approx(p["compute_s"] + p["a2a_s"] + p["host_s"] + p["other_s"], rel=1e-9), c
+        parts = p["compute_s"] + p["a2a_s"] + p["host_s"] + p["other_s"] + p["threads_s"]
+        assert p["step_s"] == pytest.approx(parts, rel=1e-9), c
 
 
 def test_the_in_run_share_scales_compute_and_host_only():

@@ -76,6 +76,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -343,7 +344,9 @@ def at_share(hw: Hardware, share: float) -> Hardware:
                            expert_overhead=float(hw.expert_overhead) / share,
                            row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share,
                            restore_cost=float(hw.restore_cost) / share, page_cost=float(hw.page_cost) / share,
-                           xfer_byte_cost=float(hw.xfer_byte_cost) / share, xfer_call_cost=float(hw.xfer_call_cost) / share)
+                           xfer_byte_cost=float(hw.xfer_byte_cost) / share, xfer_call_cost=float(hw.xfer_call_cost) / share,
+                           planner_cost=float(hw.planner_cost) / share,
+                           planner_entry_cost=float(hw.planner_entry_cost) / share)
 
 
 def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
@@ -466,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             "rel_error_fwd": (pred["fwd_s"] - fwd) / fwd,
             "rel_error_bwd": (pred["bwd_s"] - (meas - fwd)) / (meas - fwd),
         })
+        alone = predict(c, hw.with_figures("helper threads on cores of their own", cores=math.inf), factor, share, faults)
+        rows[-1]["rel_error_without_helper_cpu"] = (alone["step_s"] - meas) / meas  # the same model, threads_s = 0
         if hw_run is not None:
             run = predict(c, hw_run, factor, share, faults)
             rows[-1].update(cpu_share=share_c, predicted_at_run_share=run,
@@ -489,12 +494,14 @@ def main(argv: list[str] | None = None) -> int:
 
     by_form = by_form_of("rel_error")
     by_form_run = by_form_of("rel_error_at_run_share")
+    by_form_alone = by_form_of("rel_error_without_helper_cpu")
     out = {
         "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
         "profile_created": profile.get("created"),
         "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
                                                 "row_cost", "act_cost", "restore_cost", "page_cost",
                                                 "xfer_byte_cost", "xfer_call_cost", "helper_threads", "cores",
+                                                "planner_cost", "planner_entry_cost",
                                                 "flops_one_process")},
         "world_size": W, "rounds": args.rounds, "steps_per_round": args.steps,
         "load_average_at_calibration": load_at_calibration, "waited_for_load_s": waited,
@@ -505,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         "by_form": by_form,
         "cpu_share_in_run": share_run,
         "by_form_at_run_share": by_form_run,
+        "by_form_without_helper_cpu": by_form_alone,
         "configs": rows,
     }
     if after is not None:
@@ -537,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     for form, f in by_form.items():
         print(f"{form}: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
               f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
+    for form, f in by_form_alone.items():
+        print(f"{form} without the helper threads' CPU (threads_s = 0): median |rel err| "
+              f"{100 * f['median_abs_rel_error']:.1f}%, worst {100 * f['worst_abs_rel_error']:.1f}%, "
+              f"{f['within_15pct']}/{f['configs']} within 15%")
     if share_run is not None:
         print(f"in-run CPU share (calibration's 256^3 matmul time / the same beside each config), median over the "
               f"configs: {share_run:.3f}")

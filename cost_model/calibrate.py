@@ -459,6 +459,7 @@ def calibrate(
             "restore_cost": 1.0 / restore_rate,
             "page_cost": max(0.0, fresh_s - warm_s) / max(faults, 1.0),
             **calibrate_threads.figures(threads, WORLD, alpha, bandwidth),
+            **calibrate_threads.planner_figures(calibrate_threads.planner_times(planner_solve)),
             "gemm": [
                 {"D": key // 100_000, "M": key % 100_000, "time_ratio": ratio,
                  "efficiency": 3 * 2.0 * (key % 100_000) * (key // 100_000) * 2 * (key // 100_000)
@@ -518,6 +519,14 @@ def calibrate(
             ),
         },
     }
+
+
+def planner_solve(W: int, E: int, C: int) -> Any:
+    """FSEP's planner solve for (W, E, C) on one node, as `cost_model.calibrate_threads.planner_times` times it."""
+    from moepass.runtime import placement
+
+    config = placement.PlannerConfig(E=E, W=W, C=C, ranks_per_node=W)
+    return lambda counts: placement.plan(counts, config)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

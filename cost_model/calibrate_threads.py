@@ -15,6 +15,11 @@ busier rank's, median over the blocks:
   (`samples.threads[].wall_gain_s`), not fitted.
 
 `cores`: the CPUs the process may run on (`os.sched_getaffinity`), the n_core of `helper_cpu`'s rule.
+
+FSEP's planner (`moepass.runtime.placement.plan`, on its controller's worker thread once per step and FSEP layer):
+its thread CPU per solve on random [W, E] counts at PLANNER_SIZES (W, E, C), a line over the W*E count entries ->
+`planner_cost` (s per solve) and `planner_entry_cost` (s per entry); `planner_times` takes the solve as an argument
+(`cost_model.calibrate` hands it the runtime's planner).
 """
 
 from __future__ import annotations
@@ -32,12 +37,15 @@ SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 23)  # all_to_all_single input
 REPS, BLOCKS = 10, 7  # iterations per block; per size, BLOCKS blocks without and with the exchange (medians)
 BUSY_N, BUSY_MATMULS = 256, 8  # the main thread's work between two exchanges (~2-4 ms here)
 BUSY_SHARE = 0.1  # a thread counts as a helper when it burned this share of the helper CPU
+PLANNER_SIZES = ((2, 8, 4), (2, 32, 16), (4, 64, 16), (8, 128, 16))  # (W, E, C) of the timed planner solves
 UNITS = {
     "xfer_byte_cost": "s of helper-thread CPU (process CPU minus the main thread's) per byte a rank sends in an "
                       "all-to-all, the ranks' main threads busy between the exchanges",
     "xfer_call_cost": "s of helper-thread CPU per all-to-all call (the same fit's intercept)",
     "helper_threads": "threads besides the main one that burned CPU during those all-to-alls",
     "cores": "CPUs this process may run on (os.sched_getaffinity)",
+    "planner_cost": "s of thread CPU per FSEP planner solve (the intercept over W*E count entries)",
+    "planner_entry_cost": "s of thread CPU per [W, E] count entry of an FSEP planner solve (the slope)",
 }
 
 
@@ -127,3 +135,32 @@ def figures(samples: Sequence[tuple[int, float, float, float]], world: int, alph
                              "link_s": alpha + b / bandwidth, "helper_threads": n}
                             for (size, cpu, wall, n), b in zip(samples, sent)],
     }
+
+
+def planner_times(solver: Any, sizes: Sequence[tuple[int, int, int]] = PLANNER_SIZES,
+                  reps: int = 20) -> list[tuple[int, float]]:
+    """[(W*E, thread CPU s of one solve, median of `reps`)] per (W, E, C) in `sizes`; `solver(W, E, C)` returns a
+    function of a [W, E] int64 count tensor that runs one solve."""
+    import torch
+
+    out = []
+    for W, E, C in sizes:
+        solve = solver(W, E, C)
+        gen = torch.Generator().manual_seed(W * E)
+        counts = [torch.randint(0, 4096, (W, E), generator=gen, dtype=torch.int64) for _ in range(reps + 2)]
+        times = []
+        for i, c in enumerate(counts):
+            t0 = time.thread_time()
+            solve(c)
+            if i >= 2:  # two warm-up solves
+                times.append(time.thread_time() - t0)
+        out.append((W * E, float(np.median(times))))
+    return out
+
+
+def planner_figures(samples: Sequence[tuple[int, float]]) -> dict[str, Any]:
+    """`planner_cost` and `planner_entry_cost` from `planner_times`' samples: the least-squares line of the solve's
+    CPU over the count entries (both clamped at 0)."""
+    slope, intercept = np.polyfit([n for n, _ in samples], [t for _, t in samples], 1)
+    return {"planner_cost": max(0.0, float(intercept)), "planner_entry_cost": max(0.0, float(slope)),
+            "planner_samples": [{"entries": n, "seconds": t} for n, t in samples]}

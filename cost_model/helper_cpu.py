@@ -9,7 +9,8 @@ Their CPU is
 per step and rank, `bytes` what the rank sends in all its exchanges of the step (each received byte is another
 rank's sent one: c_xb prices both ends), `exchanges` the collective calls. `cost_model.calibrate_threads` measures
 c_xb and c_xc on this machine: the process's CPU minus the main thread's during all-to-alls interleaved with
-matmuls on every rank, so the cores are busy as in a training step.
+matmuls on every rank, so the cores are busy as in a training step. FSEP's planner solves on a thread of its own
+once per step (`planner_cpu`: c_plan + c_plan_e per [W, E] count entry, also calibrated there).
 
 When it counts: a node runs `ranks` ranks (n_rank, default G), each a main thread plus n_help helper threads busy
 around its exchanges, on n_core cores. With
@@ -45,13 +46,20 @@ def oversubscribed(ranks: float, helpers: float, cores: float) -> bool:
     return ranks * (1 + helpers) > cores
 
 
-def exposed_thread_cpu(x: dict[str, Any], sent_bytes: Any, exchanges: Any) -> Any:
+def planner_cpu(W: Any, E: Any, c_plan: Any, c_plan_e: Any) -> Any:
+    """Seconds of FSEP's planner thread per step and FSEP layer: one solve on the [W, E] counts, c_plan plus
+    c_plan_e per count entry (`cost_model.calibrate_threads.planner_times`)."""
+    return c_plan + c_plan_e * W * E
+
+
+def exposed_thread_cpu(x: dict[str, Any], sent_bytes: Any, exchanges: Any, other: Any = 0) -> Any:
     """The helper-thread CPU added to a step's critical path (module doc): `thread_cpu` of the step's `sent_bytes`
-    and `exchanges` when the node is oversubscribed (x's n_rank, default G, n_help and n_core), else 0."""
+    and `exchanges`, plus `other` seconds of helper-thread CPU (FSEP's planner, `planner_cpu`), when the node is
+    oversubscribed (x's n_rank, default G, n_help and n_core), else 0."""
     c_xb, c_xc = x.get("c_xb", 0), x.get("c_xc", 0)
-    if isinstance(c_xb + c_xc, (int, float)) and c_xb == 0 and c_xc == 0:
+    if isinstance(c_xb + c_xc + other, (int, float)) and c_xb == 0 and c_xc == 0 and other == 0:
         return 0
     ranks = x.get("n_rank", x.get("G", 1))
     if not oversubscribed(float(ranks), float(x.get("n_help", 0)), float(x.get("n_core", 0) or 0)):
         return 0
-    return thread_cpu(sent_bytes, exchanges, c_xb, c_xc)
+    return thread_cpu(sent_bytes, exchanges, c_xb, c_xc) + other

@@ -67,6 +67,8 @@ class Hardware:
     xfer_call_cost: Figure = Figure(0.0, _FREE_CORES)  # c_xc, s of helper-thread CPU per exchange (collective call)
     helper_threads: Figure = Figure(0.0, _FREE_CORES)  # n_help, helper threads busy around an exchange
     cores: Figure = Figure(math.inf, _FREE_CORES)  # n_core, cores per node (infinite: every thread has its own)
+    planner_cost: Figure = Figure(0.0, _FREE_CORES)  # c_plan, s of FSEP planner CPU per solve
+    planner_entry_cost: Figure = Figure(0.0, _FREE_CORES)  # c_plan_e, s per [W, E] count entry of a solve
     # measured efficiency of the expert FFN's GEMMs (x `flops`) by (width D, rows per expert M)
     gemm_table: tuple[tuple[int, int, float], ...] = ()
 
@@ -121,6 +123,8 @@ class Hardware:
             "c_xc": float(self.xfer_call_cost),
             "n_help": float(self.helper_threads),
             "n_core": float(self.cores),
+            "c_plan": float(self.planner_cost),
+            "c_plan_e": float(self.planner_entry_cost),
         }
 
     def sources(self) -> dict[str, str]:
@@ -228,6 +232,8 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
             ("xfer_byte_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, slope per byte sent"),
             ("xfer_call_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, intercept per call"),
             ("helper_threads", "threads besides the main one that burned CPU during those all-to-alls"),
+            ("planner_cost", "FSEP planner solves on random counts: thread CPU, intercept per solve"),
+            ("planner_entry_cost", "FSEP planner solves on random counts: thread CPU, slope per [W, E] entry"),
         )
     }
     return Hardware(
@@ -251,6 +257,8 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         xfer_byte_cost=host["xfer_byte_cost"],
         xfer_call_cost=host["xfer_call_cost"],
         helper_threads=host["helper_threads"],
+        planner_cost=host["planner_cost"],
+        planner_entry_cost=host["planner_entry_cost"],
         cores=Figure(data["cores"], f"{src}: the CPUs this process may run on (sched_getaffinity)") if "cores" in data
         else Figure(math.inf, f"not in the profile ({path})"),
         recompute=Figure(0.0, "moepass.grouped_ffn keeps the gate/up pre-activations for backward "

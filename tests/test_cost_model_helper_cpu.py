@@ -52,7 +52,7 @@ def test_gpu_presets_price_no_helper_cpu():
     is 0 even with the figures of a CPU machine put beside them."""
     for hw in PRESETS.values():
         v = hw.values()
-        assert v["c_xb"] == v["c_xc"] == 0 and math.isinf(v["n_core"]), hw.name
+        assert v["c_xb"] == v["c_xc"] == v["c_plan"] == v["c_plan_e"] == 0 and math.isinf(v["n_core"]), hw.name
         x = {**v, **SHAPE, "G": 8}
         assert cm.ep_layer(x, ep=8, n=2, dp=1, dropless=True, cross_node_dp=False).threads == 0
         assert exposed_thread_cpu({**x, **THREADS}, 1e9, 10) == 0  # cores unbounded
@@ -84,6 +84,11 @@ def test_fsep_adds_its_token_exchanges_and_its_three_restores():
     assert float(terms.threads) == pytest.approx(want, rel=1e-12)
     kept = fsep_cm.fsep_layer(x, W=W, C=C, n=1, rho=1.0, a2a_rows=(0.5, 0.0), keep_restored=True)
     assert float(terms.threads - kept.threads) == pytest.approx(C_XB * restore + C_XC, rel=1e-12)
+    planned = fsep_cm.fsep_layer({**x, "c_plan": 3e-4, "c_plan_e": 1e-7}, W=W, C=C, n=1, rho=1.0,
+                                 a2a_rows=(0.5, 0.0))  # the planner's solve on the [W, E] = [2, 8] counts
+    assert float(planned.threads - terms.threads) == pytest.approx(3e-4 + 1e-7 * 2 * 8, rel=1e-12)
+    assert fsep_cm.fsep_layer({**x, "n_core": 6, "c_plan": 3e-4}, W=W, C=C, n=1, rho=1.0,
+                              a2a_rows=(0.5, 0.0)).threads == 0  # every thread its own core: the planner too
 
 
 def test_hp_adds_its_four_exchanges():
@@ -103,9 +108,10 @@ def test_this_machine_reads_the_helper_figures(tmp_path: Path):
     base = {"alpha": 1e-4, "bandwidth": 2e9, "flops": 5e10, "created": "now"}
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({**base, "xfer_byte_cost": 4e-10, "xfer_call_cost": 1e-4, "helper_threads": 3,
-                                "cores": 2}))
+                                "cores": 2, "planner_cost": 3e-4, "planner_entry_cost": 1e-7}))
     v = this_machine(path).values()
     assert (v["c_xb"], v["c_xc"], v["n_help"], v["n_core"]) == (4e-10, 1e-4, 3.0, 2.0)
+    assert (v["c_plan"], v["c_plan_e"]) == (3e-4, 1e-7)
     assert "sched_getaffinity" in this_machine(path).cores.source
     path.write_text(json.dumps(base))  # an older profile: no helper CPU priced
     v = this_machine(path).values()
@@ -131,6 +137,29 @@ def test_the_calibration_fits_a_line_over_the_bytes_sent():
         calibrate_threads.figures(samples[:1], 2, 1e-4, 2e9)
 
 
+def test_the_planner_calibration_times_each_size_and_fits_a_line():
+    """`planner_times` runs the solver it is given once per warm-up and repetition on [W, E] counts; the figures
+    are the line over the W*E entries; `cost_model.calibrate.planner_solve` is the runtime's planner."""
+    from cost_model import calibrate
+
+    seen = []
+
+    def solver(W, E, C):
+        return lambda counts: seen.append((tuple(counts.shape), C))
+
+    sizes = ((2, 8, 4), (4, 64, 16))
+    samples = calibrate_threads.planner_times(solver, sizes, reps=3)
+    assert [n for n, _ in samples] == [16, 256] and all(t >= 0 for _, t in samples)
+    assert seen == [((2, 8), 4)] * 5 + [((4, 64), 16)] * 5
+    got = calibrate_threads.planner_figures([(16, 3e-4 + 16e-7), (256, 3e-4 + 256e-7), (1024, 3e-4 + 1024e-7)])
+    assert got["planner_cost"] == pytest.approx(3e-4, rel=1e-9)
+    assert got["planner_entry_cost"] == pytest.approx(1e-7, rel=1e-9)
+    solve = calibrate.planner_solve(2, 8, 4)
+    import torch
+
+    solve(torch.full((2, 8), 100, dtype=torch.int64))  # the runtime planner runs on such counts
+
+
 def test_thread_cpu_counts_this_process_threads():
     import threading
 
@@ -146,3 +175,20 @@ def test_the_microbenchmark_runs_on_two_ranks():
     out = spawn_ranks(calibrate_threads.worker, (2, sizes, 2), len(sizes), "helper-thread timing", 120.0)
     assert [size for size, *_ in out] == list(sizes)
     assert all(math.isfinite(cpu) and math.isfinite(wall) and threads >= 0 for _, cpu, wall, threads in out)
+
+
+def test_the_fidelity_benchmark_prices_its_two_ranks_on_one_node():
+    """benchmarks/cost_fidelity.py: W=2 ranks on this machine's cores (n_rank = W, the locality form's two one-rank
+    "nodes" included); threads_s is the EP exchanges' helper CPU exactly, and the phases still add up."""
+    from _fidelity import bench as load_bench
+
+    bench = load_bench()
+    hw = this_machine(bench.PROFILE).with_figures("test", xfer_byte_cost=C_XB, xfer_call_cost=C_XC,
+                                                   helper_threads=2, cores=2, planner_cost=0.0)
+    for c in (bench.CONFIGS[0], bench.LOCALITY_CONFIGS[0]):
+        p = bench.predict(c, hw, 1.0)
+        calls = 5 if c.form == "ep" else 4  # locality is a capacity form: no split-size exchange
+        assert p["threads_s"] == pytest.approx(C_XB * 4 * p["dispatch_bytes"] + C_XC * calls, rel=1e-12), c
+        assert p["fwd_s"] + p["bwd_s"] == pytest.approx(p["step_s"], rel=1e-12)
+        alone = bench.predict(c, hw.with_figures("test", cores=math.inf), 1.0)
+        assert alone["threads_s"] == 0 and p["step_s"] - alone["step_s"] == pytest.approx(p["threads_s"], rel=1e-9)

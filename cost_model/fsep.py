@@ -242,10 +242,11 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
                                  c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0),
                                  n_f=x.get("n_f", 0))
     host += restore_host_time(C, S_e, x.get("c_restore", 0))
-    # the helper threads' CPU: the four token exchanges (n calls each), the split sizes, the restores; the planner
+    # the helper threads' CPU: the four token exchanges (n calls each), the split sizes and the planner's count
+    # gather (`moe_comm.gather_counts`), the restores; the planner's solve
     restored = [restore_bytes(C, S_e, W, x["G"], b) for b in (*weights, x["b_g"])]
     threads = exposed_thread_cpu(x, A2A_PER_LAYER * (intra + inter) + sum(a + e for a, e in restored),
-                                 A2A_PER_LAYER * n + 1 + len(restored),
+                                 A2A_PER_LAYER * n + 2 + len(restored),
                                  planner_cpu(W, x["E"], x.get("c_plan", 0), x.get("c_plan_e", 0)))
     return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=restores, memory=memory, a2a_bytes=intra + inter,
                       host=host, threads=threads)

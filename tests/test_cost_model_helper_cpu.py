@@ -80,7 +80,8 @@ def test_fsep_adds_its_token_exchanges_and_its_three_restores():
     sent = 1000 * 2 * 0.5 * 64 * 2
     S_e = 3 * 64 * 128
     restore = C * S_e / W * 2  # one restore: the 1/W slice of C experts to the other rank, b bytes (= b_g here)
-    want = C_XB * (4 * sent + 3 * restore) + C_XC * (4 + 1 + 3)  # 4 token exchanges, split sizes, 3 restores
+    # 4 token exchanges, the split sizes and the planner's count gather, 3 restores
+    want = C_XB * (4 * sent + 3 * restore) + C_XC * (4 + 2 + 3)
     assert float(terms.threads) == pytest.approx(want, rel=1e-12)
     kept = fsep_cm.fsep_layer(x, W=W, C=C, n=1, rho=1.0, a2a_rows=(0.5, 0.0), keep_restored=True)
     assert float(terms.threads - kept.threads) == pytest.approx(C_XB * restore + C_XC, rel=1e-12)

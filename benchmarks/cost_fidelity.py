@@ -43,8 +43,8 @@ Results per form go to `by_form` (median and worst |rel err|, how many within 15
 Per phase: each timed step also records its forward alone (the forward's ops, gloo's exchanges included, are
 done when the block returns on CPU), so `measured` has fwd_s and bwd_s beside step_s, and `predicted` splits
 the same way (the forward: its expert GEMMs, half of the fixed layer overhead, a third of the other host terms and
-of the other compute, half of the exchanges, FSEP's weight restore); `rel_error_fwd` / `rel_error_bwd` say which
-phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s` are the calling thread's
+of the other compute, half of the exchanges, FSEP's weight restore, the helper CPU in the exchanges' proportion);
+`rel_error_fwd` / `rel_error_bwd` say which phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s` are the calling thread's
 CPU time (user + sys, page faults included; max over the ranks): wall minus CPU is time a rank waited (for the
 other rank at an exchange, or for a core on the shared machine), which the CPU-work terms do not price.
 
@@ -54,10 +54,13 @@ the ranks); their median is the model's n_f (`page_faults_counting_step`), price
 (`page_faults`). The count follows the allocator's state (glibc returns large freed blocks to the OS), not the
 config: one HP config faulted 11,489 times per step in one run and 0 in the next (HP 0-24,000, FSEP/EP 0-2).
 
-Measured and not priced: with the calibrated figures the prediction is within a few % of the ranks' thread CPU
-(`cpu_s`); the step's wall time is above it by the time a rank waits for a core, which on these two cores the
-ranks' other threads take (gloo's transfer threads 1-5 ms per step under EP, 5-11 ms under FSEP; FSEP's
-planner 0.7-1.2 ms): the quiet step is 1.04-1.11x the busiest rank's CPU over all its threads.
+Helper threads: with the calibrated figures the CPU terms are within a few % of the ranks' main-thread CPU
+(`cpu_s`); the ranks' other threads take cores too (gloo's transfer threads 1-5 ms per step under EP, 5-11 ms under
+FSEP; FSEP's planner 0.7-1.2 ms), and the two ranks with them outnumber these cores, so that CPU comes out of the
+main threads' time. `threads_s` prices it (`cost_model.helper_cpu`: the calibrated helper CPU per byte sent and per
+exchange, and the planner's solve, added where ranks x (1 + helper threads) > cores; the W ranks share this
+machine's cores, the locality form's two one-rank "nodes" included: n_rank = W); `rel_error_without_helper_cpu` and
+`by_form_without_helper_cpu` give the same model without it, from the same measurement.
 
 In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
 CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate

@@ -57,10 +57,12 @@ config: one HP config faulted 11,489 times per step in one run and 0 in the next
 Helper threads: with the calibrated figures the CPU terms are within a few % of the ranks' main-thread CPU
 (`cpu_s`); the ranks' other threads take cores too (gloo's transfer threads 1-5 ms per step under EP, 5-11 ms under
 FSEP; FSEP's planner 0.7-1.2 ms), and the two ranks with them outnumber these cores, so that CPU comes out of the
-main threads' time. `threads_s` prices it (`cost_model.helper_cpu`: the calibrated helper CPU per byte sent and per
-exchange, and the planner's solve, added where ranks x (1 + helper threads) > cores; the W ranks share this
-machine's cores, the locality form's two one-rank "nodes" included: n_rank = W); `rel_error_without_helper_cpu` and
-`by_form_without_helper_cpu` give the same model without it, from the same measurement.
+main threads' time and each exchange's woken threads wait for a core. `threads_s` prices it (`cost_model.helper_cpu`:
+per byte sent and per exchange, the larger of the helper CPU and the wall an exchange adds beyond its link time
+among busy cores, both calibrated on all-to-alls between matmuls, plus the planner's solve; added where
+ranks x (1 + helper threads) > cores; the W ranks share this machine's cores, the locality form's two one-rank
+"nodes" included: n_rank = W); `rel_error_without_helper_cpu` and `by_form_without_helper_cpu` give the same model
+without it, from the same measurement.
 
 In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
 CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate
@@ -503,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         "profile_created": profile.get("created"),
         "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
                                                 "row_cost", "act_cost", "restore_cost", "page_cost",
-                                                "xfer_byte_cost", "xfer_call_cost", "helper_threads", "cores",
+                                                "xfer_byte_cost", "xfer_call_cost", "xfer_wait_byte_cost",
+                                                "xfer_wait_call_cost", "helper_threads", "cores",
                                                 "planner_cost", "planner_entry_cost",
                                                 "flops_one_process")},
         "world_size": W, "rounds": args.rounds, "steps_per_round": args.steps,

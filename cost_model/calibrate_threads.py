@@ -11,8 +11,9 @@ busier rank's, median over the blocks:
   intercept) and `xfer_byte_cost` (s per byte, the slope);
 - helper threads: the threads besides the main one whose CPU (/proc/self/task/*/schedstat) grew by at least
   `BUSY_SHARE` of the helper CPU at the largest size -> `helper_threads`;
-- the wall time each iteration gained beside the exchange's link time is recorded as a check
-  (`samples.threads[].wall_gain_s`), not fitted.
+- busy-core wait = the wall time each iteration gained with the exchange, minus the exchange's link time from the
+  calibrated all-to-all figures (alpha + bytes / bandwidth, timed between otherwise idle ranks): a line over the
+  bytes sent -> `xfer_wait_call_cost` (s per exchange) and `xfer_wait_byte_cost` (s per byte).
 
 `cores`: the CPUs the process may run on (`os.sched_getaffinity`), the n_core of `helper_cpu`'s rule.
 
@@ -42,6 +43,9 @@ UNITS = {
     "xfer_byte_cost": "s of helper-thread CPU (process CPU minus the main thread's) per byte a rank sends in an "
                       "all-to-all, the ranks' main threads busy between the exchanges",
     "xfer_call_cost": "s of helper-thread CPU per all-to-all call (the same fit's intercept)",
+    "xfer_wait_byte_cost": "s per byte sent that an all-to-all among busy cores adds to the step beyond its link time "
+                           "(wall gain of the same loop minus alpha + bytes / bandwidth: the slope)",
+    "xfer_wait_call_cost": "s per all-to-all call that it adds beyond its link time (the same fit's intercept)",
     "helper_threads": "threads besides the main one that burned CPU during those all-to-alls",
     "cores": "CPUs this process may run on (os.sched_getaffinity)",
     "planner_cost": "s of thread CPU per FSEP planner solve (the intercept over W*E count entries)",
@@ -119,21 +123,26 @@ def worker(rank: int, port: int, world: int, sizes: Sequence[int], reps: int, re
 def figures(samples: Sequence[tuple[int, float, float, float]], world: int, alpha: float,
             bandwidth: float) -> dict[str, Any]:
     """The profile's helper-thread figures from `worker`'s samples [(input bytes per rank, helper CPU s per
-    exchange, wall s gained per iteration, helper threads)] per size: the least-squares line of the helper CPU
-    over the bytes sent (slope and intercept clamped at 0); the all-to-all's own alpha and bandwidth give each
-    size's link time, recorded beside the wall gain as a check."""
+    exchange, wall s gained per iteration, helper threads)] per size: the least-squares lines of the helper CPU and
+    of the wall gain minus the link time (the all-to-all's own alpha and bandwidth) over the bytes sent, slopes and
+    intercepts clamped at 0."""
     sent = [size * (world - 1) / world for size, *_ in samples]
     if len(samples) < 2:
         raise ValueError(f"need >= 2 message sizes to fit the helper-thread CPU, got {len(samples)}")
+    link = [alpha + b / bandwidth for b in sent]
     slope, intercept = np.polyfit(np.asarray(sent, dtype=np.float64), [cpu for _, cpu, _, _ in samples], 1)
+    wait_slope, wait_intercept = np.polyfit(np.asarray(sent, dtype=np.float64),
+                                            [wall - t for (_, _, wall, _), t in zip(samples, link)], 1)
     return {
         "xfer_byte_cost": max(0.0, float(slope)),
         "xfer_call_cost": max(0.0, float(intercept)),
+        "xfer_wait_byte_cost": max(0.0, float(wait_slope)),
+        "xfer_wait_call_cost": max(0.0, float(wait_intercept)),
         "helper_threads": float(samples[-1][3]),
         "cores": available_cores(),
         "threads_samples": [{"input_bytes": size, "sent_bytes": b, "helper_cpu_s": cpu, "wall_gain_s": wall,
-                             "link_s": alpha + b / bandwidth, "helper_threads": n}
-                            for (size, cpu, wall, n), b in zip(samples, sent)],
+                             "link_s": t, "helper_threads": n}
+                            for (size, cpu, wall, n), b, t in zip(samples, sent, link)],
     }
 
 

@@ -65,6 +65,8 @@ class Hardware:
     # how many are busy around an exchange, the cores a node's ranks share; the GPU presets price none
     xfer_byte_cost: Figure = Figure(0.0, _FREE_CORES)  # c_xb, s of helper-thread CPU per byte a rank sends
     xfer_call_cost: Figure = Figure(0.0, _FREE_CORES)  # c_xc, s of helper-thread CPU per exchange (collective call)
+    xfer_wait_byte_cost: Figure = Figure(0.0, _FREE_CORES)  # c_wb, s per byte sent an exchange adds on busy cores
+    xfer_wait_call_cost: Figure = Figure(0.0, _FREE_CORES)  # c_wc, s per exchange it adds on busy cores
     helper_threads: Figure = Figure(0.0, _FREE_CORES)  # n_help, helper threads busy around an exchange
     cores: Figure = Figure(math.inf, _FREE_CORES)  # n_core, cores per node (infinite: every thread has its own)
     planner_cost: Figure = Figure(0.0, _FREE_CORES)  # c_plan, s of FSEP planner CPU per solve
@@ -121,6 +123,8 @@ class Hardware:
             "r_c": float(self.recompute),
             "c_xb": float(self.xfer_byte_cost),
             "c_xc": float(self.xfer_call_cost),
+            "c_wb": float(self.xfer_wait_byte_cost),
+            "c_wc": float(self.xfer_wait_call_cost),
             "n_help": float(self.helper_threads),
             "n_core": float(self.cores),
             "c_plan": float(self.planner_cost),
@@ -231,6 +235,8 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
             ("page_cost", "fresh 64 MiB buffer fill minus a touched one's, per minor page fault"),
             ("xfer_byte_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, slope per byte sent"),
             ("xfer_call_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, intercept per call"),
+            ("xfer_wait_byte_cost", "the same loop's wall gain minus the link time, slope per byte sent"),
+            ("xfer_wait_call_cost", "the same loop's wall gain minus the link time, intercept per call"),
             ("helper_threads", "threads besides the main one that burned CPU during those all-to-alls"),
             ("planner_cost", "FSEP planner solves on random counts: thread CPU, intercept per solve"),
             ("planner_entry_cost", "FSEP planner solves on random counts: thread CPU, slope per [W, E] entry"),
@@ -256,6 +262,8 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         page_cost=host["page_cost"],
         xfer_byte_cost=host["xfer_byte_cost"],
         xfer_call_cost=host["xfer_call_cost"],
+        xfer_wait_byte_cost=host["xfer_wait_byte_cost"],
+        xfer_wait_call_cost=host["xfer_wait_call_cost"],
         helper_threads=host["helper_threads"],
         planner_cost=host["planner_cost"],
         planner_entry_cost=host["planner_entry_cost"],

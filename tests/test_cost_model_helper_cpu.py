@@ -1,6 +1,7 @@
-"""The helper threads' CPU (`cost_model.helper_cpu`): exact on a hand-made profile, zero where every thread has a
-core (the GPU presets), added to EP, FSEP and HP steps on an oversubscribed node; its calibration's fit and the
-microbenchmark itself (`cost_model.calibrate_threads`)."""
+"""The helper threads' term (`cost_model.helper_cpu`): exact on a hand-made profile (the larger of the helper CPU
+and the busy-core wait, plus FSEP's planner), zero where every thread has a core (the GPU presets), added to EP, FSEP
+and HP steps on an oversubscribed node; its calibration's fits, the planner timing and the microbenchmark itself
+(`cost_model.calibrate_threads`)."""
 
 from __future__ import annotations
 
@@ -47,12 +48,27 @@ def test_the_term_vanishes_with_enough_cores_and_is_exact_when_oversubscribed():
     assert exposed_thread_cpu({"G": 2, "n_help": 2, "n_core": 1}, 1e6, 5) == 0  # no figures: nothing priced
 
 
+
+def test_the_step_pays_the_larger_of_the_helper_cpu_and_the_busy_core_wait():
+    """max(c_xb * bytes + c_xc * calls, c_wb * bytes + c_wc * calls) + the planner's CPU, each exact."""
+    x = {**THREADS, "G": 2, "n_core": 2}
+    cpu = 5e-10 * 1e6 + 2e-4 * 5  # 1.5 ms
+    wait_small = {"c_wb": 1e-10, "c_wc": 1e-4}  # 0.6 ms: the CPU is the larger
+    wait_large = {"c_wb": 2e-10, "c_wc": 6e-4}  # 3.2 ms: the wait is the larger
+    assert exposed_thread_cpu({**x, **wait_small}, 1e6, 5) == pytest.approx(cpu, rel=1e-12)
+    assert exposed_thread_cpu({**x, **wait_large}, 1e6, 5) == pytest.approx(2e-10 * 1e6 + 6e-4 * 5, rel=1e-12)
+    assert exposed_thread_cpu({**x, **wait_large}, 1e6, 5, other=1e-3) == pytest.approx(4.2e-3, rel=1e-12)
+    assert exposed_thread_cpu({"G": 2, "n_help": 2, "n_core": 2, **wait_large}, 1e6, 5) == pytest.approx(3.2e-3)
+    assert exposed_thread_cpu({**x, **wait_large, "n_core": 6}, 1e6, 5, other=1e-3) == 0
+
+
 def test_gpu_presets_price_no_helper_cpu():
     """NCCL's proxy threads on a GPU node's free host cores: c_xb = c_xc = 0 and the cores unbounded, so the term
     is 0 even with the figures of a CPU machine put beside them."""
     for hw in PRESETS.values():
         v = hw.values()
-        assert v["c_xb"] == v["c_xc"] == v["c_plan"] == v["c_plan_e"] == 0 and math.isinf(v["n_core"]), hw.name
+        assert v["c_xb"] == v["c_xc"] == v["c_wb"] == v["c_wc"] == v["c_plan"] == v["c_plan_e"] == 0, hw.name
+        assert math.isinf(v["n_core"]), hw.name
         x = {**v, **SHAPE, "G": 8}
         assert cm.ep_layer(x, ep=8, n=2, dp=1, dropless=True, cross_node_dp=False).threads == 0
         assert exposed_thread_cpu({**x, **THREADS}, 1e9, 10) == 0  # cores unbounded
@@ -109,9 +125,11 @@ def test_this_machine_reads_the_helper_figures(tmp_path: Path):
     base = {"alpha": 1e-4, "bandwidth": 2e9, "flops": 5e10, "created": "now"}
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({**base, "xfer_byte_cost": 4e-10, "xfer_call_cost": 1e-4, "helper_threads": 3,
-                                "cores": 2, "planner_cost": 3e-4, "planner_entry_cost": 1e-7}))
+                                "cores": 2, "planner_cost": 3e-4, "planner_entry_cost": 1e-7,
+                                "xfer_wait_byte_cost": 1e-10, "xfer_wait_call_cost": 6e-4}))
     v = this_machine(path).values()
     assert (v["c_xb"], v["c_xc"], v["n_help"], v["n_core"]) == (4e-10, 1e-4, 3.0, 2.0)
+    assert (v["c_wb"], v["c_wc"]) == (1e-10, 6e-4)
     assert (v["c_plan"], v["c_plan_e"]) == (3e-4, 1e-7)
     assert "sched_getaffinity" in this_machine(path).cores.source
     path.write_text(json.dumps(base))  # an older profile: no helper CPU priced
@@ -123,17 +141,23 @@ def test_this_machine_reads_the_helper_figures(tmp_path: Path):
 
 def test_the_calibration_fits_a_line_over_the_bytes_sent():
     """Samples [(input bytes, helper CPU s per exchange, wall gain s, helper threads)]: W=2 sends half of the input;
-    the slope is s per byte sent, the intercept s per exchange; the threads counted at the largest size."""
-    samples = [(size, 3e-5 + 4e-10 * size / 2, 1e-3, 2.0 + (size > 1 << 20)) for size in calibrate_threads.SIZES]
+    the slopes are s per byte sent, the intercepts s per exchange (the wait's after the link time alpha + bytes /
+    bandwidth is taken off the wall gain); the threads counted at the largest size."""
+    link = [1e-4 + size / 2 / 2e9 for size in calibrate_threads.SIZES]
+    samples = [(size, 3e-5 + 4e-10 * size / 2, t + 6e-4 + 1e-10 * size / 2, 2.0 + (size > 1 << 20))
+               for size, t in zip(calibrate_threads.SIZES, link)]
     got = calibrate_threads.figures(samples, 2, alpha=1e-4, bandwidth=2e9)
     assert got["xfer_byte_cost"] == pytest.approx(4e-10, rel=1e-9)
     assert got["xfer_call_cost"] == pytest.approx(3e-5, rel=1e-6)
+    assert got["xfer_wait_byte_cost"] == pytest.approx(1e-10, rel=1e-6)
+    assert got["xfer_wait_call_cost"] == pytest.approx(6e-4, rel=1e-9)
     assert got["helper_threads"] == 3.0 and got["cores"] == calibrate_threads.available_cores() >= 1
     first = got["threads_samples"][0]
     assert first["sent_bytes"] == calibrate_threads.SIZES[0] / 2
     assert first["link_s"] == pytest.approx(1e-4 + first["sent_bytes"] / 2e9, rel=1e-12)
     flat = calibrate_threads.figures([(s, 1e-4, 0.0, 1.0) for s, *_ in samples], 2, 1e-4, 2e9)
     assert flat["xfer_byte_cost"] == pytest.approx(0.0, abs=1e-18) and flat["xfer_call_cost"] == pytest.approx(1e-4)
+    assert flat["xfer_wait_byte_cost"] == flat["xfer_wait_call_cost"] == 0  # no wall gain: below the link time
     with pytest.raises(ValueError, match="need >= 2 message sizes"):
         calibrate_threads.figures(samples[:1], 2, 1e-4, 2e9)
 
@@ -185,6 +209,7 @@ def test_the_fidelity_benchmark_prices_its_two_ranks_on_one_node():
 
     bench = load_bench()
     hw = this_machine(bench.PROFILE).with_figures("test", xfer_byte_cost=C_XB, xfer_call_cost=C_XC,
+                                                   xfer_wait_byte_cost=0.0, xfer_wait_call_cost=0.0,
                                                    helper_threads=2, cores=2, planner_cost=0.0)
     for c in (bench.CONFIGS[0], bench.LOCALITY_CONFIGS[0]):
         p = bench.predict(c, hw, 1.0)

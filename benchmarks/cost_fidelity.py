@@ -350,7 +350,7 @@ def at_share(hw: Hardware, share: float) -> Hardware:
                            row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share,
                            restore_cost=float(hw.restore_cost) / share, page_cost=float(hw.page_cost) / share,
                            xfer_byte_cost=float(hw.xfer_byte_cost) / share, xfer_call_cost=float(hw.xfer_call_cost) / share,
-                           planner_cost=float(hw.planner_cost) / share,
+                           route_cost=float(hw.route_cost) / share, planner_cost=float(hw.planner_cost) / share,
                            planner_entry_cost=float(hw.planner_entry_cost) / share)
 
 
@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
         "profile_created": profile.get("created"),
         "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
-                                                "row_cost", "act_cost", "restore_cost", "page_cost",
+                                                "row_cost", "act_cost", "restore_cost", "page_cost", "route_cost",
                                                 "xfer_byte_cost", "xfer_call_cost", "xfer_wait_byte_cost",
                                                 "xfer_wait_call_cost", "helper_threads", "cores",
                                                 "planner_cost", "planner_entry_cost",

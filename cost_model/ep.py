@@ -70,7 +70,7 @@ def compute_time(rows, D, F, m, R, eta, *, recompute=0):
     return (FWD_BWD + recompute * (m - 1) / m) * expert_flops(rows, D, F, m) / (R * eta)
 
 
-def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_page=0, n_f=0):
+def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_page=0, n_f=0, c_route=0, tokens=0):
     """Host-side time of one EP layer step (forward + backward) that is not GEMM FLOPs or all-to-all
     transfer; zero unless calibrated (`cost_model.calibrate`, CPU):
 
@@ -87,9 +87,12 @@ def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_p
     - c_page: seconds per minor page fault, times n_f, the faults of one step (host memory touched for the first
       time: on a CPU, glibc returns large freed blocks to the OS and the next step faults them in again; how
       many depends on the allocator's state, so n_f is an input, 0 when absent; a GPU's caching allocator
-      keeps its pages).
+      keeps its pages);
+    - c_route: seconds per routed token (`tokens`: T, or T*H sub-tokens under HP): the router's gate GEMM and
+      `moe.route` (score, top-k, renormalise) forward and backward, per-token work of a few elements that the
+      per-element terms do not count.
     """
-    return c_layer + c_expert * E / ep + c_row * rows * D + c_act * rows * F + c_page * n_f
+    return c_layer + c_expert * E / ep + c_row * rows * D + c_act * rows * F + c_page * n_f + c_route * tokens
 
 
 # ---- all-to-all under uniform routing ------------------------------------------------------------
@@ -266,7 +269,7 @@ def ep_step(xs: list[dict[str, Any]], *, ep: int, n: int, dp: int, dropless: boo
 
     Each `x` maps symbol names of `cost_model.symbols` to numbers or symbols (T, K, D, F, m, E, G, b,
     b_g, s, B_intra, B_inter, alpha, R, eta, rho, c_f; optionally the calibrated host figures c_layer,
-    c_expert, c_row, c_act, c_page (with n_f, a step's page faults) and the kernel's recompute flag r_c, see
+    c_expert, c_row, c_act, c_page (with n_f, a step's page faults), c_route and the kernel's recompute flag r_c, see
     `host_time` and `compute_time`, 0 when absent; the helper-thread figures c_xb, c_xc, n_core, n_help, n_rank,
     see `cost_model.helper_cpu`, no helper CPU when absent; P_d the dense parameters per layer, all-reduced over
     W = ep * dp, 0 when absent; q the sequence length, 0 when absent; u the all-reduce unit in bytes, one call per all-reduce when absent;
@@ -347,7 +350,8 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
     dense_bwd = 2 * dense_flops(x["T"], x["D"], x.get("q", 0)) / (x["R"] * x["eta"])
     memory = memory_per_rank(x["E"], ep, x["D"], x["F"], x["m"], x["s"], rows, x["b"])
     host = host_time(rows, x["D"], x["F"], x["E"], ep, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
-                     c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0), n_f=x.get("n_f", 0))
+                     c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0), n_f=x.get("n_f", 0),
+                     c_route=x.get("c_route", 0), tokens=x["T"])
     terms = LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=0, memory=memory, a2a_bytes=sent, host=host,
                        threads=threads)
     return terms, BackwardLink(window=bwd + dense_bwd, link=link, t_a=t_a, t_c=bwd_compute / n, expert_ar=expert_ar,

@@ -29,13 +29,16 @@ the wall time all-to-alls add to a loop of matmuls on every rank, minus their li
 `LayerTerms.threads` = max(t_cpu, t_wait) + the planner's CPU. `cost_model.calibrate_threads` measures c_xb, c_xc
 (process CPU minus the main thread's), c_wb, c_wc (the wall) in that loop, the planner's solve, n_help and n_core.
 
-All figures are optional symbols: a figure dict without them (or without n_core) prices no helper term.
+All figures are optional symbols: a figure dict without them (or without n_core) prices no helper term, and a
+layout in symbols (G, n_help or n_core) none either: whether threads outnumber cores is decided on numbers.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import sympy
 
 from cost_model.symbols import smax
 
@@ -65,10 +68,12 @@ def exposed_thread_cpu(x: dict[str, Any], sent_bytes: Any, exchanges: Any, other
     of the step's `sent_bytes` and `exchanges`, plus `other` seconds of helper-thread CPU (FSEP's planner,
     `planner_cpu`), when the node is oversubscribed (x's n_rank, default G, n_help and n_core), else 0."""
     figures = [x.get(k, 0) for k in ("c_xb", "c_xc", "c_wb", "c_wc")]
-    if all(isinstance(f, (int, float)) and f == 0 for f in (*figures, other)):
+    if all(f == 0 for f in (*figures, other)):  # numbers or sympy zero (structural ==: no symbol is 0)
         return 0
-    ranks = x.get("n_rank", x.get("G", 1))
-    if not oversubscribed(float(ranks), float(x.get("n_help", 0)), float(x.get("n_core", 0) or 0)):
+    layout = [x.get("n_rank", x.get("G", 1)), x.get("n_help", 0), x.get("n_core", 0) or 0]
+    if any(isinstance(v, sympy.Basic) and not v.is_number for v in layout):
+        return 0  # ranks, threads or cores in symbols: a discrete choice of the plan, priced with numbers only
+    if not oversubscribed(*(float(v) for v in layout)):
         return 0
     c_xb, c_xc, c_wb, c_wc = figures
     return smax(thread_cpu(sent_bytes, exchanges, c_xb, c_xc), thread_cpu(sent_bytes, exchanges, c_wb, c_wc)) + other

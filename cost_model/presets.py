@@ -60,6 +60,7 @@ class Hardware:
     act_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_act, s per hidden element (rows x F) per step
     restore_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_restore, s per FSEP restored element (C x S_e) per step
     page_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_page, s per minor page fault (first touch of fresh memory)
+    route_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_route, s per routed token (router fwd + bwd) per step
     recompute: Figure = Figure(0.0, "GPU kernels assumed to save the gate/up GEMM outputs for backward")
     # the collective library's helper threads (`cost_model.helper_cpu`): their CPU per byte sent and per exchange,
     # how many are busy around an exchange, the cores a node's ranks share; the GPU presets price none
@@ -120,6 +121,7 @@ class Hardware:
             "c_act": float(self.act_cost),
             "c_restore": float(self.restore_cost),
             "c_page": float(self.page_cost),
+            "c_route": float(self.route_cost),
             "r_c": float(self.recompute),
             "c_xb": float(self.xfer_byte_cost),
             "c_xc": float(self.xfer_call_cost),
@@ -233,6 +235,7 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
             ("act_cost", "SwiGLU activation fwd + recompute + bwd, slope per hidden element"),
             ("restore_cost", "FSEP restore re-layout fwd + restore again + gradient slices, slope per element"),
             ("page_cost", "fresh 64 MiB buffer fill minus a touched one's, per minor page fault"),
+            ("route_cost", "router gate GEMM + moe.route forward and backward, slope per token"),
             ("xfer_byte_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, slope per byte sent"),
             ("xfer_call_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, intercept per call"),
             ("xfer_wait_byte_cost", "the same loop's wall gain minus the link time, slope per byte sent"),
@@ -260,6 +263,7 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         act_cost=host["act_cost"],
         restore_cost=host["restore_cost"],
         page_cost=host["page_cost"],
+        route_cost=host["route_cost"],
         xfer_byte_cost=host["xfer_byte_cost"],
         xfer_call_cost=host["xfer_call_cost"],
         xfer_wait_byte_cost=host["xfer_wait_byte_cost"],

@@ -119,6 +119,10 @@ def test_a_symbolic_layer_has_no_helper_term():
     x = {name: info.symbol for name, info in S.TABLE.items()}
     terms = cm.ep_layer(x, ep=8, n=1, dp=1, dropless=True, cross_node_dp=False)
     assert terms.threads == 0 and isinstance(sympy.sympify(terms.step), sympy.Expr)
+    fsep = fsep_cm.fsep_layer(x, W=8, C=2, n=1, rho=S.rho, a2a_rows=(S.rho / 2, 0))  # the planner's 0 * W * E
+    assert fsep.threads == 0
+    # figures as numbers but the ranks per node a symbol: oversubscription is decided on numbers only
+    assert exposed_thread_cpu({**THREADS, "G": S.G, "n_core": 2}, 1e6, 5) == 0
 
 
 def test_this_machine_reads_the_helper_figures(tmp_path: Path):

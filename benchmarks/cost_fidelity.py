@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in configs:
             p = predict(c, hw)
             print(asdict(c), f"{p['step_s'] * 1e3:.2f} ms (compute {p['compute_s'] * 1e3:.2f}, a2a "
-                  f"{p['a2a_s'] * 1e3:.2f}, host {p['host_s'] * 1e3:.2f})")
+                  f"{p['a2a_s'] * 1e3:.2f}, host {p['host_s'] * 1e3:.2f}, helper threads {p['threads_s'] * 1e3:.2f})")
         return 0
     load_before = os.getloadavg()
     t0 = time.time()

@@ -43,8 +43,8 @@ Results per form go to `by_form` (median and worst |rel err|, how many within 15
 Per phase: each timed step also records its forward alone (the forward's ops, gloo's exchanges included, are
 done when the block returns on CPU), so `measured` has fwd_s and bwd_s beside step_s, and `predicted` splits
 the same way (the forward: its expert GEMMs, half of the fixed layer overhead, a third of the other host terms and
-of the other compute, half of the exchanges, FSEP's weight restore); `rel_error_fwd` / `rel_error_bwd` say which
-phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s` are the calling thread's
+of the other compute, half of the exchanges, FSEP's weight restore, the helper CPU in the exchanges' proportion);
+`rel_error_fwd` / `rel_error_bwd` say which phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s` are the calling thread's
 CPU time (user + sys, page faults included; max over the ranks): wall minus CPU is time a rank waited (for the
 other rank at an exchange, or for a core on the shared machine), which the CPU-work terms do not price.
 
@@ -54,10 +54,15 @@ the ranks); their median is the model's n_f (`page_faults_counting_step`), price
 (`page_faults`). The count follows the allocator's state (glibc returns large freed blocks to the OS), not the
 config: one HP config faulted 11,489 times per step in one run and 0 in the next (HP 0-24,000, FSEP/EP 0-2).
 
-Measured and not priced: with the calibrated figures the prediction is within a few % of the ranks' thread CPU
-(`cpu_s`); the step's wall time is above it by the time a rank waits for a core, which on these two cores the
-ranks' other threads take (gloo's transfer threads 1-5 ms per step under EP, 5-11 ms under FSEP; FSEP's
-planner 0.7-1.2 ms): the quiet step is 1.04-1.11x the busiest rank's CPU over all its threads.
+Helper threads: with the calibrated figures the CPU terms are within a few % of the ranks' main-thread CPU
+(`cpu_s`); the ranks' other threads take cores too (gloo's transfer threads 1-5 ms per step under EP, 5-11 ms under
+FSEP; FSEP's planner 0.7-1.2 ms), and the two ranks with them outnumber these cores, so that CPU comes out of the
+main threads' time and each exchange's woken threads wait for a core. `threads_s` prices it (`cost_model.helper_cpu`:
+per byte sent and per exchange, the larger of the helper CPU and the wall an exchange adds beyond its link time
+among busy cores, both calibrated on all-to-alls between matmuls, plus the planner's solve; added where
+ranks x (1 + helper threads) > cores; the W ranks share this machine's cores, the locality form's two one-rank
+"nodes" included: n_rank = W); `rel_error_without_helper_cpu` and `by_form_without_helper_cpu` give the same model
+without it, from the same measurement.
 
 In-run CPU share: on these shared cores the calibration and the measurement see different loads, and every
 CPU-bound term moves with the share of the cores the two ranks get (the calibration's concurrent matmul rate
@@ -76,6 +81,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -88,6 +94,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cost_fidelity_plot import plot, spearman  # noqa: E402
 from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_formulas  # noqa: E402
 from cost_model import hp as hp_formulas  # noqa: E402
@@ -181,7 +188,7 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
     rows_per_expert = cfg.tokens * cfg.K * factor / (cfg.E / W)
     x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
          "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
-         "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0, "n_f": faults or 0.0}
+         "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0, "n_f": faults or 0.0, "n_rank": W}  # W on one node
     if cfg.form == "hp":  # equal exchanges: the routing does not move a rank's rows (cost_model.hp)
         shape: Any = hp_shape(cfg)
         x.update(H=shape.heads, h=shape.head_dim, E=shape.experts, K=shape.top_k, F=shape.ffn_dim,
@@ -205,10 +212,13 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
     # and the gradient slices, b = b_g here); the backward phase the rest
     c_layer = float(x.get("c_layer", 0))
     restore_fwd = float(t.other_comm) / 3 if cfg.form == "fsep" else 0.0
+    links = float(t.a2a_exposed) + float(t.other_comm)  # the helper threads' CPU follows the exchanges' link time
     fwd = fwd_gemm + float(t.compute - (3 + float(x.get("r_c", 0)) * 2 / 3) * fwd_gemm) / 3 + c_layer / 2 \
-        + (float(t.host) - c_layer) / 3 + float(t.a2a_exposed) / 2 + restore_fwd
+        + (float(t.host) - c_layer) / 3 + float(t.a2a_exposed) / 2 + restore_fwd \
+        + (float(t.threads) * (float(t.a2a_exposed) / 2 + restore_fwd) / links if links else 0.0)
     return {"step_s": float(t.step), "fwd_s": fwd, "bwd_s": float(t.step) - fwd, "compute_s": float(t.compute),
             "a2a_s": float(t.a2a_exposed), "host_s": float(t.host), "other_s": float(t.other_comm),
+            "threads_s": float(t.threads),
             "dispatch_bytes": float(t.a2a_bytes), "page_s": float(x["c_page"]) * float(x["n_f"]),
             "restore_host_s": float(fsep_formulas.restore_host_time(
                 int(cfg.slots or 0), fsep_formulas.expert_elements(cfg.D, cfg.F, 3), x["c_restore"]))
@@ -338,7 +348,10 @@ def at_share(hw: Hardware, share: float) -> Hardware:
                            layer_overhead=float(hw.layer_overhead) / share,
                            expert_overhead=float(hw.expert_overhead) / share,
                            row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share,
-                           restore_cost=float(hw.restore_cost) / share, page_cost=float(hw.page_cost) / share)
+                           restore_cost=float(hw.restore_cost) / share, page_cost=float(hw.page_cost) / share,
+                           xfer_byte_cost=float(hw.xfer_byte_cost) / share, xfer_call_cost=float(hw.xfer_call_cost) / share,
+                           route_cost=float(hw.route_cost) / share, planner_cost=float(hw.planner_cost) / share,
+                           planner_entry_cost=float(hw.planner_entry_cost) / share)
 
 
 def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
@@ -350,58 +363,6 @@ def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
         rows[r, r] = s["dispatch"]["self"] / row
         rows[r, 1 - r] = (s["dispatch"]["intra"] + s["dispatch"]["inter"]) / row
     return rows
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-
-    def ranks(v: list[float]) -> np.ndarray:
-        arr = np.asarray(v, dtype=np.float64)
-        order = arr.argsort()
-        r = np.empty_like(arr)
-        r[order] = np.arange(len(arr), dtype=np.float64)
-        for value in np.unique(arr):  # ties share the mean rank
-            r[arr == value] = r[arr == value].mean()
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def plot(rows: list[dict], path: Path, rho: float, med: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
-    pred = [r["predicted"]["step_s"] * 1e3 for r in rows]
-    meas = [r["measured"]["step_s"] * 1e3 for r in rows]
-    fig, ax = plt.subplots(figsize=(5, 5))
-    lo, hi = min(pred + meas) / 1.3, max(pred + meas) * 1.3
-    ax.fill_between([lo, hi], [lo / 1.25, hi / 1.25], [lo / 0.75, hi / 0.75], color="0.9",
-                    label="|predicted - measured| <= 25% of measured")
-    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = predicted")
-    ax.loglog(pred, meas, "o")
-    for i, (p, m) in enumerate(zip(pred, meas)):
-        ax.annotate(str(i + 1), (p, m), textcoords="offset points", xytext=(4, 3), fontsize=7)
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(ScalarFormatter())
-        axis.set_minor_formatter(NullFormatter())
-    ticks = [t for t in (20, 30, 50, 70, 100, 150, 200, 300, 500) if lo <= t <= hi]
-    ax.set_xticks(ticks)
-    ax.set_yticks(ticks)
-    ax.set_title(f"MoE layer fwd+bwd (EP, FSEP, HP, locality), W=2 gloo, {len(rows)} configs (numbered as in "
-                 f"the JSON)\n"
-                 f"Spearman {rho:.2f}, median |rel err| {100 * med:.0f}%", fontsize=8)
-    ax.set_xlabel("predicted ms / step (cost model, calibrated profile)")
-    ax.set_ylabel("measured ms / step (median)")
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def load_average() -> float:
@@ -462,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in configs:
             p = predict(c, hw)
             print(asdict(c), f"{p['step_s'] * 1e3:.2f} ms (compute {p['compute_s'] * 1e3:.2f}, a2a "
-                  f"{p['a2a_s'] * 1e3:.2f}, host {p['host_s'] * 1e3:.2f})")
+                  f"{p['a2a_s'] * 1e3:.2f}, host {p['host_s'] * 1e3:.2f}, helper threads {p['threads_s'] * 1e3:.2f})")
         return 0
     load_before = os.getloadavg()
     t0 = time.time()
@@ -513,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             "rel_error_fwd": (pred["fwd_s"] - fwd) / fwd,
             "rel_error_bwd": (pred["bwd_s"] - (meas - fwd)) / (meas - fwd),
         })
+        alone = predict(c, hw.with_figures("helper threads on cores of their own", cores=math.inf), factor, share, faults)
+        rows[-1]["rel_error_without_helper_cpu"] = (alone["step_s"] - meas) / meas  # the same model, threads_s = 0
         if hw_run is not None:
             run = predict(c, hw_run, factor, share, faults)
             rows[-1].update(cpu_share=share_c, predicted_at_run_share=run,
@@ -536,11 +499,15 @@ def main(argv: list[str] | None = None) -> int:
 
     by_form = by_form_of("rel_error")
     by_form_run = by_form_of("rel_error_at_run_share")
+    by_form_alone = by_form_of("rel_error_without_helper_cpu")
     out = {
         "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
         "profile_created": profile.get("created"),
         "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
-                                                "row_cost", "act_cost", "restore_cost", "page_cost",
+                                                "row_cost", "act_cost", "restore_cost", "page_cost", "route_cost",
+                                                "xfer_byte_cost", "xfer_call_cost", "xfer_wait_byte_cost",
+                                                "xfer_wait_call_cost", "helper_threads", "cores",
+                                                "planner_cost", "planner_entry_cost",
                                                 "flops_one_process")},
         "world_size": W, "rounds": args.rounds, "steps_per_round": args.steps,
         "load_average_at_calibration": load_at_calibration, "waited_for_load_s": waited,
@@ -551,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         "by_form": by_form,
         "cpu_share_in_run": share_run,
         "by_form_at_run_share": by_form_run,
+        "by_form_without_helper_cpu": by_form_alone,
         "configs": rows,
     }
     if after is not None:
@@ -583,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     for form, f in by_form.items():
         print(f"{form}: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
               f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
+    for form, f in by_form_alone.items():
+        print(f"{form} without the helper threads' CPU (threads_s = 0): median |rel err| "
+              f"{100 * f['median_abs_rel_error']:.1f}%, worst {100 * f['worst_abs_rel_error']:.1f}%, "
+              f"{f['within_15pct']}/{f['configs']} within 15%")
     if share_run is not None:
         print(f"in-run CPU share (calibration's 256^3 matmul time / the same beside each config), median over the "
               f"configs: {share_run:.3f}")

@@ -26,6 +26,10 @@
   * FSEP's restore re-layout on the rank's own thread (`moepass.runtime.fsep_ops`: gather_slices, assemble,
     the backward's restore again, the gradient's assemble backward and slice_grads into the shards; the
     exchanges themselves are the all-to-all figures) over the restored elements C x S_e -> `restore_cost`.
+  * the router per token (gate GEMM + moe.route, forward + backward) -> `route_cost` (`cost_model.calibrate_route`);
+  * the helper threads' CPU (gloo's transfer threads) around all-to-alls between matmuls, per byte sent and per
+    call, and the cores the ranks share -> `xfer_byte_cost`, `xfer_call_cost`, `helper_threads`, `cores`
+    (`cost_model.calibrate_threads`, priced by `cost_model.helper_cpu`).
   These run on WORLD concurrent ranks with sustained timings, like the workload (see `_host_worker`).
 
 Usage: `python -m cost_model.calibrate [--out PATH] [--quick]` (moepass wires `python -m moepass
@@ -51,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from cost_model import calibrate_route, calibrate_threads
 from cost_model.presets import DEFAULT_PROFILE
 
 WORLD = 2
@@ -273,6 +278,8 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
             gen = torch.Generator().manual_seed(M + F + rank)
             h_gate, h_up, grad_a = (torch.randn(M, F, generator=gen) for _ in range(3))
             timed("act", M * F, lambda g=h_gate, u=h_up, a=grad_a: _act_step(g, u, a))
+        for n in calibrate_route.TOKENS:
+            timed("route", n, calibrate_route.route_step(n, seed=n + rank)[0])
         for C, D, F in RESTORE_SIZES:
             torch.manual_seed(C + D + F + rank)
             timed("restore", C * 3 * D * F, restore_step(C, D, F)[0])
@@ -357,9 +364,9 @@ def measure_host(
     args = (tuple(matmul_sizes), tuple(row_sizes), tuple(act_sizes), tuple(gemm_dims), tuple(gemm_rows),
             tuple(experts), reps)
     count = (len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(gemm_dims) * len(gemm_rows) + len(experts)
-             + FIXED_HOST_ITEMS)
+             + FIXED_HOST_ITEMS + len(calibrate_route.TOKENS))
     out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "gemm": [], "layer": [],
-                                               "restore": [], "fresh": [], "warm": [], "faults": []}
+                                               "restore": [], "fresh": [], "warm": [], "faults": [], "route": []}
     for kind, size, seconds in spawn_ranks(_host_worker, args, count, "host timing", timeout_s, progress):
         out[kind].append((size, seconds))
     return out
@@ -420,7 +427,7 @@ def calibrate(
 
     total = len(sizes) + len(matmul_sizes) * (2 if host else 1)
     total += (len(layer_experts) + len(row_sizes) + len(ACT_SIZES) + len(GEMM_D) * len(GEMM_M)
-              + FIXED_HOST_ITEMS) if host else 0
+              + FIXED_HOST_ITEMS + len(calibrate_threads.SIZES) + len(calibrate_route.TOKENS)) if host else 0
     with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
         mm = measure_matmul(matmul_sizes, progress=bar)
@@ -429,6 +436,8 @@ def calibrate(
             if host
             else {}
         )
+        threads = spawn_ranks(calibrate_threads.worker, (WORLD, calibrate_threads.SIZES, calibrate_threads.REPS),
+                              len(calibrate_threads.SIZES), "helper-thread timing", timeout_s, bar) if host else []
     sent = [size * (WORLD - 1) / WORLD for size, _ in a2a]
     alpha, bandwidth = fit_latency_rate(sent, [s for _, s in a2a])
     _, flops_one = fit_latency_rate([2.0 * n**3 for n, _ in mm], [s for _, s in mm])
@@ -443,6 +452,7 @@ def calibrate(
         _, act_rate = fit_latency_rate([n for n, _ in concurrent["act"]], [s for _, s in concurrent["act"]])
         _, restore_rate = fit_latency_rate([n for n, _ in concurrent["restore"]],
                                            [s for _, s in concurrent["restore"]])
+        _, route_rate = fit_latency_rate([n for n, _ in concurrent["route"]], [s for _, s in concurrent["route"]])
         (_, fresh_s), (_, warm_s), (_, faults) = concurrent["fresh"][0], concurrent["warm"][0], concurrent["faults"][0]
         extra.update({
             "layer_overhead": max(0.0, intercept - 5 * alpha),
@@ -452,6 +462,9 @@ def calibrate(
             "act_cost": 1.0 / act_rate,
             "restore_cost": 1.0 / restore_rate,
             "page_cost": max(0.0, fresh_s - warm_s) / max(faults, 1.0),
+            "route_cost": 1.0 / route_rate,
+            **calibrate_threads.figures(threads, WORLD, alpha, bandwidth),
+            **calibrate_threads.planner_figures(calibrate_threads.planner_times(planner_solve)),
             "gemm": [
                 {"D": key // 100_000, "M": key % 100_000, "time_ratio": ratio,
                  "efficiency": 3 * 2.0 * (key % 100_000) * (key // 100_000) * 2 * (key // 100_000)
@@ -483,6 +496,7 @@ def calibrate(
             "restore_cost": "s per restored expert element (C x S_e) per FSEP layer step: the restore's re-layout "
                             "on the rank's thread (forward, the backward's restore again, the gradient slices)",
             "page_cost": "s per minor page fault: a fresh buffer's fill minus a touched one's, over its faults",
+            **calibrate_threads.UNITS, **calibrate_route.UNITS,
             "gemm": "efficiency of the expert FFN GEMM trio at width D (F = 2D), M rows per expert: its FLOP/s "
                     "over the 256^3 matmul's, timed back to back on WORLD concurrent ranks",
         },
@@ -510,6 +524,14 @@ def calibrate(
             ),
         },
     }
+
+
+def planner_solve(W: int, E: int, C: int) -> Any:
+    """FSEP's planner solve for (W, E, C) on one node, as `cost_model.calibrate_threads.planner_times` times it."""
+    from moepass.runtime import placement
+
+    config = placement.PlannerConfig(E=E, W=W, C=C, ranks_per_node=W)
+    return lambda counts: placement.plan(counts, config)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import sympy
 
+from cost_model.helper_cpu import exposed_thread_cpu
 from cost_model.symbols import smax, smin, spositive
 
 FWD_BWD = 3  # backward costs twice the forward: d(input) and d(weight) GEMMs
@@ -69,7 +70,7 @@ def compute_time(rows, D, F, m, R, eta, *, recompute=0):
     return (FWD_BWD + recompute * (m - 1) / m) * expert_flops(rows, D, F, m) / (R * eta)
 
 
-def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_page=0, n_f=0):
+def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_page=0, n_f=0, c_route=0, tokens=0):
     """Host-side time of one EP layer step (forward + backward) that is not GEMM FLOPs or all-to-all
     transfer; zero unless calibrated (`cost_model.calibrate`, CPU):
 
@@ -86,9 +87,12 @@ def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_p
     - c_page: seconds per minor page fault, times n_f, the faults of one step (host memory touched for the first
       time: on a CPU, glibc returns large freed blocks to the OS and the next step faults them in again; how
       many depends on the allocator's state, so n_f is an input, 0 when absent; a GPU's caching allocator
-      keeps its pages).
+      keeps its pages);
+    - c_route: seconds per routed token (`tokens`: T, or T*H sub-tokens under HP): the router's gate GEMM and
+      `moe.route` (score, top-k, renormalise) forward and backward, per-token work of a few elements that the
+      per-element terms do not count.
     """
-    return c_layer + c_expert * E / ep + c_row * rows * D + c_act * rows * F + c_page * n_f
+    return c_layer + c_expert * E / ep + c_row * rows * D + c_act * rows * F + c_page * n_f + c_route * tokens
 
 
 # ---- all-to-all under uniform routing ------------------------------------------------------------
@@ -158,16 +162,17 @@ class LayerTerms:
     memory: Any
     a2a_bytes: Any  # bytes sent per rank per direction (intra + inter), forward dispatch
     host: Any = 0  # host_time: fixed/per-expert/per-row overheads (0 unless calibrated)
+    threads: Any = 0  # helper-thread CPU on an oversubscribed node (`cost_model.helper_cpu`; 0 otherwise)
 
     @property
     def step(self) -> Any:
-        return self.compute + self.a2a_exposed + self.other_comm + self.host
+        return self.compute + self.a2a_exposed + self.other_comm + self.host + self.threads
 
     def __add__(self, other: LayerTerms) -> LayerTerms:
         return LayerTerms(*(a + o for a, o in zip(self._tuple(), other._tuple())))
 
     def _tuple(self) -> tuple[Any, ...]:
-        return (self.compute, self.a2a_exposed, self.other_comm, self.memory, self.a2a_bytes, self.host)
+        return (self.compute, self.a2a_exposed, self.other_comm, self.memory, self.a2a_bytes, self.host, self.threads)
 
 
 def dense_flops(T, D, q=0):
@@ -264,8 +269,9 @@ def ep_step(xs: list[dict[str, Any]], *, ep: int, n: int, dp: int, dropless: boo
 
     Each `x` maps symbol names of `cost_model.symbols` to numbers or symbols (T, K, D, F, m, E, G, b,
     b_g, s, B_intra, B_inter, alpha, R, eta, rho, c_f; optionally the calibrated host figures c_layer,
-    c_expert, c_row, c_act, c_page (with n_f, a step's page faults) and the kernel's recompute flag r_c, see
-    `host_time` and `compute_time`, 0 when absent; P_d the dense parameters per layer, all-reduced over
+    c_expert, c_row, c_act, c_page (with n_f, a step's page faults), c_route and the kernel's recompute flag r_c, see
+    `host_time` and `compute_time`, 0 when absent; the helper-thread figures c_xb, c_xc, n_core, n_help, n_rank,
+    see `cost_model.helper_cpu`, no helper CPU when absent; P_d the dense parameters per layer, all-reduced over
     W = ep * dp, 0 when absent; q the sequence length, 0 when absent; u the all-reduce unit in bytes, one call per all-reduce when absent;
     phi the share of the T*K assignments that reach FFN experts, 1 when absent: the routed rows, their
     bytes, compute and activations are T*K*phi times rho or c_f).
@@ -307,7 +313,7 @@ def ep_step(xs: list[dict[str, Any]], *, ep: int, n: int, dp: int, dropless: boo
     for t in terms[1:]:
         total = total + t
     return LayerTerms(compute=total.compute, a2a_exposed=total.a2a_exposed + sum(waits), other_comm=other,
-                      memory=total.memory, a2a_bytes=total.a2a_bytes, host=total.host)
+                      memory=total.memory, a2a_bytes=total.a2a_bytes, host=total.host, threads=total.threads)
 
 
 def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
@@ -332,6 +338,8 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
         t_a = x["alpha"] + transfer / n
     else:
         a2a, sent, bwd, link, t_a = 0, 0, bwd_compute, 0, 0
+    # the transfer threads' CPU: dispatch and combine, forward and backward, n calls each (+ the split sizes)
+    threads = exposed_thread_cpu(x, A2A_PER_LAYER * sent, A2A_PER_LAYER * n + (1 if dropless else 0)) if ep > 1 else 0
     B = x["B_inter"] if cross_node_dp else x["B_intra"]
     grad_bytes = expert_params(x["E"], x["D"], x["F"], x["m"]) / ep * x["b_g"]
     expert_ar, expert_unit = bucketed_allreduce(grad_bytes, dp, B, x["alpha"], x.get("u"))
@@ -342,8 +350,10 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
     dense_bwd = 2 * dense_flops(x["T"], x["D"], x.get("q", 0)) / (x["R"] * x["eta"])
     memory = memory_per_rank(x["E"], ep, x["D"], x["F"], x["m"], x["s"], rows, x["b"])
     host = host_time(rows, x["D"], x["F"], x["E"], ep, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
-                     c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0), n_f=x.get("n_f", 0))
-    terms = LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=0, memory=memory, a2a_bytes=sent, host=host)
+                     c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0), n_f=x.get("n_f", 0),
+                     c_route=x.get("c_route", 0), tokens=x["T"])
+    terms = LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=0, memory=memory, a2a_bytes=sent, host=host,
+                       threads=threads)
     return terms, BackwardLink(window=bwd + dense_bwd, link=link, t_a=t_a, t_c=bwd_compute / n, expert_ar=expert_ar,
                                dense_ar=dense_ar, expert_unit=expert_unit, dense_unit=dense_unit,
                                dense_bwd=dense_bwd)

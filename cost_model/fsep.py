@@ -39,6 +39,7 @@ import numpy as np
 
 from cost_model import ep as ep_formulas
 from cost_model.ep import A2A_PER_LAYER, FWD_BWD, LayerTerms, expert_flops, expert_params
+from cost_model.helper_cpu import exposed_thread_cpu, planner_cpu
 from cost_model.symbols import smax
 
 # ---- per token ---------------------------------------------------------------------------------------
@@ -211,6 +212,8 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
       compute does not hide (`deferred_grad_time`);
     - host: `ep.host_time` on the busiest device's rows and C experts (page faults n_f included), plus the
       restore's re-layout on the rank's thread (`restore_host_time`; 0 unless calibrated);
+    - threads: the helper threads' CPU for those exchanges and the planner's solve on the [W, E] counts, on an
+      oversubscribed node (`cost_model.helper_cpu`);
     - memory: the 1/W shards of all E experts with grads and optimizer state (s), the busiest device's
       activations (`ep.memory_per_rank`'s estimate) and, with `keep_restored`, the C restored experts
       autograd keeps from the forward to the backward (b). Without it the restored experts, and in any case
@@ -237,7 +240,13 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
         memory += C * S_e * x["b"]
     host = ep_formulas.host_time(rows, D, F, C, 1, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
                                  c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0),
-                                 n_f=x.get("n_f", 0))
+                                 n_f=x.get("n_f", 0), c_route=x.get("c_route", 0), tokens=T)
     host += restore_host_time(C, S_e, x.get("c_restore", 0))
+    # the helper threads' CPU: the four token exchanges (n calls each), the split sizes and the planner's count
+    # gather (`moe_comm.gather_counts`), the restores; the planner's solve
+    restored = [restore_bytes(C, S_e, W, x["G"], b) for b in (*weights, x["b_g"])]
+    threads = exposed_thread_cpu(x, A2A_PER_LAYER * (intra + inter) + sum(a + e for a, e in restored),
+                                 A2A_PER_LAYER * n + 2 + len(restored),
+                                 planner_cpu(W, x["E"], x.get("c_plan", 0), x.get("c_plan_e", 0)))
     return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=restores, memory=memory, a2a_bytes=intra + inter,
-                      host=host)
+                      host=host, threads=threads)

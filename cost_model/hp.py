@@ -42,6 +42,7 @@ from typing import Any
 
 from cost_model import ep as ep_formulas
 from cost_model.ep import A2A_PER_LAYER, FWD_BWD, LayerTerms
+from cost_model.helper_cpu import exposed_thread_cpu
 from cost_model.symbols import smax
 
 # ---- the token exchange --------------------------------------------------------------------------
@@ -145,9 +146,11 @@ def hp_layer(x: dict[str, Any], *, ep: int, dp: int, cross_node: bool) -> LayerT
     - exposed all-to-all: the four exchanges, unchunked, one latency each (`ep.a2a_time`);
     - other: the head gradients over dp and the w_in/w_out gradients over W, minus the next layer's
       backward GEMMs they overlap (as EP);
-    - host: `ep.host_time` on the T*H*K rows of width h and the H/ep*E local experts (0 unless calibrated),
+    - host: `ep.host_time` on the T*H*K rows of width h, the H/ep*E local experts and the router's T*H sub-tokens
+      (0 unless calibrated),
       with the step's page faults n_f (an input, 0 when absent: on a CPU the T*H*K-row hidden buffers, H times
-      EP's, are what glibc hands back to the OS and faults in again; `cost_model.ep.host_time`).
+      EP's, are what glibc hands back to the OS and faults in again; `cost_model.ep.host_time`);
+    - threads: the helper threads' CPU for the four exchanges on an oversubscribed node (`cost_model.helper_cpu`).
     """
     T, D, H, h, E, K, F, m = x["T"], x["D"], x["H"], x["h"], x["E"], x["K"], x["F"], x["m"]
     rate = x["R"] * x["eta"]
@@ -168,5 +171,7 @@ def hp_layer(x: dict[str, Any], *, ep: int, dp: int, cross_node: bool) -> LayerT
     memory = memory_per_rank(T, D, H, h, E, K, F, m, ep, x["s"], x["b"])
     host = ep_formulas.host_time(rows, h, F, H * E, ep, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
                                  c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0),
-                                 n_f=x.get("n_f", 0))
-    return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=other, memory=memory, a2a_bytes=sent, host=host)
+                                 n_f=x.get("n_f", 0), c_route=x.get("c_route", 0), tokens=T * H)
+    threads = exposed_thread_cpu(x, A2A_PER_LAYER * sent, A2A_PER_LAYER) if ep > 1 else 0  # `cost_model.helper_cpu`
+    return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=other, memory=memory, a2a_bytes=sent, host=host,
+                      threads=threads)

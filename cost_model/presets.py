@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ MICRO_OP_BYTES = 30 * 2**20  # the all-reduce unit under "priority" (cost_model.
 
 
 _NOT_MODELLED = "not modelled: host overheads assumed hidden behind GPU kernels"
+_FREE_CORES = "not modelled: the collective's helper threads (NCCL's proxy) assumed on free host cores"
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,18 @@ class Hardware:
     act_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_act, s per hidden element (rows x F) per step
     restore_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_restore, s per FSEP restored element (C x S_e) per step
     page_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_page, s per minor page fault (first touch of fresh memory)
+    route_cost: Figure = Figure(0.0, _NOT_MODELLED)  # c_route, s per routed token (router fwd + bwd) per step
     recompute: Figure = Figure(0.0, "GPU kernels assumed to save the gate/up GEMM outputs for backward")
+    # the collective library's helper threads (`cost_model.helper_cpu`): their CPU per byte sent and per exchange,
+    # how many are busy around an exchange, the cores a node's ranks share; the GPU presets price none
+    xfer_byte_cost: Figure = Figure(0.0, _FREE_CORES)  # c_xb, s of helper-thread CPU per byte a rank sends
+    xfer_call_cost: Figure = Figure(0.0, _FREE_CORES)  # c_xc, s of helper-thread CPU per exchange (collective call)
+    xfer_wait_byte_cost: Figure = Figure(0.0, _FREE_CORES)  # c_wb, s per byte sent an exchange adds on busy cores
+    xfer_wait_call_cost: Figure = Figure(0.0, _FREE_CORES)  # c_wc, s per exchange it adds on busy cores
+    helper_threads: Figure = Figure(0.0, _FREE_CORES)  # n_help, helper threads busy around an exchange
+    cores: Figure = Figure(math.inf, _FREE_CORES)  # n_core, cores per node (infinite: every thread has its own)
+    planner_cost: Figure = Figure(0.0, _FREE_CORES)  # c_plan, s of FSEP planner CPU per solve
+    planner_entry_cost: Figure = Figure(0.0, _FREE_CORES)  # c_plan_e, s per [W, E] count entry of a solve
     # measured efficiency of the expert FFN's GEMMs (x `flops`) by (width D, rows per expert M)
     gemm_table: tuple[tuple[int, int, float], ...] = ()
 
@@ -108,7 +121,16 @@ class Hardware:
             "c_act": float(self.act_cost),
             "c_restore": float(self.restore_cost),
             "c_page": float(self.page_cost),
+            "c_route": float(self.route_cost),
             "r_c": float(self.recompute),
+            "c_xb": float(self.xfer_byte_cost),
+            "c_xc": float(self.xfer_call_cost),
+            "c_wb": float(self.xfer_wait_byte_cost),
+            "c_wc": float(self.xfer_wait_call_cost),
+            "n_help": float(self.helper_threads),
+            "n_core": float(self.cores),
+            "c_plan": float(self.planner_cost),
+            "c_plan_e": float(self.planner_entry_cost),
         }
 
     def sources(self) -> dict[str, str]:
@@ -213,6 +235,14 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
             ("act_cost", "SwiGLU activation fwd + recompute + bwd, slope per hidden element"),
             ("restore_cost", "FSEP restore re-layout fwd + restore again + gradient slices, slope per element"),
             ("page_cost", "fresh 64 MiB buffer fill minus a touched one's, per minor page fault"),
+            ("route_cost", "router gate GEMM + moe.route forward and backward, slope per token"),
+            ("xfer_byte_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, slope per byte sent"),
+            ("xfer_call_cost", "all-to-alls between matmuls on every rank: helper-thread CPU, intercept per call"),
+            ("xfer_wait_byte_cost", "the same loop's wall gain minus the link time, slope per byte sent"),
+            ("xfer_wait_call_cost", "the same loop's wall gain minus the link time, intercept per call"),
+            ("helper_threads", "threads besides the main one that burned CPU during those all-to-alls"),
+            ("planner_cost", "FSEP planner solves on random counts: thread CPU, intercept per solve"),
+            ("planner_entry_cost", "FSEP planner solves on random counts: thread CPU, slope per [W, E] entry"),
         )
     }
     return Hardware(
@@ -233,6 +263,16 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         act_cost=host["act_cost"],
         restore_cost=host["restore_cost"],
         page_cost=host["page_cost"],
+        route_cost=host["route_cost"],
+        xfer_byte_cost=host["xfer_byte_cost"],
+        xfer_call_cost=host["xfer_call_cost"],
+        xfer_wait_byte_cost=host["xfer_wait_byte_cost"],
+        xfer_wait_call_cost=host["xfer_wait_call_cost"],
+        helper_threads=host["helper_threads"],
+        planner_cost=host["planner_cost"],
+        planner_entry_cost=host["planner_entry_cost"],
+        cores=Figure(data["cores"], f"{src}: the CPUs this process may run on (sched_getaffinity)") if "cores" in data
+        else Figure(math.inf, f"not in the profile ({path})"),
         recompute=Figure(0.0, "moepass.grouped_ffn keeps the gate/up pre-activations for backward "
                               "(Plan.expert_recompute=True recomputes them: r_c = 1)"),
         gemm_table=tuple((int(g["D"]), int(g["M"]), float(g["efficiency"])) for g in data.get("gemm", ())

@@ -72,6 +72,13 @@ config with the calibrated FLOP/s times, and the host terms over, share = calibr
 time (`at_share`; the all-to-all figures as calibrated). The share is measured, never fitted to the steps;
 `by_form_at_run_share` summarises it beside `by_form` (the calibration as it is).
 
+Five consecutive `--calibrate` runs on one tree (2026-11-27 15:09-15:14 UTC, load 1.1 before, 2.0-2.7 while the
+two ranks run; the last two with --rounds 5 --steps 5), per form median / worst |rel err|:
+    EP 4.3/16.6, 3.5/15.1, 5.2/14.6, 3.4/11.8, 5.1/16.0   FSEP 9.6/10.0, 5.4/7.1, 3.0/5.2, 5.2/6.5, 9.9/12.6
+    HP 6.6/7.6, 7.8/8.2, 5.4/8.2, 8.7/12.9, 11.8/12.5     locality 9.3/11.7, 1.0/1.1, 3.6/13.5, 7.6/7.7, 7.0/9.5
+All 22 within 15 % in runs 3 and 4; one EP config at 15.1-16.6 % in runs 1, 2 and 5 (the smallest, whose measured
+step read 20.2, 20.8 and 26.1 ms in runs 1-3 with the same prediction: the wall's spread on these cores).
+
 Not measured: chunked all-to-all (moepass pipelines only the forward). Output: per config predicted / measured /
 error, Spearman's rho, the median |rel err|, the load; the JSON and a log-log plot (cost_fidelity.png).
 """

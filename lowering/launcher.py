@@ -2,16 +2,18 @@
 
 `kernel[grid](...)` re-derives on every call what a model's steps never change: it reads Triton's knobs from the
 environment, binds and specialises every argument, looks up the autotuner's cache and the jit cache, checks the
-kernel's globals and builds the launch metadata. On an H100 (triton 3.6) that is most of the 2,400-3,000 Python
-calls per forward + backward of moepass's `single` form at the layer case, against 95-382 for the untouched
-blocks: the GPU waits for the host (benchmarks/results/gpu/README.md, session 3).
+kernel's globals and builds the launch metadata. On an H100 (triton 3.6) moepass's `single` form made 2,500-3,000
+Python calls per forward + backward at the layer case, against 95-382 for the untouched blocks, and the GPU waited
+for the host; launching directly took 35 -> 17 us per autotuned launch and ~590 calls off a step
+(benchmarks/results/gpu/README.md, session 4).
 
 A `Launcher` goes through Triton's own path the first time it sees a *launch signature* and keeps the
 `CompiledKernel` that call returned (and, for an autotuner, the config it picked); later launches with the same
 signature call the compiled kernel's launcher directly with the arguments Triton itself would pass it (every
 parameter in order, the constexprs included, which the launcher skips). The signature is the current device, each
 keyword argument, each tensor's dtype and 16-byte alignment, each int's value class (1, a multiple of 16, 32-bit or
-not: what Triton specialises on), any other argument's value, and the exact value of every argument the autotuner
+not: what Triton specialises on), a float as a float (an fp32 argument: never specialised, so a value that changes
+every step reuses one entry), any other argument's value, and the exact value of every argument the autotuner
 keys on: strictly finer than Triton's specialisation and autotune keys, so the cached kernel is the one Triton
 would have launched. A grid callable is given the meta-parameters (the keyword constexprs and the autotuned
 config), which is all moepass's grids read.
@@ -44,6 +46,8 @@ def arg_class(value: Any) -> Any:
         return value.dtype, value.data_ptr() % 16 == 0
     if isinstance(value, int) and not isinstance(value, bool):
         return value == 1, value % 16 == 0, INT32[0] <= value < INT32[1]
+    if isinstance(value, float):
+        return float
     return value
 
 

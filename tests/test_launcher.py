@@ -166,7 +166,7 @@ def test_arg_class():
     assert arg_class(torch.zeros(4)) == (torch.float32, True)
     assert arg_class(torch.zeros(5)[1:]) == (torch.float32, False)
     assert arg_class(1) == (True, False, True) and arg_class(32) == (False, True, True)
-    assert arg_class(True) is True and arg_class(0.5) == 0.5 and arg_class(None) is None
+    assert arg_class(True) is True and arg_class(0.5) is float and arg_class(None) is None
 
 
 def test_real_kernels_launch_through_it():
@@ -216,3 +216,13 @@ def test_an_autotuner_config_with_a_pre_hook_is_never_launched_directly(direct):
     for _ in range(2):
         launch[(1,)](x, out, 8, 64)
     assert len(kernel.fn.triton_calls) == 2 and kernel.compiled.launches == []
+
+
+def test_a_float_that_changes_every_launch_reuses_one_entry_and_is_passed_as_given(direct):
+    kernel = Jit()
+    launch = Launcher(kernel)
+    x, out = tensors()
+    for scale in (0.5, 0.25, 0.125):
+        launch[(1,)](x, out, 8, scale, BLOCK=16)
+    assert len(kernel.triton_calls) == 1 and len(launch.compiled) == 1
+    assert [c[12] for c in kernel.compiled.launches] == [0.25, 0.125]

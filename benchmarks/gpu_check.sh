@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (the device tool). Everything it writes lands in $OUT (or ./gpu_out).
 # The machine's own torch/triton are used (no pip install there): PYTHONPATH=. is the repo.
-#   STEPS="kernels selfcheck bench never_slower train" (the default: all) picks what runs, in this order:
+#   STEPS="kernels selfcheck launch bench never_slower train" (the default) picks what runs, in this order:
 #   kernels       python -m lowering.numerics cuda: every kernel family vs torch on the full shapes (autotuned)
 #                 (what the gpu-marked tests/test_kernels_gpu.py runs)
 #   selfcheck     python -m moepass selfcheck: kernels on small shapes, one step of each form, collectives
@@ -12,12 +12,13 @@
 #   never_slower_plain  never_slower with MOEPASS_PLAIN_TRITON_LAUNCH=1 (every launch through Triton's own path: the A/B
 #                 of lowering/launcher.py's direct launch; NEVER_SLOWER_ARGS applies to both)
 #   launch        benchmarks/launch_overhead.py: host us and Python calls per launch, Triton's path vs the direct launch
+#   pytest_gpu    the gpu-marked tests (python3 -m pytest -m gpu tests/test_kernels_gpu.py), where pytest is installed
 # TRAIN_FORMS (default "single ep fsep") picks the train step's forms.
 # TOTAL (seconds, default 560) bounds the whole run: each step's timeout is cut to what is left, and a step with
 # under 20 s left is skipped, so the device call ends inside its limit with every finished step's files in $OUT.
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-STEPS="${STEPS:-kernels selfcheck bench never_slower train}"
+STEPS="${STEPS:-kernels selfcheck launch bench never_slower train}"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 python3 -c "import torch, triton, sympy; print('torch', torch.__version__, 'triton', triton.__version__, 'sympy', sympy.__version__, torch.cuda.get_device_name())"
@@ -50,7 +51,11 @@ for step in $STEPS; do
                   echo "rc=${PIPESTATUS[0]}" ;;
     launch) timeout "$(left "${LAUNCH_TIMEOUT:-90}")" python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 \
             | tee "$OUT/launch_overhead.log"; echo "rc=${PIPESTATUS[0]}" ;;
-    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower never_slower_plain launch train never_slower_hf" ;;
+    pytest_gpu) if python3 -c "import pytest" 2>/dev/null; then
+                  timeout "$(left "${PYTEST_GPU_TIMEOUT:-400}")" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+                    > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/pytest_gpu.log"
+                else echo "pytest_gpu skipped: pytest is not installed on this machine"; fi ;;
+    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower never_slower_plain launch pytest_gpu train never_slower_hf" ;;
   esac
   echo "($step: $(( $(date +%s) - start )) s)"
 done

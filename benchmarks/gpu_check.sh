@@ -24,6 +24,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, triton, sympy; print('torch', torch.__version__, 'triton', triton.__version__, 'sympy', sympy.__version__, torch.cuda.get_device_name())"
 deadline=$(( $(date +%s) + ${TOTAL:-560} ))
 left() { local want=$1 rest=$(( deadline - $(date +%s) )); echo $(( want < rest ? want : rest )); }
+# never_slower SUFFIX PLAIN: the samples at layer + tiny size, MOEPASS_PLAIN_TRITON_LAUNCH=PLAIN, files named with SUFFIX
+never_slower() {
+  MOEPASS_PLAIN_TRITON_LAUNCH=$2 timeout "$(left "${NEVER_SLOWER_TIMEOUT:-200}")" python3 benchmarks/never_slower.py \
+    --device cuda --dtypes float32,bfloat16 --sizes layer,tiny --rounds 5 --iters 20 ${NEVER_SLOWER_ARGS:-} \
+    --out "$OUT/never_slower_cuda$1.json" 2>&1 | tee "$OUT/never_slower$1.log"; echo "rc=${PIPESTATUS[0]}"
+}
 for step in $STEPS; do
   if [ "$(left 20)" -lt 20 ]; then echo "== $step skipped: under 20 s of TOTAL=${TOTAL:-560} left"; continue; fi
   echo "== $step"; start=$(date +%s)
@@ -34,9 +40,7 @@ for step in $STEPS; do
                | tee "$OUT/selfcheck.log"; echo "rc=${PIPESTATUS[0]}" ;;
     bench) timeout "$(left "${BENCH_TIMEOUT:-200}")" python3 benchmarks/kernels.py --out "$OUT/kernels.json" \
            > "$OUT/kernels_bench.log" 2>&1; echo "rc=$?"; tail -c 3000 "$OUT/kernels_bench.log" ;;
-    never_slower) timeout "$(left "${NEVER_SLOWER_TIMEOUT:-200}")" python3 benchmarks/never_slower.py --device cuda \
-                  --dtypes float32,bfloat16 --sizes layer,tiny --rounds 5 --iters 20 ${NEVER_SLOWER_ARGS:-} --out "$OUT/never_slower_cuda.json" 2>&1 \
-                  | tee "$OUT/never_slower.log"; echo "rc=${PIPESTATUS[0]}" ;;
+    never_slower) never_slower "" 0 ;;
     train) for form in ${TRAIN_FORMS:-single ep fsep}; do
              timeout "$(left "${TRAIN_TIMEOUT:-90}")" python3 -m moepass train --form $form --nproc 1 --device cuda --steps 40 \
                --reference --out "$OUT/train_$form" > "$OUT/train_$form.log" 2>&1; echo "train $form rc=$?"
@@ -45,10 +49,7 @@ for step in $STEPS; do
     never_slower_hf) timeout "$(left "${NEVER_SLOWER_HF_TIMEOUT:-200}")" python3 benchmarks/never_slower.py --device cuda \
                      --dtypes float32 --sizes layer --rounds 3 --iters 10 --hf --out "$OUT/never_slower_hf_cuda.json" 2>&1 \
                      | tee "$OUT/never_slower_hf.log"; echo "rc=${PIPESTATUS[0]}" ;;
-    never_slower_plain) MOEPASS_PLAIN_TRITON_LAUNCH=1 timeout "$(left "${NEVER_SLOWER_TIMEOUT:-200}")" python3 \
-                  benchmarks/never_slower.py --device cuda --dtypes float32,bfloat16 --sizes layer,tiny --rounds 5 --iters 20 \
-                  ${NEVER_SLOWER_ARGS:-} --out "$OUT/never_slower_cuda_plain.json" 2>&1 | tee "$OUT/never_slower_plain.log"
-                  echo "rc=${PIPESTATUS[0]}" ;;
+    never_slower_plain) never_slower _plain 1 ;;
     launch) timeout "$(left "${LAUNCH_TIMEOUT:-90}")" python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 \
             | tee "$OUT/launch_overhead.log"; echo "rc=${PIPESTATUS[0]}" ;;
     pytest_gpu) if python3 -c "import pytest" 2>/dev/null; then

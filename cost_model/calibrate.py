@@ -95,12 +95,6 @@ def fit_latency_rate(amounts: Sequence[float], seconds: Sequence[float]) -> tupl
     return float(latency), float(1.0 / inv_rate)
 
 
-def _fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y = intercept + slope * x."""
-    slope, intercept = np.polyfit(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), 1)
-    return float(intercept), float(slope)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -447,7 +441,7 @@ def calibrate(
         mm_w = concurrent["matmul"]
         _, flops = fit_latency_rate([2.0 * n**3 for n, _ in mm_w], [s for _, s in mm_w])
         layer, moves = concurrent["layer"], concurrent["rows"]
-        intercept, per_expert = _fit_line([E / WORLD for E, _ in layer], [s for _, s in layer])
+        intercept, per_expert = calibrate_threads.fit_line([E / WORLD for E, _ in layer], [s for _, s in layer])
         _, row_rate = fit_latency_rate([n for n, _ in moves], [s for _, s in moves])
         _, act_rate = fit_latency_rate([n for n, _ in concurrent["act"]], [s for _, s in concurrent["act"]])
         _, restore_rate = fit_latency_rate([n for n, _ in concurrent["restore"]],

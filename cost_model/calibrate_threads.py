@@ -53,6 +53,12 @@ UNITS = {
 }
 
 
+def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = intercept + slope * x (`cost_model.calibrate` fits with it too)."""
+    slope, intercept = np.polyfit(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), 1)
+    return float(intercept), float(slope)
+
+
 def thread_cpu_ns() -> dict[int, int]:
     """{thread id: ns on a CPU} of this process's threads (/proc/self/task/*/schedstat's first field)."""
     out = {}
@@ -130,14 +136,13 @@ def figures(samples: Sequence[tuple[int, float, float, float]], world: int, alph
     if len(samples) < 2:
         raise ValueError(f"need >= 2 message sizes to fit the helper-thread CPU, got {len(samples)}")
     link = [alpha + b / bandwidth for b in sent]
-    slope, intercept = np.polyfit(np.asarray(sent, dtype=np.float64), [cpu for _, cpu, _, _ in samples], 1)
-    wait_slope, wait_intercept = np.polyfit(np.asarray(sent, dtype=np.float64),
-                                            [wall - t for (_, _, wall, _), t in zip(samples, link)], 1)
+    intercept, slope = fit_line(sent, [cpu for _, cpu, _, _ in samples])
+    wait_intercept, wait_slope = fit_line(sent, [wall - t for (_, _, wall, _), t in zip(samples, link)])
     return {
-        "xfer_byte_cost": max(0.0, float(slope)),
-        "xfer_call_cost": max(0.0, float(intercept)),
-        "xfer_wait_byte_cost": max(0.0, float(wait_slope)),
-        "xfer_wait_call_cost": max(0.0, float(wait_intercept)),
+        "xfer_byte_cost": max(0.0, slope),
+        "xfer_call_cost": max(0.0, intercept),
+        "xfer_wait_byte_cost": max(0.0, wait_slope),
+        "xfer_wait_call_cost": max(0.0, wait_intercept),
         "helper_threads": float(samples[-1][3]),
         "cores": available_cores(),
         "threads_samples": [{"input_bytes": size, "sent_bytes": b, "helper_cpu_s": cpu, "wall_gain_s": wall,
@@ -170,6 +175,6 @@ def planner_times(solver: Any, sizes: Sequence[tuple[int, int, int]] = PLANNER_S
 def planner_figures(samples: Sequence[tuple[int, float]]) -> dict[str, Any]:
     """`planner_cost` and `planner_entry_cost` from `planner_times`' samples: the least-squares line of the solve's
     CPU over the count entries (both clamped at 0)."""
-    slope, intercept = np.polyfit([n for n, _ in samples], [t for _, t in samples], 1)
-    return {"planner_cost": max(0.0, float(intercept)), "planner_entry_cost": max(0.0, float(slope)),
+    intercept, slope = fit_line([n for n, _ in samples], [t for _, t in samples])
+    return {"planner_cost": max(0.0, intercept), "planner_entry_cost": max(0.0, slope),
             "planner_samples": [{"entries": n, "seconds": t} for n, t in samples]}

@@ -557,12 +557,9 @@ def gradient_buffers(rows: Rows, weights: tuple[Tensor, Tensor | None, Tensor],
             out.append(None)
             continue
         E, P, Q = w.shape
-        if transposed(w):
-            buffer = reusable_grad_buffer(w, (E, Q, P))
-            out.append((w.new_empty(E, Q, P) if buffer is None else buffer).transpose(-2, -1))
-        else:
-            buffer = reusable_grad_buffer(w, (E, P, Q))
-            out.append(w.new_empty(E, P, Q) if buffer is None else buffer)
+        flip = transposed(w)
+        buffer = reusable_grad_buffer(w, (E, Q, P) if flip else (E, P, Q))
+        out.append(gradient_like(w) if buffer is None else buffer.transpose(-2, -1) if flip else buffer)
     for e, n in enumerate(rows.sizes):
         if not n:
             for g in out:

@@ -29,7 +29,7 @@ from lowering.grouped_gemm.configs import (
     rows_bucket,
 )
 from lowering.grouped_gemm.source import kernel_module
-from lowering.launcher import Launcher, launcher
+from lowering.launcher import launcher
 
 _TUNING_KEYS = {
     "gate_up_kernel": ("D", "F", "rows_bucket"),
@@ -41,11 +41,6 @@ Grid = Callable[[dict[str, Any]], tuple[int, ...]]  # launch meta-parameters -> 
 
 
 @functools.cache
-def _launchers(spec: FfnSpec) -> dict[str, Launcher]:
-    """The `lowering.launcher` of each role's kernel: `_kernels`' by role, made once per spec."""
-    return {role: launcher(kernel) for role, kernel in _kernels(spec).items()}
-
-
 def _kernels(spec: FfnSpec) -> dict[str, Any]:
     """Launchable kernels by role: the jit functions with fixed configs (interpreted, or deterministic),
     autotuners over CONFIGS otherwise."""
@@ -78,7 +73,7 @@ def _pruner(role: str, elem_bytes: int, gated: bool):
 def _launch(spec: FfnSpec, role: str, grid: Grid, args: tuple, constexprs: dict[str, Any],
             shape: tuple[int, int, int]) -> None:
     """Launch `role` with `grid(meta)`; with fixed configs, the config `pick_config` gives for `shape`."""
-    launch = _launchers(spec)[role]
+    launch = launcher(_kernels(spec)[role])
     if spec.fixed_configs:
         cfg = pick_config(role, spec.dtype, *shape)
         meta = cfg.kwargs(kernel_name(role))

@@ -70,6 +70,14 @@ def compute_time(rows, D, F, m, R, eta, *, recompute=0):
     return (FWD_BWD + recompute * (m - 1) / m) * expert_flops(rows, D, F, m) / (R * eta)
 
 
+HOST_FIGURES = ("c_layer", "c_expert", "c_row", "c_act", "c_page", "n_f", "c_route")  # `host_time`'s keywords
+
+
+def host_figures(x: dict[str, Any]) -> dict[str, Any]:
+    """`host_time`'s calibrated figures (and n_f) from a figure dict, 0 where absent."""
+    return {name: x.get(name, 0) for name in HOST_FIGURES}
+
+
 def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_page=0, n_f=0, c_route=0, tokens=0):
     """Host-side time of one EP layer step (forward + backward) that is not GEMM FLOPs or all-to-all
     transfer; zero unless calibrated (`cost_model.calibrate`, CPU):
@@ -349,9 +357,7 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
         dense_ar, dense_unit = 0, 0  # no dense parameters given: no all-reduce call
     dense_bwd = 2 * dense_flops(x["T"], x["D"], x.get("q", 0)) / (x["R"] * x["eta"])
     memory = memory_per_rank(x["E"], ep, x["D"], x["F"], x["m"], x["s"], rows, x["b"])
-    host = host_time(rows, x["D"], x["F"], x["E"], ep, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
-                     c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0), n_f=x.get("n_f", 0),
-                     c_route=x.get("c_route", 0), tokens=x["T"])
+    host = host_time(rows, x["D"], x["F"], x["E"], ep, tokens=x["T"], **host_figures(x))
     terms = LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=0, memory=memory, a2a_bytes=sent, host=host,
                        threads=threads)
     return terms, BackwardLink(window=bwd + dense_bwd, link=link, t_a=t_a, t_c=bwd_compute / n, expert_ar=expert_ar,

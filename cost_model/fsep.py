@@ -238,9 +238,7 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     memory = ep_formulas.memory_per_rank(x["E"], W, D, F, m, x["s"], rows, x["b"])
     if keep_restored:
         memory += C * S_e * x["b"]
-    host = ep_formulas.host_time(rows, D, F, C, 1, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
-                                 c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0),
-                                 n_f=x.get("n_f", 0), c_route=x.get("c_route", 0), tokens=T)
+    host = ep_formulas.host_time(rows, D, F, C, 1, tokens=T, **ep_formulas.host_figures(x))
     host += restore_host_time(C, S_e, x.get("c_restore", 0))
     # the helper threads' CPU: the four token exchanges (n calls each), the split sizes and the planner's count
     # gather (`moe_comm.gather_counts`), the restores; the planner's solve

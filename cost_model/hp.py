@@ -169,9 +169,7 @@ def hp_layer(x: dict[str, Any], *, ep: int, dp: int, cross_node: bool) -> LayerT
           + ep_formulas.allreduce_time(projection_params(D, H, h) * x["b_g"], ep * dp, B, x["alpha"]))
     other = smax(0, ar - 2 * fwd_compute)
     memory = memory_per_rank(T, D, H, h, E, K, F, m, ep, x["s"], x["b"])
-    host = ep_formulas.host_time(rows, h, F, H * E, ep, c_layer=x.get("c_layer", 0), c_expert=x.get("c_expert", 0),
-                                 c_row=x.get("c_row", 0), c_act=x.get("c_act", 0), c_page=x.get("c_page", 0),
-                                 n_f=x.get("n_f", 0), c_route=x.get("c_route", 0), tokens=T * H)
+    host = ep_formulas.host_time(rows, h, F, H * E, ep, tokens=T * H, **ep_formulas.host_figures(x))
     threads = exposed_thread_cpu(x, A2A_PER_LAYER * sent, A2A_PER_LAYER) if ep > 1 else 0  # `cost_model.helper_cpu`
     return LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=other, memory=memory, a2a_bytes=sent, host=host,
                       threads=threads)

@@ -6,10 +6,12 @@
 or both in one go, the calibration immediately before the measurement, after waiting (polling every
 60 s, up to 45 min) for the 1-minute load average to fall below 2.5 on these shared cores:
 
-    python benchmarks/cost_fidelity.py --calibrate --wait-load 2.5 [--calibrate-after]
+    python benchmarks/cost_fidelity.py --calibrate --wait-load 2.5 [--calibrations 2]
 
-(`--calibrate-after` calibrates again after measuring and reports those predictions too: on shared cores the
-per-rank CPU share changes within a minute, and a prediction is as good as the calibration's conditions.)
+(`--calibrations N`, default 2 with --calibrate: one calibration before the measurement and N-1 right after it;
+the configurations are priced with the figure-wise median of those profiles (`cost_model.calibrate_merge`), written
+to --profile. On shared cores a calibration's figures move with the load from one minute to the next; the JSON's
+`calibrations` says how each profile alone would have predicted.)
 
 Two spawned gloo ranks (one thread each) build a bare fused MoE block (`samples.models.FusedMoE`, SwiGLU
 experts, m=3 GEMMs) per configuration, compile it with `moepass.compile(block, Plan(form="ep",
@@ -91,6 +93,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -102,6 +105,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cost_fidelity_plot import plot, spearman  # noqa: E402
+from cost_model import calibrate_merge  # noqa: E402
 from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_formulas  # noqa: E402
 from cost_model import hp as hp_formulas  # noqa: E402
@@ -372,6 +376,28 @@ def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
     return rows
 
 
+def calibrated_profile() -> dict[str, Any]:
+    """One run of `cost_model.calibrate` (its full host set, no progress bar): the profile, not yet written."""
+    from cost_model import calibrate
+
+    return calibrate.calibrate(show_progress=False)
+
+
+def hardware_of(profile: dict[str, Any]) -> Hardware:
+    """`this_machine` on a profile held in memory (written to a temporary file for it to read)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.json"
+        path.write_text(json.dumps(profile))
+        return this_machine(path)
+
+
+def error_summary(predicted: list[float], measured: list[float]) -> dict[str, Any]:
+    """Median and worst |predicted - measured| / measured, and how many are within 15 %."""
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    return {"median_abs_rel_error": float(np.median(errors)), "worst_abs_rel_error": max(errors),
+            "within_15pct": sum(e <= 0.15 for e in errors)}
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -393,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="first wait (poll every 60 s, up to --wait-max s) for the 1-min load average < L")
     parser.add_argument("--wait-max", type=float, default=45 * 60)
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's JSON")
-    parser.add_argument("--calibrate-after", action="store_true",
-                        help="also calibrate right after measuring and report those predictions (drift check)")
+    parser.add_argument("--calibrations", type=int, default=2, metavar="N",
+                        help="with --calibrate: N calibrations, one before the measurement and N-1 after it; "
+                             "predictions use their figure-wise median (default 2)")
     args = parser.parse_args(argv)
     if args.out is None:
         tag = "_".join(sorted(set(args.forms.split(","))))
@@ -413,12 +440,14 @@ def main(argv: list[str] | None = None) -> int:
             waited += 60
         print(f"load average {load_average():.2f} after waiting {waited / 60:.0f} min", flush=True)
     load_at_calibration = None
+    profiles: list[dict[str, Any]] = []
     if args.calibrate and not args.predict_only:
-        from cost_model import calibrate
-
+        if args.calibrations < 1:
+            parser.error(f"--calibrations {args.calibrations}: use 1 or more (1 = before the measurement only)")
         load_at_calibration = list(os.getloadavg())
-        if calibrate.main(["--out", str(args.profile), "--no-progress"]) != 0:
-            return 1
+        profiles.append(calibrated_profile())
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        args.profile.write_text(json.dumps(profiles[0], indent=1) + "\n")
     hw = this_machine(args.profile)
     forms = set(args.forms.split(","))
     if forms - {"ep", "fsep", "hp", "locality"}:
@@ -436,20 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     measured = measure(configs, args.rounds, args.steps)
     load_after = os.getloadavg()
-    after: dict | None = None
-    if args.calibrate_after:  # the same calibration right after: did the conditions drift meanwhile?
-        import tempfile
-
-        from cost_model import calibrate
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "profile_after.json"
-            if calibrate.main(["--out", str(path), "--no-progress"]) == 0:
-                after = {"hw": this_machine(path), "profile": json.loads(path.read_text()),
-                         "load_average": list(os.getloadavg())}
+    if profiles:  # the rest after the measurement; the configurations are priced with the median profile
+        profiles += [calibrated_profile() for _ in range(args.calibrations - 1)]
+        args.profile.write_text(json.dumps(calibrate_merge.median_profile(profiles), indent=1) + "\n")
+        hw = this_machine(args.profile)
     profile = json.loads(args.profile.read_text())
     shares = [cpu_share(profile, m.get("probe_s", [])) for m in measured]
     share_run = float(np.median([x for x in shares if x])) if any(shares) else None
+    each_hw = [hardware_of(p) for p in profiles] if len(profiles) > 1 else []
     rows: list[dict[str, Any]] = []
     for c, m, share_c in zip(configs, measured, shares):
         hw_run = at_share(hw, share_c) if share_c else None
@@ -487,8 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             run = predict(c, hw_run, factor, share, faults)
             rows[-1].update(cpu_share=share_c, predicted_at_run_share=run,
                             rel_error_at_run_share=(run["step_s"] - meas) / meas)
-        if after is not None:
-            rows[-1]["predicted_after"] = predict(c, after["hw"], factor, share, faults)
+        rows[-1]["predicted_by_calibration"] = [predict(c, h, factor, share, faults)["step_s"] for h in each_hw]
     pred_s = [r["predicted"]["step_s"] for r in rows]
     meas_s = [r["measured"]["step_s"] for r in rows]
     rho = spearman(pred_s, meas_s)
@@ -528,16 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         "by_form_without_helper_cpu": by_form_alone,
         "configs": rows,
     }
-    if after is not None:
-        pred_after = [r["predicted_after"]["step_s"] for r in rows]
-        out["calibration_after"] = {
-            "note": "the same calibration re-run right after the measurement (not used for 'predicted'): "
-                    "how far the shared machine's conditions drifted during the run",
-            "load_average": after["load_average"],
-            "figures": {k: after["profile"].get(k) for k in out["figures"]},
-            "spearman": spearman(pred_after, meas_s),
-            "median_abs_rel_error": float(np.median([abs(p - m) / m for p, m in zip(pred_after, meas_s)])),
-        }
+    if each_hw:
+        out["calibrations"] = [
+            {"created": p.get("created"), "load_average": p.get("load_average"),
+             "figures": {k: p.get(k) for k in out["figures"]}, **error_summary(
+                 [r["predicted_by_calibration"][i] for r in rows], meas_s)}
+            for i, p in enumerate(profiles)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"), rho, med)
@@ -568,10 +586,10 @@ def main(argv: list[str] | None = None) -> int:
         for form, f in by_form_run.items():
             print(f"{form} at the in-run share: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
                   f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
-    if "calibration_after" in out:
-        a = out["calibration_after"]
-        print(f"calibration re-run after the measurement (load {a['load_average'][0]:.2f}): Spearman "
-              f"{a['spearman']:.3f}, median |rel err| {100 * a['median_abs_rel_error']:.1f}%")
+    for i, a in enumerate(out.get("calibrations", [])):
+        print(f"calibration {i + 1} of {len(profiles)} alone (load {a['load_average'][0]:.2f}): median |rel err| "
+              f"{100 * a['median_abs_rel_error']:.1f}%, worst {100 * a['worst_abs_rel_error']:.1f}%, "
+              f"{a['within_15pct']}/{len(rows)} within 15%")
     return 0
 
 

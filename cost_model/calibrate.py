@@ -8,9 +8,9 @@
   none from the configurations `benchmarks/cost_fidelity.py` checks:
   * the EP layer (2 gloo ranks, `moepass.compile(FusedMoE, Plan(form="ep"))`, forward + backward) at a
     vanishing size (T=16, D=F=16, K=1) for E = 2..64 experts: t = intercept + slope * E/2 local experts.
-    slope -> `expert_overhead` (the expert FFN kernel's per-expert loop), intercept - 5 alpha ->
-    `layer_overhead` (graph, router, split-size syncs, DTensor wrapping; the 5 all-to-alls' latency is
-    alpha's);
+    intercept - 5 alpha -> `layer_overhead` (graph, router, split-size syncs, DTensor wrapping; the 5
+    all-to-alls' latency is alpha's). The slope is the grouped engine's per-expert cost at that size, which
+    no layer worth pricing runs: not used;
   * the data movement around the experts (moe.permute -> local permute -> unpermute x2 -> combine,
     forward + backward) over routed elements rows x D: slope -> `row_cost`;
   * the expert FFN kernel's GEMMs on one expert (x @ W^T forward; g @ W and g^T @ a backward; the
@@ -18,8 +18,9 @@
     `gemm`, as an efficiency relative to a 256^3 square matmul timed in the same window (so the
     table does not move with the load between cells); `Hardware.gemm_rate` interpolates it and
     multiplies by `flops` (small D or M run below the square-matmul rate);
-  * the expert FFN's elementwise work on one expert's [M, F] hidden tensors (`moepass.activations.activate`
-    forward, again as the backward recomputes it, `activate_backward`) over M x F: slope -> `act_cost`.
+  * the expert FFN kernel's time beyond its GEMMs (activation, copies, the per-expert loop), forward + backward,
+    at sizes where it runs expert by expert -> `expert_overhead` (per local expert) and `act_cost` (per hidden
+    element rows x F) (`cost_model.calibrate_ffn`).
   * first-touch page faults: one fresh buffer of FRESH_BYTES (above glibc's largest mmap threshold, 32 MiB, so
     every allocation is a new mapping) filled, minus the same fill into a buffer already touched, over the
     minor page faults the fresh fill took (getrusage) -> `page_cost`, s per minor fault;
@@ -55,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from cost_model import calibrate_route, calibrate_threads
+from cost_model import calibrate_ffn, calibrate_route, calibrate_threads
 from cost_model.presets import DEFAULT_PROFILE
 
 WORLD = 2
@@ -65,7 +66,6 @@ MATMUL_SIZES = (64, 128, 256, 512, 1024)
 LAYER_EXPERTS = (2, 8, 16, 32, 64)  # E of the vanishing-size EP layer (E/2 local experts per rank)
 SUSTAIN_S = 0.08  # seconds per timed repetition of the concurrent host benchmarks (see _host_worker.timed)
 ROW_SIZES = ((1024, 64), (4096, 64), (4096, 128), (16384, 128))  # (routed rows, D)
-ACT_SIZES = ((128, 256), (512, 256), (1024, 512), (2048, 512))  # (rows of one expert, F)
 GEMM_D = (64, 128, 256, 512)  # width D of the expert GEMM benchmark (F = 2D)
 GEMM_M = (64, 256, 1024)  # rows per expert
 GEMM_REF = 256  # the square matmul each expert-GEMM timing is taken relative to
@@ -141,16 +141,6 @@ def _rows_step(ops: Any, x: Any, experts_TK: Any, weights_TK: Any, local_N1: Any
     ops.combine(ops.unpermute(y_ND, order_N, K), weights_TK).sum().backward()
 
 
-def _act_step(h_gate: Any, h_up: Any, grad_a: Any) -> None:
-    """The SwiGLU elementwise work of the expert FFN (`moepass.grouped_ffn`) on one expert: forward, the
-    backward's recompute of act(gate) * up from the kept pre-activations, and the activation's backward."""
-    from moepass.activations import activate, activate_backward
-
-    activate(h_gate, h_up, "swiglu", 0.0, 0.0)
-    activate(h_gate, h_up, "swiglu", 0.0, 0.0)
-    activate_backward(grad_a, h_gate, h_up, "swiglu", 0.0, 0.0)
-
-
 def restore_step(slots: int, D: int, F: int, E: int = 8, peers: int = WORLD) -> tuple[Any, list[Any]]:
     """FSEP's restore work on one rank without its exchanges (an equal all_to_all keeps the buffer's shape, so
     the send buffer stands in for the received one), forward + backward as `moepass.rewrite.fsep` runs it:
@@ -191,7 +181,7 @@ def fresh_fill(nbytes: int) -> tuple[float, int]:
 
 
 def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: Sequence[tuple[int, int]],
-                 act_sizes: Sequence[tuple[int, int]], gemm_dims: Sequence[int], gemm_rows: Sequence[int],
+                 ffn_sizes: Sequence[tuple[int, int, int, int]], gemm_dims: Sequence[int], gemm_rows: Sequence[int],
                  experts: Sequence[int], reps: int, results: Any, timeout_s: float) -> None:
     """One of WORLD gloo ranks running the same microbenchmark AT THE SAME TIME (the workload's process
     layout: W single-threaded ranks sharing this machine); per size, the median over repetitions of
@@ -218,11 +208,12 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
         dist.all_reduce(t_est, op=dist.ReduceOp.MAX)
         return max(1, int(np.ceil(SUSTAIN_S / max(float(t_est), 1e-7))))
 
-    def timed(kind: str, size: int, step: Any, warmup: int = 2, ref: Any = None) -> None:
+    def timed(kind: str, size: int, step: Any, warmup: int = 2, ref: Any = None, excess: bool = False) -> None:
         """Sustained timing: each repetition runs `step` back to back for >= SUSTAIN_S (the same count
         on every rank), so a time-sliced share of a busy CPU shows as it does in a whole training step.
         With `ref`, each repetition also runs `ref` right after and the result is the time ratio
-        step / ref: a relative figure that a load change between repetitions does not move."""
+        step / ref: a relative figure that a load change between repetitions does not move (`excess`:
+        the difference step - ref, in seconds per call, instead)."""
         inner = sustained(step, warmup)
         inner_ref = sustained(ref, warmup) if ref is not None else 0
         times = []
@@ -237,7 +228,7 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
             times.append([(t1 - t0) / inner, (time.perf_counter() - t1) / max(inner_ref, 1)])
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        value = slowest[:, 0] / slowest[:, 1] if ref is not None else slowest[:, 0]
+        value = slowest[:, 0] if ref is None else slowest[:, 0] - slowest[:, 1] if excess else slowest[:, 0] / slowest[:, 1]
         if rank == 0:
             results.put((kind, size, float(value.median())))
 
@@ -268,10 +259,9 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
                     g.t() @ x  # backward d(weight): [F, M] @ [M, D]
 
                 timed("gemm", D * 100_000 + M, gemms, ref=lambda a=ref_a: torch.mm(a, a))
-        for M, F in act_sizes:
-            gen = torch.Generator().manual_seed(M + F + rank)
-            h_gate, h_up, grad_a = (torch.randn(M, F, generator=gen) for _ in range(3))
-            timed("act", M * F, lambda g=h_gate, u=h_up, a=grad_a: _act_step(g, u, a))
+        for i, (E_local, N, D, F) in enumerate(ffn_sizes):
+            kernel, gemms = calibrate_ffn.ffn_steps(E_local, N, D, F, seed=i + rank)
+            timed("ffn", i, kernel, ref=gemms, excess=True)
         for n in calibrate_route.TOKENS:
             timed("route", n, calibrate_route.route_step(n, seed=n + rank)[0])
         for C, D, F in RESTORE_SIZES:
@@ -346,7 +336,7 @@ def measure_host(
     matmul_sizes: Sequence[int] = MATMUL_SIZES,
     row_sizes: Sequence[tuple[int, int]] = ROW_SIZES,
     experts: Sequence[int] = LAYER_EXPERTS,
-    act_sizes: Sequence[tuple[int, int]] = ACT_SIZES,
+    ffn_sizes: Sequence[tuple[int, int, int, int]] = calibrate_ffn.SIZES,
     gemm_dims: Sequence[int] = GEMM_D,
     gemm_rows: Sequence[int] = GEMM_M,
     reps: int = 5,
@@ -354,12 +344,13 @@ def measure_host(
     progress: Any = None,
 ) -> dict[str, list[tuple[int, float]]]:
     """{kind: [(size, seconds)]} from `_host_worker` on WORLD concurrent ranks: "matmul" (n), "rows"
-    (routed elements rows*D), "act" (hidden elements M*F), "layer" (E, at T=16, D=F=16, K=1)."""
-    args = (tuple(matmul_sizes), tuple(row_sizes), tuple(act_sizes), tuple(gemm_dims), tuple(gemm_rows),
+    (routed elements rows*D), "ffn" (index into ffn_sizes: the expert FFN's seconds beyond its GEMMs), "layer" (E,
+    at T=16, D=F=16, K=1)."""
+    args = (tuple(matmul_sizes), tuple(row_sizes), tuple(ffn_sizes), tuple(gemm_dims), tuple(gemm_rows),
             tuple(experts), reps)
-    count = (len(matmul_sizes) + len(row_sizes) + len(act_sizes) + len(gemm_dims) * len(gemm_rows) + len(experts)
+    count = (len(matmul_sizes) + len(row_sizes) + len(ffn_sizes) + len(gemm_dims) * len(gemm_rows) + len(experts)
              + FIXED_HOST_ITEMS + len(calibrate_route.TOKENS))
-    out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "act": [], "gemm": [], "layer": [],
+    out: dict[str, list[tuple[int, float]]] = {"matmul": [], "rows": [], "ffn": [], "gemm": [], "layer": [],
                                                "restore": [], "fresh": [], "warm": [], "faults": [], "route": []}
     for kind, size, seconds in spawn_ranks(_host_worker, args, count, "host timing", timeout_s, progress):
         out[kind].append((size, seconds))
@@ -420,7 +411,7 @@ def calibrate(
     from tqdm import tqdm
 
     total = len(sizes) + len(matmul_sizes) * (2 if host else 1)
-    total += (len(layer_experts) + len(row_sizes) + len(ACT_SIZES) + len(GEMM_D) * len(GEMM_M)
+    total += (len(layer_experts) + len(row_sizes) + len(calibrate_ffn.SIZES) + len(GEMM_D) * len(GEMM_M)
               + FIXED_HOST_ITEMS + len(calibrate_threads.SIZES) + len(calibrate_route.TOKENS)) if host else 0
     with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
@@ -441,9 +432,8 @@ def calibrate(
         mm_w = concurrent["matmul"]
         _, flops = fit_latency_rate([2.0 * n**3 for n, _ in mm_w], [s for _, s in mm_w])
         layer, moves = concurrent["layer"], concurrent["rows"]
-        intercept, per_expert = calibrate_threads.fit_line([E / WORLD for E, _ in layer], [s for _, s in layer])
+        intercept, _ = calibrate_threads.fit_line([E / WORLD for E, _ in layer], [s for _, s in layer])
         _, row_rate = fit_latency_rate([n for n, _ in moves], [s for _, s in moves])
-        _, act_rate = fit_latency_rate([n for n, _ in concurrent["act"]], [s for _, s in concurrent["act"]])
         _, restore_rate = fit_latency_rate([n for n, _ in concurrent["restore"]],
                                            [s for _, s in concurrent["restore"]])
         _, route_rate = fit_latency_rate([n for n, _ in concurrent["route"]], [s for _, s in concurrent["route"]])
@@ -451,9 +441,8 @@ def calibrate(
         extra.update({
             "layer_overhead": max(0.0, intercept - 5 * alpha),
             "layer_intercept": intercept,
-            "expert_overhead": max(0.0, per_expert),
             "row_cost": 1.0 / row_rate,
-            "act_cost": 1.0 / act_rate,
+            **calibrate_ffn.figures(concurrent["ffn"]),
             "restore_cost": 1.0 / restore_rate,
             "page_cost": max(0.0, fresh_s - warm_s) / max(faults, 1.0),
             "route_cost": 1.0 / route_rate,
@@ -484,13 +473,11 @@ def calibrate(
             "flops": "fp32 FLOP/s per rank (effective), measured on W concurrent single-threaded ranks",
             "flops_one_process": "fp32 FLOP/s of one single-threaded process alone",
             "layer_overhead": "s per EP layer step (fwd+bwd), besides 5 alpha",
-            "expert_overhead": "s per local expert per EP layer step (fwd+bwd)",
             "row_cost": "s per routed element (rows x D) per EP layer step (fwd+bwd)",
-            "act_cost": "s per hidden element (rows x F) per EP layer step (fwd + recompute + bwd)",
             "restore_cost": "s per restored expert element (C x S_e) per FSEP layer step: the restore's re-layout "
                             "on the rank's thread (forward, the backward's restore again, the gradient slices)",
             "page_cost": "s per minor page fault: a fresh buffer's fill minus a touched one's, over its faults",
-            **calibrate_threads.UNITS, **calibrate_route.UNITS,
+            **calibrate_threads.UNITS, **calibrate_route.UNITS, **calibrate_ffn.UNITS,
             "gemm": "efficiency of the expert FFN GEMM trio at width D (F = 2D), M rows per expert: its FLOP/s "
                     "over the 256^3 matmul's, timed back to back on WORLD concurrent ranks",
         },
@@ -508,7 +495,9 @@ def calibrate(
                     "matmul": [{"n": n, "seconds": t, "flops": 2.0 * n**3 / t} for n, t in concurrent["matmul"]],
                     "layer": [{"experts": E, "local_experts": E // WORLD, "seconds": t} for E, t in concurrent["layer"]],
                     "rows": [{"elements": n, "seconds": t} for n, t in concurrent["rows"]],
-                    "act": [{"elements": n, "seconds": t} for n, t in concurrent["act"]],
+                    "ffn": [{"local_experts": calibrate_ffn.SIZES[i][0], "rows": calibrate_ffn.SIZES[i][1],
+                             "D": calibrate_ffn.SIZES[i][2], "F": calibrate_ffn.SIZES[i][3], "excess_seconds": t}
+                            for i, t in concurrent["ffn"]],
                     "restore": [{"elements": n, "seconds": t} for n, t in concurrent["restore"]],
                     "first_touch": [{"bytes": FRESH_BYTES, "fresh_seconds": fresh_s, "warm_seconds": warm_s,
                                      "faults": faults}],
@@ -568,9 +557,9 @@ def run(args: argparse.Namespace) -> int:
         f"per rank ({profile['matmul_threads']} thread, {WORLD} concurrent ranks; alone "
         f"{profile['flops_one_process'] / 1e9:.2f})"
         + (
-            f", layer overhead = {profile['layer_overhead'] * 1e3:.2f} ms + "
-            f"{profile['expert_overhead'] * 1e6:.0f} us/local expert, row cost = {profile['row_cost'] * 1e9:.2f} ns/element, "
-            f"activation = {profile['act_cost'] * 1e9:.2f} ns/hidden element, FSEP restore re-layout = "
+            f", layer overhead = {profile['layer_overhead'] * 1e3:.2f} ms, row cost = {profile['row_cost'] * 1e9:.2f} "
+            f"ns/element, expert FFN beyond its GEMMs = {profile['expert_overhead'] * 1e6:.0f} us/local expert + "
+            f"{profile['act_cost'] * 1e9:.2f} ns/hidden element, FSEP restore re-layout = "
             f"{profile['restore_cost'] * 1e9:.2f} ns/element, page fault = {profile['page_cost'] * 1e6:.2f} us, "
             f"expert GEMMs "
             + " ".join(f"D{g['D']}/M{g['M']}:{g['efficiency']:.2f}" for g in profile["gemm"])

@@ -86,12 +86,12 @@ def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_p
       split sizes, DTensor wrapping of the sharded weights (the EP layer's intercept at vanishing size,
       minus its 5 all-to-all latencies, which `alpha` models);
     - c_expert: seconds per local expert (E/ep of them): the per-expert loop of the expert FFN kernel
-      forward and backward (op launches on tiny GEMMs);
+      forward and backward (~20 op launches per expert besides its GEMMs; `cost_model.calibrate_ffn`);
     - c_row: seconds per routed element (rows x D): the gathers/scatters around the experts (permute,
       local permute, unpermute x2, weighted combine, forward and backward) -- memory traffic;
-    - c_act: seconds per hidden element (rows x F): the expert FFN's elementwise activation work,
-      act(gate) * up forward, again when the backward recomputes it, and its backward -- memory traffic
-      on [rows, F] tensors that the GEMM FLOPs do not count;
+    - c_act: seconds per hidden element (rows x F): the expert FFN's work beyond its GEMMs on [rows, F]
+      tensors -- act(gate) * up forward, again when the backward recomputes it, its backward, the copies and
+      in-place products around them: memory traffic the GEMM FLOPs do not count (the same calibration);
     - c_page: seconds per minor page fault, times n_f, the faults of one step (host memory touched for the first
       time: on a CPU, glibc returns large freed blocks to the OS and the next step faults them in again; how
       many depends on the allocator's state, so n_f is an input, 0 when absent; a GPU's caching allocator

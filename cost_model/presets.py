@@ -230,9 +230,9 @@ def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
         key: Figure(data[key], f"{src}: {what}") if key in data else Figure(0.0, f"not in the profile ({path})")
         for key, what in (
             ("layer_overhead", "2-rank EP layer at vanishing size, intercept minus 5 alpha"),
-            ("expert_overhead", "2-rank EP layer at vanishing size, slope per local expert"),
+            ("expert_overhead", "expert FFN kernel beyond its GEMMs, slope per local expert"),
             ("row_cost", "permute/unpermute/combine chain fwd+bwd, slope per routed element"),
-            ("act_cost", "SwiGLU activation fwd + recompute + bwd, slope per hidden element"),
+            ("act_cost", "expert FFN kernel beyond its GEMMs, slope per hidden element"),
             ("restore_cost", "FSEP restore re-layout fwd + restore again + gradient slices, slope per element"),
             ("page_cost", "fresh 64 MiB buffer fill minus a touched one's, per minor page fault"),
             ("route_cost", "router gate GEMM + moe.route forward and backward, slope per token"),

@@ -79,11 +79,11 @@ The expert FFN's host figures come from the kernel itself (`cost_model.calibrate
 engine no configuration here runs (expert_overhead 0) and an isolated activation (act_cost 1.5 ns), and every form
 was underpredicted: median signed error -7.8 % (the five runs of 15:09-15:14 UTC: median |rel err| 3.5-7.8 %, all 22
 within 15 % in 2 of 5 runs, one EP config at 15.1-16.6 % in the other 3).
-Six consecutive `--calibrate` runs on the new figures (2026-11-27 16:37-17:00 UTC, load 1.1-2.6 from other sessions;
-the first three at 3 rounds x 3 steps and 2 calibrations, the last three at the defaults, 5 x 5 and 3), median |rel
-err| / worst / configs within 15 %: 2.8/16.6/21, 3.9/12.9/22, 5.8/15.7/20, 3.7/18.7/20; 4.5/10.3/22, 2.5/15.8/21,
-5.7/23.1/21. Priced at the in-run share instead: all 22 within 15 % in 4 of those 6 runs (worst 10.9-14.5 %), one
-config over in the other two (17.9 %, 21.6 %). Which config misses changes from run to run (the capacity-0.6 EP
+Seven consecutive runs on the new figures (2026-11-27 16:37-17:00 UTC, load 1.1-2.6 from other sessions; the first
+with one calibration before, the next three at 3 rounds x 3 steps and 2 calibrations, the last three at the defaults,
+5 x 5 and 3), median |rel err| / worst / configs within 15 %: 2.8/16.6/21; 3.9/12.9/22, 5.8/15.7/20, 3.7/18.7/20;
+4.5/10.3/22, 2.5/15.8/21, 5.7/23.1/21. Priced at the in-run share instead (the last six): all 22 within 15 % in 4
+(worst 10.9-14.5 %), one config over in the other two (17.9 %, 21.6 %). Which config misses changes from run to run (the capacity-0.6 EP
 config at T=4096, -7.6 to -15.8 %; the smallest EP configs, +3 to +23 %, whose measured step read 22.2-27.4 ms in
 three runs with the same code): the measured wall of one config moves by 10-20 % between runs on these shared
 cores, and the fixed per-step figures (all-to-all alpha 98-181 us, layer overhead 3.7-4.9 ms, busy-core wait per

@@ -78,7 +78,11 @@ def host_figures(x: dict[str, Any]) -> dict[str, Any]:
     return {name: x.get(name, 0) for name in HOST_FIGURES}
 
 
-def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_page=0, n_f=0, c_route=0, tokens=0):
+ROW_OPS_ROUTED, ROW_OPS_RECEIVED = 3, 2  # the row chain's ops on a rank's own routed rows / on its experts' rows
+
+
+def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_page=0, n_f=0, c_route=0, tokens=0,
+              routed=None):
     """Host-side time of one EP layer step (forward + backward) that is not GEMM FLOPs or all-to-all
     transfer; zero unless calibrated (`cost_model.calibrate`, CPU):
 
@@ -87,8 +91,11 @@ def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_p
       minus its 5 all-to-all latencies, which `alpha` models);
     - c_expert: seconds per local expert (E/ep of them): the per-expert loop of the expert FFN kernel
       forward and backward (~20 op launches per expert besides its GEMMs; `cost_model.calibrate_ffn`);
-    - c_row: seconds per routed element (rows x D): the gathers/scatters around the experts (permute,
-      local permute, unpermute x2, weighted combine, forward and backward) -- memory traffic;
+    - c_row: seconds per routed element and op of the row chain around the experts (permute, local permute,
+      unpermute x2, weighted combine, forward and backward: memory traffic), times 5 in the calibration. Three of
+      the five run on the rank's own routed rows before they leave it (`routed`: T*K*phi, the tokens' top-k
+      assignments, those a capacity drops included -- the permute gathers them all and the combine reads them
+      all back; default `rows`), the local permute and unpermute on the `rows` its experts compute;
     - c_act: seconds per hidden element (rows x F): the expert FFN's work beyond its GEMMs on [rows, F]
       tensors -- act(gate) * up forward, again when the backward recomputes it, its backward, the copies and
       in-place products around them: memory traffic the GEMM FLOPs do not count (the same calibration);
@@ -100,7 +107,9 @@ def host_time(rows, D, F, E, ep, *, c_layer=0, c_expert=0, c_row=0, c_act=0, c_p
       `moe.route` (score, top-k, renormalise) forward and backward, per-token work of a few elements that the
       per-element terms do not count.
     """
-    return c_layer + c_expert * E / ep + c_row * rows * D + c_act * rows * F + c_page * n_f + c_route * tokens
+    chain = (ROW_OPS_ROUTED * (rows if routed is None else routed) + ROW_OPS_RECEIVED * rows) / (
+        ROW_OPS_ROUTED + ROW_OPS_RECEIVED)
+    return c_layer + c_expert * E / ep + c_row * chain * D + c_act * rows * F + c_page * n_f + c_route * tokens
 
 
 # ---- all-to-all under uniform routing ------------------------------------------------------------
@@ -357,7 +366,8 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
         dense_ar, dense_unit = 0, 0  # no dense parameters given: no all-reduce call
     dense_bwd = 2 * dense_flops(x["T"], x["D"], x.get("q", 0)) / (x["R"] * x["eta"])
     memory = memory_per_rank(x["E"], ep, x["D"], x["F"], x["m"], x["s"], rows, x["b"])
-    host = host_time(rows, x["D"], x["F"], x["E"], ep, tokens=x["T"], **host_figures(x))
+    host = host_time(rows, x["D"], x["F"], x["E"], ep, tokens=x["T"], routed=x["T"] * x["K"] * x.get("phi", 1),
+                     **host_figures(x))
     terms = LayerTerms(compute=compute, a2a_exposed=a2a, other_comm=0, memory=memory, a2a_bytes=sent, host=host,
                        threads=threads)
     return terms, BackwardLink(window=bwd + dense_bwd, link=link, t_a=t_a, t_c=bwd_compute / n, expert_ar=expert_ar,

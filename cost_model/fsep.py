@@ -238,7 +238,7 @@ def fsep_layer(x: dict[str, Any], *, W: int, C: int, n: int, rho: Any, a2a_rows:
     memory = ep_formulas.memory_per_rank(x["E"], W, D, F, m, x["s"], rows, x["b"])
     if keep_restored:
         memory += C * S_e * x["b"]
-    host = ep_formulas.host_time(rows, D, F, C, 1, tokens=T, **ep_formulas.host_figures(x))
+    host = ep_formulas.host_time(rows, D, F, C, 1, tokens=T, routed=mean, **ep_formulas.host_figures(x))
     host += restore_host_time(C, S_e, x.get("c_restore", 0))
     # the helper threads' CPU: the four token exchanges (n calls each), the split sizes and the planner's count
     # gather (`moe_comm.gather_counts`), the restores; the planner's solve

@@ -119,7 +119,8 @@ def layer_work(case: Case, hw: Hardware, layout: Layout, chunks: int) -> LayerWo
     # host-side work of a layer step (`cost_model.ep.host_time`: 0 unless calibrated), a third in the forward as
     # the GEMMs; the backward's GEMMs twice the forward's, plus the gate/up recomputed where the kernel does (r_c)
     host = ep_formulas.host_time(rows_max, case.D, case.F, case.E, ep, c_layer=v["c_layer"], c_expert=v["c_expert"],
-                                 c_row=v["c_row"], c_act=v["c_act"], c_route=v["c_route"], tokens=case.tokens)
+                                 c_row=v["c_row"], c_act=v["c_act"], c_route=v["c_route"], tokens=case.tokens,
+                                 routed=float(rows_PP.sum(axis=1).max()))
     ar_bw = v["B_inter"] if case.nodes > 1 else v["B_intra"]
     return LayerWork(
         v=v,

@@ -1,12 +1,15 @@
 """The expert FFN kernel's host cost beyond its GEMMs (`cost_model.calibrate_ffn`): the calibration times the kernel
 on the engine the priced layers run (expert by expert) against the same GEMMs as plain matmuls, and fits the excess
-per local expert and per hidden element."""
+per local expert and per hidden element; and the row chain around it priced on the rows each op touches."""
 
 from __future__ import annotations
 
 import pytest
 
 from cost_model import calibrate_ffn
+from cost_model.presets import A100
+
+X = {**A100.values(), "T": 1000, "K": 2, "D": 64, "F": 128, "m": 3, "E": 8, "G": 2, "rho": 1.0, "c_f": 1.0}
 
 
 def test_every_calibration_size_runs_the_kernel_expert_by_expert():
@@ -48,3 +51,21 @@ def test_the_fit_recovers_the_per_expert_and_per_element_slopes():
     assert figures["act_cost"] == pytest.approx(c_act, rel=1e-6)
     assert calibrate_ffn.figures([(i, 1e-3 - 1e-5 * calibrate_ffn.SIZES[i][0]) for i in range(len(excess))]) \
         == {"expert_overhead": 0.0, "act_cost": pytest.approx(0.0, abs=1e-15)}
+
+
+def test_the_row_chain_prices_a_capacitys_dropped_rows_where_they_are_gathered():
+    """Under a capacity, the permute gathers every top-k assignment (the dropped ones into a bin that is never sent),
+    the combine reads them all back: 3 of the row chain's 5 ops run on T*K rows, the local permute and unpermute on
+    the kept rows. Dropless without skew: all five on the same rows, as before."""
+    from cost_model import ep as cm
+
+    c_row, D, T, K = 1e-9, 64, 1000, 2
+    assert cm.host_time(2000, D, 128, 8, 2, c_row=c_row) == pytest.approx(c_row * 2000 * D, rel=1e-12)
+    kept = 0.6 * T * K
+    assert cm.host_time(kept, D, 128, 8, 2, c_row=c_row, routed=T * K) \
+        == pytest.approx(c_row * D * (3 * T * K + 2 * kept) / 5, rel=1e-12)
+    x = {**X, "T": T, "K": K, "D": D, "c_row": c_row}
+    dropless = cm.ep_layer(x, ep=2, n=1, dp=1, dropless=True, cross_node_dp=False)
+    capped = cm.ep_layer({**x, "c_f": 0.6}, ep=2, n=1, dp=1, dropless=False, cross_node_dp=False)
+    assert float(dropless.host) == pytest.approx(c_row * T * K * D, rel=1e-9)
+    assert float(capped.host) == pytest.approx(c_row * D * (3 * T * K + 2 * kept) / 5, rel=1e-9)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 23)  # all_to_all_single input bytes per rank (W=2: half is sent)
-REPS, BLOCKS = 10, 7  # iterations per block; per size, BLOCKS blocks without and with the exchange (medians)
+REPS, BLOCKS = 10, 21  # iterations per block; per size, BLOCKS blocks without and with the exchange (medians)
 BUSY_N, BUSY_MATMULS = 256, 8  # the main thread's work between two exchanges (~2-4 ms here)
 BUSY_SHARE = 0.1  # a thread counts as a helper when it burned this share of the helper CPU
 PLANNER_SIZES = ((2, 8, 4), (2, 32, 16), (4, 64, 16), (8, 128, 16))  # (W, E, C) of the timed planner solves

@@ -83,11 +83,15 @@ Seven consecutive runs on the new figures (2026-11-27 16:37-17:00 UTC, load 1.1-
 with one calibration before, the next three at 3 rounds x 3 steps and 2 calibrations, the last three at the defaults,
 5 x 5 and 3), median |rel err| / worst / configs within 15 %: 2.8/16.6/21; 3.9/12.9/22, 5.8/15.7/20, 3.7/18.7/20;
 4.5/10.3/22, 2.5/15.8/21, 5.7/23.1/21. Priced at the in-run share instead (the last six): all 22 within 15 % in 4
-(worst 10.9-14.5 %), one config over in the other two (17.9 %, 21.6 %). Which config misses changes from run to run (the capacity-0.6 EP
-config at T=4096, -7.6 to -15.8 %; the smallest EP configs, +3 to +23 %, whose measured step read 22.2-27.4 ms in
-three runs with the same code): the measured wall of one config moves by 10-20 % between runs on these shared
-cores, and the fixed per-step figures (all-to-all alpha 98-181 us, layer overhead 3.7-4.9 ms, busy-core wait per
-exchange 0.75-0.92 ms in three calibrations within five minutes) move with it.
+(worst 10.9-14.5 %), one config over in the other two (17.9 %, 21.6 %). Then the row chain priced on the rows each
+op touches (`cost_model.ep.host_time(routed=)`: a capacity's dropped assignments are gathered and combined too; the
+capacity-0.6 config at T=4096 had read -7.6 to -15.8 %) and 21 blocks per size for the busy-core wait (0.61-1.24 ->
+0.79-0.84 ms per exchange over three calibrations), two runs (17:06-17:13 UTC, load 1.9-2.5): 3.0/15.5/21 and
+2.2/16.5/21, the capacity configs at +1.6/-2.7 % and +5.9/-5.3 %; the one miss each time is one of the smallest EP
+configs (+13 to +16.5 %). Those read 22.2-27.4 ms between runs with the same code and the same prediction: their
+wall beyond the ranks' own CPU (2.6-7.4 ms per step) is what moves, the busy-core wait of five exchanges (~5 ms
+priced, ~0.8 ms each as calibrated between matmuls) overshooting it when the other sessions leave cores free. Not
+resolved: every config within 15 % holds in 3 of these 9 runs.
 
 Not measured: chunked all-to-all (moepass pipelines only the forward). Output: per config predicted / measured /
 error, Spearman's rho, the median |rel err|, the load; the JSON and a log-log plot (cost_fidelity.png).

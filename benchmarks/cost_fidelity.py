@@ -91,7 +91,7 @@ capacity-0.6 config at T=4096 had read -7.6 to -15.8 %) and 21 blocks per size f
 configs (+13 to +16.5 %). Those read 22.2-27.4 ms between runs with the same code and the same prediction: their
 wall beyond the ranks' own CPU (2.6-7.4 ms per step) is what moves, the busy-core wait of five exchanges (~5 ms
 priced, ~0.8 ms each as calibrated between matmuls) overshooting it when the other sessions leave cores free. Not
-resolved: every config within 15 % holds in 3 of these 9 runs.
+resolved: every config within 15 % holds in 2 of these 9 runs.
 
 Not measured: chunked all-to-all (moepass pipelines only the forward). Output: per config predicted / measured /
 error, Spearman's rho, the median |rel err|, the load; the JSON and a log-log plot (cost_fidelity.png).

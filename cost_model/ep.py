@@ -273,14 +273,15 @@ def dense_allreduce_tail(x: dict[str, Any], W: int, *, cross_node: bool) -> Any:
 
 
 def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cross_node_dp: bool,
-             policy: str = "fair") -> LayerTerms:
+             policy: str = "fair", deferred_wgrad: bool = True) -> LayerTerms:
     """Step terms of a model of one EP layer (ep = 1: every rank keeps all experts; no all-to-all): `ep_step`
     of [x]."""
-    return ep_step([x], ep=ep, n=n, dp=dp, dropless=dropless, cross_node_dp=cross_node_dp, policy=policy)
+    return ep_step([x], ep=ep, n=n, dp=dp, dropless=dropless, cross_node_dp=cross_node_dp, policy=policy,
+                   deferred_wgrad=deferred_wgrad)
 
 
 def ep_step(xs: list[dict[str, Any]], *, ep: int, n: int, dp: int, dropless: bool | list[bool], cross_node_dp: bool,
-            policy: str = "fair") -> LayerTerms:
+            policy: str = "fair", deferred_wgrad: bool = True) -> LayerTerms:
     """Step terms of a model of EP layers `xs` (forward order), summed, with the gradient all-reduce's
     contention with the all-to-all on the link they share.
 
@@ -312,7 +313,8 @@ def ep_step(xs: list[dict[str, Any]], *, ep: int, n: int, dp: int, dropless: boo
     if policy not in ("fair", "priority"):
         raise ValueError(f"ep_step(policy={policy!r}) is invalid: use 'fair' or 'priority'")
     flags = dropless if isinstance(dropless, list) else [dropless] * len(xs)
-    alone = [ep_alone(x, ep=ep, n=n, dp=dp, dropless=d, cross_node_dp=cross_node_dp) for x, d in zip(xs, flags)]
+    alone = [ep_alone(x, ep=ep, n=n, dp=dp, dropless=d, cross_node_dp=cross_node_dp, deferred_wgrad=deferred_wgrad)
+             for x, d in zip(xs, flags)]
     terms = [t for t, _ in alone]
     links = [link for _, link in alone]
     waits: list[Any] = [0] * len(xs)
@@ -333,9 +335,16 @@ def ep_step(xs: list[dict[str, Any]], *, ep: int, n: int, dp: int, dropless: boo
                       memory=total.memory, a2a_bytes=total.a2a_bytes, host=total.host, threads=total.threads)
 
 
-def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
-             cross_node_dp: bool) -> tuple[LayerTerms, BackwardLink]:
-    """One EP layer alone on its links (no all-reduce: other_comm 0) and what its backward puts on the link."""
+def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cross_node_dp: bool,
+             deferred_wgrad: bool = True) -> tuple[LayerTerms, BackwardLink]:
+    """One EP layer alone on its links (no all-reduce: other_comm 0) and what its backward puts on the link.
+
+    `deferred_wgrad` (Lancet, `moepass.schedule.defer_weight_grads`, which every EP schedule applies): each chunk's
+    weight-gradient GEMMs (one per forward GEMM, the forward's FLOPs) run while its dispatch-backward all-to-all is
+    in flight, so the backward pipeline's last exchange hides behind them (at most one chunk's weight GEMMs' worth;
+    never below the link's own 2 n t_a) and the ranks do not block on it: its busy-core wait is not paid, its helper
+    threads' CPU is. Both directions exchange the split sizes first (a small all-to-all): a capacity's kept rows per
+    destination vary as a dropless layer's do."""
     from cost_model.schedule import pipeline_time
 
     factor = (x["rho"] if dropless else x["c_f"]) * x.get("phi", 1)  # rows over T*K: FFN share, skew or padding
@@ -346,17 +355,21 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool,
     if ep > 1:
         intra, inter = a2a_bytes(x["T"], x["K"], x["D"], ep, x["G"], x["b"], factor=factor)
         transfer = intra / x["B_intra"] + inter / x["B_inter"]
+        t_a = x["alpha"] + transfer / n
         bwd = pipeline_time(n, transfer, bwd_compute, x["alpha"])
-        a2a = pipeline_time(n, transfer, fwd_compute, x["alpha"]) + bwd - compute
-        if dropless:
-            a2a += x["alpha"]  # the split-size exchange before the dispatch (a small all-to-all)
+        if deferred_wgrad:  # the last dispatch-backward in flight during its chunk's weight GEMMs
+            bwd = smax(bwd - smin(fwd_compute / n, t_a), 2 * n * t_a)
+        # + the split-size exchange before the dispatch (a small all-to-all)
+        a2a = pipeline_time(n, transfer, fwd_compute, x["alpha"]) + bwd - compute + x["alpha"]
         sent = intra + inter
         link = 2 * (n * x["alpha"] + transfer)
-        t_a = x["alpha"] + transfer / n
     else:
         a2a, sent, bwd, link, t_a = 0, 0, bwd_compute, 0, 0
-    # the transfer threads' CPU: dispatch and combine, forward and backward, n calls each (+ the split sizes)
-    threads = exposed_thread_cpu(x, A2A_PER_LAYER * sent, A2A_PER_LAYER * n + (1 if dropless else 0)) if ep > 1 else 0
+    # the transfer threads' CPU: dispatch and combine, forward and backward, n calls each, and the split sizes; the
+    # ranks wait among busy cores for all of them but the deferred dispatch-backward
+    calls, hidden = A2A_PER_LAYER * n + 1, (1 if deferred_wgrad else 0)
+    threads = exposed_thread_cpu(x, A2A_PER_LAYER * sent, calls,
+                                 waited=((A2A_PER_LAYER - hidden) * sent, calls - hidden * n)) if ep > 1 else 0
     B = x["B_inter"] if cross_node_dp else x["B_intra"]
     grad_bytes = expert_params(x["E"], x["D"], x["F"], x["m"]) / ep * x["b_g"]
     expert_ar, expert_unit = bucketed_allreduce(grad_bytes, dp, B, x["alpha"], x.get("u"))

@@ -63,10 +63,13 @@ def planner_cpu(W: Any, E: Any, c_plan: Any, c_plan_e: Any) -> Any:
     return c_plan + c_plan_e * W * E
 
 
-def exposed_thread_cpu(x: dict[str, Any], sent_bytes: Any, exchanges: Any, other: Any = 0) -> Any:
+def exposed_thread_cpu(x: dict[str, Any], sent_bytes: Any, exchanges: Any, other: Any = 0,
+                       waited: tuple[Any, Any] | None = None) -> Any:
     """The helper-thread time added to a step's critical path (module doc): max(`thread_cpu`, the busy-core wait)
     of the step's `sent_bytes` and `exchanges`, plus `other` seconds of helper-thread CPU (FSEP's planner,
-    `planner_cpu`), when the node is oversubscribed (x's n_rank, default G, n_help and n_core), else 0."""
+    `planner_cpu`), when the node is oversubscribed (x's n_rank, default G, n_help and n_core), else 0.
+    `waited`: (bytes, exchanges) of the exchanges the ranks block on, when some fly behind compute (Lancet's
+    deferred dispatch-backward): the busy-core wait of those only; the helper CPU of all."""
     figures = [x.get(k, 0) for k in ("c_xb", "c_xc", "c_wb", "c_wc")]
     if all(f == 0 for f in (*figures, other)):  # numbers or sympy zero (structural ==: no symbol is 0)
         return 0
@@ -76,4 +79,6 @@ def exposed_thread_cpu(x: dict[str, Any], sent_bytes: Any, exchanges: Any, other
     if not oversubscribed(*(float(v) for v in layout)):
         return 0
     c_xb, c_xc, c_wb, c_wc = figures
-    return smax(thread_cpu(sent_bytes, exchanges, c_xb, c_xc), thread_cpu(sent_bytes, exchanges, c_wb, c_wc)) + other
+    waited_bytes, waited_exchanges = (sent_bytes, exchanges) if waited is None else waited
+    return smax(thread_cpu(sent_bytes, exchanges, c_xb, c_xc),
+                thread_cpu(waited_bytes, waited_exchanges, c_wb, c_wc)) + other

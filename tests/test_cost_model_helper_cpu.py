@@ -81,7 +81,7 @@ def test_ep_adds_the_helper_cpu_of_its_exchanges_to_the_step():
         busy = cm.ep_layer({**x, "n_core": 2}, ep=2, n=n, dp=1, dropless=dropless, cross_node_dp=False)
         sent = 1000 * 2 * 64 * 2 / 2  # T*K*D*b/ep to the other rank, per direction
         assert free.threads == 0 and float(free.a2a_bytes) == sent
-        calls = 4 * n + (1 if dropless else 0)  # dispatch + combine fwd + bwd in n chunks, and the split sizes
+        calls = 4 * n + 1  # dispatch + combine fwd + bwd in n chunks, and the split sizes (a capacity's too)
         assert float(busy.threads) == pytest.approx(C_XB * 4 * sent + C_XC * calls, rel=1e-12)
         assert float(busy.step - free.step) == pytest.approx(float(busy.threads), rel=1e-12)
         for key in ("compute", "a2a_exposed", "other_comm", "host"):
@@ -217,7 +217,7 @@ def test_the_fidelity_benchmark_prices_its_two_ranks_on_one_node():
                                                    helper_threads=2, cores=2, planner_cost=0.0)
     for c in (bench.CONFIGS[0], bench.LOCALITY_CONFIGS[0]):
         p = bench.predict(c, hw, 1.0)
-        calls = 5 if c.form == "ep" else 4  # locality is a capacity form: no split-size exchange
+        calls = 5  # both exchange the split sizes first (the locality form's kept rows per rank vary too)
         assert p["threads_s"] == pytest.approx(C_XB * 4 * p["dispatch_bytes"] + C_XC * calls, rel=1e-12), c
         assert p["fwd_s"] + p["bwd_s"] == pytest.approx(p["step_s"], rel=1e-12)
         alone = bench.predict(c, hw.with_figures("test", cores=math.inf), 1.0)

@@ -225,8 +225,7 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
         if cfg.form == "locality":  # a capacity form (the kept rows read from the counters), one rank per node
             x.update(G=1, rho=1.0, c_f=factor)
             dropless = False
-        t = cm.ep_layer(x, ep=W, n=1, dp=1, dropless=dropless, cross_node_dp=False,
-                        deferred_wgrad=cfg.form == "ep")  # the locality form has no schedule pass (no Lancet)
+        t = cm.ep_layer(x, ep=W, n=1, dp=1, dropless=dropless, cross_node_dp=False)
     if cfg.form != "hp":  # the forward's expert GEMMs on the busiest rank's rows
         fwd_gemm = float(cm.expert_flops(cfg.tokens * cfg.K * factor, cfg.D, cfg.F, 3)) / float(x["R"])
     # the forward phase: its GEMMs (a third of the fwd + bwd FLOPs besides the recompute), half of the fixed layer

@@ -339,7 +339,7 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
              deferred_wgrad: bool = True) -> tuple[LayerTerms, BackwardLink]:
     """One EP layer alone on its links (no all-reduce: other_comm 0) and what its backward puts on the link.
 
-    `deferred_wgrad` (Lancet, `moepass.schedule.defer_weight_grads`, which every EP schedule applies): each chunk's
+    `deferred_wgrad` (Lancet, `moepass.schedule.defer_weight_grads`, which the EP and locality schedules apply): each chunk's
     weight-gradient GEMMs (one per forward GEMM, the forward's FLOPs) run while its dispatch-backward all-to-all is
     in flight, so the backward pipeline's last exchange hides behind them (at most one chunk's weight GEMMs' worth;
     never below the link's own 2 n t_a) and the ranks do not block on it: its busy-core wait is not paid, its helper

@@ -59,7 +59,8 @@ the input gradient only, the dispatch-backward all-to-all is issued, and the wei
 run at those nodes (moepass.dialect.WeightGradSink), in the all-to-all's flight, before the dispatch
 issue's backward waits: same GEMMs on the same operands, so the gradients are the same bit for bit,
 and each weight still gets its gradient once through the same autograd edges (hooks, GradientSync).
-Every EP schedule, any n; `deferred_wgrad` in the stats counts the FFNs.
+Every EP schedule, any n, and the locality form's (its exchanges are EP's; it is not chunked: `a2a_chunks` is not a
+locality option); `deferred_wgrad` in the stats counts the FFNs.
 
 Marks. The pass also places `moe_sched.mark` identity nodes: "expert_in"/"expert_out" around every
 expert FFN (compute regions for the event log) and "moe_combine" on the combine output, whose
@@ -470,9 +471,12 @@ def defer_weight_grads(gm: MoEGraphModule) -> int:
 def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """Chunk and pipeline the block's all-to-all and expert compute; place the scheduler's marks."""
     layout = gm.layout
-    if gm.form not in ("ep", "fsep") or layout is None:
+    if gm.form not in ("ep", "fsep", "locality") or layout is None:
         return PassResult(gm, changed=False, stats={"reason": f"form {gm.form!r} has no all-to-all to schedule"})
-    n, why = choose_chunks(gm.spec, plan, layout.groups.ep_size, layout.groups.topology.ranks_per_node)
+    if gm.form == "locality":  # its exchanges are EP's; not chunked (a2a_chunks is not a locality option)
+        n, why = 1, "locality: not chunked"
+    else:
+        n, why = choose_chunks(gm.spec, plan, layout.groups.ep_size, layout.groups.topology.ranks_per_node)
     if plan.hierarchical_a2a and n > 1:  # chunking handles the flat exchange only (Plan refuses an int > 1)
         n, why = 1, f"hierarchical_a2a: not chunked ({why}: {n} chunks)"
     stats: dict[str, Any] = {"chunks": n, "chunks_from": why, "packing": plan.packing,

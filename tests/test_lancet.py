@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -160,3 +161,32 @@ def test_lancet_wgrad_in_flight_and_bitwise(chunks):
         assert r["dispatch_bwd"] == chunks
         assert r["windows"] == [True] * chunks, r["windows"]  # one region per chunk, each in flight
         assert r["control"] == [] and r["control_bwd"] == chunks  # no deferral: the GEMMs stay in expert_bwd
+
+
+def case_lancet_locality(rank, world):
+    import moepass
+    from samples.models import LoopMoE
+
+    torch.manual_seed(0)
+    block = LoopMoE(D, F, E, top_k=K)
+    plan = moepass.Plan(form="locality", topology=moepass.Topology(world, 1), gate="learned", mu=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "changed the math": the locality router, as the plan names
+        cm = moepass.compile(block, plan)
+        plain_cm = without_deferral(moepass.compile(block, plan))
+    deferred = next(h["stats"]["deferred_wgrad"] for h in cm.history if h["pass"] == "schedule")
+    (y, gx, g, calls, ev), (y0, gx0, g0, _, ev0) = run_block(cm, rank), run_block(plain_cm, rank)
+    return {"deferred": deferred, "equal_plain": torch.equal(y, y0) and torch.equal(gx, gx0)
+            and all(torch.equal(g[n], g0[n]) for n in g0), "calls": calls, "params": sorted(g),
+            "windows": wgrad_windows(ev), "control": wgrad_windows(ev0)}
+
+
+@pytest.mark.distributed
+def test_the_locality_form_defers_its_weight_gradients_too():
+    """The locality form's exchanges are EP's: the schedule pass defers its expert weight GEMMs into the
+    dispatch-backward's flight (not chunked), with the same outputs and gradients bit for bit."""
+    for r in pool(2).run(case_lancet_locality):
+        assert r["deferred"] == 1
+        assert r["equal_plain"], "deferring the weight GEMMs changed an output or a gradient"
+        assert r["calls"] == dict.fromkeys(r["params"], 1)
+        assert r["windows"] == [True] and r["control"] == []

@@ -74,8 +74,8 @@ config with the calibrated FLOP/s times, and the host terms over, share = calibr
 time (`at_share`; the all-to-all figures as calibrated). The share is measured, never fitted to the steps;
 `by_form_at_run_share` summarises it beside `by_form` (the calibration as it is).
 
-The expert FFN's host figures come from the kernel itself (`cost_model.calibrate_ffn`: 45-58 us per local expert,
-2.7-3.2 ns per hidden element); before 2026-11-27 16:40 UTC they came from a vanishing-size layer whose grouped
+The expert FFN's host figures come from the kernel itself (`cost_model.calibrate_ffn`: 41-63 us per local expert,
+2.7-4.1 ns per hidden element); before 2026-11-27 16:40 UTC they came from a vanishing-size layer whose grouped
 engine no configuration here runs (expert_overhead 0) and an isolated activation (act_cost 1.5 ns), and every form
 was underpredicted: median signed error -7.8 % (the five runs of 15:09-15:14 UTC: median |rel err| 3.5-7.8 %, all 22
 within 15 % in 2 of 5 runs, one EP config at 15.1-16.6 % in the other 3).
@@ -87,11 +87,17 @@ with one calibration before, the next three at 3 rounds x 3 steps and 2 calibrat
 op touches (`cost_model.ep.host_time(routed=)`: a capacity's dropped assignments are gathered and combined too; the
 capacity-0.6 config at T=4096 had read -7.6 to -15.8 %) and 21 blocks per size for the busy-core wait (0.61-1.24 ->
 0.79-0.84 ms per exchange over three calibrations), two runs (17:06-17:13 UTC, load 1.9-2.5): 3.0/15.5/21 and
-2.2/16.5/21, the capacity configs at +1.6/-2.7 % and +5.9/-5.3 %; the one miss each time is one of the smallest EP
-configs (+13 to +16.5 %). Those read 22.2-27.4 ms between runs with the same code and the same prediction: their
-wall beyond the ranks' own CPU (2.6-7.4 ms per step) is what moves, the busy-core wait of five exchanges (~5 ms
-priced, ~0.8 ms each as calibrated between matmuls) overshooting it when the other sessions leave cores free. Not
-resolved: every config within 15 % holds in 2 of these 9 runs.
+2.2/16.5/21, the capacity configs at +1.6/-2.7 % and +5.9/-5.3 %; the one miss each time was one of the smallest EP
+configs (+13 to +16.5 %), overpredicted in its exchanges: the model priced all four token exchanges as exposed, each
+with its busy-core wait, while every EP schedule defers the expert weight GEMMs into the dispatch-backward's flight
+(Lancet; the event log at that config, rank 0, 30 steps: dispatch_bwd blocked 0.000 ms, queued->waited 5.0 ms; the
+other four exchanges 0.16-0.68 ms each). With that priced (`cost_model.ep.ep_alone(deferred_wgrad=True)`: the last
+dispatch-backward hidden up to one chunk's weight GEMMs, its busy-core wait not paid, its helper CPU paid; the split
+sizes exchanged under a capacity too), three runs (17:23-17:33 UTC, load 1.9-2.7): 2.6/8.4/22, 3.7/12.0/22,
+4.6/14.8/22; then with the locality form scheduled as EP is (the same deferral), three runs (17:36-17:46 UTC, load
+2.1-2.9): 2.5/7.9/22, 2.4/8.0/22, 3.6/8.8/22, each of their nine calibrations alone also 22/22 within 15 % (worst
+7.5-10.6 %). The committed JSON is the last of these. (One more run on the Lancet tree is left out: my own test runs
+shared the cores with it, load 3.3, one of its calibrations alone at 112 % median error.)
 
 Not measured: chunked all-to-all (moepass pipelines only the forward). Output: per config predicted / measured /
 error, Spearman's rho, the median |rel err|, the load; the JSON and a log-log plot (cost_fidelity.png).

@@ -39,22 +39,20 @@ Locality (`--forms locality`): top-1 configs compiled with `Plan(form="locality"
 `Topology(2, 1)` (the two ranks as two one-rank nodes; loopback, so the inter-node figure is the calibrated
 all-to-all's), predicted by `ep_layer` as a capacity form with the kept fraction read from the counters.
 Lina's schedule is not measured here (a bare layer at ep = W = 2 has no expert gradient all-reduce to order).
-Results per form go to `by_form` (median and worst |rel err|, how many within 15 %); every form by default
-(benchmarks/results/cost_fidelity.json), a subset with --forms writes cost_fidelity_<forms>.json.
+`by_form`: per form the median and worst |rel err| and how many within 15 %; --forms (a subset) writes
+cost_fidelity_<forms>.json.
 
 Per phase: each timed step also records its forward alone (the forward's ops, gloo's exchanges included, are
 done when the block returns on CPU), so `measured` has fwd_s and bwd_s beside step_s, and `predicted` splits
 the same way (the forward: its expert GEMMs, half of the fixed layer overhead, a third of the other host terms and
 of the other compute, half of the exchanges, FSEP's weight restore, the helper CPU in the exchanges' proportion);
-`rel_error_fwd` / `rel_error_bwd` say which phase a config's error is in. Beside the wall times, `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s` are the calling thread's
-CPU time (user + sys, page faults included; max over the ranks): wall minus CPU is time a rank waited (for the
-other rank at an exchange, or for a core on the shared machine), which the CPU-work terms do not price.
+`rel_error_fwd` / `rel_error_bwd` say which phase a config's error is in. `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s`: the
+calling thread's CPU time (max over the ranks); wall minus CPU is time a rank waited (at an exchange, for a core).
 
-Page faults: an untimed step after each round's timed steps counts the thread's minor page faults (max over
-the ranks); their median is the model's n_f (`page_faults_counting_step`), priced at the calibrated `page_cost`
-(`cost_model.ep.host_time`), read like the routing from an untimed step; the timed steps' count is a check only
-(`page_faults`). The count follows the allocator's state (glibc returns large freed blocks to the OS), not the
-config: one HP config faulted 11,489 times per step in one run and 0 in the next (HP 0-24,000, FSEP/EP 0-2).
+Page faults: an untimed step after each round's timed steps counts the thread's minor page faults (max over the
+ranks); their median is the model's n_f (`page_faults_counting_step`) at the calibrated `page_cost`; the timed steps'
+count (`page_faults`) is a check only. It follows the allocator's state, not the config (one HP config: 11,489 faults
+per step in one run, 0 in the next).
 
 Helper threads: with the calibrated figures the CPU terms are within a few % of the ranks' main-thread CPU
 (`cpu_s`); the ranks' other threads take cores too (gloo's transfer threads 1-5 ms per step under EP, 5-11 ms under
@@ -74,30 +72,18 @@ config with the calibrated FLOP/s times, and the host terms over, share = calibr
 time (`at_share`; the all-to-all figures as calibrated). The share is measured, never fitted to the steps;
 `by_form_at_run_share` summarises it beside `by_form` (the calibration as it is).
 
-The expert FFN's host figures come from the kernel itself (`cost_model.calibrate_ffn`: 41-63 us per local expert,
-2.7-4.1 ns per hidden element); before 2026-11-27 16:40 UTC they came from a vanishing-size layer whose grouped
-engine no configuration here runs (expert_overhead 0) and an isolated activation (act_cost 1.5 ns), and every form
-was underpredicted: median signed error -7.8 % (the five runs of 15:09-15:14 UTC: median |rel err| 3.5-7.8 %, all 22
-within 15 % in 2 of 5 runs, one EP config at 15.1-16.6 % in the other 3).
-Seven consecutive runs on the new figures (2026-11-27 16:37-17:00 UTC, load 1.1-2.6 from other sessions; the first
-with one calibration before, the next three at 3 rounds x 3 steps and 2 calibrations, the last three at the defaults,
-5 x 5 and 3), median |rel err| / worst / configs within 15 %: 2.8/16.6/21; 3.9/12.9/22, 5.8/15.7/20, 3.7/18.7/20;
-4.5/10.3/22, 2.5/15.8/21, 5.7/23.1/21. Priced at the in-run share instead (the last six): all 22 within 15 % in 4
-(worst 10.9-14.5 %), one config over in the other two (17.9 %, 21.6 %). Then the row chain priced on the rows each
-op touches (`cost_model.ep.host_time(routed=)`: a capacity's dropped assignments are gathered and combined too; the
-capacity-0.6 config at T=4096 had read -7.6 to -15.8 %) and 21 blocks per size for the busy-core wait (0.61-1.24 ->
-0.79-0.84 ms per exchange over three calibrations), two runs (17:06-17:13 UTC, load 1.9-2.5): 3.0/15.5/21 and
-2.2/16.5/21, the capacity configs at +1.6/-2.7 % and +5.9/-5.3 %; the one miss each time was one of the smallest EP
-configs (+13 to +16.5 %), overpredicted in its exchanges: the model priced all four token exchanges as exposed, each
-with its busy-core wait, while every EP schedule defers the expert weight GEMMs into the dispatch-backward's flight
-(Lancet; the event log at that config, rank 0, 30 steps: dispatch_bwd blocked 0.000 ms, queued->waited 5.0 ms; the
-other four exchanges 0.16-0.68 ms each). With that priced (`cost_model.ep.ep_alone(deferred_wgrad=True)`: the last
-dispatch-backward hidden up to one chunk's weight GEMMs, its busy-core wait not paid, its helper CPU paid; the split
-sizes exchanged under a capacity too), three runs (17:23-17:33 UTC, load 1.9-2.7): 2.6/8.4/22, 3.7/12.0/22,
-4.6/14.8/22; then with the locality form scheduled as EP is (the same deferral), three runs (17:36-17:46 UTC, load
-2.1-2.9): 2.5/7.9/22, 2.4/8.0/22, 3.6/8.8/22, each of their nine calibrations alone also 22/22 within 15 % (worst
-7.5-10.6 %). The committed JSON is the last of these. (One more run on the Lancet tree is left out: my own test runs
-shared the cores with it, load 3.3, one of its calibrations alone at 112 % median error.)
+History (2026-11-27; median |rel err| / worst / configs within 15 % per run). With the expert FFN's host figures from a
+vanishing-size layer (expert_overhead 0) and an isolated activation (act_cost 1.5 ns), every form was underpredicted
+(median signed error -7.8 %; five runs: all 22 within in 2). Then, each fix pricing what the runtime does: the FFN's
+figures from the kernel itself (`cost_model.calibrate_ffn`: 41-63 us per local expert, 2.7-4.1 ns per hidden
+element), the median of three calibrations at 5 x 5 steps, the row chain on the rows each op touches (a capacity's
+dropped assignments are gathered and combined: `host_time(routed=)`) and 21 blocks for the busy-core wait: nine runs,
+worst 10.3-23.1 %, all 22 within in 2; the miss mostly one of the smallest EP configs, overpriced in its exchanges.
+Every EP schedule defers the expert weight GEMMs into the dispatch-backward's flight (Lancet; event log at that
+config: dispatch_bwd blocked 0.000 ms, the other four exchanges 0.16-0.68 ms each); priced (`ep_alone(deferred_wgrad=
+True)`, the split sizes under a capacity too): 2.6/8.4/22, 3.7/12.0/22, 4.6/14.8/22; with the locality form
+scheduled as EP is: 2.5/7.9/22, 2.4/8.0/22, 3.6/8.8/22 (load 2.1-2.9; each of the nine calibrations alone 22/22,
+worst 7.5-10.6 %); the committed JSON is the last. One run that shared the cores with a test run (load 3.3) left out.
 
 Not measured: chunked all-to-all (moepass pipelines only the forward). Output: per config predicted / measured /
 error, Spearman's rho, the median |rel err|, the load; the JSON and a log-log plot (cost_fidelity.png).

@@ -3,10 +3,9 @@
     python -m cost_model.calibrate --out benchmarks/results/cost_profile.json   # the figures, same conditions
     python benchmarks/cost_fidelity.py                                          # 22 configs, ~1 min
 
-or both in one go, the calibration immediately before the measurement, after waiting (polling every
-60 s, up to 45 min) for the 1-minute load average to fall below 2.5 on these shared cores:
+or both in one go, after waiting (polling every 60 s, up to 45 min) for the 1-minute load average to fall below 2.5:
 
-    python benchmarks/cost_fidelity.py --calibrate --wait-load 2.5 [--calibrations 2]
+    python benchmarks/cost_fidelity.py --calibrate --wait-load 2.5 [--calibrations 3]
 
 (`--calibrations N`, default 3 with --calibrate: one calibration before the measurement and N-1 right after it;
 the configurations are priced with the figure-wise median of those profiles (`cost_model.calibrate_merge`), written

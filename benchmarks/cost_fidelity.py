@@ -96,7 +96,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -108,6 +107,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cost_fidelity_plot import plot, spearman  # noqa: E402
+from benchmarks.cost_fidelity_setup import calibrated_profile, hardware_of, measure_over_link  # noqa: E402
 from cost_model import calibrate_merge  # noqa: E402
 from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_formulas  # noqa: E402
@@ -240,14 +240,16 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
             "factor": float(factor), "gemm_flops": float(x["R"])}
 
 
-def _worker(rank: int, port: int, configs: tuple[Config, ...], rounds: int, steps: int, results, timeout_s: float):
+def rank_worker(rank: int, port: int | None, configs: tuple[Config, ...], rounds: int, steps: int, results,
+                timeout_s: float):
     import resource
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if port is not None:  # else set by `benchmarks.netns` in the rank's namespace
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=W, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         import moepass
@@ -343,7 +345,7 @@ def measure(configs: tuple[Config, ...], rounds: int = 3, steps: int = 3, timeou
     """Per config: every timed step (s, max over ranks) and both ranks' byte counters of one step."""
     from cost_model.calibrate import spawn_ranks
 
-    (out,) = spawn_ranks(_worker, (configs, rounds, steps), 1, "measurement", timeout_s, world=W)
+    (out,) = spawn_ranks(rank_worker, (configs, rounds, steps), 1, "measurement", timeout_s, world=W)
     return out
 
 
@@ -379,21 +381,6 @@ def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
     return rows
 
 
-def calibrated_profile() -> dict[str, Any]:
-    """One run of `cost_model.calibrate` (its full host set, no progress bar): the profile, not yet written."""
-    from cost_model import calibrate
-
-    return calibrate.calibrate(show_progress=False)
-
-
-def hardware_of(profile: dict[str, Any]) -> Hardware:
-    """`this_machine` on a profile held in memory (written to a temporary file for it to read)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "profile.json"
-        path.write_text(json.dumps(profile))
-        return this_machine(path)
-
-
 def error_summary(predicted: list[float], measured: list[float]) -> dict[str, Any]:
     """Median and worst |predicted - measured| / measured, and how many are within 15 %."""
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
@@ -425,11 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrations", type=int, default=3, metavar="N",
                         help="with --calibrate: N calibrations, one before the measurement and N-1 after it; "
                              "predictions use their figure-wise median (default 3)")
+    parser.add_argument("--link", metavar="RATE", help="the ranks in network namespaces joined by a tc-limited link "
+                        "of RATE, e.g. 1gbit (root; benchmarks/cost_fidelity_setup.py)")
     args = parser.parse_args(argv)
     if args.out is None:
         tag = "_".join(sorted(set(args.forms.split(","))))
-        default = "_".join(sorted(ALL_FORMS.split(",")))
-        args.out = RESULTS / ("cost_fidelity.json" if tag == default else f"cost_fidelity_{tag}.json")
+        tag = ("" if tag == "_".join(sorted(ALL_FORMS.split(","))) else f"_{tag}") + ("_link" if args.link else "")
+        args.out = RESULTS / f"cost_fidelity{tag}.json"
     if args.plot_only:
         saved = json.loads(args.out.read_text())
         plot(saved["configs"], args.out.with_suffix(".png"), saved["spearman"], saved["median_abs_rel_error"])
@@ -466,7 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load_before = os.getloadavg()
     t0 = time.time()
-    measured = measure(configs, args.rounds, args.steps)
+    link: dict[str, Any] | None = None
+    if args.link:
+        measured, link = measure_over_link(configs, args.rounds, args.steps, args.link)
+    else:
+        measured = measure(configs, args.rounds, args.steps)
     load_after = os.getloadavg()
     if profiles:  # the rest after the measurement; the configurations are priced with the median profile
         profiles += [calibrated_profile() for _ in range(args.calibrations - 1)]
@@ -476,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     shares = [cpu_share(profile, m.get("probe_s", [])) for m in measured]
     share_run = float(np.median([x for x in shares if x])) if any(shares) else None
     each_hw = [hardware_of(p) for p in profiles] if len(profiles) > 1 else []
+    if link is not None:  # the exchanges at the link's calibrated figures, everything else as calibrated
+        figures = {"alpha": link["alpha"], "intra_bw": link["bandwidth"], "inter_bw": link["bandwidth"],
+                   **{k: link[k] for k in ("xfer_byte_cost", "xfer_call_cost", "xfer_wait_byte_cost", "xfer_wait_call_cost")}}
+        hw, *each_hw = (h.with_figures(f"link {args.link}", **figures) for h in (hw, *each_hw))
     rows: list[dict[str, Any]] = []
     for c, m, share_c in zip(configs, measured, shares):
         hw_run = at_share(hw, share_c) if share_c else None
@@ -533,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     by_form_run = by_form_of("rel_error_at_run_share")
     by_form_alone = by_form_of("rel_error_without_helper_cpu")
     out = {
-        "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile),
+        "hardware": hw.name, "calibrated": hw.calibrated, "profile": str(args.profile), "link": link,
         "profile_created": profile.get("created"),
         "figures": {k: profile.get(k) for k in ("alpha", "bandwidth", "flops", "layer_overhead", "expert_overhead",
                                                 "row_cost", "act_cost", "restore_cost", "page_cost", "route_cost",

@@ -101,14 +101,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _a2a_worker(rank: int, port: int, sizes: Sequence[int], reps: int, results: Any, timeout_s: float) -> None:
-    """One gloo rank: time all_to_all_single per size; rank 0 reports (size, median of per-rep max)."""
+def a2a_worker(rank: int, port: int | None, sizes: Sequence[int], reps: int, results: Any, timeout_s: float) -> None:
+    """One gloo rank: time all_to_all_single per size; rank 0 reports (size, median of per-rep max). `port` None:
+    MASTER_ADDR / MASTER_PORT are already set (a rank in a network namespace, `benchmarks/netns.py`)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    if port is not None:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         for size in sizes:
@@ -361,7 +363,7 @@ def measure_a2a(
     sizes: Sequence[int], reps: int = 20, timeout_s: float = 60.0, progress: Any = None
 ) -> list[tuple[int, float]]:
     """[(input bytes per rank, seconds)] of gloo all_to_all_single at W=2, in spawned processes."""
-    timings = spawn_ranks(_a2a_worker, (tuple(sizes), reps), len(sizes), "all_to_all timing", timeout_s, progress)
+    timings = spawn_ranks(a2a_worker, (tuple(sizes), reps), len(sizes), "all_to_all timing", timeout_s, progress)
     return [(size, seconds) for _, size, seconds in timings]
 
 

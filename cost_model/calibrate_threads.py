@@ -79,7 +79,8 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def worker(rank: int, port: int, world: int, sizes: Sequence[int], reps: int, results: Any, timeout_s: float) -> None:
+def worker(rank: int, port: int | None, world: int, sizes: Sequence[int], reps: int, results: Any,
+           timeout_s: float) -> None:
     """One of `world` gloo ranks (`cost_model.calibrate.spawn_ranks` starts them): per size, the loop with and
     without the exchange; rank 0 reports per size (input bytes, helper CPU per exchange, wall gained per
     iteration, helper threads), each the max over the ranks."""
@@ -87,7 +88,8 @@ def worker(rank: int, port: int, world: int, sizes: Sequence[int], reps: int, re
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if port is not None:  # else set already (a rank in a network namespace, `benchmarks/netns.py`)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         main = threading.get_native_id()

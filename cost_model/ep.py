@@ -366,10 +366,17 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
     else:
         a2a, sent, bwd, link, t_a = 0, 0, bwd_compute, 0, 0
     # the transfer threads' CPU: dispatch and combine, forward and backward, n calls each, and the split sizes; the
-    # ranks wait among busy cores for all of them but the deferred dispatch-backward
-    calls, hidden = A2A_PER_LAYER * n + 1, (1 if deferred_wgrad else 0)
-    threads = exposed_thread_cpu(x, A2A_PER_LAYER * sent, calls,
-                                 waited=((A2A_PER_LAYER - hidden) * sent, calls - hidden * n)) if ep > 1 else 0
+    # ranks wait among busy cores for all of them but the deferred dispatch-backward, whose wait they pay only for
+    # what its chunk's weight GEMMs, after its link time, leave uncovered
+    threads: Any = 0
+    if ep > 1:
+        calls, hidden = A2A_PER_LAYER * n + 1, (1 if deferred_wgrad else 0)
+        t_cpu = exposed_thread_cpu(x, A2A_PER_LAYER * sent, calls, waited=(0, 0))
+        t_wait = exposed_thread_cpu(x, 0, 0, waited=((A2A_PER_LAYER - hidden) * sent, calls - hidden * n))
+        if deferred_wgrad:
+            one = exposed_thread_cpu(x, 0, 0, waited=(sent / n, 1))
+            t_wait = t_wait + n * smax(0, one - smax(0, fwd_compute / n - t_a))
+        threads = smax(t_cpu, t_wait)
     B = x["B_inter"] if cross_node_dp else x["B_intra"]
     grad_bytes = expert_params(x["E"], x["D"], x["F"], x["m"]) / ep * x["b_g"]
     expert_ar, expert_unit = bucketed_allreduce(grad_bytes, dp, B, x["alpha"], x.get("u"))

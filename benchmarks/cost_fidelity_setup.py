@@ -1,0 +1,121 @@
+"""Where a cost-fidelity run's priced machine comes from: this machine's calibrations (`calibrated_profile`, each
+priced alone through `hardware_of`) and, with `benchmarks/cost_fidelity.py --link RATE`, the link.
+
+`--link RATE`: the same measurement with the two ranks in network namespaces joined by
+one veth pair limited with `tc tbf` to RATE in each direction (`benchmarks.netns`, layout "one_node"; needs root):
+
+    python benchmarks/cost_fidelity.py --calibrate --link 1gbit     # writes results/cost_fidelity_link.json
+
+The model is priced as on the loopback (the same host calibrations) but for the exchanges: alpha and the bandwidth
+are the link's own, fitted (`cost_model.calibrate.fit_latency_rate`) to gloo `all_to_all_single` timed between the
+two namespaces (`cost_model.calibrate.a2a_worker`, the calibration's own benchmark), and so are the exchanges' helper
+CPU and busy-core wait (`cost_model.calibrate_threads`: all-to-alls between matmuls), right before and right after
+the configurations, each figure the mean of the two; the TCP probe's bytes per second is recorded beside them. Over the
+link the exchanges are a real share of each step, which the loopback's ~2 GB/s leaves small. This module is also
+the entry point each rank runs in its namespace (`main`: "a2a" or "measure", then its arguments as JSON; rank 0
+writes its result to $NETNS_RESULT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+WORLD = 2  # the fidelity's ranks
+# the figures calibrated over the link: the all-to-all's, and its helper threads' CPU and busy-core wait
+EXCHANGE_FIGURES = ("alpha", "bandwidth", "xfer_byte_cost", "xfer_call_cost", "xfer_wait_byte_cost",
+                    "xfer_wait_call_cost")
+
+
+def calibrated_profile() -> dict[str, Any]:
+    """One run of `cost_model.calibrate` (its full host set, no progress bar): the profile, not yet written."""
+    from cost_model import calibrate
+
+    return calibrate.calibrate(show_progress=False)
+
+
+def hardware_of(profile: dict[str, Any]) -> Any:
+    """`cost_model.presets.this_machine` on a profile held in memory (written to a temporary file for it to read)."""
+    from cost_model.presets import this_machine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.json"
+        path.write_text(json.dumps(profile))
+        return this_machine(path)
+
+
+def measure_over_link(configs: tuple[Any, ...], rounds: int, steps: int, rate: str,
+                      timeout_s: float = 900.0) -> tuple[list[dict], dict[str, Any]]:
+    """`cost_fidelity.measure` with the ranks in namespaces joined by a `rate` link: (per config measurement, the
+    link's settings with its calibrated `alpha` and `bandwidth` and the TCP `probe_bytes_per_s`)."""
+    from benchmarks.netns import Link, Namespaces
+    from cost_model import calibrate, calibrate_threads
+
+    def on_ranks(ns: Any, mode: str, spec: dict[str, Any]) -> Any:
+        runs = ns.run(lambda rank: [sys.executable, str(Path(__file__).resolve()), mode, json.dumps(spec)],
+                      timeout=timeout_s)
+        if runs[0].result is None:
+            raise RuntimeError(f"cost_fidelity over the link ({mode}): rank 0 wrote no result:\n"
+                               f"{runs[0].stdout}{runs[0].stderr}")
+        return runs[0].result
+
+    def link_figures(ns: Any) -> dict[str, float]:
+        timed = on_ranks(ns, "a2a", {"sizes": list(calibrate.FULL_SIZES), "reps": 20, "timeout_s": timeout_s})
+        sent = [size * (WORLD - 1) / WORLD for size, _ in timed]
+        alpha, bandwidth = calibrate.fit_latency_rate(sent, [seconds for _, seconds in timed])
+        samples = on_ranks(ns, "threads", {"sizes": list(calibrate_threads.SIZES), "reps": calibrate_threads.REPS,
+                                           "timeout_s": timeout_s})
+        threads = calibrate_threads.figures([tuple(x) for x in samples], WORLD, alpha, bandwidth)
+        return {"alpha": alpha, "bandwidth": bandwidth, **{k: threads[k] for k in EXCHANGE_FIGURES[2:]}}
+
+    spec = {"configs": [asdict(c) for c in configs], "rounds": rounds, "steps": steps, "timeout_s": timeout_s}
+    with Namespaces(WORLD, "one_node", Link(rate=rate), prefix="cfid") as ns:
+        probe = ns.probe()
+        before = link_figures(ns)
+        measured = on_ranks(ns, "measure", spec)
+        after = link_figures(ns)
+        settings = {**ns.settings(), "probe_bytes_per_s": probe, "before_after": [before, after],
+                    **{k: (before[k] + after[k]) / 2 for k in EXCHANGE_FIGURES}}
+    return measured, settings
+
+
+def main(argv: list[str]) -> int:
+    """One rank of `measure_over_link` in its namespace (MASTER_ADDR, RANK, GLOO_SOCKET_IFNAME set by netns):
+    `argv` = ["a2a" | "measure", its arguments as JSON]."""
+    mode, spec = argv[0], json.loads(argv[1])
+    collected: list[Any] = []
+
+    class Sink:
+        put = staticmethod(collected.append)
+
+    rank = int(os.environ["RANK"])
+    if mode == "a2a":
+        from cost_model.calibrate import a2a_worker
+
+        a2a_worker(rank, None, spec["sizes"], spec["reps"], Sink(), spec["timeout_s"])
+        result: Any = [(size, seconds) for _, size, seconds in collected]
+    elif mode == "threads":
+        from cost_model import calibrate_threads
+
+        calibrate_threads.worker(rank, None, WORLD, spec["sizes"], spec["reps"], Sink(), spec["timeout_s"])
+        result = collected
+    else:
+        from benchmarks import cost_fidelity as bench
+
+        configs = tuple(bench.Config(**c) for c in spec["configs"])
+        bench.rank_worker(rank, None, configs, spec["rounds"], spec["steps"], Sink(), spec["timeout_s"])
+        result = collected[0] if collected else None
+    if rank == 0:
+        Path(os.environ["NETNS_RESULT"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -82,7 +82,8 @@ Every EP schedule defers the expert weight GEMMs into the dispatch-backward's fl
 config: dispatch_bwd blocked 0.000 ms, the other four exchanges 0.16-0.68 ms each); priced (`ep_alone(deferred_wgrad=
 True)`, the split sizes under a capacity too): 2.6/8.4/22, 3.7/12.0/22, 4.6/14.8/22; with the locality form
 scheduled as EP is: 2.5/7.9/22, 2.4/8.0/22, 3.6/8.8/22 (load 2.1-2.9; each of the nine calibrations alone 22/22,
-worst 7.5-10.6 %); the committed JSON is the last. One run that shared the cores with a test run (load 3.3) left out.
+worst 7.5-10.6 %). One run that shared the cores with a test run (load 3.3) left out. The committed JSON is the run
+after the link pricing (`--link`, benchmarks/cost_fidelity_setup.py), 18:13 UTC: 1.9/9.7/22.
 
 Not measured: chunked all-to-all (moepass pipelines only the forward). Output: per config predicted / measured /
 error, Spearman's rho, the median |rel err|, the load; the JSON and a log-log plot (cost_fidelity.png).

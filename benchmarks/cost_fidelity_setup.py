@@ -12,8 +12,15 @@ two namespaces (`cost_model.calibrate.a2a_worker`, the calibration's own benchma
 CPU and busy-core wait (`cost_model.calibrate_threads`: all-to-alls between matmuls), right before and right after
 the configurations, each figure the mean of the two; the TCP probe's bytes per second is recorded beside them. Over the
 link the exchanges are a real share of each step, which the loopback's ~2 GB/s leaves small. This module is also
-the entry point each rank runs in its namespace (`main`: "a2a" or "measure", then its arguments as JSON; rank 0
-writes its result to $NETNS_RESULT).
+the entry point each rank runs in its namespace (`main`: "a2a", "threads" or "measure", then its arguments as JSON;
+rank 0 writes its result to $NETNS_RESULT).
+
+2026-11-27, 1 Gbit (tbf 125 MB/s, TCP probe 120 MB/s; over the link gloo's all-to-all fits alpha ~71 us and
+134-170 MB/s, its busy-core wait ~9 ns per byte against ~0.1-0.2 on the loopback): a first run priced the deferred
+dispatch-backward as always hidden and read EP at -8 to -15.5 % (FSEP, HP, locality within 13 %): over the link its
+transfer outlasts the weight GEMMs it flies behind. With the uncovered part of its wait paid
+(`cost_model.ep.ep_alone`), the next run (18:09 UTC, load 1.6-2.5): median |rel err| 3.8 %, worst 11.1 %, 22/22
+within 15 %, each of its three host calibrations alone 22/22 (results/cost_fidelity_link.json).
 """
 
 from __future__ import annotations

@@ -339,12 +339,12 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
              deferred_wgrad: bool = True) -> tuple[LayerTerms, BackwardLink]:
     """One EP layer alone on its links (no all-reduce: other_comm 0) and what its backward puts on the link.
 
-    `deferred_wgrad` (Lancet, `moepass.schedule.defer_weight_grads`, which the EP and locality schedules apply): each chunk's
-    weight-gradient GEMMs (one per forward GEMM, the forward's FLOPs) run while its dispatch-backward all-to-all is
-    in flight, so the backward pipeline's last exchange hides behind them (at most one chunk's weight GEMMs' worth;
-    never below the link's own 2 n t_a) and the ranks do not block on it: its busy-core wait is not paid, its helper
-    threads' CPU is. Both directions exchange the split sizes first (a small all-to-all): a capacity's kept rows per
-    destination vary as a dropless layer's do."""
+    `deferred_wgrad` (Lancet, `moepass.schedule.defer_weight_grads`, applied by the EP and locality schedules): each
+    chunk's weight-gradient GEMMs (one per forward GEMM, the forward's FLOPs) run while its dispatch-backward
+    all-to-all is in flight, so the backward pipeline's last exchange hides behind them (at most one chunk's weight
+    GEMMs' worth; never below the link's own 2 n t_a); its helper threads' CPU is paid, its busy-core wait only for
+    what those GEMMs leave uncovered after its link time. Both directions exchange the split sizes first (a small
+    all-to-all): a capacity's kept rows per destination vary as a dropless layer's do."""
     from cost_model.schedule import pipeline_time
 
     factor = (x["rho"] if dropless else x["c_f"]) * x.get("phi", 1)  # rows over T*K: FFN share, skew or padding

@@ -20,6 +20,10 @@ range, the machine load (os.getloadavg) and, on CUDA, the device and the host (e
 CPU: one thread (torch.set_num_threads(1)). `--profile` adds counts per step that do not depend on the load
 (`step_counts`): dispatcher ops (aten, custom), backward nodes, `aten::_local_scalar_dense` (host reads of a
 tensor; on CUDA each waits for the device), CUDA synchronize calls, Python calls, minor page faults.
+`--grads set_to_none` starts every step with no `.grad` (a training loop's `zero_grad()`), the default accumulates
+into it (gradient accumulation); the loop sample, 2026-11-27, 5 rounds, load 1.0-1.3: 0.997 [0.979, 1.043] with none,
+1.039 [1.011, 1.056] accumulating (its stacked [E, F, D] weight gradients, 12 MiB written and read back per step, are
+added into per-expert `.grad`s beyond the 1 MiB L2; the original adds each expert's 512 KB gradient while still warm).
 Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
 
 Profile (CPU, torch 2.13, 1 thread; tiny size, per forward+backward step, original | moepass before -> after;
@@ -154,30 +158,34 @@ def output(y) -> torch.Tensor:
     return y[0] if isinstance(y, tuple) else y
 
 
-def step(block: nn.Module, x: torch.Tensor, probe: torch.Tensor) -> None:
+def step(block: nn.Module, x: torch.Tensor, probe: torch.Tensor, set_to_none: bool = False) -> None:
+    """One forward+backward; the parameters' gradients accumulate into `.grad` (gradient accumulation), or with
+    `set_to_none` start from none (`zero_grad(set_to_none=True)` first: the default training step)."""
+    if set_to_none:
+        block.zero_grad(set_to_none=True)
     x.grad = None
     (output(block(x)) * probe).sum().backward()
 
 
-def time_steps(block, x, probe, iters: int, device: torch.device) -> float:
+def time_steps(block, x, probe, iters: int, device: torch.device, set_to_none: bool = False) -> float:
     """Median seconds of one forward+backward over `iters` steps."""
     times = []
     for _ in range(iters):
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            step(block, x, probe)
+            step(block, x, probe, set_to_none)
             end.record()
             end.synchronize()
             times.append(begin.elapsed_time(end) / 1e3)
         else:
             start = time.perf_counter()
-            step(block, x, probe)
+            step(block, x, probe, set_to_none)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def host_seconds(block, x, probe, iters: int, device: torch.device) -> float:
+def host_seconds(block, x, probe, iters: int, device: torch.device, set_to_none: bool = False) -> float:
     """Median host seconds to issue one forward+backward (on CUDA: the device drained before each step, not
     waited for after it, so this is the enqueue time; on CPU it is the step)."""
     times = []
@@ -185,7 +193,7 @@ def host_seconds(block, x, probe, iters: int, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        step(block, x, probe)
+        step(block, x, probe, set_to_none)
         times.append(time.perf_counter() - start)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -195,7 +203,7 @@ def host_seconds(block, x, probe, iters: int, device: torch.device) -> float:
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, float]:
+def step_counts(block, x, probe, steps: int, device: torch.device, set_to_none: bool = False) -> dict[str, float]:
     """Per forward+backward step, figures that do not depend on the machine's load:
     `ops` every dispatcher op (aten and custom), `aten_ops`, `custom_ops` (moe::, moe_lowered::, ...),
     `autograd_nodes` backward nodes run, `item` aten::_local_scalar_dense (a tensor read on the host:
@@ -207,14 +215,14 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
-            step(block, x, probe)
+            step(block, x, probe, set_to_none)
         if device.type == "cuda":
             torch.cuda.synchronize()
     names = Counter(e.name for e in prof.events())
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
-        step(block, x, probe)
+        step(block, x, probe, set_to_none)
     profiler.disable()
     stats = pstats.Stats(profiler)
     python_calls = stats.total_calls  # type: ignore[attr-defined]
@@ -225,7 +233,7 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
         by_function[f"{Path(filename).name}:{function}"] += calls
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
-        step(block, x, probe)
+        step(block, x, probe, set_to_none)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     aten = sum(n for name, n in names.items() if name.startswith("aten::"))
     custom = sum(n for name, n in names.items() if "::" in name and name.split("::")[0] in ("moe", "moe_lowered",
@@ -244,7 +252,7 @@ def step_counts(block, x, probe, steps: int, device: torch.device) -> dict[str, 
 
 
 def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, size: Size,
-            rounds: int, iters: int, warmup: int, profile: bool) -> dict:
+            rounds: int, iters: int, warmup: int, profile: bool, set_to_none: bool = False) -> dict:
     torch.manual_seed(0)
     x = torch.randn(size.seqs, size.tokens // size.seqs, size.D, generator=torch.Generator().manual_seed(1))
     x = x.to(device, dtype).requires_grad_(True)
@@ -263,15 +271,15 @@ def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtyp
         probe = torch.randn(output(original(x)).shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     for block in (original, compiled):
         for _ in range(warmup):
-            step(block, x, probe)
+            step(block, x, probe, set_to_none)
     per_round, host_rounds = [], []
     for r in range(rounds):
         order = [("original", original), ("moepass", compiled)]
         if r % 2:
             order.reverse()
-        per_round.append({label: time_steps(block, x, probe, iters, device) for label, block in order})
+        per_round.append({label: time_steps(block, x, probe, iters, device, set_to_none) for label, block in order})
         if device.type == "cuda":
-            host_rounds.append({label: host_seconds(block, x, probe, iters, device) for label, block in order})
+            host_rounds.append({label: host_seconds(block, x, probe, iters, device, set_to_none) for label, block in order})
     ratios = [f["moepass"] / f["original"] for f in per_round]
     lowered = sorted({kernel for gm in compiled.moepass_info.rewritten.values() for h in gm.history
                       if h["pass"] == "lower" for kernel in (h.get("stats") or {}).get("lowered", [])})
@@ -287,7 +295,7 @@ def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtyp
     if host_rounds:
         row["host_ms"] = {side: statistics.median(f[side] for f in host_rounds) * 1e3 for side in ("original", "moepass")}
     if profile:
-        row["per_step"] = {label: step_counts(block, x, probe, 5, device)
+        row["per_step"] = {label: step_counts(block, x, probe, 5, device, set_to_none)
                            for label, block in (("original", original), ("moepass", compiled))}
     return row
 
@@ -325,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny size only (--sizes tiny): host overhead")
     parser.add_argument("--profile", action="store_true",
                         help="also count ops, host reads/syncs and Python calls per step (torch.profiler, cProfile)")
+    parser.add_argument("--grads", choices=["accumulate", "set_to_none"], default="accumulate",
+                        help="the parameters' .grad between steps: accumulated (default), or set to None before each "
+                             "step (zero_grad's default in a training loop)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -336,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
-            "iters": args.iters, "sizes": {name: asdict(SIZES[name]) for name in sizes}}
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}.json")
+            "iters": args.iters, "grads": args.grads, "sizes": {name: asdict(SIZES[name]) for name in sizes}}
+    suffix = "" if args.grads == "accumulate" else "_set_to_none"
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for size_name in sizes:
@@ -350,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 try:
                     row = measure(name, make, device, dtype, size, args.rounds, args.iters or size.iters, args.warmup,
-                                  args.profile)
+                                  args.profile, args.grads == "set_to_none")
                 except Exception as err:  # one case's failure is its row, the others still run
                     row = {"case": name, "dtype": str(dtype).removeprefix("torch."),
                            "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}

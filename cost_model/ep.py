@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import sympy
 
-from cost_model.helper_cpu import exposed_thread_cpu
+from cost_model.helper_cpu import thread_cpu, thread_figures
 from cost_model.symbols import smax, smin, spositive
 
 FWD_BWD = 3  # backward costs twice the forward: d(input) and d(weight) GEMMs
@@ -369,14 +369,14 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
     # ranks wait among busy cores for all of them but the deferred dispatch-backward, whose wait they pay only for
     # what its chunk's weight GEMMs, after its link time, leave uncovered
     threads: Any = 0
-    if ep > 1:
+    figures = thread_figures(x) if ep > 1 else None
+    if figures is not None:
+        c_xb, c_xc, c_wb, c_wc = figures
         calls, hidden = A2A_PER_LAYER * n + 1, (1 if deferred_wgrad else 0)
-        t_cpu = exposed_thread_cpu(x, A2A_PER_LAYER * sent, calls, waited=(0, 0))
-        t_wait = exposed_thread_cpu(x, 0, 0, waited=((A2A_PER_LAYER - hidden) * sent, calls - hidden * n))
+        t_wait = thread_cpu((A2A_PER_LAYER - hidden) * sent, calls - hidden * n, c_wb, c_wc)
         if deferred_wgrad:
-            one = exposed_thread_cpu(x, 0, 0, waited=(sent / n, 1))
-            t_wait = t_wait + n * smax(0, one - smax(0, fwd_compute / n - t_a))
-        threads = smax(t_cpu, t_wait)
+            t_wait += n * smax(0, thread_cpu(sent / n, 1, c_wb, c_wc) - smax(0, fwd_compute / n - t_a))
+        threads = smax(thread_cpu(A2A_PER_LAYER * sent, calls, c_xb, c_xc), t_wait)
     B = x["B_inter"] if cross_node_dp else x["B_intra"]
     grad_bytes = expert_params(x["E"], x["D"], x["F"], x["m"]) / ep * x["b_g"]
     expert_ar, expert_unit = bucketed_allreduce(grad_bytes, dp, B, x["alpha"], x.get("u"))

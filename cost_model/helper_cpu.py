@@ -63,22 +63,26 @@ def planner_cpu(W: Any, E: Any, c_plan: Any, c_plan_e: Any) -> Any:
     return c_plan + c_plan_e * W * E
 
 
-def exposed_thread_cpu(x: dict[str, Any], sent_bytes: Any, exchanges: Any, other: Any = 0,
-                       waited: tuple[Any, Any] | None = None) -> Any:
-    """The helper-thread time added to a step's critical path (module doc): max(`thread_cpu`, the busy-core wait)
-    of the step's `sent_bytes` and `exchanges`, plus `other` seconds of helper-thread CPU (FSEP's planner,
-    `planner_cpu`), when the node is oversubscribed (x's n_rank, default G, n_help and n_core), else 0.
-    `waited`: (bytes, exchanges) of the exchanges the ranks block on, when some fly behind compute (Lancet's
-    deferred dispatch-backward): the busy-core wait of those only; the helper CPU of all."""
-    figures = [x.get(k, 0) for k in ("c_xb", "c_xc", "c_wb", "c_wc")]
+def thread_figures(x: dict[str, Any], other: Any = 0) -> tuple[Any, Any, Any, Any] | None:
+    """(c_xb, c_xc, c_wb, c_wc) when the helper threads' time reaches the critical path (module doc): the node is
+    oversubscribed (x's n_rank, default G, n_help and n_core) and a figure or `other` is not 0; else None."""
+    figures = tuple(x.get(k, 0) for k in ("c_xb", "c_xc", "c_wb", "c_wc"))
     if all(f == 0 for f in (*figures, other)):  # numbers or sympy zero (structural ==: no symbol is 0)
-        return 0
+        return None
     layout = [x.get("n_rank", x.get("G", 1)), x.get("n_help", 0), x.get("n_core", 0) or 0]
     if any(isinstance(v, sympy.Basic) and not v.is_number for v in layout):
-        return 0  # ranks, threads or cores in symbols: a discrete choice of the plan, priced with numbers only
+        return None  # ranks, threads or cores in symbols: a discrete choice of the plan, priced with numbers only
     if not oversubscribed(*(float(v) for v in layout)):
+        return None
+    return figures  # type: ignore[return-value]
+
+
+def exposed_thread_cpu(x: dict[str, Any], sent_bytes: Any, exchanges: Any, other: Any = 0) -> Any:
+    """The helper-thread time added to a step's critical path (module doc): max(`thread_cpu`, the busy-core wait)
+    of the step's `sent_bytes` and `exchanges`, plus `other` seconds of helper-thread CPU (FSEP's planner,
+    `planner_cpu`), when `thread_figures` says it counts, else 0."""
+    figures = thread_figures(x, other)
+    if figures is None:
         return 0
     c_xb, c_xc, c_wb, c_wc = figures
-    waited_bytes, waited_exchanges = (sent_bytes, exchanges) if waited is None else waited
-    return smax(thread_cpu(sent_bytes, exchanges, c_xb, c_xc),
-                thread_cpu(waited_bytes, waited_exchanges, c_wb, c_wc)) + other
+    return smax(thread_cpu(sent_bytes, exchanges, c_xb, c_xc), thread_cpu(sent_bytes, exchanges, c_wb, c_wc)) + other

@@ -108,7 +108,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cost_fidelity_plot import plot, spearman  # noqa: E402
-from benchmarks.cost_fidelity_setup import calibrated_profile, hardware_of, measure_over_link  # noqa: E402
+from benchmarks.cost_fidelity_setup import calibrated_profile, measure_over_link, on_link  # noqa: E402
 from cost_model import calibrate_merge  # noqa: E402
 from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_formulas  # noqa: E402
@@ -382,9 +382,9 @@ def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
     return rows
 
 
-def error_summary(predicted: list[float], measured: list[float]) -> dict[str, Any]:
-    """Median and worst |predicted - measured| / measured, and how many are within 15 %."""
-    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+def error_summary(errors: list[float]) -> dict[str, Any]:
+    """Median and worst of |relative errors|, and how many are within 15 %."""
+    errors = [abs(e) for e in errors]
     return {"median_abs_rel_error": float(np.median(errors)), "worst_abs_rel_error": max(errors),
             "within_15pct": sum(e <= 0.15 for e in errors)}
 
@@ -469,11 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     profile = json.loads(args.profile.read_text())
     shares = [cpu_share(profile, m.get("probe_s", [])) for m in measured]
     share_run = float(np.median([x for x in shares if x])) if any(shares) else None
-    each_hw = [hardware_of(p) for p in profiles] if len(profiles) > 1 else []
-    if link is not None:  # the exchanges at the link's calibrated figures, everything else as calibrated
-        figures = {"alpha": link["alpha"], "intra_bw": link["bandwidth"], "inter_bw": link["bandwidth"],
-                   **{k: link[k] for k in ("xfer_byte_cost", "xfer_call_cost", "xfer_wait_byte_cost", "xfer_wait_call_cost")}}
-        hw, *each_hw = (h.with_figures(f"link {args.link}", **figures) for h in (hw, *each_hw))
+    each_hw = [this_machine(p) for p in profiles] if len(profiles) > 1 else []
+    if link is not None:
+        hw, *each_hw = (on_link(h, link) for h in (hw, *each_hw))
     rows: list[dict[str, Any]] = []
     for c, m, share_c in zip(configs, measured, shares):
         hw_run = at_share(hw, share_c) if share_c else None
@@ -521,10 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     def by_form_of(key: str) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for form in dict.fromkeys(r["config"]["form"] for r in rows):
-            errs = [abs(r[key]) for r in rows if r["config"]["form"] == form and key in r]
+            errs = [r[key] for r in rows if r["config"]["form"] == form and key in r]
             if errs:
-                out[form] = {"configs": len(errs), "median_abs_rel_error": float(np.median(errs)),
-                             "worst_abs_rel_error": max(errs), "within_15pct": sum(e <= 0.15 for e in errs)}
+                out[form] = {"configs": len(errs), **error_summary(errs)}
         return out
 
     by_form = by_form_of("rel_error")
@@ -554,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     if each_hw:
         out["calibrations"] = [
             {"created": p.get("created"), "load_average": p.get("load_average"),
-             "figures": {k: p.get(k) for k in out["figures"]}, **error_summary(
-                 [r["predicted_by_calibration"][i] for r in rows], meas_s)}
+             "figures": {k: p.get(k) for k in out["figures"]},
+             **error_summary([(r["predicted_by_calibration"][i] - m) / m for r, m in zip(rows, meas_s)])}
             for i, p in enumerate(profiles)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

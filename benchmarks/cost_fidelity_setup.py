@@ -1,5 +1,5 @@
-"""Where a cost-fidelity run's priced machine comes from: this machine's calibrations (`calibrated_profile`, each
-priced alone through `hardware_of`) and, with `benchmarks/cost_fidelity.py --link RATE`, the link.
+"""Where a cost-fidelity run's priced machine comes from: this machine's calibrations (`calibrated_profile`) and, with
+`benchmarks/cost_fidelity.py --link RATE`, the link (`measure_over_link`, `on_link`).
 
 `--link RATE`: the same measurement with the two ranks in network namespaces joined by
 one veth pair limited with `tc tbf` to RATE in each direction (`benchmarks.netns`, layout "one_node"; needs root):
@@ -7,7 +7,7 @@ one veth pair limited with `tc tbf` to RATE in each direction (`benchmarks.netns
     python benchmarks/cost_fidelity.py --calibrate --link 1gbit     # writes results/cost_fidelity_link.json
 
 The model is priced as on the loopback (the same host calibrations) but for the exchanges: alpha and the bandwidth
-are the link's own, fitted (`cost_model.calibrate.fit_latency_rate`) to gloo `all_to_all_single` timed between the
+are the link's own, fitted (`cost_model.calibrate.a2a_figures`) to gloo `all_to_all_single` timed between the
 two namespaces (`cost_model.calibrate.a2a_worker`, the calibration's own benchmark), and so are the exchanges' helper
 CPU and busy-core wait (`cost_model.calibrate_threads`: all-to-alls between matmuls), right before and right after
 the configurations, each figure the mean of the two; the TCP probe's bytes per second is recorded beside them. Over the
@@ -28,14 +28,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-WORLD = 2  # the fidelity's ranks
+
+from cost_model.calibrate import WORLD  # noqa: E402  (the fidelity's ranks, as the calibration's)
+
 # the figures calibrated over the link: the all-to-all's, and its helper threads' CPU and busy-core wait
 EXCHANGE_FIGURES = ("alpha", "bandwidth", "xfer_byte_cost", "xfer_call_cost", "xfer_wait_byte_cost",
                     "xfer_wait_call_cost")
@@ -46,16 +47,6 @@ def calibrated_profile() -> dict[str, Any]:
     from cost_model import calibrate
 
     return calibrate.calibrate(show_progress=False)
-
-
-def hardware_of(profile: dict[str, Any]) -> Any:
-    """`cost_model.presets.this_machine` on a profile held in memory (written to a temporary file for it to read)."""
-    from cost_model.presets import this_machine
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "profile.json"
-        path.write_text(json.dumps(profile))
-        return this_machine(path)
 
 
 def measure_over_link(configs: tuple[Any, ...], rounds: int, steps: int, rate: str,
@@ -75,8 +66,7 @@ def measure_over_link(configs: tuple[Any, ...], rounds: int, steps: int, rate: s
 
     def link_figures(ns: Any) -> dict[str, float]:
         timed = on_ranks(ns, "a2a", {"sizes": list(calibrate.FULL_SIZES), "reps": 20, "timeout_s": timeout_s})
-        sent = [size * (WORLD - 1) / WORLD for size, _ in timed]
-        alpha, bandwidth = calibrate.fit_latency_rate(sent, [seconds for _, seconds in timed])
+        alpha, bandwidth = calibrate.a2a_figures(timed)
         samples = on_ranks(ns, "threads", {"sizes": list(calibrate_threads.SIZES), "reps": calibrate_threads.REPS,
                                            "timeout_s": timeout_s})
         threads = calibrate_threads.figures([tuple(x) for x in samples], WORLD, alpha, bandwidth)
@@ -91,6 +81,14 @@ def measure_over_link(configs: tuple[Any, ...], rounds: int, steps: int, rate: s
         settings = {**ns.settings(), "probe_bytes_per_s": probe, "before_after": [before, after],
                     **{k: (before[k] + after[k]) / 2 for k in EXCHANGE_FIGURES}}
     return measured, settings
+
+
+def on_link(hw: Any, link: dict[str, Any]) -> Any:
+    """`hw` with the exchange figures `measure_over_link` calibrated over the link (`EXCHANGE_FIGURES`; its bandwidth
+    for both the intra- and inter-node link), everything else as it was."""
+    alpha, bandwidth, *threads = EXCHANGE_FIGURES
+    return hw.with_figures(f"link {link['rate']}", alpha=link[alpha], intra_bw=link[bandwidth], inter_bw=link[bandwidth],
+                           **{k: link[k] for k in threads})
 
 
 def main(argv: list[str]) -> int:

@@ -101,6 +101,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def sent_bytes(input_bytes: float) -> float:
+    """What one of WORLD ranks sends the others in an all_to_all_single of `input_bytes` (its own slice stays)."""
+    return input_bytes * (WORLD - 1) / WORLD
+
+
+def a2a_figures(timings: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(alpha, bandwidth) of t = alpha + sent bytes / bandwidth over [(input bytes per rank, seconds)]."""
+    return fit_latency_rate([sent_bytes(size) for size, _ in timings], [seconds for _, seconds in timings])
+
+
 def a2a_worker(rank: int, port: int | None, sizes: Sequence[int], reps: int, results: Any, timeout_s: float) -> None:
     """One gloo rank: time all_to_all_single per size; rank 0 reports (size, median of per-rep max). `port` None:
     MASTER_ADDR / MASTER_PORT are already set (a rank in a network namespace, `benchmarks/netns.py`)."""
@@ -230,7 +240,9 @@ def _host_worker(rank: int, port: int, matmul_sizes: Sequence[int], row_sizes: S
             times.append([(t1 - t0) / inner, (time.perf_counter() - t1) / max(inner_ref, 1)])
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        value = slowest[:, 0] if ref is None else slowest[:, 0] - slowest[:, 1] if excess else slowest[:, 0] / slowest[:, 1]
+        value = slowest[:, 0]
+        if ref is not None:
+            value = value - slowest[:, 1] if excess else value / slowest[:, 1]
         if rank == 0:
             results.put((kind, size, float(value.median())))
 
@@ -425,8 +437,7 @@ def calibrate(
         )
         threads = spawn_ranks(calibrate_threads.worker, (WORLD, calibrate_threads.SIZES, calibrate_threads.REPS),
                               len(calibrate_threads.SIZES), "helper-thread timing", timeout_s, bar) if host else []
-    sent = [size * (WORLD - 1) / WORLD for size, _ in a2a]
-    alpha, bandwidth = fit_latency_rate(sent, [s for _, s in a2a])
+    alpha, bandwidth = a2a_figures(a2a)
     _, flops_one = fit_latency_rate([2.0 * n**3 for n, _ in mm], [s for _, s in mm])
     flops = flops_one
     extra: dict[str, Any] = {"flops_one_process": flops_one}
@@ -485,7 +496,7 @@ def calibrate(
         },
         "load_average": list(os.getloadavg()),
         "samples": {
-            "a2a": [{"input_bytes": s, "sent_bytes": b, "seconds": t} for (s, t), b in zip(a2a, sent)],
+            "a2a": [{"input_bytes": s, "sent_bytes": sent_bytes(s), "seconds": t} for s, t in a2a],
             "matmul_one_process": [{"n": n, "seconds": t, "flops": 2.0 * n**3 / t} for n, t in mm],
             **(
                 {}

@@ -202,12 +202,18 @@ ASCEND_910A = gpu_preset(
 _UNCALIBRATED = "uncalibrated conservative default (run `python -m moepass calibrate`)"
 
 
-def this_machine(profile: str | os.PathLike[str] | None = None) -> Hardware:
-    """This machine's figures from a calibration profile (gloo, CPU), else uncalibrated defaults."""
-    path = Path(profile) if profile is not None else DEFAULT_PROFILE
+def this_machine(profile: str | os.PathLike[str] | dict[str, Any] | None = None) -> Hardware:
+    """This machine's figures from a calibration profile (gloo, CPU): a file, or one held in memory (a dict as
+    `cost_model.calibrate.calibrate` returns it); else uncalibrated defaults."""
     data: dict[str, Any] | None = None
-    if path.is_file():
-        data = json.loads(path.read_text())
+    path: str | Path = "a profile in memory"  # where the figures come from, as their sources name it
+    if isinstance(profile, dict):
+        data = profile
+    else:
+        file = Path(profile) if profile is not None else DEFAULT_PROFILE
+        path = file
+        if file.is_file():
+            data = json.loads(file.read_text())
     if data is None:
         if profile is not None:
             raise FileNotFoundError(f"calibration profile {path} not found; run `python -m moepass calibrate`")

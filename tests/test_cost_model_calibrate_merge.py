@@ -28,6 +28,7 @@ def test_each_figure_is_the_median_over_the_calibrations(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(merged))
     assert float(this_machine(path).alpha) == 2e-4
+    assert this_machine(merged).values() == this_machine(path).values()  # a profile held in memory reads the same
     assert runs[0]["alpha"] == 1e-4 and "merged_from" not in runs[0]  # the inputs are not changed
 
 

@@ -115,7 +115,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("locality", "locality.py", "LocMoE locality routing vs the switch router (issue 16)",
               quick=("--steps", "200", "--data", "domain"), netns=True, fallback=("--no-netns",),
               note="quick: the full run's model and link, 200 of its 400 steps, data 'domain' only (the goal's)"),
-    Benchmark("cost_fidelity", "cost_fidelity.py", "cost model: predicted vs measured EP layer time",
+    Benchmark("cost_fidelity", "cost_fidelity.py", "cost model: predicted vs measured step time (EP, FSEP, HP, locality, Lina)",
               always=("--calibrate", "--profile", "{out}/cost_profile.json"),
               quick=("--rounds", "2", "--steps", "2", "--calibrations", "1"),
               note="this machine calibrated before and after the measurement, into the output folder (a prediction "

@@ -1,7 +1,7 @@
-"""Cost-model fidelity: predicted vs measured EP, FSEP, HP and locality layer time on this machine (W=2, gloo).
+"""Cost-model fidelity: predicted vs measured EP, FSEP, HP, locality and Lina step time on this machine (W=2, gloo).
 
     python -m cost_model.calibrate --out benchmarks/results/cost_profile.json   # the figures, same conditions
-    python benchmarks/cost_fidelity.py                                          # 22 configs, ~1 min
+    python benchmarks/cost_fidelity.py                                          # 26 configs, ~2 min
 
 or both in one go, after waiting (polling every 60 s, up to 45 min) for the 1-minute load average to fall below 2.5:
 
@@ -37,7 +37,13 @@ HP (`--forms hp`): the block converted by `Plan(form="hp")` to a Multi-Head Late
 Locality (`--forms locality`): top-1 configs compiled with `Plan(form="locality", gate="learned", mu=...)` on
 `Topology(2, 1)` (the two ranks as two one-rank nodes; loopback, so the inter-node figure is the calibrated
 all-to-all's), predicted by `ep_layer` as a capacity form with the kept fraction read from the counters.
-Lina's schedule is not measured here (a bare layer at ep = W = 2 has no expert gradient all-reduce to order).
+Lina (`--forms lina`, `benchmarks/cost_fidelity_lina.py`): a bare layer at ep = W = 2 has no gradient all-reduce to
+order, so these configs are two layers of a dense part (four D x D projections) and the EP block in
+`moepass.DataParallel`: the dense gradients all-reduced in micro-ops of u bytes during the backward under the priority
+rule, and, the control, launched when ready ("fair" in the table). Priced by `ep_step` over the layers, each with its
+own routing factor (read per layer from the model as built: the counters sum the layers), plus the dense GEMMs; the
+all-reduce at its own calibrated figures (`cost_model.calibrate_allreduce`; gloo's all-reduce here is 5-10x slower
+per call than its all-to-all) and each micro-op a collective call on the helper threads.
 `by_form`: per form the median and worst |rel err| and how many within 15 %; --forms (a subset) writes
 cost_fidelity_<forms>.json.
 
@@ -48,10 +54,9 @@ of the other compute, half of the exchanges, FSEP's weight restore, the helper C
 `rel_error_fwd` / `rel_error_bwd` say which phase a config's error is in. `cpu_s` / `fwd_cpu_s` / `bwd_cpu_s`: the
 calling thread's CPU time (max over the ranks); wall minus CPU is time a rank waited (at an exchange, for a core).
 
-Page faults: an untimed step after each round's timed steps counts the thread's minor page faults (max over the
-ranks); their median is the model's n_f (`page_faults_counting_step`) at the calibrated `page_cost`; the timed steps'
-count (`page_faults`) is a check only. It follows the allocator's state, not the config (one HP config: 11,489 faults
-per step in one run, 0 in the next).
+Page faults: an untimed step after each round's timed steps counts the thread's minor page faults (max over the ranks);
+their median is the model's n_f (`page_faults_counting_step`) at the calibrated `page_cost`; the timed steps' count
+(`page_faults`) is a check only: it follows the allocator's state (one HP config: 11,489 per step in one run, 0 next).
 
 Helper threads: with the calibrated figures the CPU terms are within a few % of the ranks' main-thread CPU
 (`cpu_s`); the ranks' other threads take cores too (gloo's transfer threads 1-5 ms per step under EP, 5-11 ms under
@@ -82,11 +87,14 @@ Every EP schedule defers the expert weight GEMMs into the dispatch-backward's fl
 config: dispatch_bwd blocked 0.000 ms, the other four exchanges 0.16-0.68 ms each); priced (`ep_alone(deferred_wgrad=
 True)`, the split sizes under a capacity too): 2.6/8.4/22, 3.7/12.0/22, 4.6/14.8/22; with the locality form
 scheduled as EP is: 2.5/7.9/22, 2.4/8.0/22, 3.6/8.8/22 (load 2.1-2.9; each of the nine calibrations alone 22/22,
-worst 7.5-10.6 %). One run that shared the cores with a test run (load 3.3) left out. The committed JSON is the run
-after the link pricing (`--link`, benchmarks/cost_fidelity_setup.py), 18:13 UTC: 1.9/9.7/22.
+worst 7.5-10.6 %). One run that shared the cores with a test run (load 3.3) left out. With Lina's four configs
+(26 in all), priced first with the all-to-all's alpha for the all-reduce and no helper CPU for its micro-ops: lina
+-13.5 to -25.2 % (a step's ten micro-ops waited ~9 ms at the end of the backward, priced 0.9 ms); with both priced,
+19:43 UTC (the committed JSON, load 1.75-2.42): 5.1/10.8/26, lina 1.1/5.3/4 (its forward -11 to -20 %, its backward
++6 to +20 %: the stacked layers' exchanges wait longer in the forward than a bare layer's).
 
-Not measured: chunked all-to-all (moepass pipelines only the forward). Output: per config predicted / measured /
-error, Spearman's rho, the median |rel err|, the load; the JSON and a log-log plot (cost_fidelity.png).
+Not measured: chunked all-to-all. Output: per config predicted / measured / error, Spearman's rho, the median |rel err|,
+the load; the JSON and a log-log plot (cost_fidelity.png).
 """
 
 from __future__ import annotations
@@ -107,8 +115,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cost_fidelity_plot import plot, spearman  # noqa: E402
-from benchmarks.cost_fidelity_setup import calibrated_profile, measure_over_link, on_link  # noqa: E402
+from benchmarks import cost_fidelity_lina as lina  # noqa: E402
+from benchmarks.cost_fidelity_plot import plot, print_summary, spearman  # noqa: E402
+from benchmarks.cost_fidelity_setup import PROBE_N, at_share, calibrated_profile, cpu_share, measure_over_link, on_link  # noqa: E402
 from cost_model import calibrate_merge  # noqa: E402
 from cost_model import ep as cm  # noqa: E402
 from cost_model import fsep as fsep_formulas  # noqa: E402
@@ -117,8 +126,8 @@ from cost_model.presets import Hardware, this_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROFILE = RESULTS / "cost_profile.json"
-ALL_FORMS = "ep,fsep,hp,locality"
-PROBE_N, PROBE_REPS, PROBE_INNER = 256, 10, 5  # the in-run CPU-share probe: the calibration's 256^3 matmul
+ALL_FORMS = "ep,fsep,hp,locality,lina"
+PROBE_REPS, PROBE_INNER = 10, 5  # the in-run CPU-share probe (`PROBE_N`): repetitions, matmuls per repetition
 W = 2
 BYTES = 4  # fp32
 
@@ -131,8 +140,11 @@ class Config:
     E: int
     K: int
     capacity: float | None = None  # Plan.capacity_factor (None: dropless)
-    form: str = "ep"  # "ep", "fsep", "hp" or "locality"
+    form: str = "ep"  # "ep", "fsep", "hp", "locality" or "lina"
     slots: int | None = None  # FSEP: Plan.slots_per_device (C)
+    layers: int = 1  # Lina: dense part + MoE block layers (`cost_fidelity_lina.DenseMoEStack`)
+    micro_op_bytes: int | None = None  # Lina: the gradient all-reduce's micro-op (u)
+    priority: bool = True  # Lina: the priority rule (False: micro-ops launch when ready, sharing the link)
 
 
 # Varies T, D, F, E, K and capacity; sized so the measured steps lie within ~4x of each other
@@ -178,6 +190,18 @@ LOCALITY_CONFIGS = (
 )
 LOCALITY_MU = 0.01
 
+# Lina's schedule over the same W=2 ranks (`--forms lina`, `benchmarks/cost_fidelity_lina.py`): two layers of a dense
+# part (four D x D projections) and an EP block, the dense gradients all-reduced in micro-ops of u bytes during the
+# backward, under the priority rule and, as the control, launched when ready
+LINA_CONFIGS = (
+    Config(1024, 128, 256, 8, 2, form="lina", layers=2, micro_op_bytes=64 * 1024),
+    Config(1024, 128, 256, 8, 2, form="lina", layers=2, micro_op_bytes=64 * 1024, priority=False),
+    Config(1024, 256, 256, 8, 2, form="lina", layers=2, micro_op_bytes=256 * 1024),
+    Config(1024, 256, 256, 8, 2, form="lina", layers=2, micro_op_bytes=256 * 1024, priority=False),
+)
+FORM_CONFIGS = {"ep": CONFIGS, "fsep": FSEP_CONFIGS, "hp": HP_CONFIGS, "locality": LOCALITY_CONFIGS,
+                "lina": LINA_CONFIGS}
+
 
 def hp_shape(cfg: Config) -> object:
     """The Multi-Head LatentMoE `moepass.compile` makes of the config's block under Plan(form="hp")."""
@@ -191,8 +215,8 @@ def hp_shape(cfg: Config) -> object:
     return latent_shape(spec, moepass.Plan(form="hp", topology=moepass.Topology(1, W)), W)
 
 
-def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: float | None = None,
-            faults: float | None = None) -> dict[str, float]:
+def predict(cfg: Config, hw: Hardware, factor: float | list[float] | None = None, a2a_share: float | None = None,
+            faults: float | None = None) -> dict[str, Any]:
     """Cost-model step time (s) of one EP, FSEP, HP or locality layer fwd+bwd and its terms; `factor`: rho (dropless) or the
     kept fraction c_f (capacity) of the busiest rank, None for uniform routing; `a2a_share` (FSEP): the rows the
     busiest rank sends or receives off-rank over T*K (None: 1/2, uniform); `faults`: the minor page faults of one
@@ -200,6 +224,8 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
     dropless = cfg.capacity is None
     if factor is None:
         factor = 1.0 if cfg.capacity is None else cfg.capacity
+    if cfg.form == "lina":  # `factor`: one per layer, or one for all; each layer priced as this config's EP layer
+        return lina.predict(cfg, hw, factor, faults, lambda one, f, n_f: predict(one, hw, f, faults=n_f), W)
     rows_per_expert = cfg.tokens * cfg.K * factor / (cfg.E / W)
     x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
          "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
@@ -241,6 +267,23 @@ def predict(cfg: Config, hw: Hardware, factor: float | None = None, a2a_share: f
             "factor": float(factor), "gemm_flops": float(x["R"])}
 
 
+def compiled(c: Config) -> Any:
+    """The config's model as `moepass.compile` rewrites it for its form on the W ranks."""
+    import moepass
+    from samples.models import FusedMoE
+
+    if c.form == "fsep":
+        plan = moepass.Plan(form="fsep", topology=moepass.Topology(1, W), a2a_chunks=1, slots_per_device=c.slots)
+    elif c.form == "hp":
+        plan = moepass.Plan(form="hp", topology=moepass.Topology(1, W))
+    elif c.form == "locality":  # the two ranks as two one-rank nodes
+        plan = moepass.Plan(form="locality", topology=moepass.Topology(W, 1), gate="learned", mu=LOCALITY_MU,
+                            capacity_factor=c.capacity)
+    else:
+        plan = moepass.Plan(form="ep", topology=moepass.Topology(1, W), a2a_chunks=1, capacity_factor=c.capacity)
+    return moepass.compile(FusedMoE(c.D, c.F, c.E, c.K), plan)
+
+
 def rank_worker(rank: int, port: int | None, configs: tuple[Config, ...], rounds: int, steps: int, results,
                 timeout_s: float):
     import resource
@@ -254,30 +297,20 @@ def rank_worker(rank: int, port: int | None, configs: tuple[Config, ...], rounds
     dist.init_process_group("gloo", rank=rank, world_size=W, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         import moepass
-        from samples.models import FusedMoE
 
         layers, inputs, routing = [], [], []
         for i, c in enumerate(configs):
             torch.manual_seed(i)  # the same block on both ranks
-            if c.form == "fsep":
-                plan = moepass.Plan(form="fsep", topology=moepass.Topology(1, W), a2a_chunks=1,
-                                    slots_per_device=c.slots)
-            elif c.form == "hp":
-                plan = moepass.Plan(form="hp", topology=moepass.Topology(1, W))
-            elif c.form == "locality":
-                plan = moepass.Plan(form="locality", topology=moepass.Topology(W, 1), gate="learned",
-                                    mu=LOCALITY_MU, capacity_factor=c.capacity)
-            else:
-                plan = moepass.Plan(form="ep", topology=moepass.Topology(1, W), a2a_chunks=1,
-                                    capacity_factor=c.capacity)
-            layer = moepass.compile(FusedMoE(c.D, c.F, c.E, c.K), plan)
+            layer, built = lina.build(c, W) if c.form == "lina" else (compiled(c), None)
             x = torch.randn(c.tokens, c.D, generator=torch.Generator().manual_seed(1000 * i + rank)).requires_grad_()
             moepass.reset_comm_stats()
             layer(x).sum().backward()  # warm-up, and the routing's byte counters
             stats = moepass.comm_stats()
             gathered: list = [None] * W
-            dist.all_gather_object(gathered, {k: stats[k] for k in ("dispatch", "combine", "dispatch_bwd",
-                                                                      "combine_bwd", "counts") if k in stats})
+            mine = {k: stats[k] for k in ("dispatch", "combine", "dispatch_bwd", "combine_bwd", "counts") if k in stats}
+            if built is not None:  # Lina's layers: each one's routing (the counters sum them)
+                mine["layer_rows"] = lina.routed_rows(built, x.detach(), W)
+            dist.all_gather_object(gathered, mine)
             layers.append(layer)
             inputs.append(x)
             routing.append(gathered)
@@ -338,6 +371,9 @@ def rank_worker(rank: int, port: int | None, configs: tuple[Config, ...], rounds
                          for s, f, r, p, c, fc, pf, cf in zip(samples, fwd_samples, routing, slow.tolist(), cpu_samples,
                                                               fwd_cpu_samples, fault_samples, counted_faults)])
         dist.barrier()
+        for layer in layers:
+            if isinstance(layer, moepass.DataParallel):
+                layer.close()
     finally:
         dist.destroy_process_group()
 
@@ -348,27 +384,6 @@ def measure(configs: tuple[Config, ...], rounds: int = 3, steps: int = 3, timeou
 
     (out,) = spawn_ranks(rank_worker, (configs, rounds, steps), 1, "measurement", timeout_s, world=W)
     return out
-
-
-def cpu_share(profile: dict, probe_s: list[float]) -> float | None:
-    """The calibration's 256^3 concurrent matmul time over the same matmul's median in the measurement rounds
-    (< 1: the ranks got less of the shared cores while measuring than while calibrating), or None when the
-    profile lacks it."""
-    cal = [m["seconds"] for m in (profile.get("samples") or {}).get("matmul", []) if m.get("n") == PROBE_N]
-    return cal[0] / float(np.median(probe_s)) if cal and probe_s else None
-
-
-def at_share(hw: Hardware, share: float) -> Hardware:
-    """The calibrated profile with its CPU-bound figures (the matmul FLOP/s and the host terms) at `share` of the
-    CPU the calibration had; the all-to-all figures as calibrated."""
-    return hw.with_figures(f"calibration x in-run CPU share {share:.3f}", flops=float(hw.flops) * share,
-                           layer_overhead=float(hw.layer_overhead) / share,
-                           expert_overhead=float(hw.expert_overhead) / share,
-                           row_cost=float(hw.row_cost) / share, act_cost=float(hw.act_cost) / share,
-                           restore_cost=float(hw.restore_cost) / share, page_cost=float(hw.page_cost) / share,
-                           xfer_byte_cost=float(hw.xfer_byte_cost) / share, xfer_call_cost=float(hw.xfer_call_cost) / share,
-                           route_cost=float(hw.route_cost) / share, planner_cost=float(hw.planner_cost) / share,
-                           planner_entry_cost=float(hw.planner_entry_cost) / share)
 
 
 def routing_rows(cfg: Config, stats: list[dict]) -> np.ndarray:
@@ -443,10 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         args.profile.write_text(json.dumps(profiles[0], indent=1) + "\n")
     hw = this_machine(args.profile)
     forms = set(args.forms.split(","))
-    if forms - {"ep", "fsep", "hp", "locality"}:
-        parser.error(f"--forms {args.forms!r}: use a comma-separated subset of ep, fsep, hp, locality")
-    chosen = ((CONFIGS if "ep" in forms else ()) + (FSEP_CONFIGS if "fsep" in forms else ())
-              + (HP_CONFIGS if "hp" in forms else ()) + (LOCALITY_CONFIGS if "locality" in forms else ()))
+    if forms - set(FORM_CONFIGS):
+        parser.error(f"--forms {args.forms!r}: use a comma-separated subset of {ALL_FORMS}")
+    chosen = sum((FORM_CONFIGS[form] for form in FORM_CONFIGS if form in forms), ())
     configs = chosen[: args.only] if args.only else chosen
     if args.predict_only:
         for c in configs:
@@ -479,11 +493,14 @@ def main(argv: list[str] | None = None) -> int:
             factor, share, sent = 1.0, None, []
         else:
             rows_PP = routing_rows(c, m["stats"])
-            factor = float(rows_PP.sum(axis=0).max() / (c.tokens * c.K))
+            factor = float(rows_PP.sum(axis=0).max() / (c.tokens * c.K * c.layers))
             sent = cm.exact_a2a(rows_PP, c.D, BYTES, G=W).sent.tolist()
             off = rows_PP - np.diag(np.diag(rows_PP))
             share = float(max(off.sum(axis=1).max(), off.sum(axis=0).max()) / (c.tokens * c.K))
         faults = float(np.median(m["counted_faults"]))  # counted on the untimed step (like the routing), priced below
+        if c.form == "lina":  # each layer's busiest rank (the counters sum the layers)
+            factor = [max(np.sum([s["layer_rows"][layer] for s in m["stats"]], axis=0)) / (c.tokens * c.K)
+                      for layer in range(c.layers)]
         pred = predict(c, hw, factor, share, faults)
         meas = float(np.median(m["samples_s"]))
         fwd = float(np.median(m["fwd_samples_s"]))
@@ -534,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "row_cost", "act_cost", "restore_cost", "page_cost", "route_cost",
                                                 "xfer_byte_cost", "xfer_call_cost", "xfer_wait_byte_cost",
                                                 "xfer_wait_call_cost", "helper_threads", "cores",
+                                                "allreduce_alpha", "allreduce_bandwidth",
                                                 "planner_cost", "planner_entry_cost",
                                                 "flops_one_process")},
         "world_size": W, "rounds": args.rounds, "steps_per_round": args.steps,
@@ -557,37 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"), rho, med)
-    print(f"{'form':>4} {'T':>5} {'D':>4} {'F':>4} {'E':>3} {'K':>2} {'cap':>5} {'factor':>6} {'pred ms':>8} "
-          f"{'meas ms':>8} {'err':>7} {'fwd err':>7} {'bwd err':>7} {'fwd p/wall/cpu ms':>18} {'bwd p/wall/cpu ms':>18}")
-    for r in rows:
-        c = r["config"]
-        print(f"{c['form'] + (str(c['slots']) if c['slots'] else ''):>4} {c['tokens']:>5} {c['D']:>4} {c['F']:>4} "
-              f"{c['E']:>3} {c['K']:>2} {str(c['capacity']):>5} "
-              f"{r['predicted']['factor']:>6.3f} {r['predicted']['step_s'] * 1e3:>8.2f} "
-              f"{r['measured']['step_s'] * 1e3:>8.2f} {100 * r['rel_error']:>+6.1f}% "
-              f"{100 * r['rel_error_fwd']:>+6.1f}% {100 * r['rel_error_bwd']:>+6.1f}% "
-              f"{r['predicted']['fwd_s'] * 1e3:>6.1f}/{r['measured']['fwd_s'] * 1e3:>5.1f}/"
-              f"{r['measured']['fwd_cpu_s'] * 1e3:>5.1f} {r['predicted']['bwd_s'] * 1e3:>6.1f}/"
-              f"{r['measured']['bwd_s'] * 1e3:>5.1f}/{r['measured']['bwd_cpu_s'] * 1e3:>5.1f}")
-    print(f"Spearman = {rho:.3f}, median |rel err| = {100 * med:.1f}% (uniform routing: {100 * med_uniform:.1f}%), "
-          f"measured spread {out['measured_spread']:.2f}x, load {load_before[0]:.2f} -> {load_after[0]:.2f}")
-    for form, f in by_form.items():
-        print(f"{form}: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
-              f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
-    for form, f in by_form_alone.items():
-        print(f"{form} without the helper threads' CPU (threads_s = 0): median |rel err| "
-              f"{100 * f['median_abs_rel_error']:.1f}%, worst {100 * f['worst_abs_rel_error']:.1f}%, "
-              f"{f['within_15pct']}/{f['configs']} within 15%")
-    if share_run is not None:
-        print(f"in-run CPU share (calibration's 256^3 matmul time / the same beside each config), median over the "
-              f"configs: {share_run:.3f}")
-        for form, f in by_form_run.items():
-            print(f"{form} at the in-run share: median |rel err| {100 * f['median_abs_rel_error']:.1f}%, worst "
-                  f"{100 * f['worst_abs_rel_error']:.1f}%, {f['within_15pct']}/{f['configs']} within 15%")
-    for i, a in enumerate(out.get("calibrations", [])):
-        print(f"calibration {i + 1} of {len(profiles)} alone (load {a['load_average'][0]:.2f}): median |rel err| "
-              f"{100 * a['median_abs_rel_error']:.1f}%, worst {100 * a['worst_abs_rel_error']:.1f}%, "
-              f"{a['within_15pct']}/{len(rows)} within 15%")
+    print_summary(out, rows, len(profiles))
     return 0
 
 

@@ -56,7 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from cost_model import calibrate_ffn, calibrate_route, calibrate_threads
+from cost_model import calibrate_allreduce, calibrate_ffn, calibrate_route, calibrate_threads
+from cost_model.fits import fit_latency_rate
 from cost_model.presets import DEFAULT_PROFILE
 
 WORLD = 2
@@ -72,27 +73,6 @@ GEMM_REF = 256  # the square matmul each expert-GEMM timing is taken relative to
 FRESH_BYTES = 64 << 20  # the first-touch buffer: above glibc's largest dynamic mmap threshold (32 MiB)
 RESTORE_SIZES = ((2, 64, 128), (4, 128, 256), (4, 192, 384), (6, 256, 512))  # (C slots, D, F) of the restore
 FIXED_HOST_ITEMS = len(RESTORE_SIZES) + 3  # host results beside the sized ones: restores, fresh and warm fills, faults
-
-
-def fit_latency_rate(amounts: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Fit t = latency + amount / rate (weighted by 1/t so small sizes count): (latency, rate).
-
-    The latency is clamped at 0 (a negative fit means the latency is below the noise); the rate is
-    then refit through the origin.
-    """
-    x = np.asarray(amounts, dtype=np.float64)
-    t = np.asarray(seconds, dtype=np.float64)
-    if x.shape != t.shape or x.size < 2:
-        raise ValueError(f"need >= 2 (amount, seconds) pairs of equal length, got {x.size} and {t.size}")
-    w = 1.0 / t
-    A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
-    (latency, inv_rate), *_ = np.linalg.lstsq(A, t * w, rcond=None)
-    if latency < 0:
-        latency = 0.0
-        inv_rate = float(np.sum(w * w * x * t) / np.sum(w * w * x * x))
-    if inv_rate <= 0:
-        raise ValueError("timings do not grow with size: cannot fit a rate")
-    return float(latency), float(1.0 / inv_rate)
 
 
 def _free_port() -> int:
@@ -424,11 +404,13 @@ def calibrate(
     import torch
     from tqdm import tqdm
 
-    total = len(sizes) + len(matmul_sizes) * (2 if host else 1)
+    total = len(sizes) + len(calibrate_allreduce.SIZES) + len(matmul_sizes) * (2 if host else 1)
     total += (len(layer_experts) + len(row_sizes) + len(calibrate_ffn.SIZES) + len(GEMM_D) * len(GEMM_M)
               + FIXED_HOST_ITEMS + len(calibrate_threads.SIZES) + len(calibrate_route.TOKENS)) if host else 0
     with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
+        allreduce = spawn_ranks(calibrate_allreduce.worker, (WORLD, calibrate_allreduce.SIZES, calibrate_allreduce.REPS),
+                                len(calibrate_allreduce.SIZES), "all_reduce timing", timeout_s, bar)
         mm = measure_matmul(matmul_sizes, progress=bar)
         concurrent = (
             measure_host(matmul_sizes, row_sizes, layer_experts, timeout_s=max(timeout_s, 120.0), progress=bar)
@@ -440,7 +422,7 @@ def calibrate(
     alpha, bandwidth = a2a_figures(a2a)
     _, flops_one = fit_latency_rate([2.0 * n**3 for n, _ in mm], [s for _, s in mm])
     flops = flops_one
-    extra: dict[str, Any] = {"flops_one_process": flops_one}
+    extra: dict[str, Any] = {"flops_one_process": flops_one, **calibrate_allreduce.figures(allreduce, WORLD)}
     if host:
         mm_w = concurrent["matmul"]
         _, flops = fit_latency_rate([2.0 * n**3 for n, _ in mm_w], [s for _, s in mm_w])
@@ -490,7 +472,7 @@ def calibrate(
             "restore_cost": "s per restored expert element (C x S_e) per FSEP layer step: the restore's re-layout "
                             "on the rank's thread (forward, the backward's restore again, the gradient slices)",
             "page_cost": "s per minor page fault: a fresh buffer's fill minus a touched one's, over its faults",
-            **calibrate_threads.UNITS, **calibrate_route.UNITS, **calibrate_ffn.UNITS,
+            **calibrate_allreduce.UNITS, **calibrate_threads.UNITS, **calibrate_route.UNITS, **calibrate_ffn.UNITS,
             "gemm": "efficiency of the expert FFN GEMM trio at width D (F = 2D), M rows per expert: its FLOP/s "
                     "over the 256^3 matmul's, timed back to back on WORLD concurrent ranks",
         },

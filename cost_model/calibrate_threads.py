@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from cost_model.fits import fit_line
+
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 23)  # all_to_all_single input bytes per rank (W=2: half is sent)
 REPS, BLOCKS = 10, 21  # iterations per block; per size, BLOCKS blocks without and with the exchange (medians)
 BUSY_N, BUSY_MATMULS = 256, 8  # the main thread's work between two exchanges (~2-4 ms here)
@@ -51,12 +53,6 @@ UNITS = {
     "planner_cost": "s of thread CPU per FSEP planner solve (the intercept over W*E count entries)",
     "planner_entry_cost": "s of thread CPU per [W, E] count entry of an FSEP planner solve (the slope)",
 }
-
-
-def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y = intercept + slope * x (`cost_model.calibrate` fits with it too)."""
-    slope, intercept = np.polyfit(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), 1)
-    return float(intercept), float(slope)
 
 
 def thread_cpu_ns() -> dict[int, int]:

@@ -151,6 +151,14 @@ def expert_params(E, D, F, m):
     return E * m * D * F
 
 
+def allreduce_figures(x: dict[str, Any], B: Any) -> tuple[Any, Any]:
+    """(bandwidth, latency) of a gradient all-reduce over a link of bandwidth `B`: capped by the all-reduce's own
+    rate B_r and at its own latency alpha_r where the figure dict has them (gloo on a CPU reduces on its own thread
+    and waits for the peer at every ring step: `cost_model.calibrate_allreduce`), else B and the all-to-all's alpha."""
+    rate = x.get("B_r")
+    return (B if rate is None else smin(B, rate)), x.get("alpha_r", x["alpha"])
+
+
 def allreduce_time(nbytes, dp, B, alpha):
     """All-reduce of `nbytes` over dp ranks: one call's latency plus the ring's 2(dp-1)/dp bytes per rank
     (NCCL/gloo pipeline the ring steps and bucket the gradients, so the latency is paid per call)."""
@@ -198,13 +206,33 @@ def dense_flops(T, D, q=0):
     return 2 * T * (4 * D**2 + q * D)
 
 
+def pieces(nbytes, unit=None):
+    """How many pieces of at most `unit` bytes carry `nbytes` (None: one)."""
+    if unit is None:
+        return 1
+    return sympy.ceiling(nbytes / unit) if isinstance(nbytes + unit, sympy.Basic) else max(1, math.ceil(nbytes / unit))
+
+
+def allreduce_calls(nbytes, dp, unit=None):
+    """Collective calls of an all-reduce of `nbytes` over dp ranks in pieces of at most `unit` bytes: none when
+    there is nothing to reduce (dp = 1 or no bytes)."""
+    if not isinstance(dp + nbytes, sympy.Basic) and (dp == 1 or nbytes == 0):
+        return 0
+    return pieces(nbytes, unit)
+
+
+def allreduce_sent(nbytes, dp):
+    """Bytes one rank sends in a ring all-reduce of `nbytes` over dp ranks: 2 (dp - 1) / dp of them."""
+    return 2 * (dp - 1) * nbytes / dp
+
+
 def bucketed_allreduce(nbytes, dp, B, alpha, unit=None):
     """(seconds, seconds of one piece) of an all-reduce of `nbytes` sent as equal pieces of at most `unit`
     bytes (DDP buckets, Lina's micro-ops; None: one call), each one call of `allreduce_time`."""
     if unit is None:
         whole = allreduce_time(nbytes, dp, B, alpha)
         return whole, whole
-    count = sympy.ceiling(nbytes / unit) if isinstance(nbytes + unit, sympy.Basic) else max(1, math.ceil(nbytes / unit))
+    count = pieces(nbytes, unit)
     piece = allreduce_time(nbytes / count, dp, B, alpha)
     return count * piece, piece
 
@@ -265,11 +293,11 @@ class BackwardLink:
 def dense_allreduce_tail(x: dict[str, Any], W: int, *, cross_node: bool) -> Any:
     """Seconds of the dense all-reduce of one layer (P_d elements over the W ranks, in pieces of u bytes)
     that no compute hides when it is the last to run its backward: every form pays it."""
-    B = x["B_inter"] if cross_node else x["B_intra"]
+    B, alpha = allreduce_figures(x, x["B_inter"] if cross_node else x["B_intra"])
     dense_bytes = x.get("P_d", 0) * x["b_g"]
     if not isinstance(dense_bytes, sympy.Basic) and dense_bytes == 0:
         return 0
-    return bucketed_allreduce(dense_bytes, W, B, x["alpha"], x.get("u"))[0]
+    return bucketed_allreduce(dense_bytes, W, B, alpha, x.get("u"))[0]
 
 
 def ep_layer(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cross_node_dp: bool,
@@ -344,7 +372,10 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
     all-to-all is in flight, so the backward pipeline's last exchange hides behind them (at most one chunk's weight
     GEMMs' worth; never below the link's own 2 n t_a); its helper threads' CPU is paid, its busy-core wait only for
     what those GEMMs leave uncovered after its link time. Both directions exchange the split sizes first (a small
-    all-to-all): a capacity's kept rows per destination vary as a dropless layer's do."""
+    all-to-all): a capacity's kept rows per destination vary as a dropless layer's do. Every piece of the gradient
+    all-reduces (expert replicas over dp, dense parameters over W, u bytes each) is a collective call on the same
+    helper threads, priced like an exchange (`allreduce_calls`, `allreduce_sent`); their link time is at the
+    all-reduce's own figures where the figure dict has them (`allreduce_figures`)."""
     from cost_model.schedule import pipeline_time
 
     factor = (x["rho"] if dropless else x["c_f"]) * x.get("phi", 1)  # rows over T*K: FFN share, skew or padding
@@ -365,23 +396,27 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
         link = 2 * (n * x["alpha"] + transfer)
     else:
         a2a, sent, bwd, link, t_a = 0, 0, bwd_compute, 0, 0
-    # the transfer threads' CPU: dispatch and combine, forward and backward, n calls each, and the split sizes; the
-    # ranks wait among busy cores for all of them but the deferred dispatch-backward, whose wait they pay only for
-    # what its chunk's weight GEMMs, after its link time, leave uncovered
+    B, ar_alpha = allreduce_figures(x, x["B_inter"] if cross_node_dp else x["B_intra"])
+    grad_bytes = expert_params(x["E"], x["D"], x["F"], x["m"]) / ep * x["b_g"]
+    expert_ar, expert_unit = bucketed_allreduce(grad_bytes, dp, B, ar_alpha, x.get("u"))
+    dense_bytes = x.get("P_d", 0) * x["b_g"]
+    dense_ar, dense_unit = bucketed_allreduce(dense_bytes, ep * dp, B, ar_alpha, x.get("u"))
+    # the transfer threads' CPU: dispatch and combine, forward and backward, n calls each, the split sizes and every
+    # piece of the gradient all-reduces (collective calls on the same threads); the ranks wait among busy cores for
+    # all of them but the deferred dispatch-backward, whose wait they pay only for what its chunk's weight GEMMs,
+    # after its link time, leave uncovered
+    ar_calls = allreduce_calls(grad_bytes, dp, x.get("u")) + allreduce_calls(dense_bytes, ep * dp, x.get("u"))
+    ar_sent = allreduce_sent(grad_bytes, dp) + allreduce_sent(dense_bytes, ep * dp)
     threads: Any = 0
-    figures = thread_figures(x) if ep > 1 else None
+    figures = thread_figures(x) if ep > 1 or ar_calls != 0 else None
     if figures is not None:
         c_xb, c_xc, c_wb, c_wc = figures
-        calls, hidden = A2A_PER_LAYER * n + 1, (1 if deferred_wgrad else 0)
-        t_wait = thread_cpu((A2A_PER_LAYER - hidden) * sent, calls - hidden * n, c_wb, c_wc)
-        if deferred_wgrad:
+        calls = A2A_PER_LAYER * n + 1 if ep > 1 else 0
+        hidden = 1 if deferred_wgrad and ep > 1 else 0
+        t_wait = thread_cpu((A2A_PER_LAYER - hidden) * sent + ar_sent, calls - hidden * n + ar_calls, c_wb, c_wc)
+        if hidden:
             t_wait += n * smax(0, thread_cpu(sent / n, 1, c_wb, c_wc) - smax(0, fwd_compute / n - t_a))
-        threads = smax(thread_cpu(A2A_PER_LAYER * sent, calls, c_xb, c_xc), t_wait)
-    B = x["B_inter"] if cross_node_dp else x["B_intra"]
-    grad_bytes = expert_params(x["E"], x["D"], x["F"], x["m"]) / ep * x["b_g"]
-    expert_ar, expert_unit = bucketed_allreduce(grad_bytes, dp, B, x["alpha"], x.get("u"))
-    dense_bytes = x.get("P_d", 0) * x["b_g"]
-    dense_ar, dense_unit = bucketed_allreduce(dense_bytes, ep * dp, B, x["alpha"], x.get("u"))
+        threads = smax(thread_cpu(A2A_PER_LAYER * sent + ar_sent, calls + ar_calls, c_xb, c_xc), t_wait)
     if not isinstance(dense_bytes, sympy.Basic) and dense_bytes == 0:
         dense_ar, dense_unit = 0, 0  # no dense parameters given: no all-reduce call
     dense_bwd = 2 * dense_flops(x["T"], x["D"], x.get("q", 0)) / (x["R"] * x["eta"])

@@ -7,8 +7,9 @@ Their CPU is
     t_cpu = c_xb * bytes + c_xc * exchanges
 
 per step and rank, `bytes` what the rank sends in all its exchanges of the step (each received byte is another
-rank's sent one: c_xb prices both ends), `exchanges` the collective calls. FSEP's planner solves on a thread of its
-own once per step (`planner_cpu`: c_plan + c_plan_e per [W, E] count entry).
+rank's sent one: c_xb prices both ends), `exchanges` the collective calls: the all-to-alls and every piece of a
+gradient all-reduce (a DDP bucket, one of Lina's micro-ops: `cost_model.ep.allreduce_calls`). FSEP's planner solves
+on a thread of its own once per step (`planner_cpu`: c_plan + c_plan_e per [W, E] count entry).
 
 When it counts: a node runs `ranks` ranks (n_rank, default G), each a main thread plus n_help helper threads busy
 around its exchanges, on n_core cores. With

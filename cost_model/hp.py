@@ -164,9 +164,9 @@ def hp_layer(x: dict[str, Any], *, ep: int, dp: int, cross_node: bool) -> LayerT
         sent = intra + inter
     else:
         a2a, sent = 0, 0
-    B = x["B_inter"] if cross_node else x["B_intra"]
-    ar = (ep_formulas.allreduce_time(head_params_per_rank(H, h, E, F, m, ep) * x["b_g"], dp, B, x["alpha"])
-          + ep_formulas.allreduce_time(projection_params(D, H, h) * x["b_g"], ep * dp, B, x["alpha"]))
+    B, ar_alpha = ep_formulas.allreduce_figures(x, x["B_inter"] if cross_node else x["B_intra"])
+    ar = (ep_formulas.allreduce_time(head_params_per_rank(H, h, E, F, m, ep) * x["b_g"], dp, B, ar_alpha)
+          + ep_formulas.allreduce_time(projection_params(D, H, h) * x["b_g"], ep * dp, B, ar_alpha))
     other = smax(0, ar - 2 * fwd_compute)
     memory = memory_per_rank(T, D, H, h, E, K, F, m, ep, x["s"], x["b"])
     host = ep_formulas.host_time(rows, h, F, H * E, ep, tokens=T * H, **ep_formulas.host_figures(x))

@@ -72,6 +72,10 @@ class Hardware:
     cores: Figure = Figure(math.inf, _FREE_CORES)  # n_core, cores per node (infinite: every thread has its own)
     planner_cost: Figure = Figure(0.0, _FREE_CORES)  # c_plan, s of FSEP planner CPU per solve
     planner_entry_cost: Figure = Figure(0.0, _FREE_CORES)  # c_plan_e, s per [W, E] count entry of a solve
+    # the gradient all-reduce's own latency and rate (`cost_model.calibrate_allreduce`; alpha_r, B_r): None prices
+    # it at the all-to-all's alpha and the link's bandwidth (the presets)
+    allreduce_alpha: Figure | None = None
+    allreduce_bw: Figure | None = None
     # measured efficiency of the expert FFN's GEMMs (x `flops`) by (width D, rows per expert M)
     gemm_table: tuple[tuple[int, int, float], ...] = ()
 
@@ -131,6 +135,8 @@ class Hardware:
             "n_core": float(self.cores),
             "c_plan": float(self.planner_cost),
             "c_plan_e": float(self.planner_entry_cost),
+            **({} if self.allreduce_alpha is None else {"alpha_r": float(self.allreduce_alpha)}),
+            **({} if self.allreduce_bw is None else {"B_r": float(self.allreduce_bw)}),
         }
 
     def sources(self) -> dict[str, str]:
@@ -283,6 +289,10 @@ def this_machine(profile: str | os.PathLike[str] | dict[str, Any] | None = None)
                               "(Plan.expert_recompute=True recomputes them: r_c = 1)"),
         gemm_table=tuple((int(g["D"]), int(g["M"]), float(g["efficiency"])) for g in data.get("gemm", ())
                          if "efficiency" in g),
+        allreduce_alpha=Figure(data["allreduce_alpha"], f"{src}: gloo all_reduce fit") if "allreduce_alpha" in data
+        else None,
+        allreduce_bw=Figure(data["allreduce_bandwidth"], f"{src}: gloo all_reduce fit, bytes sent per s")
+        if "allreduce_bandwidth" in data else None,
     )
 
 

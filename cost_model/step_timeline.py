@@ -42,20 +42,22 @@ class ExpertGrads:
     bandwidth: float
 
 
-def allreduce_ops(tl: Timeline, name: str, nbytes: float, dp: int, B: float, alpha: float, bucket_bytes: float,
-               deps: list[int]) -> None:
+def allreduce_ops(tl: Timeline, name: str, nbytes: float, dp: int, B: float, v: dict[str, float], bucket_bytes: float,
+                  deps: list[int]) -> None:
     """A gradient all-reduce on the "other" stream, in pieces of `bucket_bytes` (none over one rank)."""
-    pieces, work = allreduce_work(nbytes, dp, B, alpha, bucket_bytes)
+    pieces, work = allreduce_work(nbytes, dp, B, v, bucket_bytes)
     if pieces:
         tl.add("other", f"{name}.ar", work, deps, pieces)
 
 
-def allreduce_work(nbytes: float, dp: int, B: float, alpha: float, bucket_bytes: float) -> tuple[int, float]:
-    """(pieces, seconds) of a gradient all-reduce in pieces of `bucket_bytes`; (0, 0.0): none (one rank)."""
+def allreduce_work(nbytes: float, dp: int, B: float, v: dict[str, float], bucket_bytes: float) -> tuple[int, float]:
+    """(pieces, seconds) of a gradient all-reduce in pieces of `bucket_bytes` over a link of bandwidth `B`, at the
+    figures `v` gives an all-reduce (`cost_model.ep.allreduce_figures`); (0, 0.0): none (one rank)."""
     if dp == 1 or nbytes <= 0:
         return 0, 0.0
     pieces = max(1, math.ceil(nbytes / bucket_bytes))
-    return pieces, pieces * ep_formulas.allreduce_time(nbytes / pieces, dp, B, alpha)
+    rate, alpha = ep_formulas.allreduce_figures(v, B)
+    return pieces, pieces * ep_formulas.allreduce_time(nbytes / pieces, dp, rate, alpha)
 
 
 def ring_half(nbytes: float, group: float, B: float, alpha: float) -> float:
@@ -157,11 +159,11 @@ def step_floor(case: Case, hw: Hardware, layout: Layout, *, chunks: int, bucket_
     other = max(layout.migration, 0.0)
     if params is None:
         g = w.expert_grads
-        other += allreduce_work(g.nbytes, g.replicas, g.bandwidth, v["alpha"], bucket_bytes)[1]
+        other += allreduce_work(g.nbytes, g.replicas, g.bandwidth, v, bucket_bytes)[1]
     else:  # every layer's weights gathered once per pass, its gradients sent once
         other += max(params.gather_fwd, 0.0) + max(params.gather_bwd, 0.0) + max(params.grads, 0.0)
     if params is None or not params.dense:
-        other += allreduce_work(w.dense_grad, w.dense_dp, w.ar_bw, v["alpha"], bucket_bytes)[1]
+        other += allreduce_work(w.dense_grad, w.dense_dp, w.ar_bw, v, bucket_bytes)[1]
     links = case.layers * (2 * (per_pass + max(layout.tp_comm, 0.0)) + other)
     return max(compute, links)
 
@@ -230,7 +232,7 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
         done = moe(f"L{layer}.bwd", expert_bwd, last, weights("bwd", layer))
         if params is None:
             allreduce_ops(tl, f"L{layer}.expert_grads", expert_grads.nbytes, expert_grads.replicas, expert_grads.bandwidth,
-                       v["alpha"], bucket_bytes, done)
+                          v, bucket_bytes, done)
         else:
             gather("bwd", layer - depth - 1, done)
             tl.add("other", f"L{layer}.grads", params.grads, done)
@@ -239,7 +241,7 @@ def timeline_step(case: Case, hw: Hardware, layout: Layout, *, chunks: int, poli
         last = tl.add("compute", f"L{layer}.bwd.dense", 2 * dense_fwd, done)
         last = tp(f"L{layer}.bwd", last)
         if params is None or not params.dense:
-            allreduce_ops(tl, f"L{layer}.dense_grads", dense_grad, dense_dp, ar_bw, v["alpha"], bucket_bytes, [last])
+            allreduce_ops(tl, f"L{layer}.dense_grads", dense_grad, dense_dp, ar_bw, v, bucket_bytes, [last])
     tl.run(policy)
     busiest = float((dispatch.sent + dispatch.transposed().sent).max()) if ep > 1 else 0.0  # dispatch + combine
     recomputed = (dense_fwd + expert_fwd) if layout.recompute else 0.0

@@ -36,7 +36,7 @@ def _sym(name: str, meaning: str, unit: str, **assumptions: bool) -> sympy.Symbo
     return s
 
 
-def _optional(name: str, meaning: str, unit: str, default: float, **assumptions: bool) -> sympy.Symbol:
+def _optional(name: str, meaning: str, unit: str, default: float | None, **assumptions: bool) -> sympy.Symbol:
     s = sympy.Symbol(name, **assumptions)
     OPTIONAL[name] = SymbolInfo(s, meaning, unit, default)
     return s
@@ -85,6 +85,10 @@ B_inter = _sym("B_inter", "effective inter-node bandwidth per rank", "bytes/s", 
 u = _sym("u", "bytes of one gradient all-reduce unit: Plan.micro_op_bytes (priority) or a DDP bucket (fair)",
          "bytes", **_count)
 alpha = _sym("alpha", "latency per collective call (per chunk)", "s", **_real)
+alpha_r = _optional("alpha_r", "latency per gradient all-reduce call, where calibrated apart (gloo on a CPU: "
+                    "`cost_model.calibrate_allreduce`); absent: alpha", "s", None, **_real)
+B_r = _optional("B_r", "the gradient all-reduce's own rate, bytes a rank sends per s, which caps the link's "
+                "bandwidth for it where calibrated apart", "bytes/s", math.inf, **_real)
 R = _sym("R", "device peak FLOP/s", "FLOP/s", **_real)
 eta = _sym("eta", "fraction of peak reached by expert GEMMs", "fraction", **_real)
 
@@ -95,7 +99,8 @@ def table() -> str:
     lines = []
     for name, info in (*TABLE.items(), *OPTIONAL.items()):
         kinds = "integer" if info.symbol.is_integer else "real"
-        default = "" if info.default is None else f" (optional, default {info.default:g})"
+        default = "" if name in TABLE else " (optional)" if info.default is None else \
+            f" (optional, default {info.default:g})"
         lines.append(f"{name:<{width}}  {kinds:<7} > 0  [{info.unit}]  {info.meaning}{default}")
     return "\n".join(lines)
 

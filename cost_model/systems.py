@@ -528,10 +528,10 @@ def _price_hp(plan: StepPlan, ctx: CaseContext) -> Priced:
                                    ("w_in", 2 * proj_fwd, "compute")):
             last = tl.add(stream, f"L{layer}.bwd.{name}", work, [last])
             if name == "experts":
-                allreduce_ops(tl, f"L{layer}.head_grads", head_params * v["b_g"], W // P, ar_bw, v["alpha"],
+                allreduce_ops(tl, f"L{layer}.head_grads", head_params * v["b_g"], W // P, ar_bw, v,
                            plan.bucket, [last])
         last = tl.add("compute", f"L{layer}.bwd.dense", 2 * dense_fwd, [last])
-        allreduce_ops(tl, f"L{layer}.replicated_grads", replicated * v["b_g"], W, ar_bw, v["alpha"], plan.bucket, [last])
+        allreduce_ops(tl, f"L{layer}.replicated_grads", replicated * v["b_g"], W, ar_bw, v, plan.bucket, [last])
     tl.run(plan.sched)
     dense = case.layers * (3 * dense_fwd + (dense_fwd if recompute else 0.0))
     figures = {"dense_compute": dense, "imbalance": 1.0, "recompute": case.layers * (dense_fwd + expert_fwd) * recompute,

@@ -1,5 +1,5 @@
 """benchmarks/cost_fidelity.py's predictions without a measurement: every form it measures (EP, FSEP, HP,
-locality) is priced, the forward/backward split adds up to the step, and the in-run CPU share scales exactly the
+locality, Lina's schedule) is priced, the forward/backward split adds up to the step, and the in-run CPU share scales exactly the
 CPU-bound terms (compute and host) and nothing else."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from cost_model.presets import this_machine
 def test_every_form_is_priced_and_the_phases_add_up():
     bench = _bench()
     hw = this_machine(bench.PROFILE)
-    configs = bench.CONFIGS + bench.FSEP_CONFIGS + bench.HP_CONFIGS + bench.LOCALITY_CONFIGS
+    configs = sum(bench.FORM_CONFIGS.values(), ())
     assert {c.form for c in configs} == set(bench.ALL_FORMS.split(","))
     for c in configs:
         p = bench.predict(c, hw)
@@ -70,3 +70,36 @@ def test_the_restore_and_first_touch_benchmarks_run_the_runtime_ops():
     assert all(s.grad is not None and s.grad.shape == s.shape for s in shards)
     seconds, faults = calibrate.fresh_fill(calibrate.FRESH_BYTES)
     assert seconds > 0 and faults >= calibrate.FRESH_BYTES // resource.getpagesize() // 2
+
+
+def test_lina_configs_price_the_models_dense_gradients_under_both_policies():
+    """A Lina config's model (`cost_fidelity_lina.DenseMoEStack`) has P_d replicated parameters per layer, as the
+    search counts a model's dense parameters; its price is `ep_step` over the layers plus the dense GEMMs (forward
+    and backward), and the priority rule changes only how long the all-to-alls wait for the all-reduce."""
+    from cost_model.ep import dense_flops
+    from cost_model.search import BlockShape, dense_params_of, specs_of
+
+    bench = _bench()
+    lina = bench.lina
+    hw = this_machine(bench.PROFILE)
+    priority, fair = bench.LINA_CONFIGS[:2]
+    assert (priority.priority, fair.priority) == (True, False) and priority.micro_op_bytes == fair.micro_op_bytes
+    model = lina.DenseMoEStack(priority.D, priority.F, priority.E, priority.K, priority.layers)
+    specs = specs_of(model)  # what the search reads of a model: `moepass.detect`'s blocks
+    assert len(specs) == priority.layers
+    shapes = [BlockShape.of(s, priority.tokens) for s in specs]
+    assert dense_params_of(model, shapes) == priority.layers * lina.dense_params(priority.D, priority.E)
+    p, f = bench.predict(priority, hw), bench.predict(fair, hw)
+    # priority: an all-to-all waits behind at most one micro-op; fair: it shares the link with the whole all-reduce.
+    # Pieces short against a slow link: priority waits less; a long piece (gloo's all-reduce latency): more
+    slow_link = hw.with_figures("test", allreduce_alpha=1e-5, intra_bw=1e8, inter_bw=1e8)
+    assert bench.predict(priority, slow_link)["a2a_s"] < bench.predict(fair, slow_link)["a2a_s"]
+    long_pieces = hw.with_figures("test", allreduce_alpha=5e-3)
+    assert bench.predict(priority, long_pieces)["a2a_s"] > bench.predict(fair, long_pieces)["a2a_s"]
+    dense = 3 * priority.layers * float(dense_flops(priority.tokens, priority.D)) / hw.gemm_rate(priority.D,
+                                                                                                  priority.tokens)
+    assert p["dense_s"] == pytest.approx(dense, rel=1e-12) and dense > 0
+    assert p["other_s"] > 0  # the last layer's dense all-reduce: nothing hides it
+    assert p["a2a_s"] != f["a2a_s"]
+    for key in ("compute_s", "host_s", "threads_s", "other_s", "fwd_s"):
+        assert p[key] == pytest.approx(f[key], rel=1e-12), key

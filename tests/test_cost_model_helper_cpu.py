@@ -86,7 +86,28 @@ def test_ep_adds_the_helper_cpu_of_its_exchanges_to_the_step():
         assert float(busy.step - free.step) == pytest.approx(float(busy.threads), rel=1e-12)
         for key in ("compute", "a2a_exposed", "other_comm", "host"):
             assert getattr(busy, key) == getattr(free, key), key
-    assert cm.ep_layer({**x, "n_core": 2}, ep=1, n=1, dp=2, dropless=True, cross_node_dp=False).threads == 0
+    # no all-to-all and no gradient to all-reduce: nothing on the helper threads
+    assert cm.ep_layer({**x, "n_core": 2}, ep=1, n=1, dp=1, dropless=True, cross_node_dp=False).threads == 0
+
+
+def test_every_piece_of_a_gradient_all_reduce_is_a_collective_call_on_the_helper_threads():
+    """The gradient all-reduces run on the same threads as the exchanges: each piece (one call, or one per u bytes)
+    costs c_xc, each byte a rank sends in the ring (2 (W-1)/W of the gradient) c_xb; the expert replicas' over dp,
+    the dense parameters' (P_d) over all W ranks."""
+    x = {**A100.values(), **SHAPE, **THREADS, "n_core": 2}
+    grads = 8 * 3 * 64 * 128 * x["b_g"]  # the layer's expert gradients, every rank all of them at ep = 1
+    whole = cm.ep_layer(x, ep=1, n=1, dp=2, dropless=True, cross_node_dp=False)
+    assert float(whole.threads) == pytest.approx(C_XB * grads + C_XC * 1, rel=1e-12)  # W = 2: the ring sends it all
+    pieced = cm.ep_layer({**x, "u": grads / 4}, ep=1, n=1, dp=2, dropless=True, cross_node_dp=False)
+    assert float(pieced.threads) == pytest.approx(C_XB * grads + C_XC * 4, rel=1e-12)
+    assert cm.allreduce_calls(grads, 4, 65536) == math.ceil(grads / 65536) and cm.allreduce_calls(grads, 1) == 0
+    assert cm.allreduce_sent(1000.0, 4) == pytest.approx(1500.0)
+    dense = {"P_d": 100_000, "u": 65536}  # over W = 2 at ep = 2: ceil(P_d b_g / u) pieces
+    without = cm.ep_layer(x, ep=2, n=1, dp=1, dropless=True, cross_node_dp=False)
+    with_dense = cm.ep_layer({**x, **dense}, ep=2, n=1, dp=1, dropless=True, cross_node_dp=False)
+    dense_bytes = 100_000 * x["b_g"]
+    assert float(with_dense.threads - without.threads) == pytest.approx(
+        C_XB * dense_bytes + C_XC * math.ceil(dense_bytes / 65536), rel=1e-12)
 
 
 def test_fsep_adds_its_token_exchanges_and_its_three_restores():

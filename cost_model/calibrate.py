@@ -409,7 +409,7 @@ def calibrate(
               + FIXED_HOST_ITEMS + len(calibrate_threads.SIZES) + len(calibrate_route.TOKENS)) if host else 0
     with tqdm(total=total, desc="calibrate", unit="size", disable=not show_progress) as bar:
         a2a = measure_a2a(sizes, reps, timeout_s, progress=bar)
-        allreduce = spawn_ranks(calibrate_allreduce.worker, (WORLD, calibrate_allreduce.SIZES, calibrate_allreduce.REPS),
+        allreduce = spawn_ranks(calibrate_allreduce.worker, (WORLD, calibrate_allreduce.SIZES, 2 * reps),  # means
                                 len(calibrate_allreduce.SIZES), "all_reduce timing", timeout_s, bar)
         mm = measure_matmul(matmul_sizes, progress=bar)
         concurrent = (
@@ -548,7 +548,9 @@ def run(args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps(profile, indent=2) + "\n")
     print(
         f"alpha = {profile['alpha'] * 1e6:.1f} us, bandwidth = {profile['bandwidth'] / 1e9:.3f} GB/s "
-        f"(gloo all_to_all_single, W={WORLD}), matmul = {profile['flops'] / 1e9:.2f} GFLOP/s fp32 "
+        f"(gloo all_to_all_single, W={WORLD}), all_reduce = {profile['allreduce_alpha'] * 1e6:.0f} us + bytes sent "
+        f"/ {profile['allreduce_bandwidth'] / 1e9:.3f} GB/s (the mean of its calls), matmul = "
+        f"{profile['flops'] / 1e9:.2f} GFLOP/s fp32 "
         f"per rank ({profile['matmul_threads']} thread, {WORLD} concurrent ranks; alone "
         f"{profile['flops_one_process'] / 1e9:.2f})"
         + (

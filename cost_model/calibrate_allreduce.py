@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # tensor bytes per rank: a micro-op's range and a DDP bucket's
-REPS = 40
+REPS = 40  # calls per size (`cost_model.calibrate` runs twice its all-to-all's repetitions: 40 by default)
 UNITS = {
     "allreduce_alpha": "s per gloo all_reduce call (the fit's latency)",
     "allreduce_bandwidth": "bytes a rank sends in a ring all-reduce (2 (W-1)/W of the tensor) per s",

@@ -91,7 +91,8 @@ worst 7.5-10.6 %). One run that shared the cores with a test run (load 3.3) left
 (26 in all), priced first with the all-to-all's alpha for the all-reduce and no helper CPU for its micro-ops: lina
 -13.5 to -25.2 % (a step's ten micro-ops waited ~9 ms at the end of the backward, priced 0.9 ms); with both priced,
 19:43 UTC (the committed JSON, load 1.75-2.42): 5.1/10.8/26, lina 1.1/5.3/4 (its forward -11 to -20 %, its backward
-+6 to +20 %: the stacked layers' exchanges wait longer in the forward than a bare layer's).
++6 to +20 %: the stacked layers' exchanges wait longer in the forward than a bare layer's); a repeat of Lina alone
+(`--forms lina --calibrate`, 20:12 UTC): 1.9/3.4/4.
 
 Not measured: chunked all-to-all. Output: per config predicted / measured / error, Spearman's rho, the median |rel err|,
 the load; the JSON and a log-log plot (cost_fidelity.png).

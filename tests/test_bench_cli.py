@@ -256,3 +256,18 @@ def test_netns_probe_leaves_nothing_behind():
     if shutil.which("ip"):
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
         assert "mpbench" not in listed
+
+
+def test_cost_fidelity_figures_name_the_forms_and_judge_the_worst_config():
+    """The report's cost-fidelity section: predicted / measured over every form the run measured, and issue 31's goal
+    on the worst configuration's |relative error| (every one within 15 %), not on the median."""
+    doc = {"spearman": 0.9, "median_abs_rel_error": 0.05, "by_form": {"ep": {}, "lina": {}},
+           "configs": [{"predicted": {"step_s": p}, "measured": {"step_s": 1.0}, "rel_error": p - 1.0}
+                       for p in (0.95, 1.02, 1.10)]}
+    figs, _ = report_figures.cost_fidelity(doc)
+    assert figs[0].label == "predicted / measured step (ep, lina)"
+    worst = next(f for f in figs if f.label == "worst |relative error|")
+    assert worst.median == pytest.approx(0.10) and worst.met() == "yes"
+    doc["configs"][0]["rel_error"] = -0.16
+    worst = next(f for f in report_figures.cost_fidelity(doc)[0] if f.label == "worst |relative error|")
+    assert worst.median == pytest.approx(0.16) and worst.met() == "**no**"

@@ -218,8 +218,9 @@ def hp_shape(cfg: Config) -> object:
 
 def predict(cfg: Config, hw: Hardware, factor: float | list[float] | None = None, a2a_share: float | None = None,
             faults: float | None = None) -> dict[str, Any]:
-    """Cost-model step time (s) of one EP, FSEP, HP or locality layer fwd+bwd and its terms; `factor`: rho (dropless) or the
-    kept fraction c_f (capacity) of the busiest rank, None for uniform routing; `a2a_share` (FSEP): the rows the
+    """Cost-model step time (s) of one EP, FSEP, HP or locality layer fwd+bwd, or a Lina config's model (`lina.predict`),
+    and its terms; `factor`: rho (dropless) or the kept fraction c_f (capacity) of the busiest rank (Lina: one per
+    layer, or one for all), None for uniform routing; `a2a_share` (FSEP): the rows the
     busiest rank sends or receives off-rank over T*K (None: 1/2, uniform); `faults`: the minor page faults of one
     step (n_f, None: 0)."""
     dropless = cfg.capacity is None

@@ -216,6 +216,16 @@ def hp_shape(cfg: Config) -> object:
     return latent_shape(spec, moepass.Plan(form="hp", topology=moepass.Topology(1, W)), W)
 
 
+def layer_figures(cfg: Config, hw: Hardware, factor: float, faults: float | None) -> dict[str, Any]:
+    """The figure dict of the config's block on the calibrated `hw`: its shape, the routing factor as rho (dropless)
+    or c_f (capacity), the GEMM rate at its rows per expert, the step's page faults, the W ranks on one node."""
+    dropless = cfg.capacity is None
+    rows_per_expert = cfg.tokens * cfg.K * factor / (cfg.E / W)
+    return {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
+            "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
+            "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0, "n_f": faults or 0.0, "n_rank": W}
+
+
 def predict(cfg: Config, hw: Hardware, factor: float | list[float] | None = None, a2a_share: float | None = None,
             faults: float | None = None) -> dict[str, Any]:
     """Cost-model step time (s) of one EP, FSEP, HP or locality layer fwd+bwd, or a Lina config's model (`lina.predict`),
@@ -227,11 +237,9 @@ def predict(cfg: Config, hw: Hardware, factor: float | list[float] | None = None
     if factor is None:
         factor = 1.0 if cfg.capacity is None else cfg.capacity
     if cfg.form == "lina":  # `factor`: one per layer, or one for all; each layer priced as this config's EP layer
-        return lina.predict(cfg, hw, factor, faults, lambda one, f, n_f: predict(one, hw, f, faults=n_f), W)
-    rows_per_expert = cfg.tokens * cfg.K * factor / (cfg.E / W)
-    x = {**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": W,
-         "rho": factor if dropless else 1.0, "c_f": 1.0 if dropless else factor,
-         "R": hw.gemm_rate(cfg.D, rows_per_expert), "eta": 1.0, "n_f": faults or 0.0, "n_rank": W}  # W on one node
+        return lina.predict(cfg, hw, factor, faults, lambda one, f, n_f: (predict(one, hw, f, faults=n_f),
+                                                                          layer_figures(one, hw, f, n_f)), W)
+    x = layer_figures(cfg, hw, factor, faults)
     if cfg.form == "hp":  # equal exchanges: the routing does not move a rank's rows (cost_model.hp)
         shape: Any = hp_shape(cfg)
         x.update(H=shape.heads, h=shape.head_dim, E=shape.experts, K=shape.top_k, F=shape.ffn_dim,
@@ -495,12 +503,12 @@ def main(argv: list[str] | None = None) -> int:
             factor, share, sent = 1.0, None, []
         else:
             rows_PP = routing_rows(c, m["stats"])
-            factor = float(rows_PP.sum(axis=0).max() / (c.tokens * c.K * c.layers))
+            factor = float(rows_PP.sum(axis=0).max() / (c.tokens * c.K))
             sent = cm.exact_a2a(rows_PP, c.D, BYTES, G=W).sent.tolist()
             off = rows_PP - np.diag(np.diag(rows_PP))
             share = float(max(off.sum(axis=1).max(), off.sum(axis=0).max()) / (c.tokens * c.K))
         faults = float(np.median(m["counted_faults"]))  # counted on the untimed step (like the routing), priced below
-        if c.form == "lina":  # each layer's busiest rank (the counters sum the layers)
+        if c.form == "lina":  # each layer's busiest rank, not the counters' (they sum the layers)
             factor = [max(np.sum([s["layer_rows"][layer] for s in m["stats"]], axis=0)) / (c.tokens * c.K)
                       for layer in range(c.layers)]
         pred = predict(c, hw, factor, share, faults)

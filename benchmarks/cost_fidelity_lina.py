@@ -105,22 +105,19 @@ def step_terms(cfg: Any, xs: list[dict[str, Any]], world: int) -> Any:
 
 
 def predict(cfg: Any, hw: Any, factor: float | list[float], faults: float | None,
-            ep_layer: Callable[[Any, float, float], dict[str, Any]], world: int) -> dict[str, Any]:
+            ep_layer: Callable[[Any, float, float], tuple[dict[str, Any], dict[str, Any]]], world: int) -> dict[str, Any]:
     """A config's step (s) and its terms: `ep_step` over its layers, each a config's EP layer with its own routing
     factor (`factor`: one per layer, or one for all) and a layer's share of the step's page faults, with the dense
     part's P_d and micro-ops; plus the dense GEMMs, forward and backward. `ep_layer(one-layer EP config, factor,
-    faults)`: `cost_fidelity.predict` of one EP layer. The forward phase: each layer's EP forward (as that splits
+    faults)`: `cost_fidelity.predict` of one EP layer and its figure dict. The forward phase: each layer's EP forward (as that splits
     it) and its dense GEMMs; the all-reduce and the waits it causes are in the backward."""
     import dataclasses
 
     factors = list(factor) if isinstance(factor, list | tuple) else [factor] * cfg.layers
     one = dataclasses.replace(cfg, form="ep", layers=1)
     per_layer = (faults or 0.0) / cfg.layers
-    alone = [ep_layer(one, f, per_layer) for f in factors]
-    xs = [{**hw.values(), "T": cfg.tokens, "K": cfg.K, "D": cfg.D, "F": cfg.F, "m": 3, "E": cfg.E, "G": world,
-           "rho": f if cfg.capacity is None else 1.0, "c_f": 1.0 if cfg.capacity is None else f,
-           "R": p["gemm_flops"], "eta": 1.0, "n_f": per_layer, "n_rank": world} for f, p in zip(factors, alone)]
-    t = step_terms(cfg, xs, world)
+    alone, xs = zip(*(ep_layer(one, f, per_layer) for f in factors))
+    t = step_terms(cfg, list(xs), world)
     dense = 3 * cfg.layers * dense_gemm_seconds(cfg, hw)
     step = float(t.step) + dense
     fwd = sum(p["fwd_s"] for p in alone) + dense / 3

@@ -22,6 +22,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from cost_model.ep import allreduce_sent
+from cost_model.fits import fit_latency_rate
+
 SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # tensor bytes per rank: a micro-op's range and a DDP bucket's
 REPS = 40  # calls per size (`cost_model.calibrate` runs twice its all-to-all's repetitions: 40 by default)
 UNITS = {
@@ -64,9 +67,6 @@ def worker(rank: int, port: int | None, world: int, sizes: Sequence[int], reps: 
 
 def figures(timings: Sequence[tuple[int, float]], world: int) -> dict[str, Any]:
     """`allreduce_alpha`, `allreduce_bandwidth` and the samples from `worker`'s [(tensor bytes, seconds)]."""
-    from cost_model.ep import allreduce_sent
-    from cost_model.fits import fit_latency_rate
-
     sent = [float(allreduce_sent(size, world)) for size, _ in timings]
     alpha, bandwidth = fit_latency_rate(sent, [seconds for _, seconds in timings])
     return {"allreduce_alpha": alpha, "allreduce_bandwidth": bandwidth,

@@ -401,6 +401,8 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
     expert_ar, expert_unit = bucketed_allreduce(grad_bytes, dp, B, ar_alpha, x.get("u"))
     dense_bytes = x.get("P_d", 0) * x["b_g"]
     dense_ar, dense_unit = bucketed_allreduce(dense_bytes, ep * dp, B, ar_alpha, x.get("u"))
+    if not isinstance(dense_bytes, sympy.Basic) and dense_bytes == 0:
+        dense_ar, dense_unit = 0, 0  # no dense parameters given: no all-reduce call
     # the transfer threads' CPU: dispatch and combine, forward and backward, n calls each, the split sizes and every
     # piece of the gradient all-reduces (collective calls on the same threads); the ranks wait among busy cores for
     # all of them but the deferred dispatch-backward, whose wait they pay only for what its chunk's weight GEMMs,
@@ -417,8 +419,6 @@ def ep_alone(x: dict[str, Any], *, ep: int, n: int, dp: int, dropless: bool, cro
         if hidden:
             t_wait += n * smax(0, thread_cpu(sent / n, 1, c_wb, c_wc) - smax(0, fwd_compute / n - t_a))
         threads = smax(thread_cpu(A2A_PER_LAYER * sent + ar_sent, calls + ar_calls, c_xb, c_xc), t_wait)
-    if not isinstance(dense_bytes, sympy.Basic) and dense_bytes == 0:
-        dense_ar, dense_unit = 0, 0  # no dense parameters given: no all-reduce call
     dense_bwd = 2 * dense_flops(x["T"], x["D"], x.get("q", 0)) / (x["R"] * x["eta"])
     memory = memory_per_rank(x["E"], ep, x["D"], x["F"], x["m"], x["s"], rows, x["b"])
     host = host_time(rows, x["D"], x["F"], x["E"], ep, tokens=x["T"], routed=x["T"] * x["K"] * x.get("phi", 1),

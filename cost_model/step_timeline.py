@@ -7,7 +7,6 @@ Shape letters: `moepass.spec.SHAPES` (here P: ranks as sources and as destinatio
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,9 +52,9 @@ def allreduce_ops(tl: Timeline, name: str, nbytes: float, dp: int, B: float, v: 
 def allreduce_work(nbytes: float, dp: int, B: float, v: dict[str, float], bucket_bytes: float) -> tuple[int, float]:
     """(pieces, seconds) of a gradient all-reduce in pieces of `bucket_bytes` over a link of bandwidth `B`, at the
     figures `v` gives an all-reduce (`cost_model.ep.allreduce_figures`); (0, 0.0): none (one rank)."""
-    if dp == 1 or nbytes <= 0:
+    pieces = ep_formulas.allreduce_calls(nbytes, dp, bucket_bytes)
+    if not pieces:
         return 0, 0.0
-    pieces = max(1, math.ceil(nbytes / bucket_bytes))
     rate, alpha = ep_formulas.allreduce_figures(v, B)
     return pieces, pieces * ep_formulas.allreduce_time(nbytes / pieces, dp, rate, alpha)
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from moepass import dialect, eager, generic_experts
+from moepass import dialect, eager, ffn_autograd, generic_experts
 from moepass.block_state import (  # noqa: F401  (re-exported: the passes and detection use them)
     adjacent_view,
     adopt_state,
@@ -148,7 +148,7 @@ def stack_experts(tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0].tracer.create_proxy("call_function", stack_experts, (list(tensors),), {})
     if torch.compiler.is_compiling():  # traced: parameters are graph inputs, the compiler owns their layout
         return torch.stack(tensors)
-    return _StackExperts.apply(*tensors)
+    return ffn_autograd.mark_experts(_StackExperts.apply(*tensors), tensors)
 
 
 def jitter(x: torch.Tensor, eps: float, training: bool) -> torch.Tensor:

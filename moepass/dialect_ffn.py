@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepass import eager, grouped_ffn
+from moepass import eager, ffn_autograd, grouped_ffn
 from moepass.activations import activate
 from moepass.grouped_ffn import fused_gate_up
 from moepass.operands import OpSchema, register_autocast
@@ -147,6 +147,15 @@ def sinks_of(inputs: tuple | list) -> dict[int, WeightGradSink]:
     return {i: sink for i, sink in sinks.items() if sink is not None} if all(sinks.values()) and sinks else {}
 
 
+class ExpertFFNEagerOp(eager.EagerOp):
+    """The expert FFN's eager call: by autograd over the experts' own tensors where `ffn_autograd` applies
+    (separate expert tensors, run expert by expert), else the op's function and autograd.Function."""
+
+    def __call__(self, *args: Any) -> Any:
+        y = ffn_autograd.expert_ffn(*args)
+        return super().__call__(*args) if y is None else y
+
+
 def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
                       split_backward: Callable[..., tuple[Tensor, Callable[[], list[Tensor | None]]]] | None = None,
                       ) -> torch._ops.OpOverload:
@@ -187,8 +196,8 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
     # eagerly: the same autograd.Function over the forward/backward ops' own functions (`moepass.eager`)
     forward_fn, backward_fn = eager.function_of(forward_op), eager.function_of(backward_op)
     if forward_fn is not None and backward_fn is not None:
-        eager.register(op, eager.EagerOp(op, lambda *args: forward_fn(*args[:11], False)[0],
-                                         function=expert_ffn_function(forward_fn, backward_fn, split_backward)))
+        eager.register(op, ExpertFFNEagerOp(op, lambda *args: forward_fn(*args[:11], False)[0],
+                                            function=expert_ffn_function(forward_fn, backward_fn, split_backward)))
 
     def fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate, b_up, b_down, activation, *rest):
         check_ffn_shapes(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, activation)

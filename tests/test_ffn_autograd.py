@@ -132,3 +132,17 @@ def test_a_compiled_loop_block_trains_as_its_original(bias):
     for name, p in params0.items():
         torch.testing.assert_close(params1[name].grad, p.grad, rtol=1e-5, atol=1e-5)
     assert len(seen) == 1 and torch.equal(seen[0], params1["experts.0.w1.weight"].grad)
+
+
+def test_more_rows_than_the_weight_gradients_pay_for_keep_the_op():
+    """`pays`: autograd's way keeps two [N, F] intermediates more; past the weight gradients' size the op runs."""
+    _, counts, roles = operands("swiglu", bias=False, fused=False)
+    marked = [None if r is None else ffn_autograd.mark_experts(torch.stack(r), r) for r in roles]
+    weight_elements = sum(s.numel() for s in marked[:3] if s is not None)  # 3 x E x F x D
+    most = (weight_elements - 1) // (2 * F)  # the most rows for which 2 x N x F < the weight elements
+    for rows, expected in ((most, True), (most + 1, False)):
+        x_ND = torch.randn(rows, D, requires_grad=True)
+        tail_counts = counts.clone()
+        tail_counts[0] += rows - int(counts.sum())
+        y = ffn_autograd.expert_ffn(x_ND, tail_counts, *marked, "swiglu", 1.5, 1.702, False)
+        assert (y is not None) == expected, rows

@@ -21,9 +21,17 @@ CPU: one thread (torch.set_num_threads(1)). `--profile` adds counts per step tha
 (`step_counts`): dispatcher ops (aten, custom), backward nodes, `aten::_local_scalar_dense` (host reads of a
 tensor; on CUDA each waits for the device), CUDA synchronize calls, Python calls, minor page faults.
 `--grads set_to_none` starts every step with no `.grad` (a training loop's `zero_grad()`), the default accumulates
-into it (gradient accumulation); the loop sample, 2026-11-27, 5 rounds, load 1.0-1.3: 0.997 [0.979, 1.043] with none,
-1.039 [1.011, 1.056] accumulating (its stacked [E, F, D] weight gradients, 12 MiB written and read back per step, are
-added into per-expert `.grad`s beyond the 1 MiB L2; the original adds each expert's 512 KB gradient while still warm).
+into it (gradient accumulation). The loop sample, where the last >1.0 case came from (2026-11-27, this CPU, 1 thread):
+  before: 1.039-1.043 accumulating, 0.997 [0.979, 1.043] with none. A symbol profile (`perf record -e cpu-clock`,
+  500 steps, original vs moepass, ms per step) put the excess in memory traffic, not in the GEMMs (same 50 `mm`s,
+  at MKL's peak on both sides): sgemm's C scaling +0.45 (writing the whole [E, F, D] gradients into cold
+  memory), the accumulation of those 12 MiB into the per-expert `.grad`s after the whole backward (+0.6 against
+  +0.33 for the original, which adds each expert's fresh gradient right away), the backward's two recomputed
+  activation passes (+0.25). Fix (`moepass.ffn_autograd`): eagerly, ModuleList experts run expert by expert as
+  autograd's own ops on each expert's tensors (the op's values bit for bit), so each gradient is accumulated as
+  it is made, and autograd keeps act(h) and a; where that keeps more than the weight gradients it saves
+  (`ffn_autograd.pays`: NLLB-MoE's 4096-row block) the op runs. After: see the closing figures in the results
+  JSON (`never_slower_cpu*.json`).
 Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
 
 Profile (CPU, torch 2.13, 1 thread; tiny size, per forward+backward step, original | moepass before -> after;
@@ -92,7 +100,9 @@ import platform
 import pstats
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -336,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grads", choices=["accumulate", "set_to_none"], default="accumulate",
                         help="the parameters' .grad between steps: accumulated (default), or set to None before each "
                              "step (zero_grad's default in a training loop)")
+    parser.add_argument("--launches", type=int, default=1,
+                        help="run every case in this many fresh processes, one after another; per case the median "
+                             "and range of the launches' ratios (a process's memory layout moves a case's ratio by "
+                             "up to ~7 %% here, the same way for all its rounds)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -351,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "" if args.grads == "accumulate" else "_set_to_none"
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.launches > 1:
+        return run_launches(sys.argv[1:] if argv is None else argv, args.launches, meta, out)
     rows: list[dict] = []
     for size_name in sizes:
         size = SIZES[size_name]
@@ -370,10 +386,62 @@ def main(argv: list[str] | None = None) -> int:
                 print_row(row)
                 # written after every row: a run stopped at a time limit (a device lease) keeps what it measured
                 out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print_worst(rows, out)
+    return 0
+
+
+def print_worst(rows: list[dict], out: Path) -> None:
     measured = [r for r in rows if "ratio" in r]
     worst = max(measured, key=lambda r: r["ratio"]) if measured else None
     print(f"{len(measured)} cases measured; worst ratio {worst['ratio']:.3f} ({worst['case']}, {worst['dtype']})"
           if worst else "no case measured", f"-> {out}")
+
+
+def merge_launches(launches: list[list[dict]]) -> list[dict]:
+    """One row per case from the rows of several launches: the median and range of the launches' ratios (each a
+    median over its rounds), the median times, and every launch's ratio, times and load."""
+    merged: dict[tuple[str, str], list[dict]] = {}
+    for rows in launches:
+        for row in rows:
+            merged.setdefault((row["case"], row["dtype"]), []).append(row)
+    out = []
+    for runs in merged.values():
+        measured = [r for r in runs if "ratio" in r]
+        if not measured:
+            out.append(runs[0])
+            continue
+        ratios = [r["ratio"] for r in measured]
+        row = {k: v for k, v in measured[0].items() if k not in ("rounds", "per_step", "host_ms")}
+        row.update(ratio=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)],
+                   original_ms=statistics.median(r["original_ms"] for r in measured),
+                   moepass_ms=statistics.median(r["moepass_ms"] for r in measured),
+                   load=statistics.median(r["load"] for r in measured),
+                   launches=[{k: r[k] for k in ("ratio", "ratio_range", "original_ms", "moepass_ms", "load")}
+                             for r in measured])
+        out.append(row)
+    return out
+
+
+def run_launches(argv: list[str], launches: int, meta: dict, out: Path) -> int:
+    """`main(argv)` in `launches` fresh processes, one after another, merged (`merge_launches`) into `out`."""
+    base, skip = [], False  # argv without --launches and --out (each launch writes its own file)
+    for a in argv:
+        if not skip and not a.startswith(("--launches", "--out")):
+            base.append(a)
+        skip = a in ("--launches", "--out")
+    per_launch = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(launches):
+            part = Path(tmp) / f"launch{i}.json"
+            print(f"launch {i + 1}/{launches}", flush=True)
+            subprocess.run([sys.executable, __file__, *base, "--out", str(part)], check=True)
+            per_launch.append(json.loads(part.read_text())["rows"])
+    rows = merge_launches(per_launch)
+    out.write_text(json.dumps({"meta": {**meta, "launches": launches}, "rows": rows}, indent=1))
+    print(f"over {launches} launches (median [range] of their ratios):")
+    for row in rows:
+        print_row(row)
+    print_worst(rows, out)
     return 0
 
 

@@ -11,7 +11,7 @@ made. That cost the loop sample 1.04x its original's forward+backward (issue 29,
 
 So where the expert loop runs expert by expert anyway (`grouped_ffn.Rows.per_expert`: a CPU, the counts in
 host memory, a large layer) and every weight operand is such a stack (`mark_experts`), the eager call runs the
-same per-expert operations — `grouped_ffn.project`'s GEMM then bias, `activate` — as differentiable torch ops on
+same per-expert operations — `grouped_ffn.project`'s GEMM (addmm with a bias), `activate` — as differentiable torch ops on
 the experts' own tensors:
 
     x_ND.split(counts) -> per expert e: h = x_e @ w_gate[e]^T (+ b), u = x_e @ w_up[e]^T (+ b),
@@ -21,7 +21,7 @@ An expert without rows runs on its empty slice, so its weights get the zero grad
 untouched loop skips it and leaves None; `moepass.train.optim.fill_missing_grads` makes the two agree).
 
 The forward and backward values are the op's bit for bit (the same kernels on the same operands;
-tests/test_eager.py), each gradient reaches its parameter through the parameter's own AccumulateGrad, as the
+tests/test_ffn_autograd.py), each gradient reaches its parameter through the parameter's own AccumulateGrad, as the
 original block's do (tensor hooks, DDP's reducer, `torch.autograd.grad` see what they saw there), and autograd
 keeps what it kept for the original: per expert h, act(h), u and a, two [n, F] more than the op keeps (which
 recomputes act(h) and a in its backward). `Plan(expert_recompute=True)` keeps the op's path and its memory.
@@ -57,10 +57,8 @@ def expert_tensors(t: Any) -> tuple[Tensor, ...] | None:
 
 
 def linear(x_nK: Tensor, w_QK: Tensor, b_Q: Tensor | None) -> Tensor:
-    """x @ w^T, then + b in place: `grouped_ffn.project`'s order (addmm sums the bias in another); the product is
-    not kept for the backward, so autograd lets the bias be added in its buffer."""
-    out = torch.mm(x_nK, w_QK.t())
-    return out if b_Q is None else out.add_(b_Q)
+    """x @ w^T (+ b): `grouped_ffn.project`'s arithmetic (one addmm with a bias)."""
+    return torch.mm(x_nK, w_QK.t()) if b_Q is None else torch.addmm(b_Q, x_nK, w_QK.t())
 
 
 def pays(x_ND: Tensor, weights: Sequence[Tensor | None]) -> bool:

@@ -80,8 +80,9 @@ def test_matches_the_reference_forward_and_every_gradient(activation, bias, reco
     bwd = 6 if activation in GATED else 4  # backward: grad_a, wgrad down, and wgrad + grad_x per projection
     expected = gemms + bwd + (gemms - 1 if recompute else 0)
     assert log.count("aten::_grouped_mm") == (expected if engine == "grouped_mm" else 0)
-    if engine == "per_expert":  # each GEMM once per expert with rows; a bias inside its GEMM, never gathered per row
-        assert log.count("aten::mm") == expected * 4
+    if engine == "per_expert":  # each GEMM once per expert with rows; a bias inside its GEMM (addmm), never gathered
+        assert log.count("aten::mm") + log.count("aten::addmm") == expected * 4
+        assert log.count("aten::addmm") == (4 * (gemms + (gemms - 1 if recompute else 0)) if bias else 0)
         assert log.count("aten::index_select") == log.count("aten::index_add_") == 0
     if engine == "small":  # one bmm per GEMM whatever E, and nothing read on the host
         assert log.count("aten::bmm") == expected

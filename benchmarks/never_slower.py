@@ -30,8 +30,16 @@ into it (gradient accumulation). The loop sample, where the last >1.0 case came 
   activation passes (+0.25). Fix (`moepass.ffn_autograd`): eagerly, ModuleList experts run expert by expert as
   autograd's own ops on each expert's tensors (the op's values bit for bit), so each gradient is accumulated as
   it is made, and autograd keeps act(h) and a; where that keeps more than the weight gradients it saves
-  (`ffn_autograd.pays`: NLLB-MoE's 4096-row block) the op runs. After: see the closing figures in the results
-  JSON (`never_slower_cpu*.json`).
+  (`ffn_autograd.pays`: NLLB-MoE's 4096-row block) the op runs; and the per-expert engine sums a bias inside its
+  GEMM (`addmm`, as nn.Linear does: no zero fill of a fresh product, no second pass). After (22:14-22:41 UTC, load
+  1.0, `--launches 3`, median [range] of the launches' ratios): loop 0.998 [0.987, 1.019] accumulating, 0.998
+  [0.981, 1.001] with none; fused 0.025, gshard 0.500. Hugging Face families (`--hf --rounds 3 --launches 3`):
+  65 measured, all <= 1.0 except NLLB-MoE 1.015 [1.004, 1.025] and AFMoE 1.002 [1.000, 1.004]. NLLB-MoE's block
+  (the HF code one-hots a 0/1 mask, so two "experts" of 3584 and 512 rows do 8 rows per token) depends on the
+  process: alone, 5 launches, 0.969 [0.946, 1.026] (1.023 [1.004, 1.054] before `addmm`); with glibc's
+  thresholds pinned (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_, no fresh-page faults) 1.016-1.028 before
+  `addmm`, the rest being its [T, 8, D] unpermute/combine gathers (`memmove` +1 % of the step). AFMoE (fused
+  gate/up, all tokens on 2 experts) pays the op's two recomputed activation passes (~0.6 %).
 Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
 
 Profile (CPU, torch 2.13, 1 thread; tiny size, per forward+backward step, original | moepass before -> after;

@@ -65,9 +65,10 @@ def pays(x_ND: Tensor, weights: Sequence[Tensor | None]) -> bool:
     """Whether autograd's way costs less memory traffic than the op's: the op writes every expert's weight
     gradients whole and autograd reads them back (their elements, once each); autograd's way keeps two [N, F]
     intermediates the op does not (act(h) and a; ReLU's one new gradient buffer instead). Measured (issue 29's
-    layer, CPU, 1 thread): N=1024, 3 x 8 x 512 x 256 weight elements against 2 x 1024 x 512: autograd's way
-    0.98-0.99x the original block, the op's 1.02-1.06x (SwiGLU, GeLU, ReLU, with and without biases); NLLB-MoE's
-    block (N=4096 rows, 2 x 8 x 512 x 256): autograd's way 1.02x, the op's 1.00x."""
+    layer, CPU, 1 thread, forward+backward against the original block): N=1024, 3 x 8 x 512 x 256 weight elements
+    against 2 x 1024 x 512: autograd's way 0.98-1.00x, the op's 1.01-1.06x (SwiGLU, GeLU, ReLU, with and without
+    biases); NLLB-MoE's block (N=4096, 2 x 8 x 512 x 256 against 2 x 4096 x 512): autograd's way 1.05x (median of
+    4 processes), the op's 1.02x."""
     F = weights[2].shape[2] if weights[2] is not None else 0
     return sum(w.numel() for w in weights if w is not None) > 2 * x_ND.shape[0] * F
 

@@ -34,7 +34,7 @@ relu(h) in h's place, which serves the backward as h does (`activation_output`),
 Expert by expert (`Rows.per_expert`, the first choice): where the row counts are in host memory (a CPU;
 reading them waits for nothing), the whole FFN runs one expert at a time — its GEMMs, activation and, in the
 backward, its input and weight gradients — so an expert's [n, F] intermediates are still in cache when the next
-op reads them, and its bias is added as one broadcast row (not gathered per row). Run eagerly on separate expert
+op reads them, and its bias is summed inside the GEMM (`addmm`, not gathered per row). Run eagerly on separate expert
 tensors (ModuleList experts), the per-expert loop is autograd's own instead (`moepass.ffn_autograd`).
 
 Otherwise the GEMM engine, per GEMM: a small one (E·N·K·Q <= `PADDED_MACS`: the layer's host overhead outweighs its

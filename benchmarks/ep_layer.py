@@ -54,7 +54,10 @@ group; 2026-11-27, load 3-8 on the 2 shared cores):
   torchtitan's; what is left to remove is small (per step: ~0.3 ms of activation passes if the FFN keeps
   act(gate), ~0.15 ms of the two grad_scale passes if the FFN scales its weight GEMMs, ~0.1 ms of DTensor
   to_local autograd, ~0.06 ms of moe_sched.mark nodes without listeners, ~0.5 ms of the local permute and
-  unpermute if the FFN ran the received (source, expert)-major rows as they arrive).
+  unpermute if the FFN ran the received (source, expert)-major rows as they arrive). Re-measured 2026-11-27 22:42
+  UTC (load 0.5-1.0): 1.004 [0.986, 1.032], torchtitan the fastest peer every round; `ep_step.py --launches 3
+  --steps 4 --systems moepass_bare transformers_a2a torchtitan_ep` (load 1.0-2.1): its layer 1.024 [0.961, 1.042],
+  the 4-layer model 1.015 [0.980, 1.021] over the fastest peer (torchtitan).
 
 Workloads (one Hugging Face `MixtralSparseMoeBlock`, fp32, SwiGLU, dropless, top-k softmax router):
   issue          the layer of issue 12: 512 tokens in all (2 sequences x 256), D=256, F=512, E=8, K=2.

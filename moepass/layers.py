@@ -25,8 +25,8 @@ class Layer:
 LAYERS = (
     Layer("core",
           ("moepass.errors", "moepass.spec", "moepass.activations", "moepass.envflags", "moepass.plan", "moepass.plan_options",
-           "moepass.dialect", "moepass.eager", "moepass.grouped_ffn", "moepass.ffn_autograd", "moepass.generic_experts", "moepass.module_copy",
-           "moepass.block_state", "moepass.row_ops", "moepass.process_state",
+           "moepass.dialect", "moepass.eager", "moepass.grouped_ffn", "moepass.ffn_autograd", "moepass.generic_experts",
+           "moepass.module_copy", "moepass.block_state", "moepass.row_ops", "moepass.process_state",
            "moepass.dialect_ffn", "moepass.nn.*", "moepass.layers", "moepass.operands", "cost_model.presets"),
           (),
           "plain data and the dialect: block specs, Plan, errors, hardware figures, the moe:: op schemas with "

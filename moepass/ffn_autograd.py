@@ -11,8 +11,8 @@ made. That cost the loop sample 1.04x its original's forward+backward (issue 29,
 
 So where the expert loop runs expert by expert anyway (`grouped_ffn.Rows.per_expert`: a CPU, the counts in
 host memory, a large layer) and every weight operand is such a stack (`mark_experts`), the eager call runs the
-same per-expert operations — `grouped_ffn.project`'s GEMM (addmm with a bias), `activate` — as differentiable torch ops on
-the experts' own tensors:
+same per-expert functions — `grouped_ffn.project` (addmm with a bias) and `activation_output` — as
+differentiable torch ops on the experts' own tensors:
 
     x_ND.split(counts) -> per expert e: h = x_e @ w_gate[e]^T (+ b), u = x_e @ w_up[e]^T (+ b),
                          y_e = act(h, u) @ w_down[e]^T (+ b)  -> cat(y_e, zeros for rows past the counts)
@@ -38,8 +38,7 @@ import torch
 from torch import Tensor
 
 from moepass import eager
-from moepass.activations import activate
-from moepass.grouped_ffn import Rows, fused_gate_up, halves
+from moepass.grouped_ffn import Rows, activation_output, fused_gate_up, project
 
 EXPERT_TENSORS = "moepass_expert_tensors"  # attribute of a stacked view: the per-expert tensors it reads
 # activations whose autograd backward computes what `activations.activate_and_backward` computes, bit for bit
@@ -56,11 +55,6 @@ def expert_tensors(t: Any) -> tuple[Tensor, ...] | None:
     return getattr(t, EXPERT_TENSORS, None) if isinstance(t, Tensor) else None
 
 
-def linear(x_nK: Tensor, w_QK: Tensor, b_Q: Tensor | None) -> Tensor:
-    """x @ w^T (+ b): `grouped_ffn.project`'s arithmetic (one addmm with a bias)."""
-    return torch.mm(x_nK, w_QK.t()) if b_Q is None else torch.addmm(b_Q, x_nK, w_QK.t())
-
-
 def pays(x_ND: Tensor, weights: Sequence[Tensor | None]) -> bool:
     """Whether autograd's way costs less memory traffic than the op's: the op writes every expert's weight
     gradients whole and autograd reads them back (their elements, once each); autograd's way keeps two [N, F]
@@ -69,8 +63,9 @@ def pays(x_ND: Tensor, weights: Sequence[Tensor | None]) -> bool:
     against 2 x 1024 x 512: autograd's way 0.98-1.00x, the op's 1.01-1.06x (SwiGLU, GeLU, ReLU, with and without
     biases); NLLB-MoE's block (N=4096, 2 x 8 x 512 x 256 against 2 x 4096 x 512): autograd's way 1.05x (median of
     4 processes), the op's 1.02x."""
-    F = weights[2].shape[2] if weights[2] is not None else 0
-    return sum(w.numel() for w in weights if w is not None) > 2 * x_ND.shape[0] * F
+    w_down_EDF = weights[2]
+    assert w_down_EDF is not None
+    return sum(w.numel() for w in weights if w is not None) > 2 * x_ND.shape[0] * w_down_EDF.shape[2]
 
 
 def expert_ffn(*args: Any) -> Tensor | None:
@@ -100,13 +95,11 @@ def expert_ffn(*args: Any) -> Tensor | None:
     parts = x_ND.split([*sizes, tail])
     ys = []
     for e, x_nD in enumerate(parts[:-1]):  # an expert without rows too: its weights get the op's zero gradient
-        h_gate = linear(x_nD, w_gate[e], None if b_gate is None else b_gate[e])
-        h_up = None if w_up is None else linear(x_nD, w_up[e], None if b_up is None else b_up[e])
-        if activation == "relu":  # in place, as the op: autograd keeps relu(h), which its backward reads
-            a_nF = h_gate.relu_()
-        else:
-            a_nF = activate(*halves(h_gate, h_up, fused), activation, clamp_limit, alpha)
-        ys.append(linear(a_nF, w_down[e], None if b_down is None else b_down[e]))
+        h_gate = project(x_nD, w_gate[e], None if b_gate is None else b_gate[e])
+        h_up = None if w_up is None else project(x_nD, w_up[e], None if b_up is None else b_up[e])
+        # the op's activation: ReLU in place, whose output autograd keeps for its backward as the op does
+        a_nF = activation_output(h_gate, h_up, activation, clamp_limit, alpha, fused)
+        ys.append(project(a_nF, w_down[e], None if b_down is None else b_down[e]))
     if tail:
         ys.append(x_ND.new_zeros(tail, w_down_EDF.shape[1]))
     return torch.cat(ys)

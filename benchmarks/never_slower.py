@@ -358,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every case in this many fresh processes, one after another; per case the median "
                              "and range of the launches' ratios (a process's memory layout moves a case's ratio by "
                              "up to ~7 %% here, the same way for all its rounds)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="with --launches: every case in its own fresh process per launch, so no case runs in a "
+                             "process that built and ran the cases before it (with --hf, 60+ other blocks)")
+    parser.add_argument("--case", default="", help="the one case (its full name, e.g. 'layer hf olmoe') to run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -373,29 +377,35 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "" if args.grads == "accumulate" else "_set_to_none"
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.launches > 1:
-        return run_launches(sys.argv[1:] if argv is None else argv, args.launches, meta, out)
+    if args.launches > 1 or args.isolate:
+        names = [name for name, _, _ in selected_cases(sizes, args)] if args.isolate else None
+        return run_launches(sys.argv[1:] if argv is None else argv, args.launches, meta, out, names)
     rows: list[dict] = []
-    for size_name in sizes:
-        size = SIZES[size_name]
-        cases = list(sample_cases(size)) + (list(hf_cases(size)) if args.hf else [])
+    for name, make, size in selected_cases(sizes, args):
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-            for name, make in cases:
-                name = f"{size_name} {name}"
-                if args.only and args.only not in name:
-                    continue
-                try:
-                    row = measure(name, make, device, dtype, size, args.rounds, args.iters or size.iters, args.warmup,
-                                  args.profile, args.grads == "set_to_none")
-                except Exception as err:  # one case's failure is its row, the others still run
-                    row = {"case": name, "dtype": str(dtype).removeprefix("torch."),
-                           "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
-                rows.append(row)
-                print_row(row)
-                # written after every row: a run stopped at a time limit (a device lease) keeps what it measured
-                out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            try:
+                row = measure(name, make, device, dtype, size, args.rounds, args.iters or size.iters, args.warmup,
+                              args.profile, args.grads == "set_to_none")
+            except Exception as err:  # one case's failure is its row, the others still run
+                row = {"case": name, "dtype": str(dtype).removeprefix("torch."),
+                       "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+            rows.append(row)
+            print_row(row)
+            # written after every row: a run stopped at a time limit (a device lease) keeps what it measured
+            out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print_worst(rows, out)
     return 0
+
+
+def selected_cases(sizes: list[str], args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], nn.Module], Size]]:
+    """The cases the arguments select, by full name ("<size> <case>"): `--case` exactly, `--only` as a substring."""
+    for size_name in sizes:
+        size = SIZES[size_name]
+        for name, make in [*sample_cases(size), *(hf_cases(size) if args.hf else [])]:
+            name = f"{size_name} {name}"
+            if (args.case and name != args.case) or (args.only and args.only not in name):
+                continue
+            yield name, make, size
 
 
 def print_worst(rows: list[dict], out: Path) -> None:
@@ -430,22 +440,28 @@ def merge_launches(launches: list[list[dict]]) -> list[dict]:
     return out
 
 
-def run_launches(argv: list[str], launches: int, meta: dict, out: Path) -> int:
-    """`main(argv)` in `launches` fresh processes, one after another, merged (`merge_launches`) into `out`."""
-    base, skip = [], False  # argv without --launches and --out (each launch writes its own file)
+def run_launches(argv: list[str], launches: int, meta: dict, out: Path, isolated: list[str] | None = None) -> int:
+    """`main(argv)` in `launches` fresh processes, one after another, merged (`merge_launches`) into `out`; with
+    `isolated` (case names), one fresh process per case and launch instead, every case once per launch."""
+    base, skip = [], False  # argv without --launches, --isolate and --out (each process writes its own file)
     for a in argv:
-        if not skip and not a.startswith(("--launches", "--out")):
+        if not skip and not a.startswith(("--launches", "--out", "--isolate")):
             base.append(a)
         skip = a in ("--launches", "--out")
     per_launch = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(launches):
-            part = Path(tmp) / f"launch{i}.json"
             print(f"launch {i + 1}/{launches}", flush=True)
-            subprocess.run([sys.executable, __file__, *base, "--out", str(part)], check=True)
-            per_launch.append(json.loads(part.read_text())["rows"])
+            rows = []
+            for j, case in enumerate(isolated if isolated is not None else [None]):
+                part = Path(tmp) / f"launch{i}_{j}.json"
+                select = [] if case is None else ["--case", case]
+                subprocess.run([sys.executable, __file__, *base, *select, "--out", str(part)], check=True)
+                rows += json.loads(part.read_text())["rows"]
+            per_launch.append(rows)
     rows = merge_launches(per_launch)
-    out.write_text(json.dumps({"meta": {**meta, "launches": launches}, "rows": rows}, indent=1))
+    meta = {**meta, "launches": launches, "isolated": isolated is not None}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"over {launches} launches (median [range] of their ratios):")
     for row in rows:
         print_row(row)

@@ -117,6 +117,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -151,10 +152,13 @@ def sample_cases(size: Size) -> Iterator[tuple[str, Callable[[], nn.Module]]]:
         yield f"sample {style}", lambda style=style: make_moe(style, cfg)
 
 
-def hf_cases(size: Size) -> Iterator[tuple[str, Callable[[], nn.Module]]]:
+def hf_cases(size: Size) -> Iterator[tuple[str, Callable[[], Case]]]:
     """Every HF family moepass detects a block of: its first MoE block that is a module of its own, taken from
     the family's tiny model built with that block at `size`'s D/F/E/K (`hf_hub.Widths`; the rest stays tiny).
-    A family whose experts sit in a sub-config of another family's (`covered_by`) is that family's row."""
+    A family whose config refuses those sizes is built with as few of them as it takes (`build_at`); a family
+    whose every block is outlined from its host's forward (`moepass.detect.outline`: router and experts inline
+    in the decoder layer) is timed as its whole tiny model on `size.tokens` token ids. A family whose experts
+    sit in a sub-config of another family's (`covered_by`) is that family's row."""
     from samples import hf_hub
 
     widths = hf_hub.Widths(D=size.D, F=size.F, E=size.E, K=size.K)
@@ -162,17 +166,81 @@ def hf_cases(size: Size) -> Iterator[tuple[str, Callable[[], nn.Module]]]:
         if family.covered_by is not None:
             continue
 
-        def block(family=family) -> nn.Module:
-            model, batch = hf_hub.build(family, seed=0, widths=widths)
+        def case(family=family) -> Case:
+            model, batch, note = build_at(family, widths)
             report = moepass.detect(model, example_inputs=batch)
+            if not report.blocks:
+                raise LookupError("moepass detects no MoE block in this family's model")
             plain = [spec.path for spec in report.blocks if spec.path not in report.outlines]
-            if not plain:
-                raise LookupError("no block accepted as a module of its own (outlined blocks are timed in their host)")
-            return model.get_submodule(plain[0])
-        yield f"hf {family.model_type}", block
+            if plain:
+                spec = next(spec for spec in report.blocks if spec.path == plain[0])
+                return Case(model.get_submodule(plain[0]), note=note, width=spec.experts.hidden_dim)
+            shape = (size.seqs, size.tokens // size.seqs)
+            ids = torch.randint(3, hf_hub.VOCAB, shape, generator=torch.Generator().manual_seed(1))
+            tokens = {key: ids for key in batch if key.endswith("input_ids")}  # no labels: the probe is the loss
+            return Case(model, tokens, note=", ".join(filter(None, [note, "whole tiny model: its blocks are "
+                                                                          "outlined from their decoder layers"])))
+        yield f"hf {family.model_type}", case
+
+
+def build_at(family, widths) -> tuple[nn.Module, dict[str, torch.Tensor], str]:
+    """`hf_hub.build(family, widths=widths)`; where the family's config refuses those sizes, the same with the
+    fewest roles (one, then two, ...) left at their tiny values, and a note naming them and the refusal."""
+    from dataclasses import replace
+    from itertools import combinations
+
+    from samples import hf_hub
+
+    try:
+        return (*hf_hub.build(family, seed=0, widths=widths), "")
+    except Exception as err:  # noqa: BLE001  (a config validator's refusal: try fewer of the sizes)
+        refusal = f"{type(err).__name__}: {str(err).strip().splitlines()[-1].strip()}"[:160]
+    roles = ("K", "E", "F", "D")
+    for n in range(1, len(roles) + 1):
+        for tiny in combinations(roles, n):
+            try:
+                model, batch = hf_hub.build(family, seed=0, widths=replace(widths, **dict.fromkeys(tiny)))
+            except Exception:  # noqa: BLE001
+                continue
+            return model, batch, f"{'/'.join(tiny)} at the tiny config's value (its config refuses {refusal})"
+    raise RuntimeError(f"no size builds: {refusal}")
+
+
+@dataclass
+class Case:
+    """What one case times: `module` called on the shared x (a [seqs, tokens / seqs, D] leaf that requires
+    grad) or, with `batch`, on `**batch` (a whole model on token ids); `note` says how it departs from the size."""
+    module: nn.Module
+    batch: dict[str, torch.Tensor] | None = None
+    note: str = ""
+    width: int | None = None  # x's last dim where the block is not `size.D` wide
+
+
+def writes_input(block: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `block`'s forward writes into its input in place (autograd refuses that on a leaf)."""
+    copy_ = x.detach().clone()
+    before = copy_._version
+    with torch.no_grad():
+        block(copy_)
+    return copy_._version != before
+
+
+class FreshInput(nn.Module):
+    """`block` on a fresh copy of its input: for a block that writes into its input in place (a router's
+    jitter), which autograd refuses on the shared leaf x. Both sides of such a case are wrapped alike."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor):
+        return self.block(x.clone())
 
 
 def output(y) -> torch.Tensor:
+    for name in ("logits", "last_hidden_state"):  # a whole model's output
+        if isinstance(getattr(y, name, None), torch.Tensor):
+            return getattr(y, name)
     return y[0] if isinstance(y, tuple) else y
 
 
@@ -181,8 +249,13 @@ def step(block: nn.Module, x: torch.Tensor, probe: torch.Tensor, set_to_none: bo
     `set_to_none` start from none (`zero_grad(set_to_none=True)` first: the default training step)."""
     if set_to_none:
         block.zero_grad(set_to_none=True)
-    x.grad = None
-    (output(block(x)) * probe).sum().backward()
+    if not isinstance(x, dict):
+        x.grad = None
+    (output(call(block, x)) * probe).sum().backward()
+
+
+def call(block: nn.Module, x: torch.Tensor | dict[str, torch.Tensor]):
+    return block(**x) if isinstance(x, dict) else block(x)
 
 
 def time_steps(block, x, probe, iters: int, device: torch.device, set_to_none: bool = False) -> float:
@@ -269,24 +342,34 @@ def step_counts(block, x, probe, steps: int, device: torch.device, set_to_none: 
     return per_step
 
 
-def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, size: Size,
+def measure(name: str, make: Callable[[], nn.Module | Case], device: torch.device, dtype: torch.dtype, size: Size,
             rounds: int, iters: int, warmup: int, profile: bool, set_to_none: bool = False) -> dict:
     torch.manual_seed(0)
-    x = torch.randn(size.seqs, size.tokens // size.seqs, size.D, generator=torch.Generator().manual_seed(1))
-    x = x.to(device, dtype).requires_grad_(True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        original = make().to(device=device, dtype=dtype)
-        compiled = moepass.compile(copy.deepcopy(original), moepass.Plan(form="single"), example_inputs=(x,))
-    rewritten = list(compiled.moepass_info.rewritten) if hasattr(compiled, "moepass_info") else []
+        case = make()
+        case = case if isinstance(case, Case) else Case(case)
+        original = case.module.to(device=device, dtype=dtype)
+        if case.batch is not None:
+            x = {key: ids.to(device) for key, ids in case.batch.items()}
+            example: Any = x
+        else:
+            width = case.width or size.D
+            x = torch.randn(size.seqs, size.tokens // size.seqs, width, generator=torch.Generator().manual_seed(1))
+            x = x.to(device, dtype).requires_grad_(True)
+            example = (x,)
+        compiled = moepass.compile(copy.deepcopy(original), moepass.Plan(form="single"), example_inputs=example)
+    info = getattr(compiled, "moepass_info", None)
+    rewritten = list(info.rewritten) if info is not None else []
     if not rewritten:
         return {"case": name, "dtype": str(dtype).removeprefix("torch."), "skipped": "moepass rewrote no block"}
-    dim = next(iter(compiled.moepass_info.rewritten.values())).spec.experts.hidden_dim
-    if dim != size.D:
-        return {"case": name, "dtype": str(dtype).removeprefix("torch."),
-                "skipped": f"its config did not take D={size.D} (the block is {dim} wide)"}
+    dim = next(iter(info.rewritten.values())).spec.experts.hidden_dim
+    if case.batch is None and writes_input(original, x):
+        original, compiled = FreshInput(original), FreshInput(compiled)
+        case.note = ", ".join(filter(None, [case.note, "the block writes into its input: both sides get a copy"]))
     with torch.no_grad():
-        probe = torch.randn(output(original(x)).shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+        shape = output(call(original, x)).shape
+        probe = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     for block in (original, compiled):
         for _ in range(warmup):
             step(block, x, probe, set_to_none)
@@ -299,11 +382,11 @@ def measure(name: str, make: Callable[[], nn.Module], device: torch.device, dtyp
         if device.type == "cuda":
             host_rounds.append({label: host_seconds(block, x, probe, iters, device, set_to_none) for label, block in order})
     ratios = [f["moepass"] / f["original"] for f in per_round]
-    lowered = sorted({kernel for gm in compiled.moepass_info.rewritten.values() for h in gm.history
+    lowered = sorted({kernel for gm in info.rewritten.values() for h in gm.history
                       if h["pass"] == "lower" for kernel in (h.get("stats") or {}).get("lowered", [])})
     row = {
         "case": name, "dtype": str(dtype).removeprefix("torch."), "size": asdict(size), "tokens": size.tokens,
-        "dim": dim,
+        "dim": dim, **({"note": case.note} if case.note else {}),
         "original_ms": statistics.median(f["original"] for f in per_round) * 1e3,
         "moepass_ms": statistics.median(f["moepass"] for f in per_round) * 1e3,
         "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
@@ -326,6 +409,8 @@ def print_row(row: dict) -> None:
     lo, hi = row["ratio_range"]
     print(f"{name:40s} {row['dtype']:9s} original {row['original_ms']:8.3f} ms  moepass {row['moepass_ms']:8.3f} ms  "
           f"ratio {row['ratio']:.3f} [{lo:.3f}, {hi:.3f}]  load {row['load']:.1f}", flush=True)
+    if "note" in row:
+        print(f"{'':40s} D={row['dim']}; {row['note']}", flush=True)
     if "host_ms" in row:
         print(f"{'':40s} host ms per step: original {row['host_ms']['original']:.3f}  moepass "
               f"{row['host_ms']['moepass']:.3f}", flush=True)

@@ -48,7 +48,7 @@ from moepass.envflags import flag
 from moepass.errors import PlanError
 from moepass.passes import Effects, Pass, PassResult, apply_effects
 from moepass.plan import Plan
-from moepass.rewrite import ep, experts, fsep, hp, hp_ep, latent, locality
+from moepass.rewrite import dropped, ep, experts, fsep, hp, hp_ep, latent, locality
 from moepass.runtime import optim
 from moepass.spec import MoESpec
 
@@ -160,8 +160,10 @@ def run_pass(name: str, fn: Pass, gm: MoEGraphModule, plan: Plan, verify: bool) 
     return result.gm
 
 
-def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | None = None) -> MoEGraphModule:
-    """One block from spec to runnable graph module."""
+def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | None = None,
+                  traced: bool = False) -> MoEGraphModule:
+    """One block from spec to runnable graph module; `traced`: for a compiler that traces it (the torch.compile
+    backend), so no pass whose shapes depend on data (`rewrite.dropped`)."""
     verify = flag("MOEPASS_VERIFY") if verify is None else verify
     if plan.form not in REWRITES:
         raise PlanError(
@@ -183,6 +185,8 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
 
         run_verifier(gm, after="canonical")
     gm = run_pass(f"rewrite:{plan.form}", REWRITES[plan.form], gm, plan, verify)  # the parallel form
+    if plan.form == "single" and not traced:  # capacity-dropped assignments skip the experts
+        gm = run_pass(dropped.PASS, dropped.skip_dropped_pass, gm, plan, verify)
     if plan.expert_recompute:  # the expert FFN keeps only its inputs for backward
         gm = run_pass("expert_recompute", expert_recompute, gm, plan, verify)
     gm = run_pass(schedule.PASS, schedule.schedule_pass, gm, plan, verify)  # partitioned, prioritised all-to-all

@@ -42,6 +42,14 @@ def zero_compute_rows(y_MD: torch.Tensor, x_ND: torch.Tensor, counts_J: torch.Te
     return torch.where(identity_N.unsqueeze(1), x_ND, y_MD)
 
 
+def padded_rows(y_MD: torch.Tensor, x_ND: torch.Tensor) -> torch.Tensor:
+    """`y_MD` followed by zero rows up to `x_ND`'s rows: `zero_compute_rows` where no row is an identity row
+    (the capacity-dropped rows of `rewrite.dropped`); `y_MD` itself where nothing was dropped. Its backward is a
+    slice."""
+    missing = x_ND.shape[0] - y_MD.shape[0]
+    return y_MD if missing == 0 else torch.nn.functional.pad(y_MD, (0, 0, 0, missing))
+
+
 def row_weights(weights_TK: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
     """Each permuted row's routing weight: `order_N[n]` is the row's flat (token, choice) index."""
     return weights_TK.reshape(-1)[order_N]

@@ -176,14 +176,15 @@ class Widths:
     width D, expert hidden width F, experts E, experts per token K — each applied to the fields the SHRINK
     table gives that role, where the config has them (the rest of the model stays tiny)."""
 
-    D: int
-    F: int
-    E: int
-    K: int
+    D: int | None
+    F: int | None
+    E: int | None
+    K: int | None  # None: that role keeps its tiny value
 
     def roles(self) -> dict[str, int]:
-        """SHRINK pattern -> this size, for the four roles' patterns (set exactly, not capped by the default)."""
-        return {EXPERTS: self.E, TOP_K: self.K, HIDDEN: self.D, EXPERT_FFN: self.F, FFN: self.F}
+        """SHRINK pattern -> this size, for the given roles' patterns (set exactly, not capped by the default)."""
+        roles = {EXPERTS: self.E, TOP_K: self.K, HIDDEN: self.D, EXPERT_FFN: self.F, FFN: self.F}
+        return {pattern: size for pattern, size in roles.items() if size is not None}
 
 
 def tiny_config(family: Family, widths: Widths | None = None) -> Any:

@@ -239,7 +239,7 @@ def test_a_block_whose_compile_fails_passes_through_with_the_exception(monkeypat
     """The backend never raises on a model: a block whose compilation raises runs as it is, the reason kept."""
     import moepass.pipeline
 
-    def fails(spec, block, plan):
+    def fails(spec, block, plan, **_):
         raise RuntimeError("no kernel for this block")
 
     monkeypatch.setattr(moepass.pipeline, "compile_block", fails)

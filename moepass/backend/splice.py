@@ -96,7 +96,7 @@ def rewrite_region(gm: fx.GraphModule, block: Block, plan: Plan, tensors: dict[i
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     # Which tensors the block reads: every one must reach this graph (else the block is split).
-    dialect = compile_block(spec, block.module, plan)
+    dialect = compile_block(spec, block.module, plan, traced=True)
     reads: dict[str, fx.Node] = {}
     for node in dialect.graph.nodes:
         if node.op == "get_attr":

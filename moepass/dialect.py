@@ -174,7 +174,7 @@ def capacity_keep_ref(
     fits = ((position < capacity) & order.bool()).any(dim=-1)  # [groups, size*K]
     if k_major:
         fits = fits.view(groups, K, size).transpose(1, 2)
-    return fits.reshape(T, K)
+    return fits.reshape(T, K).contiguous()  # row-major as its fake (one group: the reshape is a transposed view)
 
 
 def permute_ref(x_TD: Tensor, experts_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:

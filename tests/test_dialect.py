@@ -102,6 +102,20 @@ def test_capacity_keep_matches_a_naive_queue():
         assert torch.equal(keep, expected), (capacity, k_major)
 
 
+@pytest.mark.parametrize("group_size", [0, 4])
+@pytest.mark.parametrize("k_major", [True, False])
+def test_capacity_keep_is_laid_out_as_its_fake(group_size, k_major):
+    """Row-major as the fake says: Inductor asserts every extern op's strides against its fake, and a k-major
+    mask over one group came back as a transposed view (torch.compile(..., backend="inductor") of a GShard block
+    raised `expected ... stride 1==2`)."""
+    experts = torch.randint(0, E, (8, 2))
+    keep = torch.ops.moe.capacity_keep(experts, E, 2, group_size, k_major)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.moe.capacity_keep(mode.from_tensor(experts), E, 2, group_size, k_major)
+    assert keep.stride() == fake.stride() == (2, 1)
+    opcheck(torch.ops.moe.capacity_keep.default, (experts, E, 2, group_size, k_major))
+
+
 def test_capacity_groups_are_independent():
     experts = torch.zeros(8, 1, dtype=torch.long)  # everyone wants expert 0
     keep = torch.ops.moe.capacity_keep(experts, E, 2, 4, True)  # two groups of 4, capacity 2 each

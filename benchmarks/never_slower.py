@@ -40,7 +40,29 @@ into it (gradient accumulation). The loop sample, where the last >1.0 case came 
   thresholds pinned (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_, no fresh-page faults) 1.016-1.028 before
   `addmm`, the rest being its [T, 8, D] unpermute/combine gathers (`memmove` +1 % of the step). AFMoE (fused
   gate/up, all tokens on 2 experts) pays the op's two recomputed activation passes (~0.6 %).
+Coverage and isolation (2026-11-28, this CPU, 1 thread, load 0.6-1.0). The sweep above timed 65 of the 66
+  families tests/test_hf_hub.py holds exact under single, each in a process that had built and run every family
+  before it. Now `--isolate` runs each case in a fresh process per launch; a family whose config refuses the size
+  is built with the fewest roles left tiny (`build_at`: granitemoehybrid at D=32, zaya at K=1); one whose blocks
+  are all outlined from their decoder layers is timed as its whole tiny model on 512 token ids (gemma4_text,
+  diffusion_gemma_text); a block that writes into its input (Switch's router jitter) runs on a copy, both sides
+  (`FreshInput`). Isolated, 2 launches, the code before this stop: 65 measured, all <= 1.0 (NLLB-MoE 0.993 [0.984,
+  1.002], loop 0.958, AFMoE 0.819: 1.002 in the shared process, where its original page-faulted). Newly measured,
+  Switch Transformers was 1.859: it keeps 8 tokens per expert and sequence (128 of 512) and moepass's graph ran
+  all 512 through the experts, zeroing the dropped ones by weight; `moepass.rewrite.dropped` now routes them
+  around the experts. After (`--hf --rounds 3 --launches 2 --isolate`, 01:00-01:29 UTC): 70 cases (3 samples, 67
+  families, every exact one) measured, median 0.730; above 1.0: Switch 1.066 [1.039, 1.093] (5 launches: 1.050
+  [1.033, 1.094]) and NLLB-MoE 1.004 [1.000, 1.009] (5 launches: 1.018 [0.993, 1.024]); loop 0.976, gemma4_text
+  (whole model) 0.944, diffusion_gemma_text 0.923, granitemoehybrid 0.883. Switch's rest: its router module runs
+  as it is (jitter, its own softmax and capacity), then the graph routes again from its logits (`moe.route`'s
+  softmax and top-1, `capacity_keep`; torch's CPU softmax over E=8 takes 54 us for 512 tokens, 8 us over E=16) and
+  the route's backward recomputes the softmax; the permute, unpermute and combine still run over all T*K rows.
+  What would meet it: reading the router module's own dispatch (its capacity-masked one-hot and probabilities) as
+  the selection, as detection reads NLLB-MoE's, so nothing is routed twice. NLLB-MoE: the same GEMMs on both sides
+  (88 % of the step), the rest within 2 % either way from process to process (its [T, 8, D] unpermute/combine
+  against the original's per-"expert" index_add).
 Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
+    python benchmarks/never_slower.py --hf --rounds 3 --launches 2 --isolate   # the families, one process each
 
 Profile (CPU, torch 2.13, 1 thread; tiny size, per forward+backward step, original | moepass before -> after;
 issue 29/32 host-overhead work):

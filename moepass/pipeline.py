@@ -185,7 +185,7 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
 
         run_verifier(gm, after="canonical")
     gm = run_pass(f"rewrite:{plan.form}", REWRITES[plan.form], gm, plan, verify)  # the parallel form
-    if plan.form == "single" and not traced:  # capacity-dropped assignments skip the experts
+    if plan.form == "single" and spec.capacity is not None and not traced:  # dropped assignments skip the experts
         gm = run_pass(dropped.PASS, dropped.skip_dropped_pass, gm, plan, verify)
     if plan.expert_recompute:  # the expert FFN keeps only its inputs for backward
         gm = run_pass("expert_recompute", expert_recompute, gm, plan, verify)

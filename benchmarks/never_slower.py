@@ -137,7 +137,8 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -208,9 +209,6 @@ def hf_cases(size: Size) -> Iterator[tuple[str, Callable[[], Case]]]:
 def build_at(family, widths) -> tuple[nn.Module, dict[str, torch.Tensor], str]:
     """`hf_hub.build(family, widths=widths)`; where the family's config refuses those sizes, the same with the
     fewest roles (one, then two, ...) left at their tiny values, and a note naming them and the refusal."""
-    from dataclasses import replace
-    from itertools import combinations
-
     from samples import hf_hub
 
     try:
@@ -504,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def selected_cases(sizes: list[str], args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], nn.Module], Size]]:
+def selected_cases(sizes: list[str], args: argparse.Namespace,
+                   ) -> Iterator[tuple[str, Callable[[], nn.Module | Case], Size]]:
     """The cases the arguments select, by full name ("<size> <case>"): `--case` exactly, `--only` as a substring."""
     for size_name in sizes:
         size = SIZES[size_name]

@@ -32,9 +32,8 @@ def zero_compute_rows(y_MD: torch.Tensor, x_ND: torch.Tensor, counts_J: torch.Te
     """Every slot-sorted row's expert output: the FFN experts' `y_MD` (its first rows; rows past them are
     zero padding), the row's input for identity experts (slot E), zero for zero experts (slot E + 1).
     Device-side only: the rows' slots follow from the counts."""
-    N, D = x_ND.shape
-    if y_MD.shape[0] < N:
-        y_MD = torch.cat([y_MD, y_MD.new_zeros(N - y_MD.shape[0], D)])
+    N = x_ND.shape[0]
+    y_MD = padded_rows(y_MD, x_ND)
     E = counts_J.shape[0] - 2
     row_N = torch.arange(N, device=x_ND.device)
     ffn_count = counts_J[:E].sum()

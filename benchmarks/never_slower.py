@@ -21,102 +21,18 @@ CPU: one thread (torch.set_num_threads(1)). `--profile` adds counts per step tha
 (`step_counts`): dispatcher ops (aten, custom), backward nodes, `aten::_local_scalar_dense` (host reads of a
 tensor; on CUDA each waits for the device), CUDA synchronize calls, Python calls, minor page faults.
 `--grads set_to_none` starts every step with no `.grad` (a training loop's `zero_grad()`), the default accumulates
-into it (gradient accumulation). The loop sample, where the last >1.0 case came from (2026-11-27, this CPU, 1 thread):
-  before: 1.039-1.043 accumulating, 0.997 [0.979, 1.043] with none. A symbol profile (`perf record -e cpu-clock`,
-  500 steps, original vs moepass, ms per step) put the excess in memory traffic, not in the GEMMs (same 50 `mm`s,
-  at MKL's peak on both sides): sgemm's C scaling +0.45 (writing the whole [E, F, D] gradients into cold
-  memory), the accumulation of those 12 MiB into the per-expert `.grad`s after the whole backward (+0.6 against
-  +0.33 for the original, which adds each expert's fresh gradient right away), the backward's two recomputed
-  activation passes (+0.25). Fix (`moepass.ffn_autograd`): eagerly, ModuleList experts run expert by expert as
-  autograd's own ops on each expert's tensors (the op's values bit for bit), so each gradient is accumulated as
-  it is made, and autograd keeps act(h) and a; where that keeps more than the weight gradients it saves
-  (`ffn_autograd.pays`: NLLB-MoE's 4096-row block) the op runs; and the per-expert engine sums a bias inside its
-  GEMM (`addmm`, as nn.Linear does: no zero fill of a fresh product, no second pass). After (22:14-22:41 UTC, load
-  1.0, `--launches 3`, median [range] of the launches' ratios): loop 0.998 [0.987, 1.019] accumulating, 0.998
-  [0.981, 1.001] with none; fused 0.025, gshard 0.500. Hugging Face families (`--hf --rounds 3 --launches 3`):
-  65 measured, all <= 1.0 except NLLB-MoE 1.015 [1.004, 1.025] and AFMoE 1.002 [1.000, 1.004]. NLLB-MoE's block
-  (the HF code one-hots a 0/1 mask, so two "experts" of 3584 and 512 rows do 8 rows per token) depends on the
-  process: alone, 5 launches, 0.969 [0.946, 1.026] (1.023 [1.004, 1.054] before `addmm`); with glibc's
-  thresholds pinned (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_, no fresh-page faults) 1.016-1.028 before
-  `addmm`, the rest being its [T, 8, D] unpermute/combine gathers (`memmove` +1 % of the step). AFMoE (fused
-  gate/up, all tokens on 2 experts) pays the op's two recomputed activation passes (~0.6 %).
-Coverage and isolation (2026-11-28, this CPU, 1 thread, load 0.6-1.0). The sweep above timed 65 of the 66
-  families tests/test_hf_hub.py holds exact under single, each in a process that had built and run every family
-  before it. Now `--isolate` runs each case in a fresh process per launch; a family whose config refuses the size
-  is built with the fewest roles left tiny (`build_at`: granitemoehybrid at D=32, zaya at K=1); one whose blocks
-  are all outlined from their decoder layers is timed as its whole tiny model on 512 token ids (gemma4_text,
-  diffusion_gemma_text); a block that writes into its input (Switch's router jitter) runs on a copy, both sides
-  (`FreshInput`). Isolated, 2 launches, the code before this stop: 65 measured, all <= 1.0 (NLLB-MoE 0.993 [0.984,
-  1.002], loop 0.958, AFMoE 0.819: 1.002 in the shared process, where its original page-faulted). Newly measured,
-  Switch Transformers was 1.859: it keeps 8 tokens per expert and sequence (128 of 512) and moepass's graph ran
-  all 512 through the experts, zeroing the dropped ones by weight; `moepass.rewrite.dropped` now routes them
-  around the experts. After (`--hf --rounds 3 --launches 2 --isolate`, 01:00-01:29 UTC): 70 cases (3 samples, 67
-  families, every exact one) measured, median 0.730; above 1.0: Switch 1.066 [1.039, 1.093] (5 launches: 1.050
-  [1.033, 1.094]) and NLLB-MoE 1.004 [1.000, 1.009] (5 launches: 1.018 [0.993, 1.024]); loop 0.976, gemma4_text
-  (whole model) 0.944, diffusion_gemma_text 0.923, granitemoehybrid 0.883. Switch's rest: its router module runs
-  as it is (jitter, its own softmax and capacity), then the graph routes again from its logits (`moe.route`'s
-  softmax and top-1, `capacity_keep`; torch's CPU softmax over E=8 takes 54 us for 512 tokens, 8 us over E=16) and
-  the route's backward recomputes the softmax; the permute, unpermute and combine still run over all T*K rows.
-  What would meet it: reading the router module's own dispatch (its capacity-masked one-hot and probabilities) as
-  the selection, as detection reads NLLB-MoE's, so nothing is routed twice. NLLB-MoE: the same GEMMs on both sides
-  (88 % of the step), the rest within 2 % either way from process to process (its [T, 8, D] unpermute/combine
-  against the original's per-"expert" index_add).
+into it (gradient accumulation).
+
+What a user gets is the default: `Plan(form="single")` keeps, per input signature, the faster of the rewritten
+graph and the user's own block, timed at the first call (`moepass.runtime.faster`); each row says which runs
+(`runs`) and the first call's own ratio (`choice`). `--always-rewrite` times the rewritten graph whatever it
+measured (`keep_original_if_slower=False`): the rewrite's own figure, what the work on it is judged by.
+
 Goal: median ratio <= 1.0 for every case. Writes JSON to --out (default benchmarks/results/never_slower_<device>.json).
     python benchmarks/never_slower.py --hf --rounds 3 --launches 2 --isolate   # the families, one process each
 
-Profile (CPU, torch 2.13, 1 thread; tiny size, per forward+backward step, original | moepass before -> after;
-issue 29/32 host-overhead work):
-                  ops (aten+custom)      custom-op dispatches   aten::item   Python calls
-    loop          1158 | 1299 -> 514     8 -> 0                 0 | 72 -> 0  344 | 1128 -> 926
-    fused          304 | 1004 -> 496     8 -> 0                 0 | 48 -> 0   96 |  723 -> 538
-    gshard         448 | 1017 -> 477     9 -> 0                 4 | 50 -> 0  116 |  761 -> 554
-Where the host time went, and what was done:
-  * Every dialect op called eagerly went through torch.library's custom-op machinery: the C++ dispatcher, the
-    Python autograd kernel (`autograd_impl`), a redispatch, the `torch._dynamo.disable` wrapper around the
-    implementation, `fill_defaults` and the output-aliasing check, and the same on the way back: ~30-60 us
-    per op and direction (cProfile of 200 steps: 1600 `autograd_impl`/dynamo-disable calls). A rewritten block
-    run eagerly now executes a second forward generated from its graph whose ops are `moepass.eager.EagerOp`s
-    (the op's own function, and the same autograd.Function torch.library would build), bit-identical; traced
-    or compiled, the graph's code with the ops runs (tests/test_eager.py). The Triton (`moe_lowered`) ops of
-    the CUDA path take the same route.
-  * The `aten::item` were not moepass's: CPU `torch._grouped_mm` reads each group offset with `.item()` and
-    runs ~13 ops per expert. A GEMM of at most `grouped_ffn.PADDED_MACS` multiply-adds now runs as one `bmm`
-    over rows padded to [E, N, ...] (no host read, a few ops whatever E); larger GEMMs keep `_grouped_mm`
-    (one CUDA kernel, no sync). The capacity mask uses a scatter, not `F.one_hot` (which reads min/max).
-  * The input check ran as a forward pre-hook (nn.Module's slow call path): it is now the forward's first call.
-  * Issue 29 item 8, second pass (tiny size, load 8, per step, moepass): loop 1291 aten ops / 72 item / 971
-    Python calls, ratio 1.03 [0.97, 1.15]; fused 1001 / 48 / 565, 2.09 [1.93, 2.69]; gshard 1001 / 48 / 582,
-    1.81 [1.64, 2.93]. The `aten::item` are CPU `torch._grouped_mm`'s own (one `.item()` of host memory and
-    ~13 ops per expert group; no device sync, and on CUDA `_grouped_mm` reads nothing). Tried: the per-expert
-    `torch.mm(out=)` loop on a CPU (same bits, 759 ops, 0 item) was slower at this size (the Python loop:
-    0.27 ms against 0.11 ms for the six GEMMs) and equal at the layer size: not kept. Kept: the gated
-    activations write their gradients into the halves of the one [N, 2F] gate/up gradient (no `torch.cat`) and
-    multiply in place: bit-identical, 1-2 fewer [N, F] buffers per call (what costs at the layer size, below).
-  * The layer-size loop sample (1.2-1.3x) is not arithmetic: moepass runs the same 375 `mm` calls, and the
-    excess is fresh-memory page faults (~1000-2000 per step against 0 for the original, each ~10-20 us on this
-    VM). moepass writes each role's weight gradient as one [E, F, D] buffer (4 MiB here; the original writes
-    per-expert [F, D] pieces): glibc's dynamic mmap threshold then returns those pages to the OS at every free
-    and the next step faults them in again. Evidence: with MALLOC_MMAP_THRESHOLD_=1000000000
-    MALLOC_TRIM_THRESHOLD_=4000000000 the faults go to 0 and the ratio to 0.94 (one run, load 4.5); one 16 MiB
-    allocation freed at start-up (which raises the threshold) takes them from ~1040 to ~128 per step.
-    Fixed in moepass (`grouped_ffn.reusable_grad_buffer`): a host-memory weight gradient of 1 MiB or more is
-    written by the expert loop into a buffer kept per weight and handed out again only when its storage has no
-    other holder (autograd added it into `.grad`, or `zero_grad(set_to_none=True)` dropped the `.grad` that
-    took it), so no gradient anyone holds is overwritten. Page faults per step, layer loop sample, minor
-    faults from getrusage, 10 steps: 3040 -> 304 accumulating into .grad, 880 -> 0 with
-    zero_grad(set_to_none=True) between steps; fused 154 -> 51, 0 -> 0. On a GPU the caching allocator
-    never returns the pages and the buffer is not used.
-  * What remains is structural: moepass's graph runs route/permute/FFN/unpermute/combine and their backward
-    in Python (~200 top-level ops per step against ~115 for the fused sample, whose backward is all C++
-    autograd); at the layer size the GEMMs dominate and the op counts of both sides are alike.
-The Triton path (H100, triton 3.6; benchmarks/results/gpu/README.md, session 4): the device waits for the host,
-so the step is its host time. moepass made 2,500-3,000 Python calls per step against 95-382 for the samples.
-Two causes removed: Triton's launch path per launch (knobs read from the environment, binding and specialising,
-the autotuner's and jit caches; `lowering/launcher.py` now takes it once per launch signature and calls the
-compiled kernel's launcher after: 35 -> 17 us per autotuned launch) and `triton.cdiv` / `next_power_of_2` in host
-code (constexpr functions that unwrap every argument: `codegen.cdiv` / `next_pow2`). Layer fused 1.095 -> 0.733,
-gshard 1.278 -> 0.939, loop 0.41 -> 0.35; Python calls per step 2,698 -> 1,542 (fused). llama4_text's block (one
-batched matmul over every expert and token: a few ops, 1.6 ms) stays below moepass's ~3 ms host floor: 1.69.
+The history of this benchmark's figures and of what was changed for them (the loop sample's memory
+traffic, page faults, the host overhead per op, the Triton launch path): benchmarks/results/never_slower.md.
 """
 
 from __future__ import annotations
@@ -149,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import moepass  # noqa: E402
+from moepass.runtime import faster  # noqa: E402
 from samples.models import SampleConfig, make_moe  # noqa: E402
 
 
@@ -363,7 +280,8 @@ def step_counts(block, x, probe, steps: int, device: torch.device, set_to_none: 
 
 
 def measure(name: str, make: Callable[[], nn.Module | Case], device: torch.device, dtype: torch.dtype, size: Size,
-            rounds: int, iters: int, warmup: int, profile: bool, set_to_none: bool = False) -> dict:
+            rounds: int, iters: int, warmup: int, profile: bool, set_to_none: bool = False,
+            always_rewrite: bool = False) -> dict:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -378,7 +296,8 @@ def measure(name: str, make: Callable[[], nn.Module | Case], device: torch.devic
             x = torch.randn(size.seqs, size.tokens // size.seqs, width, generator=torch.Generator().manual_seed(1))
             x = x.to(device, dtype).requires_grad_(True)
             example = (x,)
-        compiled = moepass.compile(copy.deepcopy(original), moepass.Plan(form="single"), example_inputs=example)
+        plan = moepass.Plan(form="single", keep_original_if_slower=not always_rewrite)
+        compiled = moepass.compile(copy.deepcopy(original), plan, example_inputs=example)
     info = getattr(compiled, "moepass_info", None)
     rewritten = list(info.rewritten) if info is not None else []
     if not rewritten:
@@ -393,6 +312,7 @@ def measure(name: str, make: Callable[[], nn.Module | Case], device: torch.devic
     for block in (original, compiled):
         for _ in range(warmup):
             step(block, x, probe, set_to_none)
+    choices = [c for gm in info.rewritten.values() for c in faster.choices(gm).values()]
     per_round, host_rounds = [], []
     for r in range(rounds):
         order = [("original", original), ("moepass", compiled)]
@@ -412,6 +332,9 @@ def measure(name: str, make: Callable[[], nn.Module | Case], device: torch.devic
         "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
         "rounds": [{k: v * 1e3 for k, v in f.items()} for f in per_round], "lowered": lowered,
         "load": os.getloadavg()[0],
+        "runs": ("original" if all(c.original for c in choices) else "rewritten" if not any(c.original for c in choices)
+                 else "both") if choices else "rewritten",
+        **({"choice": str(choices[0])} if choices else {}),
     }
     if host_rounds:
         row["host_ms"] = {side: statistics.median(f[side] for f in host_rounds) * 1e3 for side in ("original", "moepass")}
@@ -429,6 +352,8 @@ def print_row(row: dict) -> None:
     lo, hi = row["ratio_range"]
     print(f"{name:40s} {row['dtype']:9s} original {row['original_ms']:8.3f} ms  moepass {row['moepass_ms']:8.3f} ms  "
           f"ratio {row['ratio']:.3f} [{lo:.3f}, {hi:.3f}]  load {row['load']:.1f}", flush=True)
+    if "choice" in row:
+        print(f"{'':40s} runs the {row['choice']}", flush=True)
     if "note" in row:
         print(f"{'':40s} D={row['dim']}; {row['note']}", flush=True)
     if "host_ms" in row:
@@ -467,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --launches: every case in its own fresh process per launch, so no case runs in a "
                              "process that built and ran the cases before it (with --hf, 60+ other blocks)")
     parser.add_argument("--case", default="", help="the one case (its full name, e.g. 'layer hf olmoe') to run")
+    parser.add_argument("--always-rewrite", action="store_true",
+                        help="time the rewritten graph always (Plan(keep_original_if_slower=False)), not the faster of it "
+                             "and the original that compile keeps by default")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -478,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,
-            "iters": args.iters, "grads": args.grads, "sizes": {name: asdict(SIZES[name]) for name in sizes}}
-    suffix = "" if args.grads == "accumulate" else "_set_to_none"
+            "iters": args.iters, "grads": args.grads, "always_rewrite": args.always_rewrite, "sizes": {name: asdict(SIZES[name]) for name in sizes}}
+    suffix = ("" if args.grads == "accumulate" else "_set_to_none") + ("_rewritten" if args.always_rewrite else "")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"never_slower_{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.launches > 1 or args.isolate:
@@ -490,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
             try:
                 row = measure(name, make, device, dtype, size, args.rounds, args.iters or size.iters, args.warmup,
-                              args.profile, args.grads == "set_to_none")
+                              args.profile, args.grads == "set_to_none", args.always_rewrite)
             except Exception as err:  # one case's failure is its row, the others still run
                 row = {"case": name, "dtype": str(dtype).removeprefix("torch."),
                        "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
@@ -540,8 +468,8 @@ def merge_launches(launches: list[list[dict]]) -> list[dict]:
                    original_ms=statistics.median(r["original_ms"] for r in measured),
                    moepass_ms=statistics.median(r["moepass_ms"] for r in measured),
                    load=statistics.median(r["load"] for r in measured),
-                   launches=[{k: r[k] for k in ("ratio", "ratio_range", "original_ms", "moepass_ms", "load")}
-                             for r in measured])
+                   launches=[{k: r[k] for k in ("ratio", "ratio_range", "original_ms", "moepass_ms", "load", "runs",
+                                                "choice") if k in r} for r in measured])
         out.append(row)
     return out
 

@@ -62,6 +62,7 @@ from moepass.block_state import (  # noqa: F401  (re-exported: the passes and de
     stacked_relayout,
 )
 from moepass.errors import PlanError
+from moepass.runtime import faster
 from moepass.row_ops import expert_slots, ffn_rows, row_weights, weighted_rows, zero_compute_rows
 from moepass.spec import (
     LOAD_OUTPUT,
@@ -109,6 +110,7 @@ class MoEGraphModule(fx.GraphModule):
         its ops' functions directly; traced or compiled, the graph's own code runs."""
         code = super().recompile()
         eager.install(self, check_block_input)
+        faster.install(type(self))  # the user's block instead, where compile attached it and it was faster
         return code
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's signature

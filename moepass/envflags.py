@@ -19,6 +19,8 @@ FLAGS = {
     "MOEPASS_VERIFY": "run the verifier after every pass (the test suite sets it)",
     "MOEPASS_DEBUG": "log every pass and backend decision to stderr from import on (see moepass.set_debug)",
     "MOEPASS_CHECK_COLLECTIVES": "every collective first checks that all ranks agree on its arguments",
+    "MOEPASS_ALWAYS_REWRITE": "form='single' always runs its rewritten graph, never timing it against the user's "
+                              "block (moepass.runtime.faster; the test suite sets it)",
     "MOEPASS_PLAIN_TRITON_LAUNCH": "launch every Triton kernel through Triton's own path (no cached direct launch, "
                                    "lowering/launcher.py); read when a kernel is first launched",
 }

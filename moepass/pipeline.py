@@ -43,13 +43,13 @@ from torch.distributed.tensor import DTensor
 
 from moepass import canonical, determinism, dialect, lower, module_copy, schedule
 from moepass.canonical import MoEGraphModule
-from moepass.detect import DetectionReport, outline
+from moepass.detect import DetectionReport, outline, structure
 from moepass.envflags import flag
 from moepass.errors import PlanError
 from moepass.passes import Effects, Pass, PassResult, apply_effects
 from moepass.plan import Plan
 from moepass.rewrite import dropped, ep, experts, fsep, hp, hp_ep, latent, locality
-from moepass.runtime import optim
+from moepass.runtime import faster, optim
 from moepass.spec import MoESpec
 
 log = logging.getLogger("moepass")
@@ -161,9 +161,10 @@ def run_pass(name: str, fn: Pass, gm: MoEGraphModule, plan: Plan, verify: bool) 
 
 
 def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | None = None,
-                  traced: bool = False) -> MoEGraphModule:
+                  traced: bool = False, decisions: dict[Any, faster.Choice] | None = None) -> MoEGraphModule:
     """One block from spec to runnable graph module; `traced`: for a compiler that traces it (the torch.compile
-    backend), so no pass whose shapes depend on data (`rewrite.dropped`)."""
+    backend), so no pass whose shapes depend on data (`rewrite.dropped`) and no choice of the user's block at
+    run time; `decisions`: the choices of the blocks of one structure, shared within a model (`keeps_original`)."""
     verify = flag("MOEPASS_VERIFY") if verify is None else verify
     if plan.form not in REWRITES:
         raise PlanError(
@@ -191,7 +192,16 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
         gm = run_pass("expert_recompute", expert_recompute, gm, plan, verify)
     gm = run_pass(schedule.PASS, schedule.schedule_pass, gm, plan, verify)  # partitioned, prioritised all-to-all
     gm = run_pass(lower.PASS_NAME, lower.lower_pass, gm, plan, verify)  # Triton kernels where eligible
+    if keeps_original(plan, traced):  # the user's block runs instead where it was timed faster
+        faster.attach(gm, block, spec.path, structure.structural_key(block), {} if decisions is None else decisions)
     return gm
+
+
+def keeps_original(plan: Plan, traced: bool) -> bool:
+    """Plan(keep_original_if_slower=True) under form="single" (`moepass.runtime.faster`), except where a timing must
+    not decide what runs: a traced graph, deterministic runs, expert recompute's memory, `MOEPASS_ALWAYS_REWRITE`."""
+    return (plan.form == "single" and plan.keep_original_if_slower and not traced and not plan.deterministic
+            and not plan.expert_recompute and not flag("MOEPASS_ALWAYS_REWRITE"))
 
 
 @dataclass
@@ -245,6 +255,7 @@ def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace
             target, aliased = (model, 0) if inplace else copy_model(model, plan, report)
             stats["aliased_expert_weights"] = aliased
         with stage(info, "blocks") as stats:
+            decisions: dict[Any, faster.Choice] = {}  # blocks of one structure are timed once (runtime.faster)
             for spec in report.blocks:
                 block_plan = plan.for_block(spec.path)
                 if block_plan is None:
@@ -254,7 +265,8 @@ def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace
                 if how is not None:  # a region outlined from its host's forward: the host now calls it as a child
                     host = target.get_submodule(how.host) if how.host else target
                     how.apply(host)
-                gm = compile_block(spec, target.get_submodule(spec.path) if spec.path else target, block_plan)
+                gm = compile_block(spec, target.get_submodule(spec.path) if spec.path else target, block_plan,
+                                   decisions=decisions)
                 info.rewritten[spec.path] = gm
                 if spec.path:
                     target.set_submodule(spec.path, gm)

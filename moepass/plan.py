@@ -79,7 +79,8 @@ PLAN_FIELDS: dict[str, str] = {
 FLAT_FIELDS = ("form", "ep_size", "topology", "capacity_factor", "a2a_chunks", "hierarchical_a2a", "micro_op_bytes",
                "packing", "slots_per_device", "planner", "keep_restored", "prefetch_depth", "defer_expert_grads",
                "heads", "head_dim", "head_ep_size", "gate", "mu", "alpha", "lowering", "deterministic", "grad_sync",
-               "expert_recompute", "blocks", "batch", "hardware", "strict", "routing_skew")
+               "expert_recompute", "blocks", "batch", "hardware", "strict", "routing_skew",
+               "keep_original_if_slower")
 
 # Which forms each field acts under, and what it does there: the one rule for "a field that does nothing", read
 # off the option classes. A field set away from its default under a form not listed raises PlanError naming the
@@ -154,6 +155,7 @@ class Plan:
     keep_restored = _Option[bool]()
     prefetch_depth = _Option[int]()
     defer_expert_grads = _Option[bool]()
+    keep_original_if_slower = _Option[bool]()
     heads = _Option[int | None]()
     head_dim = _Option[int | None]()
     head_ep_size = _Option[int]()

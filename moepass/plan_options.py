@@ -77,9 +77,12 @@ class Options:
 
 @dataclass(frozen=True)
 class SingleOptions(Options):
-    """form="single": the canonical graph on one device; it has no options of its own."""
+    """form="single": the canonical graph on one device."""
 
     form: ClassVar[Form] = "single"
+    # the user's block runs instead of the rewritten graph for an input signature where it was timed faster at
+    # its first call (`moepass.runtime.faster`); False: always the rewritten graph
+    keep_original_if_slower: bool = True
 
 
 # Groups of fields several forms share, each declared once (one type, one default); a form's class is its groups
@@ -234,6 +237,8 @@ DOES = {
     "hardware": "the cost model prices with it: form='auto', and a2a_chunks='auto' / packing='auto' / FSEP's "
                 "planner under form='ep' and 'fsep'",
     "routing_skew": "the cost model of form='auto' prices with it",
+    "keep_original_if_slower": "it lets form='single' run the user's block where that was timed faster than the "
+                               "rewritten graph (a distributed form has no original to fall back on)",
 }
 
 
@@ -371,6 +376,7 @@ CHECKS: dict[str, Callable[[object], object]] = {
     "keep_restored": check_bool("keep_restored"),
     "prefetch_depth": _prefetch_depth,
     "defer_expert_grads": check_bool("defer_expert_grads"),
+    "keep_original_if_slower": check_bool("keep_original_if_slower"),
     "heads": _positive_or_none("heads"),
     "head_dim": _positive_or_none("head_dim"),
     "head_ep_size": _head_ep_size,

@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MOEPASS_VERIFY", "1")  # the verifier runs after every pass in every test
+os.environ.setdefault("MOEPASS_ALWAYS_REWRITE", "1")  # no timing picks what runs (tests of it set the plan field)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
 

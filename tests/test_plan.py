@@ -107,7 +107,7 @@ SAMPLE = {  # a valid value away from each field's default
     "keep_restored": True, "prefetch_depth": 1, "defer_expert_grads": False, "heads": 4, "head_dim": 8,
     "head_ep_size": 2, "gate": "grap", "mu": 0.1, "alpha": 0.02, "lowering": "torch", "deterministic": True,
     "grad_sync": "scheduler", "expert_recompute": True, "blocks": {"layers.0.mlp": None}, "batch": (2, 8),
-    "hardware": "h100", "strict": True, "routing_skew": 2.0,
+    "hardware": "h100", "strict": True, "routing_skew": 2.0, "keep_original_if_slower": False,
 }
 FIELD_FORM = [(name, form) for name in SAMPLE for form in moepass.plan.FORMS]
 

@@ -1,0 +1,179 @@
+"""form="single" keeps the faster of its rewritten graph and the user's block (`moepass.runtime.faster`).
+
+The test suite sets MOEPASS_ALWAYS_REWRITE=1 (no timing decides what its other tests run); these tests unset it.
+What they prove: the timing picks the faster side; a block that keeps its original runs the user's code on the
+compiled model's own parameters (outputs, gradients and optimizer steps bit-equal to the untouched model; `.to()`
+reaches it; state_dict unchanged); the timing leaves no trace (random state, buffers, `.grad`, the input a block
+writes into); identical blocks are timed once; tracers and the plan's exclusions get the graph without a timing.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import moepass
+from moepass.errors import PlanError
+from moepass.runtime import faster
+from samples.models import SampleConfig, TinyMoELM, make_moe
+
+CFG = SampleConfig(dim=16, ffn_dim=32, num_experts=4, top_k=2, layers=3)
+
+
+@pytest.fixture(autouse=True)
+def timing_on(monkeypatch):
+    monkeypatch.setenv("MOEPASS_ALWAYS_REWRITE", "0")
+
+
+@pytest.fixture
+def choose(monkeypatch):
+    """Replace the timing by a fixed choice; returns the list of the calls it answered."""
+    calls = []
+
+    def set_choice(original: bool):
+        def fake(original_fn, rewritten_fn, module, args, kwargs):
+            calls.append(module)
+            return faster.Choice(original=original, ratio=2.0 if original else 0.5, ratios=(1.0,), steps=1)
+
+        monkeypatch.setattr(faster, "measure", fake)
+        return calls
+
+    return set_choice
+
+
+def blocks(cm):
+    return list(cm.moepass_info.rewritten.values())
+
+
+def tokens(step=0):
+    return torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(step))
+
+
+@pytest.mark.parametrize("original", [True, False])
+def test_either_choice_trains_like_the_untouched_model(choose, original):
+    calls = choose(original)
+    torch.manual_seed(0)
+    ref = TinyMoELM(CFG)
+    cm = moepass.compile(copy.deepcopy(ref), moepass.Plan(form="single"))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, cm)]
+    for step in range(2):
+        losses = []
+        for model, opt in zip((ref, cm), opts):
+            opt.zero_grad()
+            loss = model.loss(tokens(step))
+            loss.backward()
+            losses.append(loss.detach())
+        grads = [{n: p.grad for n, p in m.named_parameters()} for m in (ref, cm)]
+        assert grads[0].keys() == grads[1].keys()
+        if original:  # the user's own code on the compiled model's parameters: the same bits
+            assert torch.equal(losses[0], losses[1])
+            for name in grads[0]:
+                assert torch.equal(grads[0][name], grads[1][name]), name
+        else:
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+            for name in grads[0]:
+                torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6)
+        for opt in opts:
+            opt.step()
+    assert len(calls) == 1  # three identical blocks, one input signature: timed once
+    for gm in blocks(cm):
+        (choice,) = faster.choices(gm).values()
+        assert choice.original is original
+    assert list(cm.state_dict()) == list(ref.state_dict())
+
+
+def test_the_original_follows_the_compiled_parameters(choose):
+    """`.to()` on the compiled model reaches the block it may run: one table of parameters for both."""
+    choose(True)
+    torch.manual_seed(0)
+    ref = make_moe("loop", CFG)
+    cm = moepass.compile(copy.deepcopy(ref), moepass.Plan(form="single"))
+    ref, cm = ref.double(), cm.double()
+    x = torch.randn(2, 5, CFG.dim, dtype=torch.float64)
+    assert torch.equal(cm(x), ref(x))
+    with torch.no_grad():
+        for (name, p), q in zip(cm.named_parameters(), ref.parameters()):
+            assert p.dtype == torch.float64, name
+            p.mul_(1.5)
+            q.mul_(1.5)
+    assert torch.equal(cm(x), ref(x))
+    (choice,) = faster.choices(blocks(cm)[0]).values()
+    assert choice.original
+
+
+def test_timing_leaves_no_trace():
+    """Real timing on torchtitan's MoE (its per-expert token counter, a buffer each train-mode forward adds the load
+    to): afterwards the random state, the counter and the gradients are what one untimed step leaves."""
+    TT = pytest.importorskip("samples.torchtitan_models")
+    if not TT.AVAILABLE:
+        pytest.skip(TT.WHY_NOT)
+    v = TT.VARIANTS["expert_bias"]
+    ref = TT.moe_block(v)
+    cm = moepass.compile(copy.deepcopy(ref), moepass.Plan(form="single"))
+    x = torch.randn(2, 6, v.dim)
+    x_before, rng = x.clone(), torch.get_rng_state()
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outs = []
+    for model, xi in zip((cm, ref), xs):
+        out = model(xi)
+        out.sum().backward()
+        outs.append(out.detach())
+    (choice,) = faster.choices(blocks(cm)[0]).values()
+    assert choice.ratios and choice.ratio == choice.ratio  # timed (not NaN)
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(x, x_before)
+    for name, buffer in ref.named_buffers():
+        assert torch.equal(cm.get_buffer(name), buffer), name  # the timing's calls were undone
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(cm.get_parameter(name).grad, p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_measure_keeps_the_faster_side():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def slow(t):
+        time.sleep(0.004)
+        return lin(t)
+
+    assert faster.measure(slow, lin, lin, (x,), {}).original is False
+    assert faster.measure(lin, slow, lin, (x,), {}).original is True
+    choice = faster.measure(slow, lin, lin, (x,), {})
+    assert choice.ratio < 0.5 and "rewritten graph" in str(choice)
+    assert lin.weight.grad is None and x.grad is None  # gradients returned, never accumulated
+
+
+def test_traced_calls_run_the_graph_untimed(choose):
+    calls = choose(True)
+    cm = moepass.compile(make_moe("fused", CFG), moepass.Plan(form="single"))
+    x = torch.randn(2, 5, CFG.dim)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:  # a dispatch mode: it must see the graph's ops
+        cm(x)
+    assert counter.get_total_flops() > 0
+    assert not calls and faster.choices(blocks(cm)[0]) == {}
+
+
+@pytest.mark.parametrize("plan", [
+    moepass.Plan(form="single", keep_original_if_slower=False),
+    moepass.Plan(form="single", deterministic=True),
+    moepass.Plan(form="single", expert_recompute=True),
+], ids=["off", "deterministic", "expert_recompute"])
+def test_plans_that_always_run_the_graph(choose, plan):
+    calls = choose(True)
+    cm = moepass.compile(make_moe("loop", CFG), plan)
+    cm(torch.randn(2, 5, CFG.dim))
+    assert not calls and faster.choices(blocks(cm)[0]) == {}
+
+
+def test_the_field_acts_only_under_single():
+    with pytest.raises(PlanError, match="keep_original_if_slower"):
+        moepass.Plan(form="ep", keep_original_if_slower=False)
+    with pytest.raises(PlanError, match="keep_original_if_slower"):
+        moepass.Plan(form="single", keep_original_if_slower="no")

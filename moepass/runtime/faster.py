@@ -9,7 +9,8 @@ children: the two share one table of each, so `.to()`, `to_empty()` and re-regis
 and, the first time it sees an input signature (shapes, dtypes, devices, grad and training mode, autocast),
 times both on copies of that input, interleaved:
 
-    warm-up: 2 steps each (kernels compile and autotune, caches fill); one CLEAR times the other decides here
+    warm-up: 2 untimed steps each (kernels compile and autotune, caches fill), then 2 timed: where one side's
+             best is CLEAR times the other's, that decides
     ROUNDS rounds: n steps of one, n steps of the other (the order alternating), n sized to ~30 ms a half
     rewritten / original per round; the rewritten graph is kept when the median is <= KEEP_BELOW
 
@@ -44,7 +45,7 @@ from torch import Tensor, nn
 log = logging.getLogger("moepass")
 
 KEEPER = "moepass_keeper"  # the attribute (instance dict, not a submodule) a compiled block holds its keeper in
-WARMUP = 2  # steps of each before timing: compilation, autotuning, first-touch pages
+WARMUP = 2  # untimed steps of each before any timing: compilation, autotuning, first-touch pages
 ROUNDS = 5  # interleaved rounds; the decision reads their median ratio
 ROUND_SECONDS = 0.03  # each half of a round runs about this long (at least one step)
 MAX_STEPS = 20  # steps per half at most
@@ -172,7 +173,9 @@ def measure(original: Callable[..., Any], rewritten: Callable[..., Any], module:
         return time.perf_counter() - start
 
     with SavedState(module, device):
-        warm = {name: min(half(name, 1) for _ in range(WARMUP)) for name in runs}
+        for name in runs:  # untimed: kernels compile and autotune, launch paths and caches fill, pages are touched
+            half(name, WARMUP)
+        warm = {name: min(half(name, 1) for _ in range(2)) for name in runs}
         ratio = warm["rewritten"] / warm["original"]
         if not 1 / CLEAR < ratio < CLEAR:  # one is several times the other: no round would change the choice
             return Choice(original=ratio > KEEP_BELOW, ratio=ratio, ratios=(ratio,), steps=1)
@@ -212,7 +215,8 @@ class Keeper:
             choice = self.decide(gm, graph_forward, key, args, kwargs)
         if not choice.original:
             return None
-        self.block.training = gm.training  # its children are the compiled block's: only its own flag can differ
+        if self.block.training is not gm.training:  # its children are the compiled block's: only its flag can differ
+            self.block.__dict__["training"] = gm.training
         return self.block.forward
 
     def decide(self, gm: nn.Module, graph_forward: Callable[..., Any], key: Hashable, args: tuple[Any, ...],

@@ -177,3 +177,18 @@ def test_the_field_acts_only_under_single():
         moepass.Plan(form="ep", keep_original_if_slower=False)
     with pytest.raises(PlanError, match="keep_original_if_slower"):
         moepass.Plan(form="single", keep_original_if_slower="no")
+
+
+def test_a_choice_holds_for_one_input_signature():
+    x = torch.randn(2, 3)
+    key = faster.input_key(True, (x,), {})
+    assert key == faster.input_key(True, (x, None), {})[:3]  # the one-tensor fast path makes the general key
+    assert key == faster.input_key(True, (torch.zeros(2, 3),), {})  # values do not matter
+    others = [faster.input_key(False, (x,), {}), faster.input_key(True, (x.double(),), {}),
+              faster.input_key(True, (torch.randn(3, 3),), {}), faster.input_key(True, (x.requires_grad_(),), {})]
+    with torch.no_grad():
+        others.append(faster.input_key(True, (x,), {}))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        others.append(faster.input_key(True, (x,), {}))
+    assert len({key, *others}) == 1 + len(others)
+    assert faster.input_key(True, (x,), {"mask": object()}) is None  # not a plain value: the graph runs

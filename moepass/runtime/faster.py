@@ -81,6 +81,9 @@ def traced() -> bool:
 def input_key(training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
     """The signature a choice holds for: every tensor's shape, dtype, device and requires_grad, the plain values,
     grad and training mode, autocast; None where an input is not a plain tensor or value (the graph runs)."""
+    if not kwargs and len(args) == 1 and type(args[0]) is Tensor and not torch._C._is_any_autocast_enabled():
+        x = args[0]  # the common call, a block of one hidden-state tensor: the same key, made without the loop
+        return (training, torch.is_grad_enabled(), (None, x.shape, x.dtype, x.device, x.requires_grad))
     parts: list[Hashable] = [training, torch.is_grad_enabled()]
     for name, value in (*((None, a) for a in args), *kwargs.items()):
         if type(value) is Tensor or type(value) is nn.Parameter:

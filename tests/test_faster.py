@@ -192,3 +192,47 @@ def test_a_choice_holds_for_one_input_signature():
         others.append(faster.input_key(True, (x,), {}))
     assert len({key, *others}) == 1 + len(others)
     assert faster.input_key(True, (x,), {"mask": object()}) is None  # not a plain value: the graph runs
+
+
+def test_torch_compile_over_a_kept_block_traces_the_graph(choose):
+    """Dynamo over the compiled model traces through the keeper to the graph (no timing inside a trace)."""
+    calls = choose(True)
+    torch.manual_seed(0)
+    ref = make_moe("loop", CFG)
+    cm = moepass.compile(copy.deepcopy(ref), moepass.Plan(form="single"))
+    x = torch.randn(2, 5, CFG.dim)
+    y = torch.compile(cm, backend="eager", fullgraph=False)(x)
+    torch.testing.assert_close(y, ref(x), rtol=1e-5, atol=1e-6)
+    assert not calls and faster.choices(blocks(cm)[0]) == {}
+    cm(x)  # eagerly, the first call is timed
+    assert len(calls) == 1
+
+
+def test_a_block_writing_into_its_input_is_timed_on_copies():
+    """Switch Transformers' router jitter multiplies the block's input in place: the timing runs on a copy made by
+    an op (a leaf could not be written), the caller's tensor sees only the real call's write."""
+    pytest.importorskip("transformers")
+    from samples import hf_hub
+
+    family = next(f for f in hf_hub.moe_families() if f.model_type == "switch_transformers")
+    model, batch = hf_hub.build(family)
+    report = moepass.detect(model, example_inputs=batch)
+    spec = next(s for s in report.blocks if s.path not in report.outlines)
+    ref = model.get_submodule(spec.path).train()
+    cm = moepass.compile(copy.deepcopy(ref), moepass.Plan(form="single"))
+    x = torch.randn(2, 8, spec.experts.hidden_dim)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    ins, outs = [], []
+    for block, xi in zip((ref, cm), xs):
+        h = xi * 1.0  # a block's input in training: made by an op, writable in place
+        torch.manual_seed(3)
+        y = hf_hub.output_of(block(h))
+        y.sum().backward()
+        ins.append(h.detach())
+        outs.append(y.detach())
+    (choice,) = faster.choices(blocks(cm)[0]).values()
+    assert choice.ratios and not choice.reason
+    assert not torch.equal(ins[0], x)  # the jitter wrote into the input, once
+    torch.testing.assert_close(ins[1], ins[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-5, atol=1e-6)

@@ -110,25 +110,30 @@ def tensors_in(value: Any) -> Iterator[Tensor]:
             yield from tensors_in(v)
 
 
-def fresh(value: Any) -> Any:
-    """A copy of one input that the step may write into, a leaf needing a gradient as the input did."""
-    if isinstance(value, Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    return value
+def fresh(value: Any, leaves: list[Tensor]) -> Any:
+    """A copy of one input that the step may write into, as a block's input is in training: made by an op from a
+    leaf (added to `leaves`) when the input needs a gradient, so an in-place write is legal and differentiated."""
+    if not isinstance(value, Tensor):
+        return value
+    if not value.requires_grad:
+        return value.detach().clone()
+    leaf = value.detach().requires_grad_()
+    leaves.append(leaf)
+    return leaf.clone()
 
 
 def one_step(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], params: list[Tensor]) -> None:
     """One training step of `fn` on copies of its inputs: forward, and with grad mode on the backward of every
     output needing a gradient into the inputs and `params` (returned, not accumulated into `.grad`)."""
-    args = tuple(fresh(a) for a in args)
-    kwargs = {name: fresh(v) for name, v in kwargs.items()}
+    leaves: list[Tensor] = []
+    args = tuple(fresh(a, leaves) for a in args)
+    kwargs = {name: fresh(v, leaves) for name, v in kwargs.items()}
     out = fn(*args, **kwargs)
     if not torch.is_grad_enabled():
         return
     outs = [t for t in tensors_in(out) if t.requires_grad]
     if outs:
-        leaves = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.requires_grad] + params
-        torch.autograd.grad(outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True)
+        torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs], allow_unused=True)
 
 
 class SavedState:

@@ -11,8 +11,9 @@ times both on copies of that input, interleaved:
 
     warm-up: 2 untimed steps each (kernels compile and autotune, caches fill), then 2 timed: where one side's
              best is CLEAR times the other's, that decides
-    ROUNDS rounds: n steps of one, n steps of the other (the order alternating), n sized to ~30 ms a half
-    rewritten / original per round; the rewritten graph is kept when the median is <= KEEP_BELOW
+    ROUNDS rounds: n steps of one, n steps of the other (the order alternating), n sized to ~0.1 s a half
+    per round, the ratio of the two sides' median steps; the rewritten graph is kept when the median ratio over
+    the rounds is <= KEEP_BELOW (at least 2 % faster)
 
 A step is what training runs: the forward, then, when grad mode is on, the backward of every output that needs
 a gradient into the block's inputs and parameters (`torch.autograd.grad`: no `.grad` is written and no
@@ -47,7 +48,7 @@ log = logging.getLogger("moepass")
 KEEPER = "moepass_keeper"  # the attribute (instance dict, not a submodule) a compiled block holds its keeper in
 WARMUP = 2  # untimed steps of each before any timing: compilation, autotuning, first-touch pages
 ROUNDS = 5  # interleaved rounds; the decision reads their median ratio
-ROUND_SECONDS = 0.03  # each half of a round runs about this long (at least one step)
+ROUND_SECONDS = 0.1  # each half of a round runs about this long (at least one step)
 MAX_STEPS = 20  # steps per half at most
 KEEP_BELOW = 0.98  # the rewritten graph is kept when its median time ratio is at most this
 CLEAR = 2.0  # a warm-up ratio beyond this (either way) decides without the rounds
@@ -173,12 +174,15 @@ def measure(original: Callable[..., Any], rewritten: Callable[..., Any], module:
     runs = {"original": original, "rewritten": rewritten}
 
     def half(name: str, steps: int) -> float:
-        synchronize(device)
-        start = time.perf_counter()
+        """The median seconds of one step over `steps` (a page fault or a collection in one step moves no median)."""
+        seconds = []
         for _ in range(steps):
+            synchronize(device)
+            start = time.perf_counter()
             one_step(runs[name], args, kwargs, params)
-        synchronize(device)
-        return time.perf_counter() - start
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
 
     with SavedState(module, device):
         for name in runs:  # untimed: kernels compile and autotune, launch paths and caches fill, pages are touched

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     T, D, F, E, K = 512, 256, 512, 8, 2
-    compiled = moepass.compile(LoopMoE(D, F, E, K), moepass.Plan(form="single"))
+    compiled = moepass.compile(LoopMoE(D, F, E, K), moepass.Plan(form="single", keep_original_if_slower=False))
     x = torch.randn(T, D, requires_grad=True)
     probe = torch.randn(T, D)
 

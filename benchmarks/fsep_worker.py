@@ -64,7 +64,7 @@ class System:
         else:
             from torch.distributed.fsdp import fully_shard
 
-            inner = moepass.compile(block, moepass.Plan(form="single"))
+            inner = moepass.compile(block, moepass.Plan(form="single", keep_original_if_slower=False))
             self.module = Root(inner)
             fully_shard(inner)  # reshard_after_forward=True: all-gathered again for the backward
             fully_shard(self.module)

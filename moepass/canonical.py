@@ -62,8 +62,8 @@ from moepass.block_state import (  # noqa: F401  (re-exported: the passes and de
     stacked_relayout,
 )
 from moepass.errors import PlanError
-from moepass.runtime import faster
 from moepass.row_ops import expert_slots, ffn_rows, row_weights, weighted_rows, zero_compute_rows
+from moepass.runtime import faster
 from moepass.spec import (
     LOAD_OUTPUT,
     ROUTER_OUTPUT,

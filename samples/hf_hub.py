@@ -533,7 +533,8 @@ def evaluate(family: Family, compile_: bool = True) -> Outcome:
             out.accepted.append(block)
     if compile_ and out.accepted:
         try:
-            compiled = moepass.compile(model, moepass.Plan(form="single"), report=report)
+            plan = moepass.Plan(form="single", keep_original_if_slower=False)  # the rewritten graph's parity
+            compiled = moepass.compile(model, plan, report=report)
             out.parity = parity(model, compiled, batch)
         except Exception as err:  # noqa: BLE001
             out.crash = f"compile / parity raised {_error(err)}"

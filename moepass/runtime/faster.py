@@ -29,6 +29,10 @@ FakeTensor), for parameters that are not plain tensors (FSDP2's shards), and whe
 `Plan(expert_recompute=True)` (the memory it asks for is the rewritten form's), the torch.compile backend (a
 traced graph), `MOEPASS_ALWAYS_REWRITE=1` (the test suite sets it; tests that time set the plan field). What was
 chosen is `faster.choices(block)` (a `Choice` per input signature) and logged at INFO on logger "moepass".
+
+Each process decides for itself: under data parallelism two ranks may run different sides of one block (each
+the block's math within its dtype's rounding; the gradients are averaged as ever). A run that must repeat bit for
+bit sets `Plan(deterministic=True)`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,7 +127,7 @@ def fresh(value: Any, leaves: list[Tensor]) -> Any:
     return leaf.clone()
 
 
-def one_step(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], params: list[Tensor]) -> None:
+def one_step(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], params: Sequence[Tensor]) -> None:
     """One training step of `fn` on copies of its inputs: forward, and with grad mode on the backward of every
     output needing a gradient into the inputs and `params` (returned, not accumulated into `.grad`)."""
     leaves: list[Tensor] = []
@@ -134,7 +138,7 @@ def one_step(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         return
     outs = [t for t in tensors_in(out) if t.requires_grad]
     if outs:
-        torch.autograd.grad(outs, leaves + params, [torch.ones_like(t) for t in outs], allow_unused=True)
+        torch.autograd.grad(outs, [*leaves, *params], [torch.ones_like(t) for t in outs], allow_unused=True)
 
 
 class SavedState:

@@ -38,7 +38,8 @@ LAYERS = (
     Layer("runtime", ("moepass.runtime.*", "moepass.determinism"), ("core", "cost"),
           "what the rewritten graphs call at run time: process groups, collectives, expert layouts, the FSEP "
           "placement controller and its planner (priced by the cost formulas), the HP and locality ops, the "
-          "priority scheduler, the deterministic-mode scope"),
+          "priority scheduler, the deterministic-mode scope, the single form's choice of the faster of graph and "
+          "block"),
     Layer("passes",
           ("moepass.detect.*", "moepass.canonical", "moepass.passes", "moepass.pipeline", "moepass.rewrite.*",
            "moepass.schedule", "moepass.lower", "moepass.verify"),

@@ -236,3 +236,13 @@ def test_a_block_writing_into_its_input_is_timed_on_copies():
     torch.testing.assert_close(ins[1], ins[0])
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_meta_inputs_are_not_timed(choose):
+    calls = choose(True)
+    cm = moepass.compile(make_moe("fused", CFG), moepass.Plan(form="single"))
+    keeper = cm.__dict__[faster.KEEPER]
+    graph_forward = type(cm).forward.__wrapped__
+    assert keeper.forward_for(cm, graph_forward, (torch.randn(2, 5, CFG.dim, device="meta"),), {}) is None
+    (choice,) = faster.choices(cm).values()
+    assert not calls and not choice.original and choice.reason == "meta tensors take no time"

@@ -242,10 +242,12 @@ class Keeper:
         if choice is None:
             reason = next((f"parameter {name!r} is a {type(p.data).__name__}, not a plain tensor"
                            for name, p in gm.named_parameters() if type(p.data) is not Tensor), "")
+            if not reason and any(isinstance(t, Tensor) and t.is_meta for t in (*args, *kwargs.values())):
+                reason = "meta tensors take no time"
             if reason:
                 choice = Choice(original=False, ratio=float("nan"), ratios=(), steps=0, reason=reason)
             else:
-                self.block.training = gm.training
+                self.block.__dict__["training"] = gm.training
                 choice = measure(self.block.forward, lambda *a, **k: graph_forward(gm, *a, **k), gm, args, kwargs)
             if shared_key is not None:
                 self.shared[shared_key] = choice

@@ -93,16 +93,16 @@ def deterministic() -> Iterator[None]:
         restore(mode)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def output_tensors(value: Any) -> Iterator[torch.Tensor]:
     """The tensors of a module's output: a tensor, or nested tuples, lists and mappings (ModelOutput too)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from output_tensors(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from output_tensors(item)
 
 
 class BackwardMode:
@@ -151,7 +151,7 @@ class Scope:
     def exit_forward(self, module: torch.nn.Module | None, args: Any, output: Any) -> None:
         restore(self.saved.pop())
         if torch.is_grad_enabled():
-            for tensor in _tensors(output):
+            for tensor in output_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self.enter_backward)
 

@@ -131,11 +131,15 @@ def call(op: torch._ops.OpOverload, *args: Any) -> Any:
     return eager(*args)
 
 
+def watched() -> bool:
+    """A compiler, tracer, function or dispatch mode, or functorch transform is active: it must see the graph's ops."""
+    return (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active())
+
+
 def eager_mode() -> bool:
-    """No tracer, mode, transform or autocast that must see the ops (see the module docstring)."""
-    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-                or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
-                or torch._C._is_any_autocast_enabled())
+    """Nothing watching (`watched`) and no autocast (the ops carry autocast policies): see the module docstring."""
+    return not (watched() or torch._C._is_any_autocast_enabled())
 
 
 def plain_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -210,4 +214,4 @@ def install(gm: fx.GraphModule, check: Callable[[Any, tuple[Any, ...]], None] | 
 
 
 __all__ = ["EAGER", "EagerOp", "autograd_function", "call", "custom_op", "dispatching_forward", "eager_mode",
-           "function_of", "install", "register", "register_autograd"]
+           "function_of", "install", "register", "register_autograd", "watched"]

@@ -40,12 +40,15 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from moepass.determinism import output_tensors
+from moepass.eager import PLAIN_INPUTS, PLAIN_TENSORS, watched
 
 log = logging.getLogger("moepass")
 
@@ -56,7 +59,7 @@ ROUND_SECONDS = 0.1  # each half of a round runs about this long (at least one s
 MAX_STEPS = 20  # steps per half at most
 KEEP_BELOW = 0.98  # the rewritten graph is kept when its median time ratio is at most this
 CLEAR = 2.0  # a warm-up ratio beyond this (either way) decides without the rounds
-PLAIN_VALUES = (type(None), int, float, bool, str)
+PLAIN_VALUES = PLAIN_INPUTS - set(PLAIN_TENSORS)  # the plain non-tensor arguments an input signature holds
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,6 @@ class Choice:
                 f"{len(self.ratios)} rounds of {self.steps} step(s)")
 
 
-def traced() -> bool:
-    """A compiler, tracer, mode or functorch transform is watching: it must see the graph's ops."""
-    return (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active())
-
-
 def input_key(training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
     """The signature a choice holds for: every tensor's shape, dtype, device and requires_grad, the plain values,
     grad and training mode, autocast; None where an input is not a plain tensor or value (the graph runs)."""
@@ -91,7 +88,7 @@ def input_key(training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return (training, torch.is_grad_enabled(), (None, x.shape, x.dtype, x.device, x.requires_grad))
     parts: list[Hashable] = [training, torch.is_grad_enabled()]
     for name, value in (*((None, a) for a in args), *kwargs.items()):
-        if type(value) is Tensor or type(value) is nn.Parameter:
+        if type(value) in PLAIN_TENSORS:
             parts.append((name, value.shape, value.dtype, value.device, value.requires_grad))
         elif type(value) in PLAIN_VALUES:
             parts.append((name, value))
@@ -101,18 +98,6 @@ def input_key(training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         parts.append(tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
                            if torch.is_autocast_enabled(kind)))
     return tuple(parts)
-
-
-def tensors_in(value: Any) -> Iterator[Tensor]:
-    """Every tensor in a block's output: tuples, lists, dicts (Hugging Face's ModelOutput is one), nesting."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from tensors_in(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from tensors_in(v)
 
 
 def fresh(value: Any, leaves: list[Tensor]) -> Any:
@@ -136,7 +121,7 @@ def one_step(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     out = fn(*args, **kwargs)
     if not torch.is_grad_enabled():
         return
-    outs = [t for t in tensors_in(out) if t.requires_grad]
+    outs = [t for t in output_tensors(out) if t.requires_grad]
     if outs:
         torch.autograd.grad(outs, [*leaves, *params], [torch.ones_like(t) for t in outs], allow_unused=True)
 
@@ -262,7 +247,7 @@ def install(cls: type[nn.Module]) -> None:
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         keeper = self.__dict__.get(KEEPER)
-        if keeper is not None and not traced():
+        if keeper is not None and not watched():
             own = keeper.forward_for(self, graph_forward, args, kwargs)
             if own is not None:
                 return own(*args, **kwargs)

@@ -29,7 +29,7 @@ from moepass.detect.candidates import (
     find_candidates,
     find_dense_mlps,
 )
-from moepass.detect.check import CheckResult, holds_meta, materialise, semantic_check
+from moepass.detect.check import CheckResult, holds_meta, materialise, nonfinite_tensors, semantic_check
 from moepass.detect.graph_candidates import GraphBlock, graph_blocks, record_model, synthesize_inputs
 from moepass.detect.structure import structural_key
 from moepass.errors import PlanError
@@ -179,6 +179,11 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         reasons.append(f"{name}: no hypothesis reproduces the block"
                        + (f" (closest: {best.spec.router.score_func} router, {best.reason})" if best else ""))
     report.reason = "; ".join(reasons) or "no recogniser applies"
+    broken = nonfinite_tensors(candidate.module)
+    if broken:  # the likeliest cause first: no hypothesis reproduces NaN
+        report.reason = (f"its {', '.join(map(repr, broken[:4]))}{' ...' if len(broken) > 4 else ''} "
+                         f"{'holds' if len(broken) == 1 else 'hold'} NaN or inf values (uninitialised memory, e.g. torch.empty parameters never initialised?): initialise "
+                         f"or load the weights before detect/compile. The checks: {report.reason}")
     unknown = [k[1:] for k in candidate.side_outputs if k.startswith("?")]
     if unknown:
         report.reason += (f". It returns {', '.join(unknown)}, which no rule reproduces (moepass reproduces router "

@@ -231,6 +231,15 @@ def materialise(module: nn.Module, gen: torch.Generator) -> nn.Module:
     return module
 
 
+def nonfinite_tensors(module: nn.Module) -> list[str]:
+    """Names of `module`'s floating parameters and buffers holding NaN or inf (plain tensors with values only:
+    a subclass, e.g. a DTensor, would make reading it a collective). What a block built with `torch.empty`
+    parameters and never initialised shows; called only for a rejected block, to say why."""
+    return [name for name, t in (*module.named_parameters(), *module.named_buffers())
+            if type(t) in (torch.Tensor, nn.Parameter) and t.is_floating_point() and not t.is_meta and t.numel()
+            and not bool(torch.isfinite(t).all())]
+
+
 def _all_zero(tensor: torch.Tensor) -> bool:
     """`not tensor.any()`, without reading the whole tensor when its first element is not zero (a plain
     tensor's: a subclass, e.g. a DTensor, is asked as a whole)."""

@@ -19,7 +19,7 @@ from moepass.canonical import CANONICAL_PASS
 from moepass.detect import DetectionReport, detect, outline
 from moepass.detect.check import holds_meta
 from moepass.errors import PlanError
-from moepass.pipeline import compile_block, compile_model, copy_block, refuse_distributed_outlines
+from moepass.pipeline import compile_block, compile_model, copy_block, keeps_original, refuse_distributed_outlines
 from moepass.plan import DISTRIBUTED_FORMS, Plan
 from moepass.runtime.topology import Topology
 
@@ -323,6 +323,10 @@ def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sour
                          f"{record.get('stats') or ''}".rstrip())
         if gm.layout is not None:
             lines += gm.layout.describe(gm)
+        if keeps_original(block_plan, traced=False):
+            lines.append("at run time: the first call per input signature times this graph against the block's own "
+                         "code and runs the faster (Plan.keep_original_if_slower=True; "
+                         "moepass.runtime.faster.choices(compiled_block) says which runs and why)")
         if graphs:
             lines.append(gm.print_readable(print_output=False).rstrip())
         if sources:

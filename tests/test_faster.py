@@ -172,6 +172,13 @@ def test_plans_that_always_run_the_graph(choose, plan):
     assert not calls and faster.choices(blocks(cm)[0]) == {}
 
 
+def test_explain_says_when_the_users_block_may_run():
+    model = make_moe("loop", CFG)
+    line = "at run time: the first call per input signature times this graph against the block's own code"
+    assert line in moepass.explain(model, moepass.Plan(form="single"), graphs=False)
+    assert line not in moepass.explain(model, moepass.Plan(form="single", keep_original_if_slower=False), graphs=False)
+
+
 def test_the_field_acts_only_under_single():
     with pytest.raises(PlanError, match="keep_original_if_slower"):
         moepass.Plan(form="ep", keep_original_if_slower=False)

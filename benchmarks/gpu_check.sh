@@ -12,6 +12,8 @@
 #   never_slower_plain  never_slower with MOEPASS_PLAIN_TRITON_LAUNCH=1 (every launch through Triton's own path: the A/B
 #                 of lowering/launcher.py's direct launch; NEVER_SLOWER_ARGS applies to both)
 #   launch        benchmarks/launch_overhead.py: host us and Python calls per launch, Triton's path vs the direct launch
+#   keeper        benchmarks/keeper_overhead.py --profile: host time of a kept block (the user's block run through a
+#                 compiled one) taken apart: the compiled call, the copy's block called directly, its forward, the graph
 #   pytest_gpu    the gpu-marked tests (python3 -m pytest -m gpu tests/test_kernels_gpu.py), where pytest is installed
 # TRAIN_FORMS (default "single ep fsep") picks the train step's forms.
 # TOTAL (seconds, default 560) bounds the whole run: each step's timeout is cut to what is left, and a step with
@@ -52,11 +54,13 @@ for step in $STEPS; do
     never_slower_plain) never_slower _plain 1 ;;
     launch) timeout "$(left "${LAUNCH_TIMEOUT:-90}")" python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 \
             | tee "$OUT/launch_overhead.log"; echo "rc=${PIPESTATUS[0]}" ;;
+    keeper) timeout "$(left "${KEEPER_TIMEOUT:-120}")" python3 benchmarks/keeper_overhead.py --device cuda --profile \
+              --out "$OUT/keeper_overhead_cuda.json" 2>&1 | tee "$OUT/keeper_overhead.log"; echo "rc=${PIPESTATUS[0]}" ;;
     pytest_gpu) if python3 -c "import pytest" 2>/dev/null; then
                   timeout "$(left "${PYTEST_GPU_TIMEOUT:-400}")" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
                     > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/pytest_gpu.log"
                 else echo "pytest_gpu skipped: pytest is not installed on this machine"; fi ;;
-    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower never_slower_plain launch pytest_gpu train never_slower_hf" ;;
+    *) echo "unknown step $step: choose from kernels selfcheck bench never_slower never_slower_plain launch keeper pytest_gpu train never_slower_hf" ;;
   esac
   echo "($step: $(( $(date +%s) - start )) s)"
 done

@@ -58,6 +58,19 @@ group; 2026-11-27, load 3-8 on the 2 shared cores):
   UTC (load 0.5-1.0): 1.004 [0.986, 1.032], torchtitan the fastest peer every round; `ep_step.py --launches 3
   --steps 4 --systems moepass_bare transformers_a2a torchtitan_ep` (load 1.0-2.1): its layer 1.024 [0.961, 1.042],
   the 4-layer model 1.015 [0.980, 1.021] over the fastest peer (torchtitan).
+  2026-11-28, the headline twice: 1.062 [1.042, 1.086] (load 1.3) and 1.047 [1.019, 1.208] (load 0.7-1.0),
+  torchtitan the fastest peer every round. Per rank and step (torch.profiler, 10 steps, both ranks, moepass /
+  torchtitan): aten::mm 15.8 / 16.3 ms on rank 0 and 17.0 / 16.8 on rank 1 (the same GEMMs), blocked in
+  wait_tensor 3.6 / 4.6 and 4.0 / 3.5 ms (both ranks alike: the exchanges' latency, not one rank's skew), all
+  other CPU 7.4 / 6.1 ms. Lina's chunking does not buy the overlap here: `a2a_chunks=2` 35.0 ms and 4 46.3 ms
+  against 27.8 unchunked (main-thread CPU 28.1 / 37.3 / 22.1): each chunk repeats the permutes, the exchange
+  issue and the FFN call, its expert GEMMs are split, and its weight gradients are summed (aten::add ~0.6 ms a
+  call), while what overlap can hide is small: alone a 512-row all-to-all takes 0.39 ms here, issued before
+  5.9 ms of GEMMs it adds 0.32 ms instead of 0.62 (~0.3 ms hidden per exchange, 4 exchanges a step) because the
+  transfer itself runs on the same two busy cores. So the goal needs moepass to do ~3 ms (10 %) less work a step
+  than a peer that runs the same GEMMs at the core's peak with the same exchanges: its whole non-GEMM CPU would
+  have to halve (7.4 -> 3.7 ms). What would meet it: a device whose transfers do not take the compute's
+  cycles (NCCL over NVLink/IB copy engines), where chunked overlap hides the exchanges outright.
 
 Workloads (one Hugging Face `MixtralSparseMoeBlock`, fp32, SwiGLU, dropless, top-k softmax router):
   issue          the layer of issue 12: 512 tokens in all (2 sequences x 256), D=256, F=512, E=8, K=2.

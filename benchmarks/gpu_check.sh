@@ -54,7 +54,7 @@ for step in $STEPS; do
     never_slower_plain) never_slower _plain 1 ;;
     launch) timeout "$(left "${LAUNCH_TIMEOUT:-90}")" python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 \
             | tee "$OUT/launch_overhead.log"; echo "rc=${PIPESTATUS[0]}" ;;
-    keeper) timeout "$(left "${KEEPER_TIMEOUT:-120}")" python3 benchmarks/keeper_overhead.py --device cuda --profile \
+    keeper) timeout "$(left "${KEEPER_TIMEOUT:-120}")" python3 benchmarks/keeper_overhead.py --device cuda --sizes tiny,layer --profile \
               --out "$OUT/keeper_overhead_cuda.json" 2>&1 | tee "$OUT/keeper_overhead.log"; echo "rc=${PIPESTATUS[0]}" ;;
     pytest_gpu) if python3 -c "import pytest" 2>/dev/null; then
                   timeout "$(left "${PYTEST_GPU_TIMEOUT:-400}")" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \

@@ -5,8 +5,11 @@ kernels as the untouched block; anything on top is the path to it. On an H200 th
 +0.10 ms of host time per forward+backward (session 5, `never_slower.py`), against ~2-3 us per call on this
 CPU: this benchmark takes it apart, on any device.
 
-    python benchmarks/keeper_overhead.py                      # CPU, the sample blocks at tiny and layer size
-    python benchmarks/keeper_overhead.py --device cuda        # the GPU machine (benchmarks/gpu_check.sh: keeper)
+    python benchmarks/keeper_overhead.py                      # CPU, the sample blocks at tiny size (host-bound)
+    python benchmarks/keeper_overhead.py --device cuda --sizes tiny,layer   # the GPU machine (gpu_check.sh: keeper)
+
+(On this CPU the fused and gshard samples' own blocks take ~2 s a step at layer size: there the keeper keeps
+the graph, and `--sizes layer` times nothing of interest.)
 
 For each sample block (`loop`, `fused`, `gshard`) and size, five ways of running one forward+backward, timed in
 interleaved rounds (the order rotating), host seconds per step (on CUDA the device drained before each step and
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--styles", default="loop,fused,gshard")
-    parser.add_argument("--sizes", default="tiny,layer")
+    parser.add_argument("--sizes", default="tiny")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=None, help="steps per way and round (default: tiny 50, layer 10)")
     parser.add_argument("--profile", action="store_true", help="ops per step and the top functions (cProfile)")

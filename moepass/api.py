@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from moepass import determinism
+from moepass import agreement, determinism
 from moepass.canonical import CANONICAL_PASS
 from moepass.detect import DetectionReport, detect, outline
 from moepass.detect.check import holds_meta
@@ -51,7 +51,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
                         f"Plan(blocks={{{missed[0][0]!r}: None}}), or pass strict=False to train it as it is.")
     refuse_distributed_outlines(plan, report)  # before the process-group check: the fix differs
     _needs_process_group(plan, report)
-    _same_blocks_on_every_rank(plan, report)
+    agreement.check(plan, report)  # every rank the same blocks, the same way: an error, never a hang
     if plan.grad_sync == "scheduler" and not (dist.is_initialized() and dist.get_world_size() > 1):
         raise PlanError("Plan.grad_sync='scheduler' has no effect on one process: it synchronises gradients over "
                         "the ranks of an initialised process group of more than one rank. Leave it 'none', or "
@@ -124,45 +124,6 @@ def _needs_process_group(plan: Plan, report: DetectionReport) -> None:
             raise PlanError(f"Plan(form={block_plan.form!r}) for block {spec.path or '<root>'!r} needs torch.distributed "
                             f"initialised (init_process_group) on every rank: run under torchrun or "
                             f"torch.multiprocessing.spawn, or use form='single' on one process.")
-
-
-def _same_blocks_on_every_rank(plan: Plan, report: DetectionReport) -> None:
-    """Every rank must rewrite the same blocks into the same forms: a distributed form's rewrite makes process
-    groups and its forward exchanges tokens, so a block one rank rewrites and another leaves as it is (detection
-    reads the block's weights: uninitialised memory, or a model built differently per rank) would hang both at
-    the first collective. One gather of each rank's verdicts, only where a block is planned into a distributed
-    form (then every rank calls compile); a difference raises the same PlanError on every rank, naming the blocks."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_backend() == "fake":
-        return  # (the fake process group of `explain` and the tests: no other rank to agree with)
-    if not any(_form_of(plan, d.path) in DISTRIBUTED_FORMS for d in report.details):
-        return
-    mine = [(d.path, d.accepted, _form_of(plan, d.path), d.reason if not d.accepted else "") for d in report.details]
-    verdicts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, mine)
-    if all([v[:3] for v in theirs] == [v[:3] for v in mine] for theirs in verdicts):
-        return
-    seen: dict[str, dict[int, tuple[bool, str | None, str]]] = {}
-    for rank, theirs in enumerate(verdicts):
-        for path, accepted, form, reason in theirs:
-            seen.setdefault(path, {})[rank] = (accepted, form, reason)
-    world = range(len(verdicts))
-    differing = [path for path, by_rank in seen.items()
-                 if len(by_rank) < len(verdicts) or len({v[:2] for v in by_rank.values()}) > 1]
-    lines = []
-    for path in differing[:4]:
-        by_rank = seen[path]
-        accepted = [r for r in world if r in by_rank and by_rank[r][0]]
-        rejected = [r for r in world if r in by_rank and not by_rank[r][0]]
-        absent = [r for r in world if r not in by_rank]
-        why = next((by_rank[r][2] for r in rejected), "")
-        lines.append(f"{path or '<root>'!r}: accepted on rank(s) {accepted}, rejected on {rejected}"
-                     + (f", not seen on {absent}" if absent else "") + (f" (rank {rejected[0]}: {why if len(why) <= 300 else why[:300] + ' ...'})" if why else ""))
-    raise PlanError(f"moepass.compile: the ranks do not agree on which MoE blocks to rewrite: {'; '.join(lines)}"
-                    f"{' ...' if len(differing) > 4 else ''}. Every rank must rewrite the same blocks (else the first "
-                    f"all-to-all hangs). Detection reads the block's weights: build the model identically on every "
-                    f"rank and initialise (or load) its weights before compile (the same seed on every rank; "
-                    f"parameters left as torch.empty memory differ from rank to rank), or leave the blocks alone "
-                    f"with Plan(blocks={{{differing[0]!r}: None}}).")
 
 
 def _meta_needs_single(plan: Plan, report: DetectionReport, model: nn.Module) -> None:

@@ -41,10 +41,12 @@ LAYERS = (
           "priority scheduler, the deterministic-mode scope, the single form's choice of the faster of graph and "
           "block"),
     Layer("passes",
-          ("moepass.detect.*", "moepass.canonical", "moepass.passes", "moepass.pipeline", "moepass.rewrite.*",
+          ("moepass.detect.*", "moepass.canonical", "moepass.passes", "moepass.pipeline", "moepass.agreement",
+           "moepass.rewrite.*",
            "moepass.schedule", "moepass.lower", "moepass.verify"),
           ("core", "lowering", "cost", "runtime"),
-          "detection, the canonical graph, each form's rewrite, the schedule and lower passes, the pipeline"),
+          "detection, the canonical graph, each form's rewrite, the schedule and lower passes, the pipeline, the "
+          "ranks' agreement on what to rewrite"),
     Layer("face",
           ("moepass", "moepass.__main__", "moepass.api", "moepass.backend.*", "moepass.cli", "moepass.inspect",
            "moepass.selfcheck.*", "moepass.train.*", "moepass.fsdp", "moepass.checkpoint", "cost_model.search",

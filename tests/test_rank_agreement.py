@@ -2,7 +2,8 @@
 block's weights, so a model whose parameters differ from rank to rank (left as `torch.empty` memory, or built
 with another seed) can be accepted on one rank and rejected on another; the ranks then rewrite different blocks
 and the first all-to-all hangs. `compile` compares the ranks' verdicts first and raises on every rank, naming
-the block, which ranks accepted it and the rejecting rank's reason; a block with NaN weights says so."""
+the block, which ranks accepted it and the rejecting rank's reason; a block with NaN weights says so. Plans that
+differ from rank to rank (a field read from a rank's own config) are named field by field the same way."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 import moepass
 from moepass import Plan, PlanError
+from moepass.agreement import disagreement, verdicts
 from samples.models import tiny_mixtral
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +64,7 @@ def case_compile_with_rank_dependent_weights(rank: int, world: int) -> str:
 def test_ranks_that_disagree_on_a_block_raise_on_every_rank_instead_of_hanging():
     messages = pool(2).run(case_compile_with_rank_dependent_weights, timeout=120)
     assert messages[0] == messages[1]  # the same error on every rank
-    assert messages[0].startswith("moepass.compile: the ranks do not agree on which MoE blocks to rewrite: "
+    assert messages[0].startswith("moepass.compile: the ranks do not agree on how to rewrite the MoE blocks: "
                                   "'layers.0.mlp': accepted on rank(s) [0], rejected on [1] (rank 1: its "
                                   "'gate.weight' holds NaN or inf values")
     assert messages[0].endswith("or leave the blocks alone with Plan(blocks={'layers.0.mlp': None}).")
@@ -75,3 +77,18 @@ def case_compile_with_equal_weights(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_ranks_that_agree_compile_as_before():
     assert pool(2).run(case_compile_with_equal_weights, timeout=120) == [["layers.0.mlp"]] * 2
+
+
+def test_plans_that_differ_by_rank_are_named_field_by_field():
+    report = moepass.detect(model_with_nan_router(nan=False))
+    same = verdicts(Plan(form="ep", ep_size=2), report)
+    assert disagreement([same, verdicts(Plan(form="ep", ep_size=2), report)]) is None
+    message = disagreement([same, verdicts(Plan(form="ep", ep_size=2, a2a_chunks=2, capacity_factor=1.5), report),
+                            verdicts(Plan(form="fsep", ep_size=2), report)])
+    assert message is not None
+    assert ("'layers.0.mlp': the ranks' plans differ: form rank 0: 'ep', rank 1: 'ep', rank 2: 'fsep'; "
+            "capacity_factor rank 0: None, rank 1: 1.5, rank 2: None; a2a_chunks rank 0: 'auto', rank 1: 2, "
+            "rank 2: 'auto'; ") in message
+    assert "Pass the same Plan on every rank" in message
+    left_alone = verdicts(Plan(form="ep", blocks={"layers.0.mlp": None}), report)
+    assert "form rank 0: 'ep', rank 1: None" in disagreement([same, left_alone])

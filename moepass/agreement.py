@@ -14,10 +14,13 @@ differ, naming the blocks, the ranks and the fix. `disagreement` is the comparis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from moepass.detect import DetectionReport
 from moepass.errors import PlanError
@@ -108,15 +111,19 @@ def disagreement(by_rank: list[list[Verdict]]) -> str | None:
             f"alone with Plan(blocks={{{first!r}: None}}).")
 
 
-def check(plan: Plan, report: DetectionReport) -> None:
-    """Raise the same `PlanError` on every rank where the ranks would rewrite the blocks differently (module doc)."""
+def check(plan: Plan, report: DetectionReport, model: nn.Module) -> None:
+    """Raise the same `PlanError` on every rank where the ranks would rewrite the blocks differently (module doc).
+    On NCCL the gather's bytes travel on the model's GPU (not the current device, which a script may not have set)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_backend() == "fake":
         return  # (the fake process group of `explain` and the tests: no other rank to agree with)
     mine = verdicts(plan, report)
     if not any(v.form in DISTRIBUTED_FORMS for v in mine):
         return
+    device = next((p.device for p in model.parameters()), None)
+    on_gpu = torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    with on_gpu:
+        dist.all_gather_object(gathered, mine)
     message = disagreement(gathered)
     if message is not None:
         raise PlanError(message)

@@ -51,7 +51,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
                         f"Plan(blocks={{{missed[0][0]!r}: None}}), or pass strict=False to train it as it is.")
     refuse_distributed_outlines(plan, report)  # before the process-group check: the fix differs
     _needs_process_group(plan, report)
-    agreement.check(plan, report)  # every rank the same blocks, the same way: an error, never a hang
+    agreement.check(plan, report, model)  # every rank the same blocks, the same way: an error, never a hang
     if plan.grad_sync == "scheduler" and not (dist.is_initialized() and dist.get_world_size() > 1):
         raise PlanError("Plan.grad_sync='scheduler' has no effect on one process: it synchronises gradients over "
                         "the ranks of an initialised process group of more than one rank. Leave it 'none', or "

@@ -181,9 +181,10 @@ def _detect_block(candidate: Candidate) -> BlockReport:
     report.reason = "; ".join(reasons) or "no recogniser applies"
     broken = nonfinite_tensors(candidate.module)
     if broken:  # the likeliest cause first: no hypothesis reproduces NaN
-        report.reason = (f"its {', '.join(map(repr, broken[:4]))}{' ...' if len(broken) > 4 else ''} "
-                         f"{'holds' if len(broken) == 1 else 'hold'} NaN or inf values (uninitialised memory, e.g. torch.empty parameters never initialised?): initialise "
-                         f"or load the weights before detect/compile. The checks: {report.reason}")
+        names = ", ".join(map(repr, broken[:4])) + (" ..." if len(broken) > 4 else "")
+        report.reason = (f"its {names} {'holds' if len(broken) == 1 else 'hold'} NaN or inf values (uninitialised "
+                         f"memory, e.g. torch.empty parameters never initialised?): initialise or load the weights "
+                         f"before detect/compile. The checks: {report.reason}")
     unknown = [k[1:] for k in candidate.side_outputs if k.startswith("?")]
     if unknown:
         report.reason += (f". It returns {', '.join(unknown)}, which no rule reproduces (moepass reproduces router "

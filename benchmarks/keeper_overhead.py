@@ -40,7 +40,6 @@ import platform
 import pstats
 import statistics
 import sys
-import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -52,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import moepass  # noqa: E402
-from benchmarks.never_slower import SIZES, step  # noqa: E402
+from benchmarks.never_slower import SIZES, host_seconds, step  # noqa: E402
 from moepass.runtime import faster  # noqa: E402
 from samples.models import SampleConfig, make_moe  # noqa: E402
 
@@ -68,14 +67,6 @@ class Forward(nn.Module):
 
     def forward(self, x):
         return self.fn(x)
-
-
-def host_step(block, x, probe, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    step(block, x, probe)
-    return time.perf_counter() - start
 
 
 def kept(block: nn.Module, x: torch.Tensor, probe: torch.Tensor) -> nn.Module:
@@ -139,8 +130,7 @@ def measure(style: str, size_name: str, device: torch.device, rounds: int, iters
     per_round: list[dict[str, float]] = []
     for r in range(rounds):
         order = WAYS[r % len(WAYS):] + WAYS[:r % len(WAYS)]
-        per_round.append({way: statistics.median(host_step(blocks[way], x, probe, device) for _ in range(iters))
-                          for way in order})
+        per_round.append({way: host_seconds(blocks[way], x, probe, iters, device) for way in order})
     row: dict = {"case": f"{size_name} sample {style}", "device": device.type,
                  "host_ms": {way: statistics.median(r[way] for r in per_round) * 1e3 for way in WAYS},
                  "host_ms_range": {way: [min(r[way] for r in per_round) * 1e3, max(r[way] for r in per_round) * 1e3]

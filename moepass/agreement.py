@@ -24,9 +24,8 @@ from torch import nn
 
 from moepass.detect import DetectionReport
 from moepass.errors import PlanError
-from moepass.plan import DISTRIBUTED_FORMS, Plan
+from moepass.plan import DISTRIBUTED_FORMS, PLAN_FIELDS, Plan
 
-PLAN_FIELDS = ("micro_op_bytes", "lowering", "deterministic", "grad_sync", "expert_recompute")  # beside the options
 REASON_CHARS = 300  # of a rejecting rank's reason, in the message
 
 
@@ -36,9 +35,12 @@ class Verdict:
 
     path: str
     accepted: bool
-    form: str | None  # None: Plan.blocks leaves it alone
-    plan: tuple[tuple[str, Any], ...]  # the block plan's fields (`plan_values`)
+    plan: tuple[tuple[str, Any], ...]  # the block plan's fields (`plan_values`); () where Plan.blocks leaves it alone
     reason: str = ""  # why detection rejected it
+
+    @property
+    def form(self) -> str | None:
+        return dict(self.plan).get("form")
 
 
 def plain(value: Any) -> Any:
@@ -54,19 +56,19 @@ def plain(value: Any) -> Any:
 
 
 def plan_values(block_plan: Plan | None) -> tuple[tuple[str, Any], ...]:
-    """The fields of one block's plan that shape its rewritten graph: its form's options and the plan-wide ones."""
+    """The fields of one block's plan that shape its rewritten graph: its form, the form's options and the plan-wide
+    fields (`PLAN_FIELDS`, but for the overrides and strictness, which decide what is rewritten, not how)."""
     if block_plan is None:
         return ()
     options = [(f.name, plain(getattr(block_plan.options, f.name))) for f in dataclasses.fields(block_plan.options)]
-    return tuple(options + [(name, plain(getattr(block_plan, name))) for name in PLAN_FIELDS])
+    wide = [(name, plain(getattr(block_plan, name))) for name in PLAN_FIELDS if name not in ("blocks", "strict")]
+    return (("form", block_plan.form), *options, *wide)
 
 
 def verdicts(plan: Plan, report: DetectionReport) -> list[Verdict]:
     out = []
     for d in report.details:
-        block_plan = plan.for_block(d.path)
-        out.append(Verdict(d.path, d.accepted, None if block_plan is None else block_plan.form,
-                           plan_values(block_plan), "" if d.accepted else d.reason))
+        out.append(Verdict(d.path, d.accepted, plan_values(plan.for_block(d.path)), "" if d.accepted else d.reason))
     return out
 
 
@@ -91,10 +93,9 @@ def disagreement(by_rank: list[list[Verdict]]) -> str | None:
             why = f" (rank {rejected[0]}: {_short(mine[rejected[0]].reason)})" if rejected else ""
             lines.append(f"{name}: accepted on rank(s) {accepted}, rejected on {rejected}"
                          + (f", not seen on {absent}" if absent else "") + why)
-        elif len({(v.form, v.plan) for v in mine.values()}) > 1:
-            fields = [("form", {r: v.form for r, v in mine.items()})]
-            for field in dict.fromkeys(n for v in mine.values() for n, _ in v.plan):
-                fields.append((field, {r: dict(v.plan).get(field) for r, v in mine.items()}))
+        elif len({v.plan for v in mine.values()}) > 1:
+            fields = [(field, {r: dict(v.plan).get(field) for r, v in mine.items()})
+                      for field in dict.fromkeys(["form", *(n for v in mine.values() for n, _ in v.plan)])]
             differ = [f"{field} " + ", ".join(f"rank {r}: {value!r}" for r, value in values.items())
                       for field, values in fields if len(set(map(repr, values.values()))) > 1]
             lines.append(f"{name}: the ranks' plans differ: {'; '.join(differ)}")

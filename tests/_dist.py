@@ -1,7 +1,8 @@
 """A pool of spawned gloo ranks shared by every distributed test of the session.
 
 Spawning W ranks costs seconds (and ~4 s per rank with transformers imported), so each world size
-gets ONE pool for the whole session; tests send it many cases:
+gets ONE pool for the whole session (one per pytest-xdist worker), closed at its end by conftest's session
+fixture, not per module; tests send it many cases:
 
     from tests._dist import pool              # or: from _dist import pool
     results = pool(4).run(my_case, arg1, key=value)   # my_case(rank, world, *args, **kw) on every rank

@@ -31,7 +31,13 @@ settings.register_profile("dev", max_examples=50, deadline=None)
 settings.register_profile("full", max_examples=200, deadline=None)  # tests/test_properties.py: 220 cases
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the cores: one intra-op thread each (two threads per worker oversubscribe the cores and
+    # their spin-waits cost more than they save), and the ranks and subprocesses the tests start inherit it
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 # Tests by kind (pyproject's markers, --strict-markers): `distributed` spawns ranks, `slow` takes more than a
@@ -74,6 +80,10 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.distributed)
         if not any(kind in item.keywords for kind in KINDS):
             item.add_marker(pytest.mark.unit)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # under pytest-xdist (`-n 2`, what CI runs) the slow tests go first (a stable sort: collection order
+        # otherwise), so that no worker is left with a long one at the end while the other idles
+        items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (CPU paths are tested instead)")

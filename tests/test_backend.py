@@ -313,6 +313,7 @@ def test_compiled_hf_mixtral_eager_experts_is_one_graph():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_inductor_inner_on_sample():
     model = TinyMoELM(SampleConfig(style="fused", layers=1))
     compiled = torch.compile(model, backend="moepass", options=backend_options(inner="inductor"))

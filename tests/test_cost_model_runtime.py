@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 from cost_model import ep as cm  # noqa: E402
 
@@ -28,12 +28,6 @@ pytestmark = pytest.mark.distributed
 
 W, T, D, E, K = 2, 12, 16, 4, 2
 BYTES = 4  # fp32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def routing(rank: int) -> list[tuple[int, int]]:

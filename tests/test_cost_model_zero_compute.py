@@ -35,7 +35,7 @@ import sympy
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 from cost_by_hand import fsep_by_hand  # noqa: E402
 from zoo_blocks import IdentityExperts, Relu2Experts, ZeroExpertsFirst, softmax_topk  # noqa: E402
 
@@ -65,12 +65,6 @@ PHI = E / (E + Z)
 PLAIN = BlockShape(E=E, K=K, D=D, F=F, m=m, cf=None)
 ZERO_COMPUTE = dataclasses.replace(PLAIN, ffn_fraction=PHI)
 TOLERANCE = 0.025  # tests/test_cost_model_lina.py's: the search's pick within 2.5 % of the timeline's best
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def _by_label(result) -> dict:

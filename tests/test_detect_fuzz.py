@@ -257,6 +257,7 @@ def assert_unchanged(before: tuple, after: tuple) -> None:
         assert (value is None) == (value2 is None) and (value is None or torch.equal(value, value2)), name
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(trees())
 def test_detect_and_explain_never_raise_and_leave_the_model_unchanged(tree):

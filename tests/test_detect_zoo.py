@@ -27,7 +27,7 @@ import moepass
 from moepass.detect.check import check_specs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 from zoo_blocks import ATOL, FF, RTOL, D, E, FusedGateUpMlp, IdentityExperts, K, Mlp, Routed, loop_combine, softmax_topk  # noqa: E402
 from zoo_cases import CASES, IDENTITY, NOT_YET, assert_exact, build, token_inputs  # noqa: E402
 
@@ -48,12 +48,6 @@ def detected():
         return cache[name]
 
     return get
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 

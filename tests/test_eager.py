@@ -23,7 +23,7 @@ from moepass import dialect, eager
 from samples.models import SampleConfig, make_moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 STYLES = ("loop", "fused", "gshard")
 CFG = SampleConfig(dim=16, ffn_dim=32, num_experts=8, top_k=2)
@@ -131,12 +131,6 @@ def test_the_eager_code_is_rebuilt_after_a_recompile():
 CUSTOM_NAMESPACES = ("moe", "moe_lowered", "moe_comm", "moe_sched", "moe_ep")
 
 
-@pytest.fixture(scope="module")
-def _pools():
-    yield
-    shutdown()
-
-
 def case_ep_eager(rank, world, style):
     """EP at W ranks: the eager step equals the ops' step bit for bit (outputs, every gradient), and eagerly no
     custom op of moepass (the exchange, the schedule marks, the local expert ids included) is dispatched."""
@@ -151,7 +145,6 @@ def case_ep_eager(rank, world, style):
 
 
 @pytest.mark.distributed
-@pytest.mark.usefixtures("_pools")
 @pytest.mark.parametrize("style", ["loop", "fused"])
 def test_ep_eager_equals_the_ops_and_dispatches_none(style):
     reports = pool(2).run(case_ep_eager, style)

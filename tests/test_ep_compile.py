@@ -13,16 +13,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 CFG = dict(vocab_size=64, dim=32, ffn_dim=64, num_experts=4, top_k=2, layers=2, heads=4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def case_fullgraph(rank, world, style):

@@ -18,19 +18,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 LM = dict(vocab_size=64, dim=32, ffn_dim=32, num_experts=4, top_k=2, layers=2, heads=4)
 BATCH_PER_RANK, SEQ, STEPS = 2, 8, 3
 RTOL, ATOL = 1e-5, 1e-6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def full(t):

@@ -29,7 +29,7 @@ from moepass.spec import FFN_ROLES, ExpertsSpec
 from moepass.verify import verify
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 from test_expert_compute import OpLog  # noqa: E402
 from zoo_blocks import FF, D, E, loop_combine  # noqa: E402
 from zoo_cases import NormExpert, NormExperts, ResidualGluDict, assert_exact  # noqa: E402
@@ -108,12 +108,6 @@ class TupleExperts(NormExperts):
         x = h.reshape(-1, D)
         w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
         return loop_combine(x, w, idx, [lambda t, m=m: m(t)[0] for m in self.experts]).view_as(h)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def _block(cls: type[nn.Module]) -> nn.Module:

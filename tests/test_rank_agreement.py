@@ -19,15 +19,9 @@ from moepass.agreement import disagreement, verdicts
 from samples.models import tiny_mixtral
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 SMALL = dict(dim=32, ffn_dim=32, vocab_size=32, num_experts=4, heads=2, layers=1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def model_with_nan_router(nan: bool) -> torch.nn.Module:

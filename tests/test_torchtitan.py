@@ -28,17 +28,11 @@ pytest.importorskip("torchtitan")
 from samples import torchtitan_models as TT  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _dist import pool, shutdown  # noqa: E402
+from _dist import pool  # noqa: E402
 
 VARIANTS = sorted(TT.VARIANTS)
 B, L = 2, 6  # per rank
 RTOL, ATOL = 1e-5, 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def _batch(v, step, batches):

@@ -34,16 +34,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import REPO_DIR, pool, shutdown  # noqa: E402
+from _dist import REPO_DIR, pool  # noqa: E402
 
 RTOL = 1e-5  # fp32: a distributed step vs one process (summation order)
 RUN_TIMEOUT = 900
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pools():
-    yield
-    shutdown()
 
 
 def train(out, *args: str, expect_ok: bool = True) -> tuple[subprocess.CompletedProcess, dict | None]:

@@ -95,7 +95,7 @@ def disagreement(by_rank: list[list[Verdict]]) -> str | None:
                          + (f", not seen on {absent}" if absent else "") + why)
         elif len({v.plan for v in mine.values()}) > 1:
             fields = [(field, {r: dict(v.plan).get(field) for r, v in mine.items()})
-                      for field in dict.fromkeys(["form", *(n for v in mine.values() for n, _ in v.plan)])]
+                      for field in dict.fromkeys(n for v in mine.values() for n, _ in v.plan)]  # form first
             differ = [f"{field} " + ", ".join(f"rank {r}: {value!r}" for r, value in values.items())
                       for field, values in fields if len(set(map(repr, values.values()))) > 1]
             lines.append(f"{name}: the ranks' plans differ: {'; '.join(differ)}")

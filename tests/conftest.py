@@ -31,7 +31,9 @@ settings.register_profile("dev", max_examples=50, deadline=None)
 settings.register_profile("full", max_examples=200, deadline=None)  # tests/test_properties.py: 220 cases
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+UNDER_XDIST = bool(os.environ.get("PYTEST_XDIST_WORKER"))  # a pytest-xdist worker (`-n 2`, what CI runs)
+
+if UNDER_XDIST:
     # two workers share the cores: one intra-op thread each (two threads per worker oversubscribe the cores and
     # their spin-waits cost more than they save), and the ranks and subprocesses the tests start inherit it
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -80,8 +82,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.distributed)
         if not any(kind in item.keywords for kind in KINDS):
             item.add_marker(pytest.mark.unit)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # under pytest-xdist (`-n 2`, what CI runs) the slow tests go first (a stable sort: collection order
+    if UNDER_XDIST:
+        # under pytest-xdist the slow tests go first (a stable sort: collection order
         # otherwise), so that no worker is left with a long one at the end while the other idles
         items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():

@@ -161,10 +161,10 @@ def jitter(x: torch.Tensor, eps: float, training: bool) -> torch.Tensor:
 
 
 def capacity_of(tokens: int, group_size: int, top_k: int, num_experts: int, factor: float | None,
-                fixed: int | None, min_capacity: int) -> int:
+                fixed: int | None, min_capacity: int, rounding: str = "ceil") -> int:
     """Per-group expert capacity for this call (a Python int, computed from static sizes)."""
     group_tokens = group_size if group_size > 0 else tokens
-    return CapacitySpec(capacity_factor=factor, fixed=fixed, min_capacity=min_capacity).capacity(
+    return CapacitySpec(capacity_factor=factor, fixed=fixed, min_capacity=min_capacity, rounding=rounding).capacity(
         group_tokens, top_k, num_experts)
 
 
@@ -507,7 +507,8 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
         c = spec.capacity
         tokens = b.method("size", x_TD, 0, name="tokens")
         group = b.fn(sequence_group_size, hidden, c.scope, name="group_size")
-        capacity = b.fn(capacity_of, tokens, group, K, E, c.capacity_factor, c.fixed, c.min_capacity, name="capacity")
+        capacity = b.fn(capacity_of, tokens, group, K, E, c.capacity_factor, c.fixed, c.min_capacity, c.rounding,
+                        name="capacity")
         keep_TK = b.fn(dialect.CAPACITY_KEEP, experts_TK, E, capacity, group, c.priority == "k_major",
                        name="keep_TK")
         if c.drop_policy == "identity":

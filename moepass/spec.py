@@ -73,6 +73,7 @@ GROUP_SCORES = ("top2_sum", "max")
 CAPACITY_SCOPES = ("batch", "sequence")
 CAPACITY_PRIORITIES = ("k_major", "token_major")
 DROP_POLICIES = ("zero", "identity")
+CAPACITY_ROUNDINGS = ("ceil", "floor")  # how capacity_factor * tokens * k / E becomes a count
 ROUTER_DTYPES = ("float32", "input")
 LOGITS_SOURCES = ("linear", "module", "selection", "traced")
 TRACED_ROUTER = "moepass_router_logits"  # where the rewritten block holds a traced router's logits function
@@ -341,7 +342,8 @@ class SharedExpertSpec:
 class CapacitySpec:
     """Expert capacity: at most C (token, expert) assignments per expert and group; the rest drop.
 
-    C = max(min_capacity, ceil(capacity_factor * group_tokens * top_k / E)) unless `fixed` is set.
+    C = max(min_capacity, ceil(capacity_factor * group_tokens * top_k / E)) unless `fixed` is set (`floor`
+    with rounding="floor": `int(...)`, as many code bases write it).
     Priority decides who is kept: "k_major" keeps every token's 1st choice before any 2nd choice
     (GShard), "token_major" goes token by token. A dropped assignment contributes zero ("zero") or,
     for top-1, passes the token's input through scaled by its weight ("identity", Switch).
@@ -353,6 +355,7 @@ class CapacitySpec:
     scope: str = "batch"  # "batch": all T tokens form one group; "sequence": each sequence is a group
     priority: str = "k_major"
     drop_policy: str = "zero"
+    rounding: str = "ceil"
 
     def capacity(self, group_tokens: int, top_k: int, num_experts: int) -> int:
         if self.fixed is not None:
@@ -360,12 +363,14 @@ class CapacitySpec:
         assert self.capacity_factor is not None
         import math
 
-        return max(self.min_capacity, math.ceil(self.capacity_factor * group_tokens * top_k / num_experts))
+        count = self.capacity_factor * group_tokens * top_k / num_experts
+        return max(self.min_capacity, math.ceil(count) if self.rounding == "ceil" else math.floor(count))
 
     def validate(self, where: str) -> None:
         _check_choice(f"{where}.scope", self.scope, CAPACITY_SCOPES)
         _check_choice(f"{where}.priority", self.priority, CAPACITY_PRIORITIES)
         _check_choice(f"{where}.drop_policy", self.drop_policy, DROP_POLICIES)
+        _check_choice(f"{where}.rounding", self.rounding, CAPACITY_ROUNDINGS)
         if self.fixed is None and (self.capacity_factor is None or self.capacity_factor <= 0):
             raise PlanError(
                 f"{where}.capacity_factor={self.capacity_factor!r} is invalid: use a float > 0, "
@@ -593,7 +598,8 @@ class MoESpec:
             c = self.capacity
             parts.append(
                 f"capacity={'C=' + str(c.fixed) if c.fixed is not None else f'cf {c.capacity_factor:g}'}"
-                f"/{c.scope}/{c.drop_policy}"
+                f"{'' if c.fixed is not None or c.rounding == 'ceil' else ' rounded down'}"
+                f"/{c.scope}/{c.drop_policy}{'' if c.priority == 'k_major' else '/token-major'}"
             )
         else:
             parts.append("dropless")

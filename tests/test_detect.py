@@ -201,3 +201,37 @@ def test_a_router_written_for_one_batch_shape_is_rejected_with_the_way_out():
     ((path, reason),) = report.rejected
     assert path == "" and "Its selection scores also read ['router.temperature']" in reason
     assert "move the routing into a submodule that returns (weights, experts)" in reason
+
+
+class SharedBlockLM(nn.Module):
+    """Two layers calling one MoE module (tied weights: layers[0].mlp is layers[1].mlp)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(32, dim)
+        block = LoopMoE(dim, 32, 4, 2)
+        self.layers = nn.ModuleList([nn.ModuleDict({"norm": nn.LayerNorm(dim), "mlp": block}) for _ in range(2)])
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer["mlp"](layer["norm"](h))
+        return h
+
+
+def test_a_block_shared_by_two_layers_is_rewritten_once_and_stays_shared():
+    torch.manual_seed(0)
+    model = SharedBlockLM()
+    ids = torch.randint(0, 32, (2, 8))
+    report = moepass.detect(model, example_inputs=(ids,))
+    assert [spec.path for spec in report.blocks] == ["layers.0.mlp"] and report.rejected == [], report.summary()
+    assert any("layers.0.mlp is also the module at layers.1.mlp" in note for note in report.notes)
+    cm = moepass.compile(model, moepass.Plan(form="single", keep_original_if_slower=False), report=report)
+    assert cm.layers[1]["mlp"] is cm.layers[0]["mlp"] is cm.moepass_info.rewritten["layers.0.mlp"]
+    out, ref = cm(ids), model(ids)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    grads = dict(model.named_parameters())
+    for name, p in cm.named_parameters():  # the one block's weights get both layers' gradients, as in the model
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)

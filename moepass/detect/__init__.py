@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moepass.detect import fused_experts, gshard, hf, loop_experts, outline, self_described
+from moepass.detect import capacity, fused_experts, gshard, hf, loop_experts, outline, self_described
 from moepass.detect.candidates import (
     GRAPH,
     SELF_DESCRIBED,
@@ -171,6 +171,14 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         except Exception as err:  # the user's block itself fails on probe inputs: reject, never raise
             reasons.append(f"{name}: probing the block failed: {type(err).__name__}: {err}")
             continue
+        capacities = capacity.hypotheses(candidate.module, tried) if winner is None else []
+        if capacities:  # it reproduced the block until tokens crowded: a capacity, read from its attributes
+            try:
+                winner, more = semantic_check(candidate.module, capacities, passthrough=candidate.passthrough,
+                                              shape=candidate.probe_shape)
+                tried += more
+            except Exception as err:
+                reasons.append(f"{name}: probing the block failed: {type(err).__name__}: {err}")
         report.tried.extend(tried)
         if winner is not None:
             report.accepted, report.recogniser, report.spec, report.check = True, name, winner.spec, winner
@@ -178,6 +186,11 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         best = min(tried, key=lambda r: (r.mismatched_tokens, r.max_error)) if tried else None
         reasons.append(f"{name}: no hypothesis reproduces the block"
                        + (f" (closest: {best.spec.router.score_func} router, {best.reason})" if best else ""))
+        if any(r.only_crowded for r in tried):
+            reasons[-1] += (": it is reproduced until many tokens choose the same experts, as a block that drops "
+                            "tokens over an expert capacity behaves; no float attribute of the block "
+                            f"({capacity.factors(candidate.module) or 'none'}) gives that capacity "
+                            "(ceil or floor of factor x tokens x k / E, per batch or per sequence)")
     report.reason = "; ".join(reasons) or "no recogniser applies"
     broken = nonfinite_tensors(candidate.module)
     if broken:  # the likeliest cause first: no hypothesis reproduces NaN
@@ -317,6 +330,11 @@ def _detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[s
     except Exception as err:  # detection never raises: the report says what could not be read
         report.notes.append(f"the module tree could not be read for candidates: {type(err).__name__}: {err}")
         return report
+    for candidate in candidates:
+        shared = sorted(alias for alias, first in tree.aliases.items() if first == candidate.path)
+        if shared:
+            report.notes.append(f"{candidate.path or '<root>'} is also the module at {', '.join(shared)} (one module, "
+                                f"several paths): one verdict; compile rewrites it once and installs it at each")
     checked: dict[object, BlockReport] = {}
     for candidate in candidates:
         try:

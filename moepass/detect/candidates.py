@@ -20,7 +20,7 @@ import inspect
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -144,6 +144,24 @@ class ModuleTree:
             links += len(m._modules) - list(m._modules.values()).count(None)
         ids = {id(p) for own in self.own.values() for _, p in own}
         self.plain = links == len(self.modules) - 1 and len(ids) == sum(map(len, self.own.values()))
+        # a module reachable at several paths (one block shared by two layers): its other paths -> its first one
+        self.aliases: dict[str, str] = {}
+        if links != len(self.modules) - 1:
+            first = {id(m): path for path, m in self.modules.items()}
+            self.aliases = {path: first[id(m)] for path, m in model.named_modules(remove_duplicate=False)
+                            if path != first[id(m)]}
+
+    def canonical(self, path: str) -> str:
+        """The path `modules` knows a module by: an alias (a path through a shared module) mapped to the module's
+        first path, the rest of the path kept."""
+        if path in self.modules or not self.aliases:
+            return path
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            head = ".".join(parts[:i])
+            if head in self.aliases:
+                return ".".join([self.aliases[head], *parts[i:]])
+        return path
 
     def named_parameters(self, path: str) -> list[tuple[str, nn.Parameter]]:
         """`modules[path].named_parameters(prefix=path)`: the parameters below `path`, by their model paths."""
@@ -271,6 +289,10 @@ def anchored(structural: list[Candidate], blocks: list[GraphBlock], tree: Module
     replaced: set[str] = set()
     found: dict[str, Candidate] = {}
     for block in blocks:
+        if tree.canonical(block.path) != block.path:  # a module shared by several paths: recorded at another
+            if tree.canonical(block.path) in found:
+                continue
+            block = replace(block, path=tree.canonical(block.path))
         here = by_path.get(block.path)
         if here is not None:
             here.call, here.graph_block = block.call, block

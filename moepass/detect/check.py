@@ -10,7 +10,11 @@ through the spec's canonical graph. The probe is built so that near-miss specs s
 - for group-limited hypotheses, probes are added (at growing input scales) until at least
   MIN_GROUP_TOKENS tokens select differently with groups than with plain top-k;
 - tokens whose k-th and (k+1)-th scores are a near-tie (in the final top-k, or in a group top-k)
-  are not compared, and probes are added until MIN_CLEAR_FRACTION of the tokens are clear.
+  are not compared, and probes are added until MIN_CLEAR_FRACTION of the tokens are clear;
+- after the random probes, CROWDS crowded ones: every token one of a few random tokens (all the same, then
+  two of them 2:1), so that experts receive every token: a block that drops tokens over a capacity shows
+  it there (random probes rarely fill one), and with CROWD_SHAPE's 21 tokens in 3 sequences a capacity's
+  rounding, group and priority show too.
 
 Then the selected experts must agree exactly on the clear tokens (the original's selection is
 observed by intercepting its last top-k / argmax over E scores, or the first K indices of a descending
@@ -29,6 +33,7 @@ The user's block is never touched: everything runs on the copy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,6 +55,8 @@ PROBE_SCALING = 2.5  # routed_scaling_factor set on the probe when the model's i
 SCALING_ATTRS = ("routed_scaling_factor",)
 TRAIN_SEED = 1234
 SORTED = 0  # `_TopkSpy.calls` k of a descending sort: every index, in order
+CROWDS = (1, 2)  # the crowded probes: how many distinct tokens each is made of
+CROWD_SHAPE = (3, 7)  # their hidden states' leading dims (the recorded ones when the block takes further inputs)
 Inputs = tuple[torch.Tensor, ...]  # one probe: the hidden states, then the block's further inputs (token ids)
 
 
@@ -76,6 +83,7 @@ class CheckResult:
     selection_observed: bool = True
     group_sensitive_tokens: int = 0  # tokens whose choice differs with and without group limits
     contract_checked: bool = False  # recorded router output and train mode compared too
+    only_crowded: bool = False  # rejected, but reproduced the block on every probe except the crowded ones
 
     def describe(self) -> str:
         verdict = "accepted" if self.accepted else f"rejected: {self.reason}"
@@ -126,11 +134,12 @@ class _TopkSpy(TorchFunctionMode):
             if isinstance(k, int) and dim in last:
                 X = scores.shape[-1]
                 self.calls.append((scores.detach().reshape(-1, X), k, out[1].detach().reshape(-1, k)))
-        elif func in (torch.argmax, torch.Tensor.argmax):
+        elif func in (torch.argmax, torch.Tensor.argmax, torch.max, torch.Tensor.max):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if dim in last:
+            if isinstance(dim, int) and dim in last:  # max(x, dim) returns (values, indices); max(x, y) is no selection
+                indices = out if func in (torch.argmax, torch.Tensor.argmax) else out[1]
                 X = scores.shape[-1]
-                self.calls.append((scores.detach().reshape(-1, X), 1, out.detach().reshape(-1, 1)))
+                self.calls.append((scores.detach().reshape(-1, X), 1, indices.detach().reshape(-1, 1)))
         elif func in SORT:  # a descending sort: its leading k indices are a top-k (`seen` takes K of them)
             full = list(args) + [None] * 3
             dim = kwargs.get("dim", full[1] if full[1] is not None else -1)
@@ -271,15 +280,19 @@ def build_graph(spec: MoESpec, probe: nn.Module) -> fx.GraphModule | str:
 
 
 def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list, selections: list[_Selection],
-          atol: float = 1e-5, rtol: float = 1e-4, graph: fx.GraphModule | str | None = None) -> CheckResult:
+          atol: float = 1e-5, rtol: float = 1e-4, graph: fx.GraphModule | str | None = None,
+          crowded_from: int | None = None) -> CheckResult:
     """Compare `spec`'s canonical graph (`graph`: `build_graph`'s result, when built already) with the
-    recorded behaviour of the original on `inputs`."""
+    recorded behaviour of the original on `inputs` (from index `crowded_from` on, the crowded probes)."""
     gm = build_graph(spec, probe) if graph is None else graph
     if isinstance(gm, str):
         return CheckResult(spec, False, float("inf"), reason=gm)
     result = CheckResult(spec, True, max_error=0.0)
     other_k = None  # the block's top-k over E used another k
-    for x, original, seen in zip(inputs, originals, selections):
+    failed = [False, False]  # on a random probe, on a crowded one
+    for i, (x, original, seen) in enumerate(zip(inputs, originals, selections)):
+        crowded = crowded_from is not None and i >= crowded_from
+        accepted_before, result.accepted = result.accepted, True
         logits_name, experts_name, bias_name = canonical.routing_names(spec)
         cap = _Capture(gm, (experts_name, logits_name, bias_name))
         try:
@@ -329,6 +342,9 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list
             result.max_error = max(result.max_error, gap)
             if not torch.allclose(a, b, atol=atol, rtol=rtol):
                 result.accepted = False
+        failed[crowded] |= not result.accepted
+        result.accepted = accepted_before and result.accepted
+    result.only_crowded = failed[1] and not failed[0]
     if not result.accepted:
         parts = []
         if other_k is not None:
@@ -476,8 +492,14 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
     E, K, D = hypotheses[0].router.num_experts, hypotheses[0].top_k, hypotheses[0].model_dim
     gen = torch.Generator().manual_seed(seed + 1)
 
-    def draw(scale: float = 1.0) -> Inputs:  # the hidden states, then the block's further inputs (token ids)
-        x = torch.randn(*(shape[:-1] or (2, tokens // 2)), D, generator=gen) * scale
+    def draw(scale: float = 1.0, crowd: int = 0) -> Inputs:  # the hidden states, then the further inputs (token ids)
+        lead = shape[:-1] or (CROWD_SHAPE if crowd else (2, tokens // 2))
+        if crowd:  # `crowd` distinct tokens, the first one 2/3 of the time
+            T = math.prod(lead)
+            which = (torch.randperm(T, generator=gen) < T // 3).long() if crowd > 1 else torch.zeros(T, dtype=torch.long)
+            x = torch.randn(crowd, D, generator=gen)[which].reshape(*lead, D) * scale
+        else:
+            x = torch.randn(*lead, D, generator=gen) * scale
         return (x, *[passthrough[name] if name in passthrough else token_ids(probe, x.shape[:-1], gen)
                      for name in hypotheses[0].input_names[1:]])
 
@@ -502,10 +524,18 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
         if len(masks) < len(observed) or sum(int(m.sum()) for m in masks) >= \
                 MIN_CLEAR_FRACTION * sum(m.numel() for m in masks):
             break
-            break
         inputs.append(draw())
         observed.append(_observe(probe, inputs[-1], E, K))
         extra += 1
+    crowded_from = len(inputs)
+    for crowd in CROWDS:  # tokens crowding onto the same experts; a near-tie in one of them: drawn again
+        for _ in range(MAX_EXTRA_PROBES):
+            x = draw(crowd=crowd)
+            seen = _observe(probe, x, E, K)
+            if seen[1].clear is None or bool(seen[1].clear.all()):
+                inputs.append(x)
+                observed.append(seen)
+                break
     originals = [o for o, _ in observed]
     selections = {K: [s for _, s in observed]}
     tried = []
@@ -515,7 +545,8 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
             selections[spec.top_k] = [_observe(probe, x, spec.router.num_experts, spec.top_k)[1] for x in inputs]
         canonical.relayout_stacked(probe, spec)  # a no-op when its experts are laid out so already
         graph = build_graph(probed(spec), probe)  # one graph for both checks (eval runs leave it as built)
-        result = check(probed(spec), probe, inputs, originals, selections[spec.top_k], graph=graph)
+        result = check(probed(spec), probe, inputs, originals, selections[spec.top_k], graph=graph,
+                       crowded_from=crowded_from)
         if result.accepted:
             reason = contract_check(probed(spec), probe, inputs[0], graph=graph)
             result.contract_checked = reason is None

@@ -1,26 +1,27 @@
-"""Recogniser: GShard-style einsum dispatch with an expert capacity (a `capacity_factor` attribute).
+"""Recogniser: GShard-style einsum dispatch with an expert capacity (a float attribute named `*capacity*`).
 
-Same weight reading as the fused recogniser; adds the capacity hypotheses (k-major priority as in
-GShard first, then token-major), overflow tokens dropped.
+Same weight reading as the fused recogniser; adds the capacity hypotheses of that factor (`capacity.variants`:
+k-major priority as in GShard first, then token-major; the batch or each sequence as the group; ceil or floor),
+overflow tokens dropped. A block whose factor has another name is found by `capacity.hypotheses` after its
+dropless hypotheses fail on crowded probes.
 """
 
 from __future__ import annotations
 
-from moepass.detect import fused_experts
+from moepass.detect import capacity, fused_experts
 from moepass.detect.candidates import Candidate
-from moepass.spec import CapacitySpec, MoESpec
+from moepass.spec import MoESpec
 
 NAME = "gshard-capacity"
-CAPACITY_ATTRS = ("capacity_factor", "expert_capacity_factor")
 
 
 def recognise(c: Candidate) -> list[MoESpec] | str:
-    factor = next((getattr(c.module, a) for a in CAPACITY_ATTRS if isinstance(getattr(c.module, a, None), float)), None)
+    factor = next(iter(capacity.factors(c.module, named="capacity")), None)
     if factor is None:
-        return "no capacity_factor attribute: not a capacity-based block"
+        return "no float attribute named *capacity*: not a capacity-based block"
     specs: list[MoESpec] = []
-    for priority in ("k_major", "token_major"):
-        found = fused_experts.recognise(c, CapacitySpec(capacity_factor=factor, priority=priority), name=NAME)
+    for variant in capacity.variants(factor, c.selection.k if c.selection is not None else 2):
+        found = fused_experts.recognise(c, variant, name=NAME)
         if isinstance(found, str):
             return found
         specs.extend(found)

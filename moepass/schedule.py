@@ -63,8 +63,9 @@ Every EP schedule, any n, and the locality form's (its exchanges are EP's; it is
 locality option); `deferred_wgrad` in the stats counts the FFNs.
 
 Marks. The pass also places `moe_sched.mark` identity nodes: "expert_in"/"expert_out" around every
-expert FFN (compute regions for the event log) and "moe_combine" on the combine output, whose
-backward tells the priority scheduler that an all-to-all is imminent (moepass.runtime.scheduler).
+expert FFN (compute regions for the event log) and "moe_combine" on the combine's input (the experts'
+outputs: the block's output stays a tensor of its own, which a caller may modify in place), whose backward,
+after the combine's, tells the priority scheduler that an all-to-all is imminent (moepass.runtime.scheduler).
 
 Expert packing (`Plan(packing=k)`): each device hosts k times the experts of plain EP: the experts
 span ep_size/k ranks and are replicated k times (data parallel over the replicas; the EP pass
@@ -368,8 +369,12 @@ def add_marks(gm: MoEGraphModule) -> int:
         set_operand(ffn, "x_ND", into)
         _mark_after(graph, ffn, "expert_out", block)
         count += 2
-    for combine in _calls(graph, dialect.COMBINE):
-        _mark_after(graph, combine, COMBINE_REGION, block)
+    for combine in _calls(graph, dialect.COMBINE):  # on its input: the block's output stays combine's own tensor
+        with graph.inserting_before(combine):  # (a mark's output is a view, which the caller may not modify in place)
+            y_TKD = operand(combine, "y_TKD")
+            into = _stamp(graph.create_node("call_function", MARK, (y_TKD, COMBINE_REGION),
+                                            name=f"{y_TKD.name}_{COMBINE_REGION}"), block)
+        set_operand(combine, "y_TKD", into)
         count += 1
     return count
 

@@ -205,7 +205,9 @@ def case_expert_replicas(rank, world):
     all_reduce_replicated_grads(ref)
     cm = compiled("scheduler")  # compile installs GradientSync on cm's parameters and leaves the hook out
     experts = grad_sync.expert_replica_parameters(cm)
-    assert all(not cm.get_parameter(name)._backward_hooks for name in experts)
+    for name in experts:  # not the blocking hook: only GradientSync's own (its share of an accumulated gradient)
+        hooks = list(cm.get_parameter(name)._backward_hooks.values())
+        assert [getattr(h, "func", h) for h in hooks] == [grad_sync.share_before_accumulating], hooks
     sync = cm.moepass_grad_sync
     log = events.EventLog(rank).start()
     try:

@@ -101,6 +101,14 @@ def shard_experts(gm: MoEGraphModule, spec: MoESpec, layout: ExpertLayout, form:
                 raise PlanError(f"Plan.form={form!r}: block {spec.path or '<root>'} stacks {len(params)} tensors for "
                                 f"{role}, expected one per expert ({E}).")
             _check_divisible(spec, form, f"{source.paths[0]!r} (stacked)", (E, *params[0].shape), d, P)
+            frozen = [q for q, t in zip(source.paths, params) if not t.requires_grad]
+            if frozen and len(frozen) < len(params):  # one stacked tensor has one requires_grad
+                raise PlanError(
+                    f"Plan.form={form!r}: block {spec.path or '<root>'} has frozen experts beside trainable ones "
+                    f"({', '.join(frozen[:3])}{' ...' if len(frozen) > 3 else ''} requires_grad=False): {form} stacks "
+                    f"each role's expert weights into one tensor, which trains or not as a whole. Freeze all of a "
+                    f"block's experts or none, use form='single' (it keeps per-expert weights), or leave the block "
+                    f"alone with Plan(blocks={{{spec.path!r}: None}}).")
             if d == 0:
                 local = torch.stack([q.detach() for q in params[p * E // P:(p + 1) * E // P]])
             else:

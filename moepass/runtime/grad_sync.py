@@ -92,6 +92,10 @@ class GradientSync:
         self._step_open = False
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p, index=index: self._ready(index))
                        for index, p in enumerate(self._params)]
+        # gradient accumulation: a summed replica's gradient from the last backward is already the sum over its
+        # replicas; divided by their count before the new gradient adds to it, the sum restores it
+        self._hooks += [r.param.register_hook(functools.partial(share_before_accumulating, r.param, r.group))
+                        for r in self._reduced if not r.average]
 
     def _open_step(self) -> None:
         """First gradient of a backward: reserve every micro-op slot in the fixed order."""
@@ -133,6 +137,15 @@ class GradientSync:
         for hook in self._hooks:
             hook.remove()
         self.scheduler.close()
+
+
+def share_before_accumulating(param: nn.Parameter, group: dist.ProcessGroup | None, grad: Tensor) -> None:
+    """Tensor hook of a summed replica (it runs before the new gradient accumulates into `param.grad`): an
+    accumulated gradient, summed over the replicas after the last backward, becomes its share (1/replicas), so
+    that this backward's sum gives the earlier sum plus the sum of the new gradients, not replicas x the earlier.
+    (An averaged gradient needs nothing: the mean of the earlier mean plus the new is the earlier plus the mean.)"""
+    if param.grad is not None:
+        local_part(param.grad).div_(dist.get_world_size(group))
 
 
 class DataParallel(nn.Module):

@@ -235,3 +235,48 @@ def test_a_block_shared_by_two_layers_is_rewritten_once_and_stays_shared():
     grads = dict(model.named_parameters())
     for name, p in cm.named_parameters():  # the one block's weights get both layers' gradients, as in the model
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class InlineGroupLimitedMoE(nn.Module):
+    """DeepSeek-V3's routing written inline in the block (no router module): sigmoid scores plus a selection
+    bias, the best 2 of 4 expert groups (each scored by its top-2 sum), top-2 among them, weights from the
+    unbiased scores renormalised and scaled."""
+
+    def __init__(self, dim: int = 16, experts: int = 8, groups: int = 4):
+        super().__init__()
+        self.groups = groups
+        self.gate_weight = nn.Parameter(torch.randn(experts, dim) * 0.3)
+        self.register_buffer("score_bias", torch.randn(experts) * 0.05)
+        self.experts = nn.ModuleList([ExpertMLP(dim, 24) for _ in range(experts)])
+
+    def forward(self, x):
+        xf = x.reshape(-1, x.shape[-1])
+        scores = F.linear(xf, self.gate_weight).sigmoid()
+        biased = scores + self.score_bias
+        E, G = biased.shape[-1], self.groups
+        group_scores = biased.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(2, dim=-1)[1], 1)
+        biased = biased.masked_fill(~keep.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E).bool(), float("-inf"))
+        idx = biased.topk(2, dim=-1)[1]
+        w = scores.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True) * 2.5
+        y = torch.zeros_like(xf)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(idx == e)
+            y.index_add_(0, token, expert(xf[token]) * w[token, slot, None])
+        return y.view(x.shape)
+
+
+def test_an_inline_group_limited_router_is_described_and_reproduced():
+    torch.manual_seed(0)
+    block = InlineGroupLimitedMoE()
+    x = torch.randn(2, 8, 16)
+    report = moepass.detect(block, example_inputs=(x,))
+    (spec,) = report.blocks
+    r = spec.router
+    assert (r.score_func, r.n_group, r.topk_group, r.routed_scaling_factor) == ("sigmoid", 4, 2, 2.5), report.summary()
+    assert report.details[0].check.group_sensitive_tokens > 0  # the probes exercised the group limit
+    cm = moepass.compile(block, moepass.Plan(form="single", keep_original_if_slower=False), report=report)
+    for shape in [(2, 8), (3, 5)]:
+        x = torch.randn(*shape, 16)
+        torch.testing.assert_close(cm(x), block(x), rtol=1e-5, atol=1e-5)

@@ -58,6 +58,22 @@ def test_detected_by_structure_and_data_flow(name):
     assert spec.router.module_args == (bias,)
 
 
+def test_its_own_bf16_experts_are_rejected_naming_the_casts():
+    """torchtitan's GroupedExperts as shipped casts x and its weights to bf16 around torch._grouped_mm: no spec
+    reproduces that (moepass computes experts in the model's dtype), and the reason says so and what to do."""
+    v = TT.VARIANTS[VARIANTS[0]]
+    block = TT.config(v).build()  # torchtitan's own classes, the experts' bf16 cast kept
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.1)
+    report = moepass.detect(block, example_inputs=(torch.randn(B, L, v.dim),))
+    assert report.blocks == []
+    (_, reason), = report.rejected
+    assert reason.startswith("its experts compute in bfloat16: the block casts its weights "
+                             "routed_experts.inner_experts.w1_EFD"), reason
+    assert "torch.autocast" in reason and "Plan(blocks={'': None})" in reason
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_single_exact_with_three_training_steps(name):
     v = TT.VARIANTS[name]

@@ -198,6 +198,15 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         report.reason = (f"its {names} {'holds' if len(broken) == 1 else 'hold'} NaN or inf values (uninitialised "
                          f"memory, e.g. torch.empty parameters never initialised?): initialise or load the weights "
                          f"before detect/compile. The checks: {report.reason}")
+    lowered = low_precision_weights(candidate)
+    if lowered:  # the likeliest cause: the probe and the spec compute in fp32, the block's experts do not
+        dtype, cast = next(iter(lowered.items()))
+        report.reason = (f"its experts compute in {dtype}: the block casts its weights "
+                         f"{', '.join(cast[:3])}{' ...' if len(cast) > 3 else ''} to {dtype} itself (e.g. for "
+                         f"torch._grouped_mm). moepass computes the experts in the model's dtype (in {dtype} under "
+                         f"torch.autocast(dtype=torch.{dtype})), so it does not reproduce such casts: compute the "
+                         f"experts in the input's dtype (drop the casts and train under torch.autocast), or leave "
+                         f"the block alone with Plan(blocks={{{candidate.path!r}: None}}). The checks: {report.reason}")
     unknown = [k[1:] for k in candidate.side_outputs if k.startswith("?")]
     if unknown:
         report.reason += (f". It returns {', '.join(unknown)}, which no rule reproduces (moepass reproduces router "
@@ -211,6 +220,26 @@ def _detect_block(candidate: Candidate) -> BlockReport:
                           f"routing into a submodule that returns (weights, experts) and the rewritten block calls "
                           f"it as it is")
     return report
+
+
+LOW_PRECISION = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+CASTS = {torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.half: torch.float16}
+
+
+def low_precision_weights(c: Candidate) -> dict[str, list[str]]:
+    """dtype name -> the block's parameters its recorded forward casts to that lower precision (bf16 / fp16):
+    experts that compute in another dtype than the block's input, which no spec reproduces."""
+    found: dict[str, list[str]] = {}
+    for node in c.graph.graph.nodes if c.graph is not None else ():
+        source = node.args[0] if node.op == "call_function" and node.args else None
+        if not isinstance(source, torch.fx.Node) or source.op != "get_attr":
+            continue
+        dtype = CASTS.get(node.target) or next((a for a in (*node.args[1:], *node.kwargs.values())
+                                                if isinstance(a, torch.dtype)), None) \
+            if node.target in (*CASTS, torch.Tensor.to, torch.Tensor.type) else None
+        if dtype in LOW_PRECISION:
+            found.setdefault(LOW_PRECISION[dtype], []).append(str(source.target))
+    return found
 
 
 def detect_outlined(candidate: Candidate, outlines: dict[str, outline.Outline]) -> BlockReport:

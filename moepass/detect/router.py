@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from moepass.detect.capture import Capture, Selection, attrs, downstream, upstream, value
 from moepass.dialect import route_ref
-from moepass.spec import Constant, RouterSpec, TensorSource
+from moepass.spec import GROUP_SCORES, Constant, RouterSpec, TensorSource
 
 SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax)
 SIGMOID = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)
@@ -430,6 +430,10 @@ def router_hypotheses(cap: Capture, facts: RouterFacts) -> list[RouterSpec] | st
         scales = scales[1:] + [1.0]
     specs = [RouterSpec(**common, **fields, routed_scaling_factor=scale)  # type: ignore[arg-type]
              for scale in scales for _label, fields in rules]
+    if facts.groups is not None:  # a top-k over group scores before the selection: group-limited, tried first
+        n_group, topk_group = facts.groups
+        specs = [dataclasses.replace(spec, n_group=n_group, topk_group=topk_group, group_score=score)
+                 for score in GROUP_SCORES for spec in specs] + specs
     traced = traced_logits(cap, facts.selection) if facts.selection is not None else "no selection"
     if isinstance(traced, str):
         facts.why_not_traced = traced

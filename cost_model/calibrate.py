@@ -530,6 +530,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate as `args` (from `add_arguments`) say; write the profile; the exit status."""
+    try:  # the output path first: a run takes minutes
+        if args.out.is_dir():
+            raise IsADirectoryError(f"{args.out} is a folder")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(args.out.parent, os.W_OK):
+            raise PermissionError(f"{args.out.parent} is not writable")
+    except OSError as e:
+        print(f"calibrate: --out {args.out}: cannot write the profile there ({e}): give a writable file path",
+              file=sys.stderr)
+        return 1
     try:
         profile = calibrate(
             sizes=QUICK_SIZES if args.quick else FULL_SIZES,

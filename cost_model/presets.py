@@ -222,7 +222,9 @@ def this_machine(profile: str | os.PathLike[str] | dict[str, Any] | None = None)
             data = json.loads(file.read_text())
     if data is None:
         if profile is not None:
-            raise FileNotFoundError(f"calibration profile {path} not found; run `python -m moepass calibrate`")
+            what = "is a folder, not a file" if Path(path).is_dir() else "not found"
+            raise FileNotFoundError(f"calibration profile {path} {what}: give the JSON file "
+                                    f"`python -m moepass calibrate --out FILE` wrote")
         return Hardware(
             name="this-machine",
             device="this machine (CPU, gloo loopback)",
@@ -307,8 +309,16 @@ def preset(name: str, profile: str | os.PathLike[str] | None = None) -> Hardware
     if name == "this-machine":
         return this_machine(profile)
     if name not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}: use one of {list(PRESET_NAMES)}")
+        raise ValueError(f"unknown hardware preset {name!r}: use one of {list(PRESET_NAMES)}, or a calibration "
+                         f"profile path (.json){_nearest(name, PRESET_NAMES)}")
     return PRESETS[name]
+
+
+def _nearest(name: str, names: tuple[str, ...]) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.5)
+    return f". Did you mean {match[0]!r}?" if match else ""
 
 
 def is_profile_path(value: object) -> bool:

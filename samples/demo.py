@@ -27,6 +27,8 @@ def _max_grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> tuple[float, str]:
 
 
 def run(style: str = "mixed", steps: int = 3, show_graph: bool = True) -> int:
+    if steps < 1:
+        raise ValueError(f"steps={steps} is invalid: the parity check needs 1 or more training steps")
     torch.manual_seed(0)
     cfg = SampleConfig(style=style, layers=4, dense_layers=1)
     model = TinyMoELM(cfg)

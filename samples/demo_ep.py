@@ -121,11 +121,15 @@ def _print(results: list[dict], nodes: int, world: int, style: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from moepass.cli import positive_int
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] + " (spawns --world ranks on this machine)")
     parser.add_argument("--style", default="loop", choices=["loop", "fused", "gshard"])
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--world", type=positive_int, default=4, help="gloo ranks to spawn (default 4)")
+    parser.add_argument("--nodes", type=positive_int, default=2, help="simulated nodes; must divide --world")
     args = parser.parse_args(argv)
+    if args.world % args.nodes:
+        parser.error(f"--nodes {args.nodes} does not divide --world {args.world}")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()

@@ -51,36 +51,39 @@ import torch.utils.checkpoint
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from moepass.cli import check_output_folder, nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
+
 FORMS = ("none", "single", "ep", "fsep", "hp", "locality", "auto")
+STEPS_FILE = "train_steps.json"  # in each checkpoint: the log's steps up to it (rank 0), continued by --resume
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = p.add_argument
     a("--form", default="ep", choices=FORMS, help="parallel form of the MoE blocks; none: the model without moepass")
-    a("--nproc", type=int, default=2, help="ranks to spawn when not launched by torchrun (default 2)")
+    a("--nproc", type=positive_int, default=2, help="ranks to spawn when not launched by torchrun (default 2)")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when there is one")
-    a("--steps", type=int, default=200, help="total optimizer steps (a resumed run continues to this)")
+    a("--steps", type=positive_int, default=200, help="total optimizer steps (a resumed run continues to this)")
     a("--seed", type=int, default=0, help="model init and data order")
-    a("--seq", type=int, default=64, help="tokens per sequence")
-    a("--global-batch", type=int, default=8, help="sequences per step over all ranks")
-    a("--dim", type=int, default=64)
-    a("--ffn-dim", type=int, default=128)
-    a("--experts", type=int, default=8)
-    a("--top-k", type=int, default=2)
-    a("--layers", type=int, default=2)
-    a("--heads", type=int, default=4)
+    a("--seq", type=positive_int, default=64, help="tokens per sequence")
+    a("--global-batch", type=positive_int, default=8, help="sequences per step over all ranks")
+    a("--dim", type=positive_int, default=64)
+    a("--ffn-dim", type=positive_int, default=128)
+    a("--experts", type=positive_int, default=8)
+    a("--top-k", type=positive_int, default=2)
+    a("--layers", type=positive_int, default=2)
+    a("--heads", type=positive_int, default=4)
     a("--style", default="loop", choices=["loop", "fused", "gshard", "mixed"], help="the sample's MoE style")
     a("--model", default="sample",
       help="sample (the sample LM), hf:<config> (a Hugging Face causal LM built from its config: a tiny one of "
            "samples/hf_models.py such as hf:qwen3_moe, or a hub id / folder read offline) or torchtitan (its "
            "Qwen3-MoE model at --dim/--layers/--heads/--experts/--top-k/--ffn-dim); vocabulary: the 256 bytes")
-    a("--lr", type=float, default=3e-3)
-    a("--warmup", type=int, default=20, help="linear warmup steps, then cosine to lr/10")
-    a("--weight-decay", type=float, default=0.1)
-    a("--clip", type=float, default=1.0, help="global grad-norm clip")
+    a("--lr", type=positive_float, default=3e-3)
+    a("--warmup", type=nonnegative_int, default=20, help="linear warmup steps, then cosine to lr/10")
+    a("--weight-decay", type=nonnegative_float, default=0.1)
+    a("--clip", type=positive_float, default=1.0, help="global grad-norm clip")
     a("--foreach", default="auto", choices=["auto", "on", "off"], help="torch's multi-tensor optimizer kernels")
-    a("--ep-size", type=int, default=None, help="Plan.ep_size (data parallel over the rest); default the world")
-    a("--nodes", type=int, default=1, help="simulated nodes (Plan.topology: nodes x world/nodes)")
+    a("--ep-size", type=positive_int, default=None, help="Plan.ep_size (data parallel over the rest); default the world")
+    a("--nodes", type=positive_int, default=1, help="simulated nodes (Plan.topology: nodes x world/nodes)")
     a("--planner", default="auto", choices=["auto", "static"], help="FSEP placement planner")
     a("--fsdp", action="store_true", help="FSDP2 on the dense parameters (moepass.fully_shard per layer + root)")
     a("--grad-sync", default="ddp", choices=["ddp", "scheduler"],
@@ -96,9 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
            "left alone by the optimizer (torch's None gradient)")
     a("--out", default="runs/train", help="folder for train_log.json and loss.png")
     a("--ckpt-dir", default=None, help="checkpoint folder (default <out>/ckpt)")
-    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    a("--ckpt-every", type=nonnegative_int, default=0, help="checkpoint every N steps (0: never)")
     a("--resume", default=None, help="'latest' (newest complete checkpoint in --ckpt-dir) or a checkpoint path")
-    a("--log-every", type=int, default=10)
+    a("--log-every", type=positive_int, default=10, help="a progress line every N steps")
     a("--kill-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: the last rank dies after this step
     return p
 
@@ -259,13 +262,13 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         return torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
 
 
-    ckpt_dir = args.ckpt_dir or os.path.join(args.out, "ckpt")
+    ckpt_dir = checkpoint_dir(args)
     start = 0
+    records: list[dict[str, Any]] = []
     if args.resume:
-        path = checkpoint.latest(ckpt_dir) if args.resume == "latest" else args.resume
-        if path is None:
-            raise SystemExit(f"--resume latest: no complete checkpoint in {ckpt_dir}")
+        path = resume_path(args)
         start, _ = checkpoint.load(path, cm, optimizer)
+        records = earlier_steps(path, start) if rank == 0 else []
         if reference is not None and ref_opt is not None:
             saved = torch.load(os.path.join(path, "reference.pt"), weights_only=True)
             reference.load_state_dict(saved["model"])
@@ -279,7 +282,6 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
              for path, gm in (info.rewritten.items() if info is not None else ())}
     if rank == 0:
         print(f"W={world} form={args.form}: blocks {forms or 'untouched'}", flush=True)
-    records: list[dict[str, Any]] = []
     tokens_per_step = args.global_batch * args.seq
     for step in range(start, args.steps):
         lr = lr_at(step, args.lr, args.warmup, args.steps)
@@ -324,6 +326,8 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
                 os.makedirs(path, exist_ok=True)
                 torch.save({"model": reference.state_dict(), "optim": ref_opt.state_dict()},
                            os.path.join(path, "reference.pt"))
+            if rank == 0:  # the log so far, continued by a resume from this checkpoint
+                report.write_json(os.path.join(path, STEPS_FILE), {"steps": records})
             checkpoint.save(ckpt_dir, cm, optimizer, step + 1)
         if args.kill_at is not None and step + 1 == args.kill_at and rank == world - 1:
             os._exit(17)  # a crash (tests): no clean-up, no final checkpoint
@@ -377,6 +381,75 @@ def finish(args: argparse.Namespace, world: int, records: list[dict[str, Any]], 
     return log
 
 
+def checkpoint_dir(args: argparse.Namespace) -> str:
+    return args.ckpt_dir or os.path.join(args.out, "ckpt")
+
+
+def resume_path(args: argparse.Namespace) -> str:
+    """The checkpoint --resume names ('latest': the newest complete one in the checkpoint folder)."""
+    from moepass.train import checkpoint
+
+    if args.resume != "latest":
+        return args.resume
+    path = checkpoint.latest(checkpoint_dir(args))
+    if path is None:
+        raise SystemExit(f"moepass train: --resume latest: no complete checkpoint in {checkpoint_dir(args)}: "
+                         f"train with --ckpt-every N first, or give --ckpt-dir / --out of the earlier run")
+    return path
+
+
+def checkpoint_step(path: str) -> int:
+    """The step of the complete checkpoint at `path` (its COMPLETE marker holds it); SystemExit otherwise."""
+    from moepass.train.checkpoint import MARKER
+
+    if not os.path.isdir(path):
+        raise SystemExit(f"moepass train: --resume {path}: no such checkpoint folder: give 'latest' or the path of "
+                         f"a step_N folder a run with --ckpt-every wrote")
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        raise SystemExit(f"moepass train: --resume {path}: not a complete checkpoint (no {MARKER} marker): give "
+                         f"'latest' or a step_N folder whose save finished")
+    with open(marker) as f:
+        return int(f.read().strip() or 0)
+
+
+def earlier_steps(path: str, start: int) -> list[dict[str, Any]]:
+    """The log's steps up to `start` saved with the checkpoint at `path` (none for one saved without them)."""
+    import json
+
+    file = os.path.join(path, STEPS_FILE)
+    if not os.path.isfile(file):
+        return []
+    with open(file) as f:
+        return [r for r in json.load(f)["steps"] if r["step"] <= start]
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before any rank starts: the world against the batch, the output folders, the
+    checkpoint --resume names. SystemExit with one line naming the option otherwise."""
+    from moepass.train.launch import under_torchrun
+
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    if args.global_batch % world:
+        raise SystemExit(f"moepass train: --global-batch {args.global_batch} is not a multiple of the world size "
+                         f"{world} (--nproc): use a multiple of {world}")
+    if args.nodes > world or world % args.nodes:
+        raise SystemExit(f"moepass train: --nodes {args.nodes} does not divide the world size {world} (--nproc)")
+    check_output_folder(args.out, "moepass train: --out")
+    if args.ckpt_every:
+        check_output_folder(checkpoint_dir(args), "moepass train: --ckpt-dir")
+    if not args.resume:
+        return
+    path = resume_path(args)
+    step = checkpoint_step(path)
+    if args.steps <= step:
+        raise SystemExit(f"moepass train: --steps {args.steps}: the checkpoint {path} is at step {step}: give "
+                         f"--steps above {step} (the total steps, counted from the start)")
+    if args.reference and not os.path.isfile(os.path.join(path, "reference.pt")):
+        raise SystemExit(f"moepass train: --reference: the checkpoint {path} has no reference model (its run had "
+                         f"no --reference): resume without --reference")
+
+
 def resolve_device(args: argparse.Namespace) -> str:
     if args.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -391,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from moepass.train.launch import run as launch
 
+    check_args(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launch(train, args, args.nproc, resolve_device(args))
     return 0

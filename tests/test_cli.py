@@ -66,9 +66,7 @@ def test_both_entry_points_import_module_callable_from_the_current_directory(pro
     assert "1 MoE block(s) accepted" in out.stdout and "== layers.0.mlp" in out.stdout
 
 
-BAD = [  # argv, the one line on stderr (a regex)
-    (["explain", "mymodels:build", "--form", "sinlge"],
-     r"moepass explain: Plan.form='sinlge' is invalid: use one of \[.*\]. Did you mean 'single'\?"),
+BAD = [  # argv, the one line on stderr (a regex); a misspelt --form: tests/test_cli_inputs.py (a usage error)
     (["explain", "nomodule:build"],
      r"moepass explain: no module 'nomodule' in the current directory \(.*proj\) or on PYTHONPATH: run from the "
      r"folder that holds it, or add that folder to PYTHONPATH"),
@@ -84,7 +82,7 @@ BAD = [  # argv, the one line on stderr (a regex)
 ]
 
 
-@pytest.mark.parametrize("argv,line", BAD, ids=["form-typo", "no-module", "no-callable", "no-colon", "raising-builder",
+@pytest.mark.parametrize("argv,line", BAD, ids=["no-module", "no-callable", "no-colon", "raising-builder",
                                                 "not-a-model", "search-raising-builder"])
 def test_bad_input_is_one_line_with_the_fix_and_exit_status_1(project, argv, line):
     import re
@@ -105,7 +103,7 @@ def test_debug_shows_the_traceback(project):
 
 SUBCOMMAND_OPTIONS = {  # every option each subcommand takes, as --help lists it
     "demo": ["--style", "--steps", "--no-graph", "--no-ep"],
-    "explain": ["target", "--form"],
+    "explain": ["target", "--form", "--ep-size", "--batch", "--mu"],
     "search": ["target", "--scenario", "--nodes", "--ranks-per-node", "--batch", "--seq", "--profile", "--limit"],
     "calibrate": ["--out", "--quick", "--reps", "--timeout", "--no-progress", "--no-host"],
     "bench": ["names", "--all", "--quick", "--full", "--out"],
@@ -138,3 +136,22 @@ def test_calibrate_options_are_parsed_not_swallowed(project):
     assert out.returncode == 0 and "--no-host" in out.stdout and "unrecognized" not in out.stderr
     out = run(project, "calibrate", "--quikc")
     assert out.returncode == 2 and "unrecognized arguments: --quikc" in out.stderr
+
+
+@pytest.mark.slow
+def test_train_resume_continues_the_log(project, tmp_path):
+    """A run checkpointed at step 2 and resumed to step 3: train_log.json holds steps 1, 2 and 3 (each
+    checkpoint keeps the log's steps so far), and a resume to a step the checkpoint already reached is refused
+    before any rank starts."""
+    import json
+
+    tiny = ["train", "--form", "single", "--nproc", "1", "--dim", "16", "--ffn-dim", "32", "--layers", "1",
+            "--experts", "2", "--heads", "2", "--global-batch", "2", "--seq", "16", "--out", str(tmp_path)]
+    out = run(project, *tiny, "--steps", "2", "--ckpt-every", "2")
+    assert out.returncode == 0, out.stderr
+    out = run(project, *tiny, "--steps", "2", "--resume", "latest")
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "is at step 2" in out.stderr
+    out = run(project, *tiny, "--steps", "3", "--resume", "latest")
+    assert out.returncode == 0, out.stderr
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert [r["step"] for r in log["steps"]] == [1, 2, 3] and log["start_step"] == 2

@@ -49,6 +49,8 @@ def run(fn: Callable[[Any], Any], args: Any, nproc: int, device: str, timeout_s:
     if under_torchrun():
         _init_and_run(device, timeout_s, fn, args)
         return
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} is invalid: spawn 1 or more ranks")
     if nproc == 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")

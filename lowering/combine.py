@@ -325,6 +325,6 @@ def _backward(ctx, grad_TD):
 # moe.unpermute's operands, then moe.combine's weights: the fused op
 UNPERMUTE_COMBINE_SCHEMA = OpSchema(
     "unpermute_combine", dialect.UNPERMUTE_SCHEMA.operands_text + ", Tensor weights_TK", "Tensor",
-    fake=_unpermute_combine_fake, autograd=(_backward, _setup), autocast="preserve")
+    fake=_unpermute_combine_fake, autograd=(_backward, _setup), autocast="fp32")  # as moe.combine
 LOWERING = Lowering.define("combine", dialect.COMBINE, UNPERMUTE_COMBINE_SCHEMA, _unpermute_combine, eligible,
                            generated_source, fuses=(dialect.UNPERMUTE,))

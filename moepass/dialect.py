@@ -15,7 +15,8 @@ block run eagerly calls the op's function and autograd directly, without the dis
     unpermute(y_ND, order_N)                       -> y_TKD        (exact inverse of permute)
     combine(y_TKD, weights_TK)                     -> out_TD       (weighted sum over K, fp32 accumulate)
 
-Autocast: `route` runs in fp32 (router precision), `expert_ffn` in the autocast compute dtype,
+Autocast: `route` runs in fp32 (router precision), `expert_ffn` in the autocast compute dtype, `combine`
+in fp32 (the block's output in its fp32 input's dtype, as the original accumulating into it returns it),
 the data-movement ops keep their input dtype.
 
 The pure-torch references (`*_ref`) are the semantics; kernels in `lowering/` must match them.
@@ -440,13 +441,14 @@ def _combine_bwd(ctx, grad_TD):
 
 
 COMBINE_SCHEMA = OpSchema("combine", "Tensor y_TKD, Tensor weights_TK", "Tensor", fake=_combine_fake,
-                          autograd=(_combine_bwd, _combine_setup))
+                          autograd=(_combine_bwd, _combine_setup), autocast="fp32")
 combine = COMBINE_SCHEMA.define(NAMESPACE, combine_ref)
 
 
 
 
-# Autocast (each schema's policy): the router in fp32, the experts in the autocast compute dtype.
+# Autocast (each schema's policy): the router in fp32, the experts in the autocast compute dtype, the combine in
+# fp32 (the weighted sum of the experts' outputs, as a block accumulating into a buffer of its fp32 input does).
 SCHEMAS = {schema.name: schema for schema in (
     ROUTE_SCHEMA, UPDATE_SELECTION_BIAS_SCHEMA, COUNT_LOAD_SCHEMA, CAPACITY_KEEP_SCHEMA, PERMUTE_SCHEMA,
     EXPERT_FFN_SCHEMA, EXPERT_FFN_FORWARD_SCHEMA, EXPERT_FFN_BACKWARD_SCHEMA, UNPERMUTE_SCHEMA, COMBINE_SCHEMA)}

@@ -63,9 +63,10 @@ Every EP schedule, any n, and the locality form's (its exchanges are EP's; it is
 locality option); `deferred_wgrad` in the stats counts the FFNs.
 
 Marks. The pass also places `moe_sched.mark` identity nodes: "expert_in"/"expert_out" around every
-expert FFN (compute regions for the event log) and "moe_combine" on the combine's input (the experts'
-outputs: the block's output stays a tensor of its own, which a caller may modify in place), whose backward,
-after the combine's, tells the priority scheduler that an all-to-all is imminent (moepass.runtime.scheduler).
+expert FFN (compute regions for the event log) and "moe_combine" before the combine (on the experts'
+outputs, before the unpermute that the combine lowering fuses with it; the block's output stays a tensor of its
+own, which a caller may modify in place), whose backward, after the combine's, tells the priority scheduler that
+an all-to-all is imminent (moepass.runtime.scheduler).
 
 Expert packing (`Plan(packing=k)`): each device hosts k times the experts of plain EP: the experts
 span ep_size/k ranks and are replicated k times (data parallel over the replicas; the EP pass
@@ -358,7 +359,7 @@ def chunk_graph(gm: MoEGraphModule, n: int) -> dict[str, int]:
 
 
 def add_marks(gm: MoEGraphModule) -> int:
-    """moe_sched.mark nodes: around every expert FFN and on the combine output (see module doc)."""
+    """moe_sched.mark nodes around every expert FFN (see module doc); before chunking, which copies them."""
     graph, block = gm.graph, gm.spec.path
     count = 0
     for ffn in _calls(graph, dialect.EXPERT_FFN):
@@ -369,12 +370,24 @@ def add_marks(gm: MoEGraphModule) -> int:
         set_operand(ffn, "x_ND", into)
         _mark_after(graph, ffn, "expert_out", block)
         count += 2
-    for combine in _calls(graph, dialect.COMBINE):  # on its input: the block's output stays combine's own tensor
-        with graph.inserting_before(combine):  # (a mark's output is a view, which the caller may not modify in place)
-            y_TKD = operand(combine, "y_TKD")
-            into = _stamp(graph.create_node("call_function", MARK, (y_TKD, COMBINE_REGION),
-                                            name=f"{y_TKD.name}_{COMBINE_REGION}"), block)
-        set_operand(combine, "y_TKD", into)
+    return count
+
+
+def mark_combines(gm: MoEGraphModule) -> int:
+    """A moe_sched.mark node before every combine (see module doc); after chunking (one per combine)."""
+    graph, block = gm.graph, gm.spec.path
+    count = 0
+    for combine in _calls(graph, dialect.COMBINE):
+        # before it, not on its output: the block's output stays combine's own tensor (a mark's output is a view,
+        # which a caller may not modify in place); before an unpermute feeding it, which the combine lowering fuses
+        marked, name = combine, "y_TKD"
+        if operand(combine, "y_TKD").target is dialect.UNPERMUTE:
+            marked, name = operand(combine, "y_TKD"), "y_ND"
+        with graph.inserting_before(marked):
+            value = operand(marked, name)
+            into = _stamp(graph.create_node("call_function", MARK, (value, COMBINE_REGION),
+                                            name=f"{value.name}_{COMBINE_REGION}"), block)
+        set_operand(marked, name, into)
         count += 1
     return count
 
@@ -489,6 +502,7 @@ def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     stats["marks"] = add_marks(gm)
     if n > 1:
         stats.update(chunk_graph(gm, n))
+    stats["marks"] += mark_combines(gm)
     stats["overlapped_nodes"] = overlap_independent(gm)
     stats["deferred_wgrad"] = defer_weight_grads(gm)
     counts = {name: len(_calls(gm.graph, t)) for name, t in

@@ -435,6 +435,9 @@ class MoESpec:
     # runs on its input times the weight and the combine sums the outputs (Llama-4: `experts(x * score)`)
     weights_on: str = "output"
     flat_output: bool = False  # the block returns its hidden states as [T, D] tokens, whatever the input's shape
+    # under torch.autocast the block returns its hidden states in the autocast dtype (its experts' outputs summed
+    # as they come), not in the fp32 of a buffer it accumulates into (the combine's dtype): detection observes it
+    autocast_output: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -594,6 +597,8 @@ class MoESpec:
             parts.append("weights on the experts' input")
         if self.flat_output:
             parts.append("returns [T, D]")
+        if self.autocast_output:
+            parts.append("returns the autocast dtype under autocast")
         if self.capacity is not None:
             c = self.capacity
             parts.append(

@@ -158,6 +158,21 @@ def test_bf16_autocast_parity(backend):
         torch.testing.assert_close(q.grad, p.grad, rtol=5e-2, atol=5e-2, msg=lambda m: f"{name}: {m}")
 
 
+def test_under_autocast_each_block_returns_the_dtype_its_original_does():
+    """A block summing into a buffer of its fp32 input returns fp32 under autocast, one summing its experts'
+    bf16 outputs returns bf16: detection observes which, and the compiled block returns the same."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 16)
+    for block in (LoopMoE(16, 24, 4, 2), FusedMoE(16, 24, 4, 2, shared_ffn_dim=8),
+                  GShardMoE(16, 24, 6, 2, capacity_factor=0.5)):
+        compiled = moepass.compile(block, moepass.Plan(form="single", keep_original_if_slower=False))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, got = block(x), compiled(x)
+        assert got.dtype == want.dtype, type(block).__name__
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        assert compiled(x).dtype == torch.float32  # outside autocast: the input's dtype
+
+
 def test_fused_and_gshard_blocks_alone():
     for block in (FusedMoE(16, 24, 4, 2, shared_ffn_dim=8), GShardMoE(16, 24, 6, 2, capacity_factor=0.5)):
         compiled = moepass.compile(block)

@@ -280,3 +280,37 @@ def test_an_inline_group_limited_router_is_described_and_reproduced():
     for shape in [(2, 8), (3, 5)]:
         x = torch.randn(*shape, 16)
         torch.testing.assert_close(cm(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+class ExpertChoiceMoE(nn.Module):
+    """Expert-choice routing: each expert picks its top-C tokens (a top-k over the tokens, not the experts)."""
+
+    def __init__(self, dim: int = 16, experts: int = 4):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList([ExpertMLP(dim, 24) for _ in range(experts)])
+
+    def forward(self, x):
+        xf = x.reshape(-1, x.shape[-1])
+        weights, tokens = self.gate(xf).softmax(-1).t().topk(max(1, xf.shape[0] // 2), dim=-1)  # [E, C]
+        y = torch.zeros_like(xf)
+        for e, expert in enumerate(self.experts):
+            y.index_add_(0, tokens[e], expert(xf[tokens[e]]) * weights[e, :, None])
+        return y.view(x.shape)
+
+
+def test_expert_choice_routing_is_left_alone_saying_what_it_is():
+    block = ExpertChoiceMoE()
+    report = moepass.detect(block, example_inputs=(torch.randn(2, 8, 16),))
+    (detail,) = report.details
+    assert not detail.accepted and detail.left_alone
+    assert detail.reason.startswith("expert-choice routing: each of its E=4 experts picks its top-"), detail.reason
+    assert "outlined" not in detail.reason
+
+
+def test_experts_of_different_widths_are_rejected_saying_so():
+    block = LoopMoE(16, 32, 4, 2)
+    block.experts[1] = ExpertMLP(16, 48)  # one expert wider than the others
+    report = moepass.detect(block, example_inputs=(torch.randn(2, 8, 16),))
+    (path, reason), = report.rejected
+    assert "its experts differ in shape (expert 0 and expert 1: " in reason and "(32, 16) vs (48, 16)" in reason, reason

@@ -131,10 +131,11 @@ def test_route_group_limited_selection_masks_groups():
     assert sorted(idx[0].tolist()) == [0, 2]
 
 
-def test_autocast_policy_router_fp32_experts_compute_dtype():
+def test_autocast_policy_router_fp32_experts_compute_dtype_combine_fp32():
     logits = torch.randn(T, E, dtype=torch.bfloat16)
     args = _ffn_args("swiglu", bias=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         w, _ = torch.ops.moe.route(logits, None, "softmax", True, K, True, 1, 1, "top2_sum", 1.0)
         y = torch.ops.moe.expert_ffn(*args)
-    assert w.dtype == torch.float32 and y.dtype == torch.bfloat16
+        out = torch.ops.moe.combine(y.view(T, K, -1), w)  # the weighted sum: in fp32, as a block's own buffer
+    assert w.dtype == torch.float32 and y.dtype == torch.bfloat16 and out.dtype == torch.float32

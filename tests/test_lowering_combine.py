@@ -84,11 +84,12 @@ def test_opcheck():
                           (y_ND.requires_grad_(), order_N, K, weights_TK.requires_grad_()))
 
 
-def test_autocast_preserves_dtypes():
+def test_autocast_combines_in_fp32_as_the_dialect_op():
     y_ND, order_N, K, weights_TK = _inputs(CASES[1])
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         out_TD = torch.ops.moe_lowered.unpermute_combine(y_ND, order_N, K, weights_TK)
-    assert out_TD.dtype == torch.bfloat16
+        want = dialect.COMBINE(dialect.UNPERMUTE(y_ND, order_N, K), weights_TK)
+    assert y_ND.dtype == torch.bfloat16 and out_TD.dtype == want.dtype == torch.float32
 
 
 def test_source_is_specialised():

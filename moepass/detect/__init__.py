@@ -247,7 +247,7 @@ def detect_outlined(candidate: Candidate, outlines: dict[str, outline.Outline]) 
     region outlined from its forward (`moepass.detect.outline`) is tried as a block of its own: accepted, it is
     the verdict (and `outlines` records how to outline it); else the host's reason says why it was not."""
     report = detect_block(candidate)
-    if (report.accepted or candidate.graph_block is None or candidate.call is None
+    if (report.accepted or report.left_alone or candidate.graph_block is None or candidate.call is None
             or report.reason.startswith(DETECTION_FAILED)):  # a block whose reading raised: that error is the verdict
         return report
     try:

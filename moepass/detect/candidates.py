@@ -42,6 +42,7 @@ from moepass.detect.capture import (
     Selection,
     capture,
     downstream,
+    expert_choice,
     selection,
     upstream,
     value,
@@ -512,6 +513,12 @@ def capture_candidate(c: Candidate, seed: int = 0) -> str | None:
             c.num_experts = other
             break
     if c.selection is None:
+        chosen = expert_choice(c.graph, c.num_experts)
+        if chosen is not None:
+            c.left_alone = True
+            return (f"expert-choice routing: each of its E={c.num_experts} experts picks its top-{chosen} tokens (a "
+                    f"top-k over the tokens of [E, T] scores); moepass rewrites token-choice blocks (each token "
+                    f"picks its experts), so this block runs as it is")
         return f"no top-k / argmax over E={c.num_experts} scores in the block's graph: not an MoE selection"
     mixing = mixes_tokens(c, c.selection, x.shape[-2]) if x.dim() >= 3 else None
     if mixing is not None:  # attention experts: no MoE FFN block

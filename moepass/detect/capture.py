@@ -345,6 +345,19 @@ def selection(cap: Capture, num_experts: int) -> Selection | None:
     return found or lookup_selection(cap, num_experts)
 
 
+def expert_choice(cap: Capture, num_experts: int) -> int | None:
+    """C of a top-k over tokens in [E, T] scores (each of the E experts picking its C tokens: expert-choice
+    routing), or None."""
+    for node in cap.nodes(TOPK):
+        val = value(node.args[0] if node.args else None)
+        k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+        if isinstance(val, torch.Tensor) and val.dim() >= 2 and isinstance(k, int) and dim in (-1, val.dim() - 1) \
+                and val.shape[-2] == num_experts and val.shape[-1] != num_experts:
+            return k
+    return None
+
+
 def slice_attrs(node: fx.Node) -> list[fx.Node]:
     """The parameters and buffers `node` depends on."""
     return attrs(upstream(node))

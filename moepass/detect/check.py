@@ -357,6 +357,20 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list
     return result
 
 
+def returns_autocast_dtype(probe: nn.Module, graph: fx.GraphModule | str, x: Inputs) -> bool:
+    """Whether, under torch.autocast (bf16 on the CPU), the block returns its hidden states in bf16 where the
+    spec's graph returns fp32 (its combine sums in fp32): the graph must then cast (`MoESpec.autocast_output`)."""
+    if isinstance(graph, str):
+        return False
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            theirs, ours = _outputs(probe(*clones(x)))[0], _outputs(graph(*clones(x)))[0]
+    except Exception:  # a block that does not run under autocast: nothing to match
+        return False
+    return isinstance(theirs, torch.Tensor) and isinstance(ours, torch.Tensor) and \
+        theirs.dtype == torch.bfloat16 and ours.dtype == torch.float32
+
+
 def contract_check(spec: MoESpec, probe: nn.Module, x: Inputs, atol: float = 1e-5,
                    rtol: float = 1e-4, graph: fx.GraphModule | str | None = None) -> str | None:
     """Beyond the eval output: the router module's recorded output and the train-mode output under the
@@ -552,6 +566,8 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
             result.contract_checked = reason is None
             if reason is not None:
                 result.accepted, result.reason = False, reason
+        if result.accepted and returns_autocast_dtype(probe, graph, inputs[0]):
+            spec = spec.replace(autocast_output=True)
         result.spec = spec  # the model's own values, not the probe's
         tried.append(result)
         if result.accepted and winner is None:

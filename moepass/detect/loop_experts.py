@@ -19,6 +19,13 @@ NAME = "modulelist-loop"
 
 def stacked_experts_spec(c: Candidate, keys: list[str]) -> ExpertsSpec | str:
     """Experts held as one module each (container entries `keys`), their weights stacked per expert."""
+    shapes = [[(name, tuple(p.shape)) for name, p in c.experts.get_submodule(key).named_parameters()] for key in keys]
+    other = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+    if other is not None:
+        differ = next((f"{a[0]} {a[1]} vs {b[1]}" for a, b in zip(shapes[0], shapes[other]) if a != b),
+                      f"{len(shapes[0])} vs {len(shapes[other])} tensors")
+        return (f"its experts differ in shape (expert {keys[0]} and expert {keys[other]}: {differ}): moepass "
+                f"stacks the experts of a block, which needs one shape for all")
     fn = read_expert(c.experts.get_submodule(keys[0]), c.hidden_dim)
     if isinstance(fn, str):
         return generic_experts_spec(c, keys, fn)

@@ -168,12 +168,6 @@ def capacity_of(tokens: int, group_size: int, top_k: int, num_experts: int, fact
         group_tokens, top_k, num_experts)
 
 
-def in_autocast_dtype(t: torch.Tensor) -> torch.Tensor:
-    """`t` in the autocast dtype of its device while autocast is on there (`MoESpec.autocast_output`), else `t`."""
-    device = t.device.type
-    return t.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else t
-
-
 def sequence_group_size(hidden_states: torch.Tensor, scope: str) -> int:
     """Tokens per capacity group: a sequence (dim -2 of [B, S, D]) or all tokens (0)."""
     return hidden_states.shape[-2] if scope == "sequence" and hidden_states.dim() >= 3 else 0
@@ -565,7 +559,7 @@ def build_experts_and_output(b: GraphBuilder, spec: MoESpec, inputs: list[fx.Nod
 
     out = out_TD if spec.flat_output else b.method("view_as", out_TD, inputs[0], name="out")
     if spec.autocast_output:
-        out = b.fn(in_autocast_dtype, out, name="out_autocast")
+        out = b.fn(dialect.AUTOCAST_OUTPUT, out, name="out_autocast")
     if spec.output_module is not None:  # the block's last call, on what it returns (a norm), as it is
         out = b.module(spec.output_module, out, name="out_post")
     side: dict[str, Any] = {"router_logits": logits_TE if router_logits is None else router_logits, "none": None,

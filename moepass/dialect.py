@@ -447,6 +447,14 @@ combine = COMBINE_SCHEMA.define(NAMESPACE, combine_ref)
 
 
 
+# The block's output in the autocast dtype under autocast (`MoESpec.autocast_output`: the block returns its experts'
+# outputs as they come, not an fp32 sum), else itself: a view (no copy); the autocast kernel casts the input first.
+_OUTPUT_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_OUTPUT_LIB.define("autocast_output(Tensor(a) out) -> Tensor(a)")
+_OUTPUT_LIB.impl("autocast_output", lambda out: out.view_as(out), "CompositeImplicitAutograd")
+AUTOCAST_OUTPUT = torch.ops.moe.autocast_output.default
+register_autocast(AUTOCAST_OUTPUT, "compute")
+
 # Autocast (each schema's policy): the router in fp32, the experts in the autocast compute dtype, the combine in
 # fp32 (the weighted sum of the experts' outputs, as a block accumulating into a buffer of its fp32 input does).
 SCHEMAS = {schema.name: schema for schema in (

@@ -362,11 +362,17 @@ def returns_autocast_dtype(probe: nn.Module, graph: fx.GraphModule | str, x: Inp
     spec's graph returns fp32 (its combine sums in fp32): the graph must then cast (`MoESpec.autocast_output`)."""
     if isinstance(graph, str):
         return False
-    try:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            theirs, ours = _outputs(probe(*clones(x)))[0], _outputs(graph(*clones(x)))[0]
+    buffers = dict(probe.named_buffers())  # the graph module holds the same buffer objects
+    start = {name: t.clone() for name, t in buffers.items()}
+    try:  # the block's state and the global RNG as they were: later hypotheses are probed from the same state
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            theirs = _outputs(probe(*clones(x)))[0]
+            _restore(buffers, start)
+            ours = _outputs(graph(*clones(x)))[0]
     except Exception:  # a block that does not run under autocast: nothing to match
         return False
+    finally:
+        _restore(buffers, start)
     return isinstance(theirs, torch.Tensor) and isinstance(ours, torch.Tensor) and \
         theirs.dtype == torch.bfloat16 and ours.dtype == torch.float32
 

@@ -455,6 +455,15 @@ _OUTPUT_LIB.impl("autocast_output", lambda out: out.view_as(out), "CompositeImpl
 AUTOCAST_OUTPUT = torch.ops.moe.autocast_output.default
 register_autocast(AUTOCAST_OUTPUT, "compute")
 
+
+def autocast_output_eager(out: Tensor) -> Tensor:
+    """What the op does, without the dispatcher (the eager path)."""
+    device = out.device.type
+    return out.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else out.view_as(out)
+
+
+eager.register(AUTOCAST_OUTPUT, eager.EagerOp(AUTOCAST_OUTPUT, autocast_output_eager))
+
 # Autocast (each schema's policy): the router in fp32, the experts in the autocast compute dtype, the combine in
 # fp32 (the weighted sum of the experts' outputs, as a block accumulating into a buffer of its fp32 input does).
 SCHEMAS = {schema.name: schema for schema in (

@@ -110,6 +110,7 @@ def test_tiny_lm_lowered_equals_reference_outputs_and_gradients(tiny_lm, kernel_
         assert s["lowered"] == PER_BLOCK, path
         assert s["declined"] == {}, path
         expected = LOWERED_OPS[:1] + ["moe.capacity_keep"] * (path == "layers.2.mlp") + LOWERED_OPS[1:]  # gshard
+        expected += ["moe.autocast_output"] * (path != "layers.0.mlp")  # fused, gshard: bf16 out under autocast
         assert moe_ops(compiled.moepass_info.rewritten[path]) == expected, path
 
     tokens = torch.randint(0, 32, (2, 9))
@@ -264,7 +265,7 @@ def test_ep_graph_on_the_fake_process_group_lowers_both_permutes_and_verifies():
         assert lower_stats(compiled)["layers.0.mlp"]["lowered"] == {**PER_BLOCK, "permute": 2}
         assert moe_ops(compiled.layers[0].mlp) == [
             "moe_lowered.route", "moe_lowered.permute", "moe_lowered.permute", "moe_lowered.expert_ffn",
-            "moe.unpermute", "moe_lowered.unpermute_combine"]
+            "moe.unpermute", "moe_lowered.unpermute_combine", "moe.autocast_output"]  # fused: bf16 under autocast
     finally:
         dist.destroy_process_group()
         reset_groups()

@@ -5,9 +5,10 @@ A capacity is a count computed in the block's Python code from a factor it holds
 graph says which attribute is the factor, so every positive float attribute of the block is a candidate,
 and each is tried in the ways code bases use it: the group (the whole batch, or each sequence), the
 rounding (ceil, or `int()`), who is kept first (every token's first choice before any second choice, or
-token by token) and, for top-1, what a dropped token gets (zero, or its input scaled by its weight). The semantic check decides: its crowded probes (every token choosing the same experts) overflow
-any capacity below the tokens' count, so a dropless hypothesis fails on such a block and a capacity one
-holds only with the right factor, group, rounding and priority.
+token by token) and, for top-1, what a dropped token gets (zero, or its input scaled by its weight). The
+semantic check decides: its crowded probes (every token choosing the same experts) overflow any capacity
+below the tokens' count, so a dropless hypothesis fails on such a block and a capacity one holds only with
+the right factor, group, rounding and priority.
 """
 
 from __future__ import annotations

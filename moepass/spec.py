@@ -361,8 +361,6 @@ class CapacitySpec:
         if self.fixed is not None:
             return self.fixed
         assert self.capacity_factor is not None
-        import math
-
         count = self.capacity_factor * group_tokens * top_k / num_experts
         return max(self.min_capacity, math.ceil(count) if self.rounding == "ceil" else math.floor(count))
 
@@ -565,16 +563,12 @@ class MoESpec:
                         + ("no known kind)" if unknown else f"matches {parts[1].removeprefix('router=')})"))
         if r.logits_from == "traced":  # the block's own logits code, then a known rule
             parts[1] = f"router=traced logits (reads {', '.join(map(str, r.module_args))}), then {parts[1].removeprefix('router=')}"
-        if r.renormalize and not unknown:
-            parts.append("renormalised")
-        if r.selection_bias is not None:
-            parts.append("selection-bias" + (f"(updated, rate {r.bias_update_rate:g})" if r.bias_update_rate else ""))
-        if r.bias is not None:
-            parts.append("router-bias")
-        if r.n_group > 1:
-            parts.append(f"groups={r.n_group}/keep {r.topk_group}")
-        if r.routed_scaling_factor != 1.0:
-            parts.append(f"scale={r.routed_scaling_factor:g}")
+        parts += [text for on, text in (
+            (r.renormalize and not unknown, "renormalised"),
+            (r.selection_bias is not None,
+             "selection-bias" + (f"(updated, rate {r.bias_update_rate:g})" if r.bias_update_rate else "")),
+            (r.bias is not None, "router-bias"), (r.n_group > 1, f"groups={r.n_group}/keep {r.topk_group}"),
+            (r.routed_scaling_factor != 1.0, f"scale={r.routed_scaling_factor:g}")) if on]
         zero_compute = [f"{kind} {list(ids)}" for kind, ids in (("identity", x.identity_experts),
                                                                  ("zero", x.zero_experts)) if ids]
         if zero_compute:
@@ -589,23 +583,14 @@ class MoESpec:
             parts.append(f"counts load in {'.'.join(self.load_counter.paths)}")
         if self.output_bias is not None:
             parts.append(f"output bias {'.'.join(self.output_bias.paths)}")
-        if self.input_module is not None:
-            parts.append(f"experts read {self.input_module}(x)")
-        if self.output_module is not None:
-            parts.append(f"then {self.output_module}")
-        if self.weights_on == "input":
-            parts.append("weights on the experts' input")
-        if self.flat_output:
-            parts.append("returns [T, D]")
-        if self.autocast_output:
-            parts.append("returns the autocast dtype under autocast")
-        if self.capacity is not None:
-            c = self.capacity
-            parts.append(
-                f"capacity={'C=' + str(c.fixed) if c.fixed is not None else f'cf {c.capacity_factor:g}'}"
-                f"{'' if c.fixed is not None or c.rounding == 'ceil' else ' rounded down'}"
-                f"/{c.scope}/{c.drop_policy}{'' if c.priority == 'k_major' else '/token-major'}"
-            )
-        else:
-            parts.append("dropless")
+        parts += [text for on, text in (
+            (self.input_module is not None, f"experts read {self.input_module}(x)"),
+            (self.output_module is not None, f"then {self.output_module}"),
+            (self.weights_on == "input", "weights on the experts' input"), (self.flat_output, "returns [T, D]"),
+            (self.autocast_output, "returns the autocast dtype under autocast")) if on]
+        c = self.capacity
+        parts.append("dropless" if c is None else
+                     f"capacity={'C=' + str(c.fixed) if c.fixed is not None else f'cf {c.capacity_factor:g}'}"
+                     f"{'' if c.fixed is not None or c.rounding == 'ceil' else ' rounded down'}"
+                     f"/{c.scope}/{c.drop_policy}{'' if c.priority == 'k_major' else '/token-major'}")
         return ", ".join(parts)

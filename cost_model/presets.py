@@ -309,16 +309,12 @@ def preset(name: str, profile: str | os.PathLike[str] | None = None) -> Hardware
     if name == "this-machine":
         return this_machine(profile)
     if name not in PRESETS:
+        from moepass.errors import nearest  # here: moepass imports this module while it initialises
+
+        hint = nearest(name.lower(), PRESET_NAMES)
         raise ValueError(f"unknown hardware preset {name!r}: use one of {list(PRESET_NAMES)}, or a calibration "
-                         f"profile path (.json){_nearest(name, PRESET_NAMES)}")
+                         f"profile path (.json){'.' + hint if hint else ''}")
     return PRESETS[name]
-
-
-def _nearest(name: str, names: tuple[str, ...]) -> str:
-    import difflib
-
-    match = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.5)
-    return f". Did you mean {match[0]!r}?" if match else ""
 
 
 def is_profile_path(value: object) -> bool:

@@ -61,6 +61,14 @@ def copies_plainly(cls: type) -> bool:
             and cls.__getstate__ is nn.Module.__getstate__ and cls.__setstate__ is nn.Module.__setstate__)
 
 
+def module_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """The modules `model` reaches at several paths (a block two layers share): first path -> the other paths."""
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    return {found[0]: found[1:] for found in paths.values() if len(found) > 1}
+
+
 def deepcopy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
     """`copy.deepcopy(module, memo)`, faster on large module trees (see the module docstring)."""
     memo = {} if memo is None else memo

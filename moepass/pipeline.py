@@ -256,7 +256,7 @@ def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace
             stats["aliased_expert_weights"] = aliased
         with stage(info, "blocks") as stats:
             decisions: dict[Any, faster.Choice] = {}  # blocks of one structure are timed once (runtime.faster)
-            aliases = module_aliases(target)
+            aliases = module_copy.module_aliases(target)
             for spec in report.blocks:
                 block_plan = plan.for_block(spec.path)
                 if block_plan is None:
@@ -287,14 +287,6 @@ def compile_model(model: nn.Module, plan: Plan, report: DetectionReport, inplace
             stats["installed"] = install(target, plan)
     object.__setattr__(target, "moepass_info", info)
     return target, info
-
-
-def module_aliases(model: nn.Module) -> dict[str, list[str]]:
-    """The modules `model` reaches at several paths (a block two layers share): first path -> the other paths."""
-    paths: dict[int, list[str]] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(module), []).append(path)
-    return {found[0]: found[1:] for found in paths.values() if len(found) > 1}
 
 
 def copy_block(spec: MoESpec, block: nn.Module, plan: Plan) -> nn.Module:

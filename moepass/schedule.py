@@ -220,6 +220,15 @@ def _stamp(node: fx.Node, block: str, **extra: Any) -> fx.Node:
     return node
 
 
+def _mark_before(graph: fx.Graph, node: fx.Node, operand_name: str, name: str, block: str) -> fx.Node:
+    """A mark `name` on `node`'s operand `operand_name`, which `node` then reads through it."""
+    with graph.inserting_before(node):
+        value = operand(node, operand_name)
+        mark = _stamp(graph.create_node("call_function", MARK, (value, name), name=f"{value.name}_{name}"), block)
+    set_operand(node, operand_name, mark)
+    return mark
+
+
 def _mark_after(graph: fx.Graph, node: fx.Node, name: str, block: str) -> fx.Node:
     with graph.inserting_after(node):
         mark = _stamp(graph.create_node("call_function", MARK, (node, name), name=f"{node.name}_{name}"), block)
@@ -363,11 +372,7 @@ def add_marks(gm: MoEGraphModule) -> int:
     graph, block = gm.graph, gm.spec.path
     count = 0
     for ffn in _calls(graph, dialect.EXPERT_FFN):
-        with graph.inserting_before(ffn):
-            x_ND = operand(ffn, "x_ND")
-            into = _stamp(graph.create_node("call_function", MARK, (x_ND, "expert_in"), name=f"{x_ND.name}_expert_in"),
-                          block)
-        set_operand(ffn, "x_ND", into)
+        _mark_before(graph, ffn, "x_ND", "expert_in", block)
         _mark_after(graph, ffn, "expert_out", block)
         count += 2
     return count
@@ -380,14 +385,10 @@ def mark_combines(gm: MoEGraphModule) -> int:
     for combine in _calls(graph, dialect.COMBINE):
         # before it, not on its output: the block's output stays combine's own tensor (a mark's output is a view,
         # which a caller may not modify in place); before an unpermute feeding it, which the combine lowering fuses
-        marked, name = combine, "y_TKD"
         if operand(combine, "y_TKD").target is dialect.UNPERMUTE:
-            marked, name = operand(combine, "y_TKD"), "y_ND"
-        with graph.inserting_before(marked):
-            value = operand(marked, name)
-            into = _stamp(graph.create_node("call_function", MARK, (value, COMBINE_REGION),
-                                            name=f"{value.name}_{COMBINE_REGION}"), block)
-        set_operand(marked, name, into)
+            _mark_before(graph, operand(combine, "y_TKD"), "y_ND", COMBINE_REGION, block)
+        else:
+            _mark_before(graph, combine, "y_TKD", COMBINE_REGION, block)
         count += 1
     return count
 

@@ -234,9 +234,13 @@ def low_precision_weights(c: Candidate) -> dict[str, list[str]]:
         source = node.args[0] if node.op == "call_function" and node.args else None
         if not isinstance(source, torch.fx.Node) or source.op != "get_attr":
             continue
-        dtype = CASTS.get(node.target) or next((a for a in (*node.args[1:], *node.kwargs.values())
-                                                if isinstance(a, torch.dtype)), None) \
-            if node.target in (*CASTS, torch.Tensor.to, torch.Tensor.type) else None
+        dtype: torch.dtype | None
+        if node.target in CASTS:  # x.bfloat16(), x.half()
+            dtype = CASTS[node.target]
+        elif node.target in (torch.Tensor.to, torch.Tensor.type):  # the dtype among its arguments
+            dtype = next((a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)), None)
+        else:
+            continue
         if dtype in LOW_PRECISION:
             found.setdefault(LOW_PRECISION[dtype], []).append(str(source.target))
     return found
@@ -360,10 +364,10 @@ def _detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[s
         report.notes.append(f"the module tree could not be read for candidates: {type(err).__name__}: {err}")
         return report
     for candidate in candidates:
-        shared = sorted(alias for alias, first in tree.aliases.items() if first == candidate.path)
-        if shared:
-            report.notes.append(f"{candidate.path or '<root>'} is also the module at {', '.join(shared)} (one module, "
-                                f"several paths): one verdict; compile rewrites it once and installs it at each")
+        if candidate.path in tree.shared:
+            report.notes.append(f"{candidate.path or '<root>'} is also the module at "
+                                f"{', '.join(sorted(tree.shared[candidate.path]))} (one module, several paths): one "
+                                f"verdict; compile rewrites it once and installs it at each")
     checked: dict[object, BlockReport] = {}
     for candidate in candidates:
         try:

@@ -50,6 +50,7 @@ from moepass.detect.capture import (
 from moepass.detect.check import probe_copy, token_ids
 from moepass.detect.graph_candidates import GraphBlock, router_weight
 from moepass.detect.router import read_router
+from moepass.module_copy import module_aliases
 
 
 @dataclass(frozen=True)
@@ -145,12 +146,10 @@ class ModuleTree:
             links += len(m._modules) - list(m._modules.values()).count(None)
         ids = {id(p) for own in self.own.values() for _, p in own}
         self.plain = links == len(self.modules) - 1 and len(ids) == sum(map(len, self.own.values()))
-        # a module reachable at several paths (one block shared by two layers): its other paths -> its first one
-        self.aliases: dict[str, str] = {}
-        if links != len(self.modules) - 1:
-            first = {id(m): path for path, m in self.modules.items()}
-            self.aliases = {path: first[id(m)] for path, m in model.named_modules(remove_duplicate=False)
-                            if path != first[id(m)]}
+        # modules reachable at several paths (one block shared by two layers): first path -> the others, and
+        # each other path -> the first (a tree, N modules and N - 1 links, has none: not walked again)
+        self.shared = module_aliases(model) if links != len(self.modules) - 1 else {}
+        self.aliases = {other: first for first, others in self.shared.items() for other in others}
 
     def canonical(self, path: str) -> str:
         """The path `modules` knows a module by: an alias (a path through a shared module) mapped to the module's
@@ -290,10 +289,11 @@ def anchored(structural: list[Candidate], blocks: list[GraphBlock], tree: Module
     replaced: set[str] = set()
     found: dict[str, Candidate] = {}
     for block in blocks:
-        if tree.canonical(block.path) != block.path:  # a module shared by several paths: recorded at another
-            if tree.canonical(block.path) in found:
+        path = tree.canonical(block.path)
+        if path != block.path:  # a module shared by several paths, recorded at another one
+            if path in found:
                 continue
-            block = replace(block, path=tree.canonical(block.path))
+            block = replace(block, path=path)
         here = by_path.get(block.path)
         if here is not None:
             here.call, here.graph_block = block.call, block

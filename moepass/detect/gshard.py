@@ -3,7 +3,7 @@
 Same weight reading as the fused recogniser; adds the capacity hypotheses of that factor (`capacity.variants`:
 k-major priority as in GShard first, then token-major; the batch or each sequence as the group; ceil or floor),
 overflow tokens dropped. A block whose factor has another name is found by `capacity.hypotheses` after its
-dropless hypotheses fail on crowded probes.
+dropless hypotheses select its experts but not its outputs.
 """
 
 from __future__ import annotations

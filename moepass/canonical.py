@@ -338,9 +338,11 @@ def expert_compute(b: GraphBuilder, x: ExpertsSpec, x_N: fx.Node, counts: fx.Nod
         stacked = expert_weights(b, x, lambda source, role: b.tensor(source, f"{role}_E"))
         return b.fn(generic_experts.run_experts, x_N, counts, b.attr(generic_experts.TEMPLATE),
                     tuple(n for n, _ in x.tensors), *stacked, name=name)
+    # experts in another dtype (their own casts): recompute's default, then that dtype
+    casts = () if x.compute_dtype is None else (False, getattr(torch, x.compute_dtype))
     return b.fn(dialect.EXPERT_FFN, x_N, counts,
                 *expert_weights(b, x, lambda source, role: b.tensor(source, WEIGHT_NAMES[role])),
-                x.activation, x.clamp_limit, x.swiglu_alpha, name=name)
+                x.activation, x.clamp_limit, x.swiglu_alpha, *casts, name=name)
 
 
 PLAIN_NAMES = dict(x="x_ND", counts="counts_E", order="order_N", y="y_ND", y_k="y_TKD", out="out_TD")

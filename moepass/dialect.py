@@ -55,6 +55,7 @@ from moepass.dialect_ffn import (  # noqa: F401  (the expert FFN op: part of the
     expert_ffn_ref,
     expert_ffn_split_backward,
     ffn_gradient_fakes,
+    in_compute_dtype,
     kept,
     rebuildable,
     saved_activations,

@@ -75,9 +75,34 @@ FFN_DIFFERENTIABLE = (0, 2, 3, 4, 5, 6, 7)  # x, weights, biases (not counts)
 FFN_WEIGHTS = ("Tensor counts_E, Tensor w_gate_EFD, Tensor? w_up_EFD, Tensor w_down_EDF, "
                "Tensor? b_gate_EF, Tensor? b_up_EF, Tensor? b_down_ED, str activation, float clamp_limit, float alpha")
 FFN_ARGS = "Tensor x_ND, " + FFN_WEIGHTS  # the operands of every expert FFN op, then each op's own
-EXPERT_FFN_SCHEMA = OpSchema("expert_ffn", FFN_ARGS + ", bool recompute=False", "Tensor", autocast="compute")
+# `compute_dtype`: the experts compute in that dtype (`ExpertsSpec.compute_dtype`): x, weights and biases cast to it,
+# y cast back to x's dtype, every gradient to its input's dtype (as autograd over the block's own casts gives)
+EXPERT_FFN_SCHEMA = OpSchema("expert_ffn", FFN_ARGS + ", bool recompute=False, ScalarType? compute_dtype=None",
+                             "Tensor", autocast="compute")
+EXPERT_FFN_DEFAULTS = (False, None)  # recompute, compute_dtype: the trailing defaults the dispatcher drops
 FFN_WEIGHT_NAMES = tuple(o.name for o in EXPERT_FFN_SCHEMA.operands if o.name[:2] in ("w_", "b_"))  # weights, biases
 _FFN_LIBS: list[torch.library.Library] = []
+
+
+def complete(args: tuple) -> tuple:
+    """An expert-FFN op's arguments with the trailing defaults the dispatcher (or a graph) left out."""
+    return args + EXPERT_FFN_DEFAULTS[len(args) - 11:]
+
+
+def in_compute_dtype(inputs: tuple | list, dtype: torch.dtype | None) -> tuple:
+    """The floating tensors among an expert-FFN call's leading operands cast to its compute dtype (unchanged
+    without one; counts_E is an integer tensor and stays)."""
+    if dtype is None:
+        return tuple(inputs)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in inputs)
+
+
+def forward_only(forward: Callable[..., Any], args: tuple) -> Tensor:
+    """y_ND of a complete expert-FFN call that keeps nothing for backward: `forward` (an expert-FFN forward op
+    or its function) in the call's compute dtype, y back in x's dtype."""
+    dtype = args[12]
+    y_ND = forward(*in_compute_dtype(args[:11], dtype), False)[0]
+    return y_ND if dtype is None else y_ND.to(args[0].dtype)
 
 
 REBUILD = "moepass_rebuild"  # attribute of a weight operand the expert FFN's backward can rebuild
@@ -181,10 +206,10 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
     ExpertFFN = expert_ffn_function(forward_op, backward_op, split_backward)
 
     def run(*args: Any) -> Tensor:  # no autograd: nothing to keep
-        return forward_op(*args[:11], False)[0]
+        return forward_only(forward_op, complete(args))
 
     def autograd_kernel(*args: Any) -> Tensor:
-        args = args + (False,) * (12 - len(args))  # the dispatcher drops trailing defaults
+        args = complete(args)
         if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args[:8]):
             return ExpertFFN.apply(*args)
         with torch._C._AutoDispatchBelowAutograd():
@@ -196,7 +221,7 @@ def define_expert_ffn(qualname: str, forward_op: Any, backward_op: Any,
     # eagerly: the same autograd.Function over the forward/backward ops' own functions (`moepass.eager`)
     forward_fn, backward_fn = eager.function_of(forward_op), eager.function_of(backward_op)
     if forward_fn is not None and backward_fn is not None:
-        eager.register(op, ExpertFFNEagerOp(op, lambda *args: forward_fn(*args[:11], False)[0],
+        eager.register(op, ExpertFFNEagerOp(op, lambda *args: forward_only(forward_fn, args),
                                             function=expert_ffn_function(forward_fn, backward_fn, split_backward)))
 
     def fake(x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate, b_up, b_down, activation, *rest):
@@ -218,15 +243,20 @@ def expert_ffn_function(forward_op: Any, backward_op: Any,
     class ExpertFFN(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):  # type: ignore[override]
-            inputs, options, recompute = args[:8], args[8:11], args[11]
+            ctx.arity = len(args)  # the backward returns one gradient per argument given
+            given, options = args[:8], args[8:11]
+            recompute, dtype = complete(args)[11:]
+            inputs = in_compute_dtype(given, dtype)
             y_ND, h_gate_NF, h_up_NF = forward_op(*inputs, *options, not recompute)
             ctx.present = [t is not None for t in inputs]
-            ctx.rebuild = {i: getattr(t, REBUILD) for i, t in enumerate(inputs) if i >= 2 and hasattr(t, REBUILD)}
+            ctx.dtypes = [None if t is None else t.dtype for t in given]  # each gradient's dtype
+            ctx.rebuild = {i: rebuilt_in(getattr(t, REBUILD), dtype) for i, t in enumerate(given)
+                           if i >= 2 and hasattr(t, REBUILD)}
             ctx.save_for_backward(h_gate_NF, h_up_NF, *[t for i, t in enumerate(inputs)
                                                         if t is not None and i not in ctx.rebuild])
             ctx.options = options
-            ctx.sinks = sinks_of(inputs) if split_backward is not None else {}
-            return y_ND
+            ctx.sinks = sinks_of(given) if split_backward is not None else {}
+            return y_ND if dtype is None else y_ND.to(given[0].dtype)
 
         @staticmethod
         def backward(ctx, grad_y_ND):  # type: ignore[override]
@@ -236,22 +266,30 @@ def expert_ffn_function(forward_op: Any, backward_op: Any,
                       for i, present in enumerate(ctx.present)]
             x_ND = inputs[0]
             args = (grad_y_ND.to(x_ND.dtype), x_ND, h_gate_NF, h_up_NF, *inputs[1:], *ctx.options)
-            result: list[Tensor | None] = [None] * 12
+            result: list[Tensor | None] = [None] * 13
+            dtypes = ctx.dtypes
             if ctx.sinks and not torch.is_grad_enabled():  # Lancet: grad_x now, weight GEMMs at the sinks
                 assert split_backward is not None
-                result[0], weight_grads = split_backward(*args)
-                pending = DeferredWeightGrads(weight_grads)
+                grad_x_ND, weight_grads = split_backward(*args)
+                result[0] = grad_x_ND.to(dtypes[0])
+                pending = DeferredWeightGrads(lambda: [g if g is None else g.to(d)
+                                                       for g, d in zip(weight_grads(), dtypes[2:], strict=True)])
                 for i, sink in ctx.sinks.items():
                     sink.defer(pending, i - 2)
-                    result[i] = inputs[i].new_zeros(()).expand(inputs[i].shape)  # placeholder: no memory
-                return tuple(result)
+                    result[i] = inputs[i].new_zeros((), dtype=dtypes[i]).expand(inputs[i].shape)  # placeholder: no memory
+                return tuple(result[:ctx.arity])
             grads = backward_op(*args)
             for slot, i in enumerate(FFN_DIFFERENTIABLE):
                 if inputs[i] is not None:
-                    result[i] = grads[slot]
-            return tuple(result)
+                    result[i] = grads[slot].to(dtypes[i])
+            return tuple(result[:ctx.arity])
 
     return ExpertFFN
+
+
+def rebuilt_in(rebuild: Callable[[], Tensor], dtype: torch.dtype | None) -> Callable[[], Tensor]:
+    """A weight operand's rebuild closure (`rebuildable`), giving the operand as the op computes with it."""
+    return rebuild if dtype is None else lambda: rebuild().to(dtype)
 
 
 def saved_activations(x_ND: Tensor, w_gate_EFD: Tensor, gated: bool, save: bool) -> tuple[Tensor, Tensor]:

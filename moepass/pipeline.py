@@ -46,6 +46,7 @@ from moepass.canonical import MoEGraphModule
 from moepass.detect import DetectionReport, outline, structure
 from moepass.envflags import flag
 from moepass.errors import PlanError
+from moepass.operands import set_operand
 from moepass.passes import Effects, Pass, PassResult, apply_effects
 from moepass.plan import Plan
 from moepass.rewrite import dropped, ep, experts, fsep, hp, hp_ep, latent, locality
@@ -85,7 +86,7 @@ def expert_recompute(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """Plan.expert_recompute: every expert FFN's backward recomputes gate/up instead of keeping them."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == dialect.EXPERT_FFN]
     for node in nodes:
-        node.args = (*node.args[:11], True)
+        set_operand(node, "recompute", True)
     gm.recompile()
     return PassResult(gm, changed=bool(nodes), stats={"expert_ffn_recompute": len(nodes)})
 

@@ -187,10 +187,8 @@ class RouterSpec:
         if self.num_experts < 1:
             raise PlanError(f"{where}.num_experts={self.num_experts} is invalid: an MoE needs at least 1 expert.")
         if not 1 <= self.top_k <= self.num_experts:
-            raise PlanError(
-                f"{where}.top_k={self.top_k} is invalid: top_k must lie in [1, num_experts={self.num_experts}]; "
-                f"lower top_k or add experts."
-            )
+            raise PlanError(f"{where}.top_k={self.top_k} is invalid: top_k must lie in [1, num_experts="
+                            f"{self.num_experts}]; lower top_k or add experts.")
         _check_choice(f"{where}.score_func", self.score_func, SCORE_FUNCS)
         _check_choice(f"{where}.group_score", self.group_score, GROUP_SCORES)
         _check_choice(f"{where}.dtype", self.dtype, ROUTER_DTYPES)
@@ -203,9 +201,7 @@ class RouterSpec:
             raise PlanError(f"{where}.logits_from='selection' is invalid without module_output_index and "
                             f"module_experts_index: name where the router module returns its weights and experts.")
         if self.n_group < 1 or self.num_experts % self.n_group:
-            raise PlanError(
-                f"{where}.n_group={self.n_group} is invalid: it must divide num_experts={self.num_experts}."
-            )
+            raise PlanError(f"{where}.n_group={self.n_group} is invalid: it must divide num_experts={self.num_experts}.")
         if not 1 <= self.topk_group <= self.n_group:
             raise PlanError(f"{where}.topk_group={self.topk_group} is invalid: use 1..n_group={self.n_group}.")
         if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
@@ -263,6 +259,9 @@ class ExpertsSpec:
     template: str | None = None
     template_class: str = ""
     tensors: tuple[tuple[str, TensorSource], ...] = ()
+    # "bfloat16" / "float16": the block casts x and its weights to it around the GEMMs and y back (torchtitan's
+    # GroupedExperts); `moe.expert_ffn` does the same (its `compute_dtype`). None: the input's dtype
+    compute_dtype: str | None = None
 
     @property
     def gated(self) -> bool:
@@ -303,6 +302,9 @@ class ExpertsSpec:
                     f"expert module as the template and each of its tensors once (distinct after dots become "
                     f"underscores), stacked over the num_experts={self.num_experts} experts.")
         _check_choice(f"{where}.activation", self.activation, ACTIVATIONS)
+        if self.compute_dtype not in (None, "bfloat16", "float16") or (self.compute_dtype and self.kind != "ffn"):
+            raise PlanError(f"{where}.compute_dtype={self.compute_dtype!r} is invalid: use None, or for FFN experts "
+                            f"(kind='ffn') 'bfloat16' or 'float16'.")
         for name in ("num_experts", "hidden_dim", "ffn_dim"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{where}.{name}={getattr(self, name)} is invalid: use a positive size.")
@@ -587,7 +589,8 @@ class MoESpec:
             (self.input_module is not None, f"experts read {self.input_module}(x)"),
             (self.output_module is not None, f"then {self.output_module}"),
             (self.weights_on == "input", "weights on the experts' input"), (self.flat_output, "returns [T, D]"),
-            (self.autocast_output, "returns the autocast dtype under autocast")) if on]
+            (self.autocast_output, "returns the autocast dtype under autocast"),
+            (x.compute_dtype is not None, f"experts compute in {x.compute_dtype}")) if on]
         c = self.capacity
         parts.append("dropless" if c is None else
                      f"capacity={'C=' + str(c.fixed) if c.fixed is not None else f'cf {c.capacity_factor:g}'}"

@@ -4,9 +4,9 @@
     block = TT.moe_block(TT.VARIANTS["softmax"])
 
 torchtitan is an optional dependency (installed `--no-deps` beside the pinned torch; see
-`.ci/run`). Its `GroupedExperts` casts activations and weights to bf16 for `torch._grouped_mm`; to compare
-in fp32 the experts here run the same math without the cast (`FP32GroupedExperts`), which is what a
-parity check needs and what torchtitan computes in fp32 up to rounding.
+`.ci/run`). Its `GroupedExperts` casts activations and weights to bf16 for `torch._grouped_mm` (moepass
+reproduces that: `ExpertsSpec.compute_dtype`, `moe_block(v, bf16_experts=True)`); to compare in fp32 too, the
+experts here run the same math without the cast by default (`FP32GroupedExperts`).
 
 Shape letters as moepass's (`moepass.spec.SHAPES`).
 """
@@ -97,10 +97,12 @@ def config(v: Variant):
                                 shared_experts=shared, load_balance_coeff=v.load_balance_coeff)
 
 
-def moe_block(v: Variant, seed: int = 0) -> nn.Module:
-    """A torchtitan MoE layer with random weights (fp32, CPU), its experts computing in fp32."""
+def moe_block(v: Variant, seed: int = 0, bf16_experts: bool = False) -> nn.Module:
+    """A torchtitan MoE layer with random weights (fp32, CPU), its experts computing in fp32, or with
+    `bf16_experts` as torchtitan ships them: in bf16 (x and the fp32 weights cast, the result cast back)."""
     block = config(v).build()
-    block.routed_experts.inner_experts.__class__ = FP32GroupedExperts
+    if not bf16_experts:
+        block.routed_experts.inner_experts.__class__ = FP32GroupedExperts
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in block.parameters():

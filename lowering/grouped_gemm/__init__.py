@@ -46,9 +46,12 @@ MAX_EXPERTS = 8192  # the tile schedule loads counts_E as one block of next_pow2
 def eligible(
     x_ND: Tensor, counts_E: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor,
     b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
-    clamp_limit: float, alpha: float,
+    clamp_limit: float, alpha: float, recompute: bool = False, compute_dtype: torch.dtype | None = None,
 ) -> str | None:
-    """None if the Triton kernels can run these arguments (real or fake tensors), else why not."""
+    """None if the Triton kernels can run these arguments (real or fake tensors), else why not. With a
+    `compute_dtype` the op casts its operands first: the kernels see them so."""
+    x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED = dialect.in_compute_dtype(
+        (x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED), compute_dtype)
     (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
      alpha) = unfused((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
                        clamp_limit, alpha))
@@ -67,9 +70,11 @@ def eligible(
 def generated_source(
     x_ND: Tensor, counts_E: Tensor, w_gate_EFD: Tensor, w_up_EFD: Tensor | None, w_down_EDF: Tensor,
     b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
-    clamp_limit: float, alpha: float,
+    clamp_limit: float, alpha: float, recompute: bool = False, compute_dtype: torch.dtype | None = None,
 ) -> str:
     """The kernel source these arguments run (for `moepass.explain`)."""
+    x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED = dialect.in_compute_dtype(
+        (x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED), compute_dtype)
     return render(spec_of(*unfused((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
                                     b_down_ED, activation, clamp_limit, alpha))))
 

@@ -145,6 +145,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         report.reason = undescribed(candidate)
         return report
     observed = observed_fields(candidate)
+    lowered = low_precision_weights(candidate)
     for name, recognise in recognisers:
         try:
             found = recognise(candidate)
@@ -165,6 +166,7 @@ def _detect_block(candidate: Candidate) -> BlockReport:
             found = [replace(spec, output_module=candidate.output_module) for spec in found] + found
         if candidate.input_module is not None:  # a module the experts' input goes through: tried with it first
             found = [replace(spec, input_module=candidate.input_module) for spec in found] + found
+        found = [in_cast_dtype(spec, lowered) for spec in found]
         try:
             winner, tried = semantic_check(candidate.module, found, passthrough=candidate.passthrough,
                                            shape=candidate.probe_shape)
@@ -198,14 +200,15 @@ def _detect_block(candidate: Candidate) -> BlockReport:
         report.reason = (f"its {names} {'holds' if len(broken) == 1 else 'hold'} NaN or inf values (uninitialised "
                          f"memory, e.g. torch.empty parameters never initialised?): initialise or load the weights "
                          f"before detect/compile. The checks: {report.reason}")
-    lowered = low_precision_weights(candidate)
-    if lowered:  # the likeliest cause: the probe and the spec compute in fp32, the block's experts do not
+    if lowered:  # the likeliest cause: casts to a lower precision no hypothesis reproduces
         dtype, cast = next(iter(lowered.items()))
-        report.reason = (f"its experts compute in {dtype}: the block casts its weights "
-                         f"{', '.join(cast[:3])}{' ...' if len(cast) > 3 else ''} to {dtype} itself (e.g. for "
-                         f"torch._grouped_mm). moepass computes the experts in the model's dtype (in {dtype} under "
-                         f"torch.autocast(dtype=torch.{dtype})), so it does not reproduce such casts: compute the "
-                         f"experts in the input's dtype (drop the casts and train under torch.autocast), or leave "
+        tried_so = any(r.spec.experts.compute_dtype == dtype for r in report.tried)
+        report.reason = (f"it casts {', '.join(cast[:3])}{' ...' if len(cast) > 3 else ''} to {dtype} itself. "
+                         + (f"Its experts computing in {dtype} as it does (input and weights cast, the result cast "
+                            f"back) do not reproduce it either" if tried_so else
+                            f"moepass reproduces experts that cast their input and weights to {dtype} and the "
+                            f"result back, not these casts") +
+                         f": compute in the input's dtype (drop the casts and train under torch.autocast), or leave "
                          f"the block alone with Plan(blocks={{{candidate.path!r}: None}}). The checks: {report.reason}")
     unknown = [k[1:] for k in candidate.side_outputs if k.startswith("?")]
     if unknown:
@@ -244,6 +247,17 @@ def low_precision_weights(c: Candidate) -> dict[str, list[str]]:
         if dtype in LOW_PRECISION:
             found.setdefault(LOW_PRECISION[dtype], []).append(str(source.target))
     return found
+
+
+def in_cast_dtype(spec: MoESpec, lowered: dict[str, list[str]]) -> MoESpec:
+    """`spec` with its experts computing in the dtype the block casts every expert weight to itself (torchtitan's
+    GroupedExperts: `x.bfloat16()`, `w.bfloat16()` around torch._grouped_mm, the result `.type_as(x)`), else as
+    it is. Only the casts decide; the semantic check then says whether the block computes so."""
+    paths = {path for source in spec.experts.sources().values() for path in source.paths}
+    for dtype, cast in lowered.items():
+        if spec.experts.kind == "ffn" and paths and paths <= set(cast):
+            return replace(spec, experts=replace(spec.experts, compute_dtype=dtype))
+    return spec
 
 
 def detect_outlined(candidate: Candidate, outlines: dict[str, outline.Outline]) -> BlockReport:

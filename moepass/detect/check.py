@@ -495,6 +495,16 @@ def _group_coverage(spec: MoESpec, probe: nn.Module, inputs: list[Inputs]) -> in
         return 0
 
 
+def tolerance(spec: MoESpec) -> dict[str, float]:
+    """How closely the spec's graph must reproduce the block: fp32's rounding, or where the experts compute in a
+    lower precision (`ExpertsSpec.compute_dtype`), that dtype's (the same casts, GEMMs that may sum in another
+    order: a few units in its last place)."""
+    if spec.experts.compute_dtype is None:
+        return {"atol": 1e-5, "rtol": 1e-4}
+    eps = torch.finfo(getattr(torch, spec.experts.compute_dtype)).eps
+    return {"atol": eps, "rtol": 2 * eps}
+
+
 def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3, tokens: int = 24,
                    seed: int = 0, first_only: bool = True, passthrough: dict[str, Any] | None = None,
                    shape: tuple[int, ...] = ()) -> tuple[CheckResult | None, list[CheckResult]]:
@@ -566,9 +576,9 @@ def semantic_check(block: nn.Module, hypotheses: list[MoESpec], probes: int = 3,
         canonical.relayout_stacked(probe, spec)  # a no-op when its experts are laid out so already
         graph = build_graph(probed(spec), probe)  # one graph for both checks (eval runs leave it as built)
         result = check(probed(spec), probe, inputs, originals, selections[spec.top_k], graph=graph,
-                       crowded_from=crowded_from)
+                       crowded_from=crowded_from, **tolerance(spec))
         if result.accepted:
-            reason = contract_check(probed(spec), probe, inputs[0], graph=graph)
+            reason = contract_check(probed(spec), probe, inputs[0], graph=graph, **tolerance(spec))
             result.contract_checked = reason is None
             if reason is not None:
                 result.accepted, result.reason = False, reason

@@ -38,7 +38,9 @@ def check_block_input(gm: nn.Module, args: tuple[Any, ...]) -> None:
 
 
 def adopt_state(gm: nn.Module, block: nn.Module) -> None:
-    """Make `gm` hold exactly the block's children, parameters and buffers (same objects, same names).
+    """Make `gm` hold exactly the block's children, parameters and buffers (same objects, same names), and
+    its plain public attributes (its configuration: `top_k`, `load_balance_coeff`, ...) where `gm` has none of
+    that name, so code that reads them off the block (a framework's hooks) reads the same.
 
     GraphModule copies only what the graph references, as stub modules; adopting the originals keeps
     every parameter (used by the graph or not) and the state_dict layout of the user's block.
@@ -51,6 +53,9 @@ def adopt_state(gm: nn.Module, block: nn.Module) -> None:
     gm._buffers.update(block._buffers)
     gm._non_persistent_buffers_set = set(block._non_persistent_buffers_set)
     gm.training = block.training  # the children keep their own flags (`train()` would reset them all)
+    for name, value in vars(block).items():
+        if not name.startswith("_") and name not in vars(gm) and not hasattr(type(gm), name):
+            gm.__dict__[name] = value  # as the block holds it (never registered as state)
 
 
 def adjacent_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -62,6 +62,7 @@ from moepass.block_state import (  # noqa: F401  (re-exported: the passes and de
     stacked_relayout,
 )
 from moepass.errors import PlanError
+from moepass.operands import graph_leaf
 from moepass.row_ops import expert_slots, ffn_rows, row_weights, weighted_rows, zero_compute_rows
 from moepass.runtime import faster
 from moepass.spec import (
@@ -94,8 +95,7 @@ class MoEGraphModule(fx.GraphModule):
     layout: ExpertLayout | None
 
     def __init__(self, block: nn.Module, graph: fx.Graph, spec: MoESpec, form: str = "single"):
-        # built on an empty graph, then given the block's state and the graph: GraphModule would otherwise
-        # copy every tensor the graph reads into stub submodules, only for `adopt_state` to drop them
+        # on an empty graph first: else GraphModule copies each tensor it reads into stubs `adopt_state` drops
         super().__init__(block, fx.Graph(), class_name="MoEGraphModule")
         adopt_state(self, block)
         self.graph = graph
@@ -114,10 +114,9 @@ class MoEGraphModule(fx.GraphModule):
         return code
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's signature
-        """`.to(...)`, `.cuda()`, `to_empty(...)` give every tensor its own storage: the single form then lays
-        its per-expert weights in one buffer per role again (`relayout_stacked`), so the graph still reads
-        them as one view (a model compiled on the meta device, then `to_empty`). Plain CPU / CUDA parameters
-        only: a subclass (DTensor under FSDP2) or a meta tensor is left as it is."""
+        """`.to(...)`, `.cuda()`, `to_empty(...)` give every tensor its own storage: the single form lays its
+        per-expert weights in one buffer per role again (`relayout_stacked`), for the graph to read as one view
+        (a model compiled on meta, then `to_empty`). Plain CPU / CUDA parameters only, not DTensor or meta."""
         super()._apply(fn, recurse)
         if getattr(self, "form", None) == "single":
             groups = stacked_parameters(self, self.spec)
@@ -160,6 +159,7 @@ def jitter(x: torch.Tensor, eps: float, training: bool) -> torch.Tensor:
     return x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
 
 
+@graph_leaf  # its control flow cannot run on a traced size (an unpickled graph is traced again)
 def capacity_of(tokens: int, group_size: int, top_k: int, num_experts: int, factor: float | None,
                 fixed: int | None, min_capacity: int, rounding: str = "ceil") -> int:
     """Per-group expert capacity for this call (a Python int, computed from static sizes)."""
@@ -168,6 +168,7 @@ def capacity_of(tokens: int, group_size: int, top_k: int, num_experts: int, fact
         group_tokens, top_k, num_experts)
 
 
+@graph_leaf
 def sequence_group_size(hidden_states: torch.Tensor, scope: str) -> int:
     """Tokens per capacity group: a sequence (dim -2 of [B, S, D]) or all tokens (0)."""
     return hidden_states.shape[-2] if scope == "sequence" and hidden_states.dim() >= 3 else 0
@@ -338,8 +339,7 @@ def expert_compute(b: GraphBuilder, x: ExpertsSpec, x_N: fx.Node, counts: fx.Nod
         stacked = expert_weights(b, x, lambda source, role: b.tensor(source, f"{role}_E"))
         return b.fn(generic_experts.run_experts, x_N, counts, b.attr(generic_experts.TEMPLATE),
                     tuple(n for n, _ in x.tensors), *stacked, name=name)
-    # experts in another dtype (their own casts): recompute's default, then that dtype
-    casts = () if x.compute_dtype is None else (False, getattr(torch, x.compute_dtype))
+    casts = () if x.compute_dtype is None else (False, getattr(torch, x.compute_dtype))  # recompute, compute_dtype
     return b.fn(dialect.EXPERT_FFN, x_N, counts,
                 *expert_weights(b, x, lambda source, role: b.tensor(source, WEIGHT_NAMES[role])),
                 x.activation, x.clamp_limit, x.swiglu_alpha, *casts, name=name)

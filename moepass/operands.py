@@ -25,6 +25,7 @@ default; passes use it instead of `node.args[i]`, so an op's signature can chang
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,21 @@ from torch import Tensor, fx
 from moepass import eager
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def graph_leaf(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a plain function graphs call), kept as one call node when its graph is traced again (a GraphModule
+    unpickled re-traces its code): called on an fx.Proxy it records itself rather than run Python control flow
+    on one, as `torch.fx.wrap` does for a traced module's own globals."""
+
+    @functools.wraps(fn)
+    def leaf(*args: Any, **kwargs: Any) -> Any:
+        proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, fx.Proxy)), None)
+        if proxy is None:
+            return fn(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", leaf, args, kwargs)
+
+    return leaf
 
 
 def _parameters(op: Any) -> list[tuple[str, bool, Any]]:

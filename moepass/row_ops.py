@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from moepass.operands import graph_leaf
+
 
 def expert_slots(experts_TK: torch.Tensor, ffn_ids: tuple[int, ...], identity_ids: tuple[int, ...],
                  num_routed: int) -> torch.Tensor:
@@ -19,6 +21,7 @@ def expert_slots(experts_TK: torch.Tensor, ffn_ids: tuple[int, ...], identity_id
     return torch.tensor(table, dtype=experts_TK.dtype, device=experts_TK.device)[experts_TK]
 
 
+@graph_leaf  # reads a count on the host: not on a traced value (an unpickled graph is traced again)
 def ffn_rows(x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """The leading rows of the slot-sorted rows that FFN experts compute (a view). Reads their count on the
     host (the single form's one sync for zero-compute experts; EP sends `x_ND` whole and skips this).
@@ -41,6 +44,7 @@ def zero_compute_rows(y_MD: torch.Tensor, x_ND: torch.Tensor, counts_J: torch.Te
     return torch.where(identity_N.unsqueeze(1), x_ND, y_MD)
 
 
+@graph_leaf
 def padded_rows(y_MD: torch.Tensor, x_ND: torch.Tensor) -> torch.Tensor:
     """`y_MD` followed by zero rows up to `x_ND`'s rows: `zero_compute_rows` where no row is an identity row
     (the capacity-dropped rows of `rewrite.dropped`); `y_MD` itself where nothing was dropped. Its backward is a

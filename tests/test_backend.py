@@ -121,6 +121,24 @@ def test_sample_parity_and_regions_rewritten(style):
     assert all(r.nodes_removed > 0 and r.nodes_added > 0 for r in report.regions)
 
 
+def test_a_compiled_forward_attribute_is_detected_without_entering_dynamo_again():
+    """Hugging Face's recipe `model.forward = torch.compile(model.forward, ...)`: detection records the model
+    through its own forward (not the compiled one, which would trace detection's spies: one graph per spy call),
+    and the compiled forward is back afterwards."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model = TinyMoELM(SampleConfig(style="fused", layers=2))
+    reference = copy.deepcopy(model)
+    compiled_forward = torch.compile(model.forward, backend="moepass", options=backend_options())
+    model.forward = compiled_forward
+    dynamo_utils.counters.clear()
+    tokens = torch.randint(0, 256, (2, 9))
+    torch.testing.assert_close(model(tokens), reference(tokens), rtol=RTOL, atol=ATOL)
+    assert model.forward is compiled_forward
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    assert [r.path for r in regions("rewritten")] == ["layers.0.mlp", "layers.1.mlp"], B.last_report().summary()
+
+
 class SoftcappedRouterMoE(torch.nn.Module):
     """Fused 3-D experts computed by gathering each token's K expert weights (one Dynamo graph), routed by
     inline code no known rule describes: soft-capped logits with a learnable cap (a traced router)."""

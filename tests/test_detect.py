@@ -33,6 +33,34 @@ def test_dense_model_gives_an_empty_report():
     assert report.blocks == [] and report.rejected == [] and len(report) == 0
 
 
+def test_a_dense_ffn_declaring_its_down_projection_anywhere_is_listed():
+    """torchtitan and Llama-style code declare w1 (gate), w2 (down), w3 (up): the down projection is found by its
+    shape (F -> D), not by its place among the children."""
+
+    class FeedForward(nn.Module):
+        def __init__(self, D=8, F=24):
+            super().__init__()
+            self.w1, self.w2, self.w3 = nn.Linear(D, F, bias=False), nn.Linear(F, D, bias=False), nn.Linear(D, F)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    model = nn.Sequential(FeedForward(), FusedMoE(8, 16, 4, 2), FeedForward())
+    report = moepass.detect(model, example_inputs=(torch.randn(2, 5, 8),))
+    assert [s.path for s in report.blocks] == ["1"] and report.dense == ["0", "2"], report.summary()
+
+
+def test_the_callers_autocast_does_not_change_the_verdict():
+    """detect inside the training step's bf16 autocast reads the blocks as outside it (the probes run in fp32)."""
+    model = TinyMoELM(SampleConfig(style="mixed", layers=4, dense_layers=1))
+    tokens = torch.randint(0, 32, (2, 9))
+    outside = moepass.detect(model, example_inputs=(tokens,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = moepass.detect(model, example_inputs=(tokens,))
+        assert torch.is_autocast_enabled("cpu")  # the caller's autocast is back
+    assert inside.summary() == outside.summary() and len(inside.blocks) == 3 and not inside.rejected
+
+
 def test_detection_never_mutates_the_model():
     model = TinyMoELM(SampleConfig(style="mixed", layers=3))
     before = copy.deepcopy(model.state_dict())

@@ -201,3 +201,32 @@ def test_distributed_w2_bf16_experts(name, form):
     """torchtitan's own bf16 experts under EP / FSEP at W=2 against the block itself, at bf16's tolerance."""
     reports = pool(2).run(case_distributed, name, form, "bf16")
     assert all(r["forms"] == [form] for r in reports), reports
+
+
+def test_meta_compile_then_torchtitans_init_with_the_documented_buffer_step(monkeypatch):
+    """Built on meta (as torchtitan builds), compiled, `to_empty`, then initialised: torchtitan's walk by class
+    reaches the compiled block's children, not the block's own buffers, which need its class's method (USER_GUIDE
+    §3); that works on the compiled block because the block's plain attributes (`load_balance_coeff`) are kept.
+    The verifier is off: its shape propagation would run torchtitan's router on meta, whose
+    `torch.autocast(device_type=x.device.type)` refuses the meta device (the router's own limit)."""
+    from torchtitan.models.common.moe import MoE
+
+    monkeypatch.setenv("MOEPASS_VERIFY", "0")
+    v = TT.VARIANTS["expert_bias"]
+    with torch.device("meta"):
+        model = torch.nn.ModuleDict({"moe": TT.config(v).build()})
+    model.moe.routed_experts.inner_experts.__class__ = TT.FP32GroupedExperts
+    cm = moepass.compile(model, moepass.Plan(form="single"))
+    block = cm.moe
+    assert isinstance(block, moepass.MoEGraphModule) and block.load_balance_coeff == v.load_balance_coeff
+    cm.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*cm.parameters(), *cm.buffers()]:
+            t.fill_(float("nan"))
+        for t in cm.parameters():  # the parameters' own init (torchtitan's walk reaches the children)
+            t.normal_(0, 0.1)
+        MoE._init_self_buffers(block)
+    assert all(torch.isfinite(t).all() for t in [*cm.parameters(), *cm.buffers()])
+    assert not block.tokens_per_expert_E.any() and not block.expert_bias_E.any()
+    x = torch.randn(B, L, v.dim)
+    assert torch.isfinite(cm.moe(x)).all()

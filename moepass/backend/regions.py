@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +102,23 @@ class Modules:
         return id(module)
 
 
+@contextlib.contextmanager
+def own_forward(module: nn.Module) -> Iterator[None]:
+    """While detection runs `module`: its own forward where the user replaced it by a compiled one (Hugging
+    Face's recipe `model.forward = torch.compile(model.forward, backend="moepass")`), so that recording the
+    model does not enter Dynamo again (it would trace detection's own spies); restored on the way out."""
+    compiled = module.__dict__.get("forward")
+    original = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if original is None:
+        yield
+        return
+    module.__dict__["forward"] = original
+    try:
+        yield
+    finally:
+        module.__dict__["forward"] = compiled
+
+
 def _detect(module: nn.Module) -> Any:
     """The detection report of `module`, kept per module object (`moepass.process_state.DETECTED`: weak, a module
     that goes away takes its report with it)."""
@@ -107,7 +126,8 @@ def _detect(module: nn.Module) -> Any:
     if report is None:
         from moepass.detect import detect
 
-        report = DETECTED[module] = detect(module)
+        with own_forward(module):
+            report = DETECTED[module] = detect(module)
         for detail in report.details:  # each accepted block, as seen from itself (another frame's root)
             if detail.accepted and detail.spec is not None and detail.path and detail.path not in report.outlines:
                 block = module.get_submodule(detail.path)

@@ -12,6 +12,7 @@ a copy given seeded random values.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -337,8 +338,11 @@ def detect(model: nn.Module, example_inputs: Any = None, example_kwargs: dict[st
     The cyclic garbage collector is paused meanwhile (`module_copy.gc_paused`): the walks of the module tree
     and the probe copies allocate enough to trigger collections, and a full one walks every object alive (a
     quarter of a second on 32 layers x 64 experts, every few calls); what detection computes does not
-    depend on it."""
-    with gc_paused():
+    depend on it. So is the caller's autocast: the probes compare in fp32 (and observe autocast themselves)."""
+    with gc_paused(), contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
         return _detect(model, example_inputs, example_kwargs)
 
 

@@ -565,11 +565,13 @@ def find_dense_mlps(model: nn.Module, moe_paths: list[str], tree: ModuleTree | N
         if not 2 <= len(linears) <= 3 or any(next(c.parameters(), None) is not None for c in children
                                              if not isinstance(c, nn.Linear)):
             continue
-        *ins, out = linears
-        D, F = out.out_features, out.in_features
-        widths = sorted(i.out_features for i in ins)
-        if F != D and all(i.in_features == D for i in ins) and widths in ([F], [2 * F], [F, F]):
-            dense.append(path)
+        for out in linears:  # the down projection F -> D, declared anywhere (torchtitan: w1, w2, w3)
+            ins = [i for i in linears if i is not out]
+            D, F = out.out_features, out.in_features
+            widths = sorted(i.out_features for i in ins)
+            if F != D and all(i.in_features == D for i in ins) and widths in ([F], [2 * F], [F, F]):
+                dense.append(path)
+                break
     return dense
 
 

@@ -121,6 +121,35 @@ def test_sample_parity_and_regions_rewritten(style):
     assert all(r.nodes_removed > 0 and r.nodes_added > 0 for r in report.regions)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("style", ["fused", "gshard"])
+def test_symbolic_sizes_keep_the_rewrite(style, dynamic):
+    """Sequence lengths that change (Dynamo's automatic dynamic shapes on the second one, or dynamic=True): the
+    size arithmetic Dynamo shares between layers (`mul = s0 * s1`) stays in the graph, the blocks are still
+    rewritten, and every step equals the model's own."""
+    model = TinyMoELM(SampleConfig(style=style, layers=2))
+    compiled = torch.compile(model, backend="moepass", options=backend_options(), dynamic=dynamic)
+    for batch, length in [(2, 9), (3, 6), (1, 11)]:
+        model.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, 256, (batch, length))
+        assert_parity(model, compiled, lambda m, t=tokens: lm_loss(m, t))
+    assert B.COUNTERS["regions_passthrough"] == 0, [r.summary() for r in B.reports()]
+    assert B.COUNTERS["regions_rewritten"] == 2 * B.COUNTERS["graphs"] >= 4
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_hf_symbolic_sizes_keep_the_rewrite(family):
+    """The same for Hugging Face models with dynamic=True (its blocks reshape by sizes Dynamo shares)."""
+    model, _ = hf_models.build(family)
+    compiled = torch.compile(model, backend="moepass", options=backend_options(), dynamic=True)
+    for batch, length in [(2, 8), (3, 5)]:
+        model.zero_grad(set_to_none=True)
+        ids = torch.randint(1, hf_models.VOCAB, (batch, length))
+        assert_parity(model, compiled, lambda m, ids=ids: m(input_ids=ids, labels=ids).loss)
+    assert B.COUNTERS["regions_passthrough"] == 0, [r.summary() for r in B.reports()]
+    assert B.COUNTERS["regions_rewritten"] == hf_models.MOE_BLOCKS[family] * B.COUNTERS["graphs"] > 0
+
+
 def test_a_compiled_forward_attribute_is_detected_without_entering_dynamo_again():
     """Hugging Face's recipe `model.forward = torch.compile(model.forward, ...)`: detection records the model
     through its own forward (not the compiled one, which would trace detection's spies: one graph per spy call),

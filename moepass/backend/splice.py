@@ -52,6 +52,25 @@ def _region_io(gm: fx.GraphModule, nodes: list[fx.Node], params: set[fx.Node]) -
     return inputs, outputs
 
 
+SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool, torch.Size)
+
+
+def _is_size(node: fx.Node) -> bool:
+    """A node computing a (symbolic) size or scalar, not a tensor: `sym_size`, `s0 * s1`, `x.size()`."""
+    return isinstance(node.meta.get("example_value", node.meta.get("val")), SIZES)
+
+
+def shared_sizes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The size arithmetic among a block's nodes that reads nothing the block computes: Dynamo computes a
+    symbolic size once (`mul = s0 * s1` of the block's input) and later layers read it too. It stays in the
+    graph; the dialect graph computes its own sizes from its tensors."""
+    inside, shared = set(nodes), set()
+    for node in nodes:  # graph order: a size read from shared sizes only is shared too
+        if _is_size(node) and all(a not in inside or a in shared for a in node.all_input_nodes):
+            shared.add(node)
+    return shared
+
+
 def _is_tensor_node(node: fx.Node) -> bool:
     value = node.meta.get("example_value", node.meta.get("val"))
     return isinstance(value, torch.Tensor)
@@ -92,7 +111,8 @@ def rewrite_region(gm: fx.GraphModule, block: Block, plan: Plan, tensors: dict[i
     from moepass.pipeline import compile_block
 
     spec = block.spec.replace(path=block.path)
-    nodes = block.nodes
+    sizes = shared_sizes(block.nodes)
+    nodes = [n for n in block.nodes if n not in sizes]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     # Which tensors the block reads: every one must reach this graph (else the block is split).
@@ -113,7 +133,7 @@ def rewrite_region(gm: fx.GraphModule, block: Block, plan: Plan, tensors: dict[i
                       "use torch.compile(moepass.compile(model, plan)) for one graph")
     inputs, outputs = _region_io(gm, nodes, params | {n for n in gm.graph.nodes if n.op == "placeholder"
                                                       and not _is_tensor_node(n)})
-    inputs = [n for n in inputs if _is_tensor_node(n) or n.op != "placeholder"]
+    inputs = [n for n in inputs if _is_tensor_node(n) or n.op != "placeholder" and not _is_size(n)]
     placeholders = [n for n in dialect.graph.nodes if n.op == "placeholder"]
     if len(inputs) != len(placeholders):
         raise Decline(f"its nodes read {len(inputs)} graph value(s) besides its weights "

@@ -34,27 +34,24 @@ The user's block is never touched: everything runs on the copy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.overrides import TorchFunctionMode
 
 from moepass import canonical
-from moepass.detect.capture import SORT
+from moepass.detect.spies import Capture, Selection, TopkSpy
 from moepass.dialect import route_ref
 from moepass.module_copy import deepcopy_module
 from moepass.spec import MoESpec
 
-TIE_EPS = 1e-5  # score margins below this are near-ties: re-probed, not compared
 MIN_CLEAR_FRACTION = 0.75  # share of probed tokens that must be free of near-ties
 MIN_GROUP_TOKENS = 4  # group-limited hypotheses: tokens where groups must change the choice
 MAX_EXTRA_PROBES = 8
 PROBE_SCALING = 2.5  # routed_scaling_factor set on the probe when the model's is 1
 SCALING_ATTRS = ("routed_scaling_factor",)
 TRAIN_SEED = 1234
-SORTED = 0  # `_TopkSpy.calls` k of a descending sort: every index, in order
 CROWDS = (1, 2)  # the crowded probes: how many distinct tokens each is made of
 CROWD_SHAPE = (3, 7)  # their hidden states' leading dims (the recorded ones when the block takes further inputs)
 Inputs = tuple[torch.Tensor, ...]  # one probe: the hidden states, then the block's further inputs (token ids)
@@ -90,95 +87,6 @@ class CheckResult:
         extra = f", {self.group_sensitive_tokens} group-limited" if self.group_sensitive_tokens else ""
         extra += ", train mode + recorded router output compared" if self.contract_checked else ""
         return f"{verdict} (max error {self.max_error:.2e}, {self.compared_tokens} tokens compared{extra})"
-
-
-@dataclass
-class _Selection:
-    """The original block's selection: its final top-k scores/indices and which tokens are tie-free."""
-
-    scores: torch.Tensor | None = None
-    indices: torch.Tensor | None = None
-    clear: torch.Tensor | None = None  # [T] bool: no near-tie in the final or a group top-k
-    calls: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
-    other_k: int | None = None  # no top-k over E with the spec's k, but one with this k
-
-
-def _margin_clear(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[T] bool: the k-th and (k+1)-th largest scores are not a near-tie."""
-    s = scores.float().sort(dim=-1, descending=True).values
-    if k >= s.shape[-1]:
-        return torch.ones(s.shape[0], dtype=torch.bool)
-    kth, nxt = s[:, k - 1], s[:, k]
-    margin = torch.where(torch.isinf(nxt) & (nxt < 0), torch.full_like(kth, torch.inf), kth - nxt)
-    return margin.abs() > TIE_EPS * (1 + kth.abs().nan_to_num(posinf=0.0, neginf=0.0))
-
-
-class _TopkSpy(TorchFunctionMode):
-    """Records every last-dim top-k / argmax call; `seen` picks the selection over E scores."""
-
-    def __init__(self, num_experts: int, top_k: int):
-        super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
-        self.calls: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        scores = args[0] if args else None
-        if not isinstance(scores, torch.Tensor) or scores.dim() < 2:
-            return out
-        last = (-1, scores.dim() - 1)
-        if func in (torch.topk, torch.Tensor.topk) and kwargs.get("largest", True):
-            k = args[1] if len(args) > 1 else kwargs.get("k")
-            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-            if isinstance(k, int) and dim in last:
-                X = scores.shape[-1]
-                self.calls.append((scores.detach().reshape(-1, X), k, out[1].detach().reshape(-1, k)))
-        elif func in (torch.argmax, torch.Tensor.argmax, torch.max, torch.Tensor.max):
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if isinstance(dim, int) and dim in last:  # max(x, dim) returns (values, indices); max(x, y) is no selection
-                indices = out if func in (torch.argmax, torch.Tensor.argmax) else out[1]
-                X = scores.shape[-1]
-                self.calls.append((scores.detach().reshape(-1, X), 1, indices.detach().reshape(-1, 1)))
-        elif func in SORT:  # a descending sort: its leading k indices are a top-k (`seen` takes K of them)
-            full = list(args) + [None] * 3
-            dim = kwargs.get("dim", full[1] if full[1] is not None else -1)
-            if kwargs.get("descending", full[2] or False) and dim in last:
-                indices = out if func in SORT[2:] else out[1]
-                X = scores.shape[-1]
-                self.calls.append((scores.detach().reshape(-1, X), SORTED, indices.detach().reshape(-1, X)))
-        return out
-
-    @property
-    def seen(self) -> _Selection:
-        E, K = self.num_experts, self.top_k
-        final = [(s, K, i[:, :K]) if k == SORTED else (s, k, i) for s, k, i in self.calls
-                 if s.shape[-1] == E and k in (K, SORTED)]
-        if not final:
-            other = [c[1] for c in self.calls if c[0].shape[-1] == E and c[1] != SORTED]
-            return _Selection(calls=self.calls, other_k=other[-1] if other else None)
-        scores, _, indices = final[-1]
-        clear = _margin_clear(scores, K)
-        for g_scores, g_k, _ in self.calls:  # group top-k (group-limited: best topk_group of G groups)
-            G = g_scores.shape[-1]
-            if G < E and E % G == 0 and g_scores.shape[0] == scores.shape[0] and 0 < g_k < G:
-                clear &= _margin_clear(g_scores, g_k)
-        return _Selection(scores, indices, clear, self.calls)
-
-
-class _Capture(fx.Interpreter):
-    """Runs a graph and keeps the values of the named nodes."""
-
-    def __init__(self, gm: fx.GraphModule, names: tuple[str, ...]):
-        super().__init__(gm)
-        self.names = names
-        self.values: dict[str, Any] = {}
-
-    def run_node(self, n: fx.Node):
-        value = super().run_node(n)
-        if n.name in self.names:
-            self.values[n.name] = value
-        return value
 
 
 def probe_copy(block: nn.Module, seed: int = 0, spec: MoESpec | None = None) -> nn.Module:
@@ -279,7 +187,7 @@ def build_graph(spec: MoESpec, probe: nn.Module) -> fx.GraphModule | str:
         return f"canonical graph does not build: {err}"
 
 
-def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list, selections: list[_Selection],
+def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list, selections: list[Selection],
           atol: float = 1e-5, rtol: float = 1e-4, graph: fx.GraphModule | str | None = None,
           crowded_from: int | None = None) -> CheckResult:
     """Compare `spec`'s canonical graph (`graph`: `build_graph`'s result, when built already) with the
@@ -294,7 +202,7 @@ def check(spec: MoESpec, probe: nn.Module, inputs: list[Inputs], originals: list
         crowded = crowded_from is not None and i >= crowded_from
         accepted_before, result.accepted = result.accepted, True
         logits_name, experts_name, bias_name = canonical.routing_names(spec)
-        cap = _Capture(gm, (experts_name, logits_name, bias_name))
+        cap = Capture(gm, (experts_name, logits_name, bias_name))
         try:
             with torch.no_grad():
                 ours = cap.run(*x)
@@ -472,8 +380,8 @@ def _scaling_overrides(probe: nn.Module) -> bool:
     return changed
 
 
-def _observe(probe: nn.Module, x: Inputs, num_experts: int, top_k: int) -> tuple[tuple, _Selection]:
-    spy = _TopkSpy(num_experts, top_k)
+def _observe(probe: nn.Module, x: Inputs, num_experts: int, top_k: int) -> tuple[tuple, Selection]:
+    spy = TopkSpy(num_experts, top_k)
     with torch.no_grad(), spy:
         out = _outputs(probe(*clones(x)))
     return out, spy.seen
@@ -486,7 +394,7 @@ def _group_coverage(spec: MoESpec, probe: nn.Module, inputs: list[Inputs]) -> in
         total = 0
         for x in inputs:
             logits_name, _, bias_name = canonical.routing_names(spec)
-            cap = _Capture(gm, (logits_name, bias_name))
+            cap = Capture(gm, (logits_name, bias_name))
             with torch.no_grad():
                 cap.run(*x)
             total += _group_sensitive(spec, cap.values[logits_name].float(), cap.values.get(bias_name))

@@ -198,14 +198,20 @@ def unpermute_ref(y_ND: Tensor, order_N: Tensor, top_k: int) -> Tensor:
     return y_ND.index_select(0, inverse_N).view(N // top_k, top_k, D)
 
 
+def accumulation_dtype(t: Tensor) -> torch.dtype:
+    """What the combine sums in: fp32, or the input's dtype where it is wider (a float64 model stays float64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def combine_ref(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
-    """Weighted sum over the K choices, accumulated in fp32, returned in y's dtype.
+    """Weighted sum over the K choices, accumulated in fp32 (or wider: `accumulation_dtype`), returned in y's dtype.
 
     Each product y·w is rounded, then the products are added in choice order: the arithmetic of
     `(y * w).sum` and of a loop's `out.index_add_(y_e * w)` (for K=2 bitwise either way), not a fused
     multiply-add (`addcmul_` rounds once: up to 1 ulp apart from what the user's block computes)."""
     # K multiplies and adds over [T, D] (einsum would run T tiny batched GEMMs: ~5x slower on CPU)
-    y_f32, w_f32 = y_TKD.float(), weights_TK.float()
+    acc = accumulation_dtype(y_TKD)
+    y_f32, w_f32 = y_TKD.to(acc), weights_TK.to(acc)
     out_TD = y_f32[:, 0] * w_f32[:, :1]
     for k in range(1, y_TKD.shape[1]):
         out_TD += y_f32[:, k] * w_f32[:, k:k + 1]
@@ -430,10 +436,11 @@ def _combine_setup(ctx, inputs, output):
 
 
 def combine_backward(grad_TD: Tensor, y_TKD: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor]:
-    """(grad_y_TKD, grad_weights_TK) of `combine`, in fp32, returned in the inputs' dtypes."""
-    g_TD = grad_TD.float()
-    grad_y = (g_TD.unsqueeze(1) * weights_TK.float().unsqueeze(-1)).to(y_TKD.dtype)
-    grad_w = (y_TKD.float() * g_TD.unsqueeze(1)).sum(-1).to(weights_TK.dtype)
+    """(grad_y_TKD, grad_weights_TK) of `combine`, in fp32 (or wider), returned in the inputs' dtypes."""
+    acc = accumulation_dtype(y_TKD)
+    g_TD = grad_TD.to(acc)
+    grad_y = (g_TD.unsqueeze(1) * weights_TK.to(acc).unsqueeze(-1)).to(y_TKD.dtype)
+    grad_w = (y_TKD.to(acc) * g_TD.unsqueeze(1)).sum(-1).to(weights_TK.dtype)
     return grad_y, grad_w
 
 

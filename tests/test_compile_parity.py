@@ -179,3 +179,22 @@ def test_fused_and_gshard_blocks_alone():
         x = torch.randn(2, 9, 16)
         torch.testing.assert_close(compiled(x), block(x), rtol=RTOL, atol=ATOL)
         assert copy.deepcopy(compiled)(x).shape == x.shape
+
+
+@pytest.mark.parametrize("style", ["loop", "fused"])
+def test_a_float64_model_keeps_float64_precision(style):
+    """The combine sums in fp32 or wider: a float64 model's rewritten blocks match it to float64 rounding (they
+    were 1e-7 apart when the combine summed its expert outputs in fp32)."""
+    torch.manual_seed(0)
+    model = TinyMoELM(SampleConfig(style=style, layers=2)).double()
+    cm = moepass.compile(model, moepass.Plan(form="single", keep_original_if_slower=False))
+    assert list(cm.moepass_info.rewritten) == ["layers.0.mlp", "layers.1.mlp"]
+    tokens = torch.randint(0, 32, (2, 9))
+    out, ref = cm(tokens), model(tokens)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    grads = dict(model.named_parameters())
+    for name, p in cm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")

@@ -148,6 +148,39 @@ def test_measure_keeps_the_faster_side():
     assert lin.weight.grad is None and x.grad is None  # gradients returned, never accumulated
 
 
+def test_sides_that_disagree_keep_the_block_whatever_the_times():
+    """A rewritten side computing something else for this input (beyond rounding) is never chosen, however
+    fast: the block runs and the choice says why; sides that agree are timed as before."""
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def other(t):
+        return lin(t) * 1.5
+
+    choice = faster.measure(lin, other, lin, (x,), {})
+    assert choice.original and choice.reason.startswith("its rewritten graph does not reproduce it for this input")
+    assert str(choice).startswith("original block (its rewritten graph does not reproduce it")
+    noisy = faster.measure(lin, lambda t: lin(t) + 1e-5 * lin(t).abs().max(), lin, (x,), {})
+    assert not noisy.reason and noisy.ratios  # within fp32's share: timed
+
+
+def test_hf_deepseek_under_autocast_runs_as_written():
+    """Hugging Face's DeepSeek-V3 router scores in bf16 under autocast (its sigmoid runs in the logits' dtype),
+    where moe.route scores in fp32: some tokens pick other experts. The keeper sees it on the first input and
+    runs the block itself, so the compiled model under autocast computes exactly what the model does."""
+    pytest.importorskip("transformers")
+    from samples import hf_models
+
+    model, batch = hf_models.build("deepseek_v3")
+    cm = moepass.compile(model, moepass.Plan(form="single"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, out = model(**batch).logits, cm(**batch).logits
+    assert torch.equal(out, ref)
+    for path, gm in cm.moepass_info.rewritten.items():
+        (choice,) = faster.choices(gm).values()
+        assert choice.original and "does not reproduce it" in choice.reason and "autocast" in choice.reason, path
+
+
 def test_traced_calls_run_the_graph_untimed(choose):
     calls = choose(True)
     cm = moepass.compile(make_moe("fused", CFG), moepass.Plan(form="single"))

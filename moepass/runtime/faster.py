@@ -7,7 +7,9 @@ would make the model slower. So, with `Plan(keep_original_if_slower=True)` (the 
 compiled block keeps the user's block object beside its graph (holding the same parameters, buffers and
 children: the two share one table of each, so `.to()`, `to_empty()` and re-registered parameters reach both)
 and, the first time it sees an input signature (shapes, dtypes, devices, grad and training mode, autocast),
-times both on copies of that input, interleaved:
+first runs both once on copies of that input from the same state: where their outputs differ beyond rounding
+(`disagreement`: detection proved the graph in fp32, but under autocast a router may score in bf16 where
+`moe.route` scores in fp32), the user's block runs for that signature, untimed. Else it times both, interleaved:
 
     warm-up: 2 untimed steps each (kernels compile and autotune, caches fill), then 2 timed: where one side's
              best is CLEAR times the other's, that decides
@@ -58,6 +60,9 @@ ROUNDS = 5  # interleaved rounds; the decision reads their median ratio
 ROUND_SECONDS = 0.1  # each half of a round runs about this long (at least one step)
 MAX_STEPS = 20  # steps per half at most
 KEEP_BELOW = 0.98  # the rewritten graph is kept when its median time ratio is at most this
+# the two sides must agree on the first input of a signature: output difference at most this share of the
+# output's largest magnitude (16-bit outputs or autocast; else AGREE_FP32), else the user's block runs
+AGREE_16BIT, AGREE_FP32 = 5e-2, 1e-3
 CLEAR = 2.0  # a warm-up ratio beyond this (either way) decides without the rounds
 PLAIN_VALUES = PLAIN_INPUTS - set(PLAIN_TENSORS)  # the plain non-tensor arguments an input signature holds
 
@@ -74,7 +79,7 @@ class Choice:
 
     def __str__(self) -> str:
         if self.reason:
-            return f"rewritten graph ({self.reason})"
+            return f"{'original block' if self.original else 'rewritten graph'} ({self.reason})"
         which = "original block" if self.original else "rewritten graph"
         return (f"{which}: rewritten/original {self.ratio:.3f} [{min(self.ratios):.3f}, {max(self.ratios):.3f}] over "
                 f"{len(self.ratios)} rounds of {self.steps} step(s)")
@@ -127,26 +132,68 @@ def one_step(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 
 class SavedState:
-    """The block's buffers (objects and values) and random number generators, put back on exit."""
+    """The block's buffers (objects and values) and random number generators, put back on exit (and by `rewind`)."""
 
     def __init__(self, module: nn.Module, device: torch.device):
         self.buffers = [(m, name, b, b.detach().clone()) for m in module.modules()
                         for name, b in m._buffers.items() if b is not None]
-        devices = [device] if device.type not in ("cpu", "meta") else []
-        self.rng = torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda")
+        self.devices = [device] if device.type not in ("cpu", "meta") else []
+        self.accelerator = torch.get_device_module(device.type) if self.devices else None
+        self.rng = torch.random.fork_rng(devices=self.devices, device_type=device.type if self.devices else "cuda")
 
     def __enter__(self) -> SavedState:
         self.rng.__enter__()
+        self.states = (torch.get_rng_state(), [self.accelerator.get_rng_state(d) for d in self.devices])
         return self
+
+    def rewind(self) -> None:
+        """The buffers and the random number generators as they were on entry (the next call sees what the
+        first one saw: the same dropout, jitter and balancing state)."""
+        with torch.no_grad():
+            for module, name, buffer, value in self.buffers:
+                module._buffers[name] = buffer
+                buffer.copy_(value)
+        torch.set_rng_state(self.states[0])
+        for d, state in zip(self.devices, self.states[1]):
+            self.accelerator.set_rng_state(state, d)
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            with torch.no_grad():
-                for module, name, buffer, value in self.buffers:
-                    module._buffers[name] = buffer
-                    buffer.copy_(value)
+            self.rewind()
         finally:
             self.rng.__exit__(*exc)
+
+
+def disagreement(original: Callable[..., Any], rewritten: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], saved: SavedState) -> str:
+    """Why the two sides are not the same computation for this input, or "": their outputs on copies of it, from
+    the same state, apart by more than 16-bit (or fp32) rounding. Detection proved the graph in fp32; what it
+    cannot see is, e.g., a router that scores in bf16 under autocast where `moe.route` scores in fp32 (Hugging
+    Face's DeepSeek-V3): other experts for some tokens. The user's block then runs, so the model computes as
+    written on every machine, whichever side would be faster."""
+    outs = []
+    for fn in (original, rewritten):
+        saved.rewind()
+        with torch.no_grad():
+            outs.append([t.detach() for t in output_tensors(fn(*(fresh(a, []) for a in args),
+                                                               **{k: fresh(v, []) for k, v in kwargs.items()}))])
+    saved.rewind()
+    theirs, ours = outs
+    autocast = torch._C._is_any_autocast_enabled()
+    if len(theirs) != len(ours):
+        return f"its rewritten graph returns {len(ours)} tensors where the block returns {len(theirs)}"
+    for a, b in zip(theirs, ours):
+        if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():
+            continue  # shapes and integer outputs were checked by detection; here: values under this signature
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        worst = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        low = autocast or min(torch.finfo(a.dtype).bits, torch.finfo(b.dtype).bits) <= 16
+        share = AGREE_16BIT if low else AGREE_FP32
+        if not worst <= share * max(scale, 1e-6):
+            return (f"its rewritten graph does not reproduce it for this input: outputs {worst:.3g} apart where "
+                    f"|y| <= {scale:.3g}" + (" (under autocast: a router scoring in bf16, say, where moepass "
+                                             "scores in fp32)" if autocast else ""))
+    return ""
 
 
 def synchronize(device: torch.device) -> None:
@@ -173,7 +220,10 @@ def measure(original: Callable[..., Any], rewritten: Callable[..., Any], module:
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds)
 
-    with SavedState(module, device):
+    with SavedState(module, device) as saved:
+        differs = disagreement(original, rewritten, args, kwargs, saved)
+        if differs:  # not the same computation for this input: the user's block runs, whatever the times
+            return Choice(original=True, ratio=float("nan"), ratios=(), steps=0, reason=differs)
         for name in runs:  # untimed: kernels compile and autotune, launch paths and caches fill, pages are touched
             half(name, WARMUP)
         warm = {name: min(half(name, 1) for _ in range(2)) for name in runs}

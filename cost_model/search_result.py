@@ -115,7 +115,8 @@ class SearchResult:
             lines.append("no eligible plan: every candidate exceeds device memory, cannot run these blocks or "
                          "changes the math")
         if self.expression_substituted is not None:
-            lines.append(f"best, by the per-layer formulas: step time [s] = {self.expression_substituted}")
+            lines.append(f"best, its MoE layers by the per-layer formulas (the table's step adds the dense layers): "
+                         f"time [s] = {self.expression_substituted}")
         hp = next((i for i, c in enumerate(self.ranked, 1) if c.form == "hp"), None)
         if hp is not None:
             c = self.ranked[hp - 1]

@@ -210,8 +210,7 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     lines: list[str] = []
     try:
         plan = Plan() if plan is None else plan
-        lines.append(f"moepass plan: form={plan.form!r} lowering={plan.lowering!r}"
-                     + (" (changes the model's math: named explicitly)" if plan.changes_math else ""))
+        lines.append(f"moepass plan: form={plan.form!r} lowering={plan.lowering!r}")
         if plan.deterministic:
             lines.append(determinism.describe())
     except Exception as err:  # explain never raises
@@ -246,6 +245,10 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
         if detail.accepted and detail.spec is not None:
             body = _block_section(model, detail, plan, graphs, sources, report.outlines)
             sections.setdefault(_fold_key(detail, body), []).append((detail, body))
+    changed = [d.path or "<root>" for same in sections.values() for d, body in same
+               if any(line.startswith("pass ") and "{'math': " in line for line in body)]
+    if changed:  # a conversion the plan names (hp on a standard block, locality, a capacity on a dropless block)
+        lines[0] += f" (changes the model's math in {len(changed)} block(s), as the plan names: see each 'math')"
     for same in sections.values():  # identical blocks (a deep model's layers): the first in full, the rest folded
         first, body = same[0]
         lines += ["", f"== {first.path or '<root>'} ({first.module_type}) =="] + body

@@ -26,6 +26,8 @@ rank must call it), e.g. for `original.load_state_dict(...)` in the same process
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -103,14 +105,15 @@ def logical_state_dict(model: nn.Module, full: bool = False, values: dict[str, T
     return out
 
 
-def _part_for(target: DTensor, value: Tensor) -> Tensor:
+def _part_for(target: DTensor, value: Tensor, key: str) -> Tensor:
     """This rank's part of `value` (a full tensor or a DTensor) in `target`'s placement, without communication
     for a full tensor."""
     if isinstance(value, DTensor):
         return value.redistribute(target.device_mesh, target.placements).to_local()
     if value.shape != target.shape:
-        raise ValueError(f"load_logical_state_dict: a value has shape {tuple(value.shape)}, the model needs the full "
-                         f"logical shape {tuple(target.shape)}")
+        raise ValueError(f"load_logical_state_dict: {key!r} has shape {tuple(value.shape)}, the model needs the full "
+                         f"logical shape {tuple(target.shape)}: a checkpoint of another model or plan (a form='hp' "
+                         f"checkpoint loads only into the same model under the same heads)")
     return distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None).to_local()
 
 
@@ -121,12 +124,15 @@ def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], str
     rewritten model, keeping only this rank's shards. `strict`: every tensor of the model must be
     covered (for ModuleList experts sharded on the expert dim: this rank's experts). `targets`: tensors
     laid out as the model's state-dict entries of the same keys to load into instead of the model's own
-    (see `logical_state_dict`'s `values`)."""
+    (see `logical_state_dict`'s `values`). Keys the model does not have are an error too under `strict`; with
+    strict=False what was not loaded, either way, is warned about."""
     stacked = _stacked_keys(model)
     missing: list[str] = []
+    known: set[str] = set()  # the model's logical keys (every expert's, whichever this rank holds)
     for key, target in (model.state_dict() if targets is None else targets).items():
         if key in stacked:
             layout, originals = stacked[key]
+            known.update(originals)
             for e, part in _expert_entries(layout, _local(target)):
                 if originals[e] not in state_dict:
                     missing.append(originals[e])
@@ -135,8 +141,9 @@ def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], str
                 if layout.shard_dim == 0:
                     part.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
                 elif _local(value) is not part and _local(value).data_ptr() != part.data_ptr():
-                    part.copy_(_part_for(_expert_value(layout, part), value))  # type: ignore[arg-type]
+                    part.copy_(_part_for(_expert_value(layout, part), value, originals[e]))  # type: ignore[arg-type]
             continue
+        known.add(key)
         if key not in state_dict:
             missing.append(key)
             continue
@@ -144,15 +151,23 @@ def load_logical_state_dict(model: nn.Module, state_dict: dict[str, Tensor], str
         if value is target:
             continue
         if isinstance(target, DTensor):
-            target.to_local().copy_(_part_for(target, value))
+            target.to_local().copy_(_part_for(target, value, key))
         else:
             if value.shape != target.shape:
                 raise ValueError(f"load_logical_state_dict: {key!r} has shape {tuple(value.shape)}, expected "
                                  f"{tuple(target.shape)}")
             target.copy_(value)
-    if strict and missing:
-        raise KeyError(f"load_logical_state_dict: missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
-                       f"pass strict=False to load a partial state dict.")
+    unexpected = [key for key in state_dict if key not in known]
+    if not (missing or unexpected):
+        return
+    found = "; ".join(f"{what} keys {keys[:8]}{' ...' if len(keys) > 8 else ''}" for what, keys in
+                      (("missing", missing), ("unexpected", unexpected)) if keys)
+    if strict:
+        raise KeyError(f"load_logical_state_dict: {found}: a checkpoint of another model or plan (one of form='hp' "
+                       f"loads only into the same model under the same plan)? pass strict=False to load the keys both "
+                       f"have (the others are then warned about, not loaded).")
+    warnings.warn(f"load_logical_state_dict(strict=False) did not load everything: {found}.", UserWarning,
+                  stacklevel=2)
 
 
 def logical_grads(model: nn.Module) -> dict[str, tuple[Tensor, Index]]:

@@ -22,9 +22,10 @@ class DetectionError(MoepassError):
 
 
 def nearest(value: object, choices: Iterable[str]) -> str:
-    """`" Did you mean 'x'?"` for the closest valid name, or "" when nothing is close."""
-    match = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
-    return f" Did you mean {match[0]!r}?" if match else ""
+    """`" Did you mean 'x'?"` for the closest valid name (letter case aside), or "" when nothing is close."""
+    by_case = {str(c).lower(): c for c in choices}
+    match = difflib.get_close_matches(str(value).lower(), list(by_case), n=1, cutoff=0.5)
+    return f" Did you mean {by_case[match[0]]!r}?" if match else ""
 
 
 def bad_value(field: str, value: object, fix: str, cls: type[MoepassError] = PlanError) -> MoepassError:

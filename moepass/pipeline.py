@@ -112,6 +112,15 @@ def convert(spec: MoESpec, block: nn.Module, plan: Plan) -> tuple[MoESpec, nn.Mo
     the router change it names (top-1, its own capacity rule: `moepass.rewrite.locality.convert`)."""
     if plan.form == "locality":
         return locality.convert(spec, block, plan)
+    if plan.form == "hp" and spec.heads is not None:  # already a Multi-Head LatentMoE: its own heads
+        given = {name: getattr(plan, name) for name in ("heads", "head_dim") if getattr(plan, name) is not None}
+        own = {"heads": spec.heads.num_heads, "head_dim": spec.heads.head_dim}
+        wrong = {name: value for name, value in given.items() if value != own[name]}
+        if wrong:
+            raise PlanError(f"Plan.{', Plan.'.join(f'{n}={v}' for n, v in wrong.items())} cannot act on block "
+                            f"{spec.path or '<root>'!r}: it is a Multi-Head LatentMoE already, with heads="
+                            f"{own['heads']} and head_dim={own['head_dim']}, which form='hp' keeps; leave "
+                            f"{' and '.join(wrong)} unset (they shape the block a standard one becomes).")
     if plan.form != "hp" or spec.heads is not None:
         return spec, block, None
     from moepass.runtime.topology import resolve as resolve_world
@@ -176,12 +185,20 @@ def compile_block(spec: MoESpec, block: nn.Module, plan: Plan, verify: bool | No
     spec, block, converted = convert(spec, block, plan)  # form="hp" on a standard block: the named math change
     if converted is not None:
         converted["seconds"] = time.perf_counter() - start
+    given = spec.capacity
     spec, plan = resolve(spec, plan)
+    records = [] if converted is None else [converted]
+    if spec.capacity != given:  # Plan.capacity_factor on a dropless block, or instead of the block's own capacity
+        cf = plan.capacity_factor
+        own = "" if given is None else f"C={given.fixed}" if given.fixed is not None else f"factor {given.capacity_factor:g}"
+        records.append({"pass": "capacity", "seconds": 0.0, "changed": True, "stats": {"math": (
+            f"changed: Plan.capacity_factor={cf:g} drops each (source rank, expert)'s assignments beyond "
+            f"C = ceil({cf:g}*T*K/E)" + (" where the block is dropless" if given is None else
+                                         f", instead of the block's own capacity ({own})"))}})
     start = time.perf_counter()
     gm = canonical.build(spec, block)  # MoESpec -> canonical dialect graph
     gm.history[-1]["seconds"] = time.perf_counter() - start  # canonical's own record
-    if converted is not None:
-        gm.history.insert(0, converted)
+    gm.history[0:0] = records
     if verify:
         from moepass.verify import verify as run_verifier
 

@@ -47,6 +47,7 @@ from moepass.plan_options import (
     check_bool,
     choice,
     forms_with,
+    is_int,
 )
 
 __all__ = [  # the option classes and constants are re-exported: `from moepass.plan import EPOptions`
@@ -208,7 +209,7 @@ class Plan:
     def _validate_plan_fields(self) -> None:
         choice("lowering", self.lowering, LOWERINGS)
         choice("grad_sync", self.grad_sync, GRAD_SYNCS)
-        if not isinstance(self.micro_op_bytes, int) or self.micro_op_bytes < 1:
+        if not is_int(self.micro_op_bytes, 1):
             raise PlanError(f"Plan.micro_op_bytes={self.micro_op_bytes!r} is invalid: use a positive byte count.")
         for name in ("deterministic", "expert_recompute", "strict"):
             check_bool(name)(getattr(self, name))

@@ -287,7 +287,8 @@ def _positive_or_none(name: str) -> Callable[[object], object]:
 _ep_size = rule("ep_size", lambda v: v is None or is_int(v, 1), "use a positive int dividing the world size.")
 _topology = rule("topology", lambda v: v is None or isinstance(v, TopologyLike),
                  "use moepass.Topology(nodes, ranks_per_node), or None for the torchrun environment.")
-_capacity_factor = rule("capacity_factor", lambda v: v is None or (isinstance(v, (int, float)) and v > 0),
+_capacity_factor = rule("capacity_factor", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                                       and v > 0),
                         "use a float > 0, or None for dropless routing.")
 _slots = rule("slots_per_device", lambda v: v is None or is_int(v, 1), "use an int >= 1.")
 _planner = rule("planner", lambda v: v in ("auto", "static") or callable(v),

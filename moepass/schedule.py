@@ -491,7 +491,8 @@ def schedule_pass(gm: MoEGraphModule, plan: Plan) -> PassResult:
     """Chunk and pipeline the block's all-to-all and expert compute; place the scheduler's marks."""
     layout = gm.layout
     if gm.form not in ("ep", "fsep", "locality") or layout is None:
-        return PassResult(gm, changed=False, stats={"reason": f"form {gm.form!r} has no all-to-all to schedule"})
+        why = "its all-to-alls are not chunked or scheduled" if gm.form == "hp" else "no all-to-all to schedule"
+        return PassResult(gm, changed=False, stats={"reason": f"form {gm.form!r}: {why}"})
     if gm.form == "locality":  # its exchanges are EP's; not chunked (a2a_chunks is not a locality option)
         n, why = 1, "locality: not chunked"
     else:

@@ -238,3 +238,25 @@ def test_torch_save_and_load_round_trip_every_sample_style():
         if style == "gshard":  # the capacity is still computed per call from the sizes, not a traced constant
             graph = again.get_submodule("layers.0.mlp").graph
             assert sum(n.target is canonical.capacity_of for n in graph.nodes) == 1
+
+
+def test_load_logical_state_dict_names_unexpected_and_missing_keys():
+    """strict: keys the model lacks are an error as missing ones are, named; strict=False loads what both have
+    and warns about the rest; a wrong shape names its key."""
+    import pytest
+
+    model = TinyMoELM(SampleConfig(style="fused", layers=2))
+    cm = moepass.compile(model, moepass.Plan(form="single"))
+    state = {**model.state_dict(), "layers.0.mlp.router": torch.zeros(3)}
+    missing = "layers.1.mlp.w_down"
+    del state[missing]
+    with pytest.raises(KeyError, match=rf"missing keys \['{missing}'\]; unexpected keys \['layers.0.mlp.router'\]: "
+                                       r"a checkpoint of another model or plan"):
+        moepass.load_logical_state_dict(cm, state)
+    state["layers.0.mlp.w_gate_up"] = state["layers.0.mlp.w_gate_up"] + 1.0
+    with pytest.warns(UserWarning, match=r"strict=False\) did not load everything: missing keys \['layers.1.mlp."
+                                         r"w_down'\]; unexpected keys \['layers.0.mlp.router'\]"):
+        moepass.load_logical_state_dict(cm, state, strict=False)
+    torch.testing.assert_close(cm.state_dict()["layers.0.mlp.w_gate_up"], state["layers.0.mlp.w_gate_up"])
+    with pytest.raises(ValueError, match=r"'layers.0.mlp.w_gate_up' has shape \(1, 2\), expected"):
+        moepass.load_logical_state_dict(cm, {**model.state_dict(), "layers.0.mlp.w_gate_up": torch.zeros(1, 2)})

@@ -161,5 +161,56 @@ def test_hp_conversion_warns_and_its_checkpoint_is_the_new_blocks():
             moepass.compile(latent, moepass.Plan(form="hp"))
     finally:
         dist.destroy_process_group()
-    assert "(changes the model's math: named explicitly)" in moepass.explain(model, moepass.Plan(form="hp"),
-                                                                            graphs=False)
+    assert "(changes the model's math in 2 block(s), as the plan names" in moepass.explain(
+        model, moepass.Plan(form="hp"), graphs=False)
+    assert "changes the model's math" not in moepass.explain(latent, moepass.Plan(form="hp"), graphs=False)
+
+
+def test_a_capacity_on_a_dropless_block_is_a_named_math_change():
+    """Plan(capacity_factor=...) under EP drops tokens of a block that drops none: compile warns as for the other
+    math-changing plans, and explain marks it and says the factor and how C is made."""
+    import pytest
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from samples.models import tiny_mixtral
+
+    model = tiny_mixtral(style="loop", vocab_size=64, dim=32, ffn_dim=64, num_experts=4, top_k=2, layers=2)
+    plan = moepass.Plan(form="ep", capacity_factor=1.5)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with pytest.warns(UserWarning, match=r"moepass.compile changed the math of 2 block\(s\), as the plan names: "
+                                             r"'layers.0.mlp', 'layers.1.mlp': changed: Plan.capacity_factor=1.5 drops "
+                                             r"each \(source rank, expert\)'s assignments beyond C = ceil\(1.5\*T\*K/E\) "
+                                             r"where the block is dropless"):
+            moepass.compile(model, plan)
+        text = moepass.explain(model, plan, graphs=False)
+    finally:
+        dist.destroy_process_group()
+    assert "(changes the model's math in 2 block(s), as the plan names: see each 'math')" in text.splitlines()[0]
+    assert "'capacity': 'factor 1.5 per (source rank, expert)'" in text
+    assert "changes the model's math" not in moepass.explain(model, moepass.Plan(form="ep"), graphs=False)
+
+
+def test_heads_that_cannot_act_on_a_latent_block_are_refused():
+    """form='hp' keeps a Multi-Head LatentMoE's own heads: other heads / head_dim raise naming both; the block's
+    own values are accepted."""
+    import pytest
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from samples.models import tiny_latent_lm
+
+    latent = tiny_latent_lm(heads=4, head_dim=8, experts=4, top_k=2, latent_ffn_dim=16, vocab_size=64, dim=32, layers=1)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with pytest.raises(moepass.PlanError, match=r"^Plan.heads=8, Plan.head_dim=2 cannot act on block "
+                                                    r"'layers.0.mlp': it is a Multi-Head LatentMoE already, with "
+                                                    r"heads=4 and head_dim=8, which form='hp' keeps; leave heads and "
+                                                    r"head_dim unset"):
+            moepass.compile(latent, moepass.Plan(form="hp", heads=8, head_dim=2))
+        moepass.compile(latent, moepass.Plan(form="hp", heads=4, head_dim=8))  # its own values: accepted
+    finally:
+        dist.destroy_process_group()
+    assert "compile of this block would fail: PlanError: Plan.heads=8 cannot act" in moepass.explain(
+        latent, moepass.Plan(form="hp", heads=8), graphs=False)

@@ -502,7 +502,8 @@ def test_explain_marks_the_math_change():
     text = moepass.explain(Net(), moepass.Plan(form="locality", gate="grap", mu=0.2, capacity_factor=1.0,
                                                topology=moepass.Topology(2, 1)), graphs=False)
     print(text)
-    assert "moepass plan: form='locality' lowering='auto' (changes the model's math: named explicitly)" in text
+    assert ("moepass plan: form='locality' lowering='auto' (changes the model's math in 1 block(s), as the plan "
+            "names: see each 'math')") in text
     assert "pass convert:locality: changed" in text
     assert "locality routing (changes the model's math: named by Plan.form='locality'): GrAP" in text
     assert "L_aux = 0.01*E*sum f_i*P_i; L_loc = 0.2*KL(mean softmax || D_local)" in text

@@ -21,9 +21,10 @@ def test_plan_is_frozen():
         Plan().form = "ep"  # type: ignore[misc]
 
 
-def test_unknown_form_suggests_the_nearest():
-    with pytest.raises(PlanError, match=r"Plan.form='sinlge' is invalid: use one of .* Did you mean 'single'\?"):
-        Plan(form="sinlge")
+@pytest.mark.parametrize("typo,meant", [("sinlge", "single"), ("SINGLE", "single"), ("Ep", "ep"), ("FSEP", "fsep")])
+def test_unknown_form_suggests_the_nearest(typo, meant):
+    with pytest.raises(PlanError, match=rf"Plan.form='{typo}' is invalid: use one of .* Did you mean '{meant}'\?"):
+        Plan(form=typo)
 
 
 def test_misspelt_field_suggests_the_nearest():
@@ -31,14 +32,15 @@ def test_misspelt_field_suggests_the_nearest():
         Plan(capacity_factr=1.0)
 
 
-@pytest.mark.parametrize("value", [-1.0, 0, "big"])
+@pytest.mark.parametrize("value", [-1.0, 0, "big", True])
 def test_negative_capacity_names_field_value_and_fix(value):
     with pytest.raises(PlanError, match=rf"Plan.capacity_factor={value!r} is invalid: use a float > 0, or None"):
         Plan(capacity_factor=value)
 
 
 @pytest.mark.parametrize("field,value", [("a2a_chunks", 0), ("packing", "autoo"), ("ep_size", 0),
-                                         ("micro_op_bytes", -5), ("lowering", "cuda"), ("deterministic", 1),
+                                         ("micro_op_bytes", -5), ("micro_op_bytes", True), ("lowering", "cuda"),
+                                         ("deterministic", 1),
                                          ("strict", "yes")])
 def test_other_bad_values(field, value):
     with pytest.raises(PlanError, match=rf"Plan.{field}={value!r} is invalid"):

@@ -179,7 +179,10 @@ def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local:
     graph.erase_node(ffn)  # its weight reads are now dead: dropped when the pass's effects are applied
     if hierarchy is not None:
         split_by_node(graph, b, hierarchy)
-    return {"experts": E, "buckets": buckets, "local_buckets": local, "capacity": int(bool(keeps))}
+    c = gm.spec.capacity
+    capacity = (f"factor {c.capacity_factor:g} per (source rank, expert)" if c is not None and c.fixed is None
+                else "its own" if keeps else "none (dropless)")
+    return {"experts": E, "buckets": buckets, "local_buckets": local, "capacity": capacity}
 
 
 def hierarchy_of(plan: Plan, groups: EPGroups) -> NodeGroups | None:

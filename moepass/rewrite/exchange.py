@@ -108,7 +108,7 @@ Weights = Callable[[], list[fx.Node | None]]
 
 def insert_exchange(gm: MoEGraphModule, b: GraphBuilder, *, buckets: int, local: int, group_name: str, world: int,
                     route: Callable[[fx.Node], fx.Node] | None, issue_weights: Callable[[], Weights],
-                    axis: str = "E", keep: fx.Node | None = None, hierarchy: NodeGroups | None = None) -> dict[str, int]:
+                    axis: str = "E", keep: fx.Node | None = None, hierarchy: NodeGroups | None = None) -> dict[str, int | str]:
     """Replace `gm`'s expert compute by dispatch / local compute / combine (in place; see module doc).
 
     The form's hooks add their nodes where they are called: `route(experts_TK)`, before the permute,

@@ -181,6 +181,35 @@ def test_hf_deepseek_under_autocast_runs_as_written():
         assert choice.original and "does not reproduce it" in choice.reason and "autocast" in choice.reason, path
 
 
+def test_the_callers_saved_tensor_hooks_and_checkpointing_see_no_timing():
+    """The first call (which times both sides) packs what any later call packs, through the caller's
+    saved-tensor hooks; inside a non-reentrant activation checkpoint the first call trains as the block does."""
+    from torch.utils.checkpoint import checkpoint
+
+    block = make_moe("fused", CFG)
+    cm = moepass.compile(copy.deepcopy(block), moepass.Plan(form="single"))
+    x = torch.randn(2, 5, CFG.dim)
+    packed = []
+    for _ in range(2):
+        count = [0]
+
+        def pack(t, count=count):
+            count[0] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            cm(x.clone().requires_grad_()).sum().backward()
+        packed.append(count[0])
+    assert packed[0] == packed[1] > 0 and len(faster.choices(blocks(cm)[0])) == 1
+
+    ref, fresh = copy.deepcopy(block), moepass.compile(copy.deepcopy(block), moepass.Plan(form="single"))
+    for model in (ref, fresh):
+        checkpoint(model, x, use_reentrant=False).square().sum().backward()
+    grads = dict(ref.named_parameters())
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_traced_calls_run_the_graph_untimed(choose):
     calls = choose(True)
     cm = moepass.compile(make_moe("fused", CFG), moepass.Plan(form="single"))

@@ -21,7 +21,7 @@ A step is what training runs: the forward, then, when grad mode is on, the backw
 a gradient into the block's inputs and parameters (`torch.autograd.grad`: no `.grad` is written and no
 accumulation hook fires, DDP's or FSDP's included). The measurement leaves no trace: the random number
 generators are forked, the buffers restored (values and objects), the inputs copied (a block may write into
-its input). Blocks of one structure (`moepass.detect.structure.structural_key`) share a decision within a
+its input), and the caller's saved-tensor hooks (activation offload, checkpointing) see none of its tensors. Blocks of one structure (`moepass.detect.structure.structural_key`) share a decision within a
 compiled model: a 48-layer model is timed once per input signature, not 48 times.
 
 The rewritten graph always runs (nothing is timed) where the choice could not be made honestly or would change
@@ -196,6 +196,10 @@ def disagreement(original: Callable[..., Any], rewritten: Callable[..., Any], ar
     return ""
 
 
+def same(t: Tensor) -> Tensor:
+    return t
+
+
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -220,7 +224,9 @@ def measure(original: Callable[..., Any], rewritten: Callable[..., Any], module:
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds)
 
-    with SavedState(module, device) as saved:
+    # the caller's saved-tensor hooks (activation offload, a checkpointed region's) see none of this: the innermost
+    # pair of hooks is the one autograd uses, and these keep each tensor as it is
+    with SavedState(module, device) as saved, torch.autograd.graph.saved_tensors_hooks(same, same):
         differs = disagreement(original, rewritten, args, kwargs, saved)
         if differs:  # not the same computation for this input: the user's block runs, whatever the times
             return Choice(original=True, ratio=float("nan"), ratios=(), steps=0, reason=differs)

@@ -125,6 +125,20 @@ def test_detect_and_compile_parity(family, built):
     _assert_train_parity(model, compiled, batch)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_the_load_balancing_loss_set_in_the_config_keeps_the_blocks(family):
+    """`config.output_router_logits=True` (Hugging Face's auxiliary loss, computed in the model's forward from
+    every layer's router logits with a top-k of its own): that top-k is no MoE block of the whole model; the
+    layers' blocks are found and rewritten, and the loss with its aux_loss trains as the model's."""
+    model, batch = H.build(family)
+    model.config.output_router_logits = True
+    compiled = moepass.compile(model, moepass.Plan(form="single"))
+    report = compiled.moepass_info.report
+    assert sorted(s.path for s in report.blocks) == LAYOUT[family][0] and not report.rejected, report.summary()
+    assert sorted(compiled.moepass_info.rewritten) == LAYOUT[family][0]
+    _assert_train_parity(model, compiled, batch)
+
+
 def test_deepseek_spec_reads_the_router(built):
     _, _, compiled = built("deepseek_v3")
     for spec in compiled.moepass_info.report.blocks:

@@ -229,6 +229,7 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
     for call in cap.calls:
         first_call.setdefault(call.path, call)
     found: dict[str, GraphBlock] = {}
+    scored_from: dict[str, set[fx.Node]] = {}  # a block's path -> what its selections' scores are computed from
     for node, indices, E in selections(cap):
         scores = node.args[0]
         assert isinstance(scores, fx.Node)
@@ -245,6 +246,7 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
             experts = tuple(dict.fromkeys(str(a.target) for a in sorted(work, key=lambda a: a.meta["order"])))
             router = {str(a.target) for n in before if n.op == "call_function" and path in n.meta["stack"]
                       for a in n.all_input_nodes if _is_param(a, params)}  # read inside the block
+            scored_from.setdefault(path, set()).update(before)
             block = found.get(path)
             if block is None:
                 found[path] = GraphBlock(path, E, tuple(sorted(router)), experts, first_call.get(path),
@@ -273,10 +275,17 @@ def graph_blocks(cap: Capture, model: nn.Module) -> list[GraphBlock]:
                        and (block.path == "" or call.path.startswith(block.path + "."))]
     order = {path: i for i, path in enumerate(first_call)}  # the order the blocks ran in
     blocks = sorted(found.values(), key=lambda b: order.get(b.path, len(order)))
+
+    def inside(b: GraphBlock, o: GraphBlock) -> bool:
+        return o.path != b.path and (o.path == "" or b.path.startswith(o.path + "."))
+
+    # a selection over scores that blocks inside it computed (an auxiliary load-balancing loss over their router
+    # logits, as a Hugging Face model's forward computes with output_router_logits) is no block: those are
+    blocks = [o for o in blocks if not any(inside(b, o) and any(b.path in n.meta["stack"] for n in
+                                                                 scored_from.get(o.path, ())) for b in blocks)]
     # a block inside another found block is the same MoE seen from a submodule that also selects (nested
     # routing): keep the outermost
-    return [b for b in blocks if not any(o.path != b.path and (o.path == "" or b.path.startswith(o.path + "."))
-                                         for o in blocks)]
+    return [b for b in blocks if not any(inside(b, o) for o in blocks)]
 
 
 def router_weight(block: GraphBlock) -> str | None:

@@ -155,3 +155,62 @@ def test_optimizer_state_dict_roundtrip(style):
     result = pool(2).run(case_optimizer_roundtrip, style)[0]
     assert result["worst"] == 0.0
     assert "DTensor" in result["state_types"]
+
+
+def case_resume_keeps_the_schedulers_learning_rates(rank, world, directory):
+    """moepass.train.checkpoint saves each param group's hyper-parameters: a fresh optimizer loaded from it has
+    the learning rates the scheduler had set, and the next steps are the uninterrupted run's, bit for bit."""
+    import copy
+
+    import torch.distributed as dist
+
+    import moepass
+    from moepass.runtime.grads import all_reduce_replicated_grads
+    from moepass.train import checkpoint
+    from samples.models import LoopMoE
+
+    def run(model, steps):
+        decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+        rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
+        opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "lr": 3e-3, "weight_decay": 0.0}], lr=1e-2)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        return opt, sched
+
+    def step(model, opt, sched, k):
+        x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(100 * k + rank))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        all_reduce_replicated_grads(model)  # as DDP would: the replicated parameters stay equal over the ranks
+        opt.step()
+        sched.step()
+
+    torch.manual_seed(0)
+    block = LoopMoE(16, 32, 4, 2)
+    whole = moepass.compile(copy.deepcopy(block), moepass.Plan(form="ep"))
+    opt, sched = run(whole, 4)
+    for k in range(2):
+        step(whole, opt, sched, k)
+    checkpoint.save(directory, whole, opt, step=2)
+    lrs = [g["lr"] for g in opt.param_groups]
+    resumed = moepass.compile(copy.deepcopy(block), moepass.Plan(form="ep"))
+    opt2, sched2 = run(resumed, 4)
+    sched2.load_state_dict(sched.state_dict())
+    checkpoint.load(checkpoint.latest(directory), resumed, opt2)
+    assert [g["lr"] for g in opt2.param_groups] == lrs == [1e-2 / 4, 3e-3 / 4], lrs
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)), "after load " + name
+    for p, q in zip(opt.param_groups[0]["params"], opt2.param_groups[0]["params"]):
+        for key, v in opt.state[p].items():
+            assert torch.equal(getattr(v, "_local_tensor", v), getattr(opt2.state[q][key], "_local_tensor", opt2.state[q][key])), key
+    for k in range(2, 4):
+        step(whole, opt, sched, k)
+        step(resumed, opt2, sched2, k)
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)), name
+    dist.barrier()
+    return lrs
+
+
+@pytest.mark.distributed
+def test_resume_keeps_the_schedulers_learning_rates(tmp_path):
+    pool(2).run(case_resume_keeps_the_schedulers_learning_rates, str(tmp_path / "ckpt"))

@@ -9,10 +9,10 @@ under another form or world size (EP at W=4, then FSEP at W=2; the single form, 
 - `model`: `moepass.logical_state_dict` (original names, full logical shapes; each rank its shards);
 - `optim`: the optimizer's per-parameter state split and named the same way: each state tensor shaped as
   its parameter (AdamW's `exp_avg`, `exp_avg_sq`) under `optim/<key>/<original name>`, each scalar (`step`)
-  under every original name its parameter holds (a stacked expert tensor: one per expert). Hyper-parameters
-  (lr, betas, ...) are the caller's: the recipe sets them every step;
-- `train`: the step (the data position: `moepass.train.data` derives batches from it), the world size and
-  the FSEP blocks with their table sizes;
+  under every original name its parameter holds (a stacked expert tensor: one per expert);
+- `train`: the step (the data position: `moepass.train.data` derives batches from it), the world size, the
+  FSEP blocks with their table sizes, and each optimizer param group's hyper-parameters (lr, betas, weight
+  decay, ...: what an LR scheduler set), restored into an optimizer of as many groups;
 - `rng`: every rank's torch (and CUDA) generator state, under its own key (restored at the same world size);
 - `fsep`: each FSEP block's `FSEPPlacement.placement_state()` (the table in use, the next one planned,
   the count history), so placements continue exactly (restored when the same blocks with the same table
@@ -26,12 +26,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from moepass.checkpoint import load_logical_state_dict, logical_state_dict
 from moepass.runtime.fsep import FSEPPlacement
@@ -99,6 +101,37 @@ def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         get_optimizer_state_dict(model, optimizer)  # steps once with zero gradients to create the state
 
 
+def hyper_parameters(optimizer: torch.optim.Optimizer) -> str:
+    """Each param group's hyper-parameters (numbers, flags, tuples, strings; a tensor lr as its number), JSON."""
+    groups = []
+    for group in optimizer.param_groups:
+        kept = {}
+        for name, value in group.items():
+            value = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+            if name != "params" and isinstance(value, (int, float, bool, str, tuple, list, type(None))):
+                kept[name] = value
+        groups.append(kept)
+    return json.dumps(groups)
+
+
+def load_hyper_parameters(optimizer: torch.optim.Optimizer, saved: str) -> None:
+    """Put saved hyper-parameters back into the optimizer's groups (as many groups as saved; else a warning)."""
+    groups = json.loads(saved) if saved else []
+    if len(groups) != len(optimizer.param_groups):
+        warnings.warn(f"moepass.train.checkpoint.load: the checkpoint has {len(groups)} optimizer param group(s), "
+                      f"the optimizer {len(optimizer.param_groups)}: their hyper-parameters (lr, ...) are not "
+                      f"restored; set them as the run had them", UserWarning, stacklevel=3)
+        return
+    for group, values in zip(optimizer.param_groups, groups):
+        for name, value in values.items():
+            if name not in group:
+                continue
+            if isinstance(group[name], Tensor):
+                group[name].fill_(value)
+            else:
+                group[name] = tuple(value) if isinstance(group[name], tuple) else value
+
+
 def layout_of(model: nn.Module) -> str:
     """The world size and the FSEP blocks with their table sizes, as a JSON string (one saved object)."""
     return json.dumps({"world": dist.get_world_size(),
@@ -112,7 +145,8 @@ def save(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, ste
     path = os.path.join(directory, f"step_{step:06d}")
     optim, _ = optimizer_state(model, optimizer)
     state = {"model": logical_state_dict(model), "optim": optim, "extra": dict(extra or {}),
-             "train": {"step": step, "layout": layout_of(model)}, "rng": {f"rank{dist.get_rank()}": rng_state()},
+             "train": {"step": step, "layout": layout_of(model), "groups": hyper_parameters(optimizer)},
+             "rng": {f"rank{dist.get_rank()}": rng_state()},
              "fsep": {block: m.placement_state() for block, m in placements(model).items()}}
     dcp.save(state, checkpoint_id=path)
     dist.barrier()
@@ -140,8 +174,8 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     if not os.path.exists(os.path.join(path, MARKER)):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker): pass one that "
                                 f"moepass.train.checkpoint.save finished, or the directory holding them")
-    head: dict[str, Any] = {"train": {"step": 0, "layout": ""}}
-    dcp.load(head, checkpoint_id=path)
+    head: dict[str, Any] = {"train": {"step": 0, "layout": "", "groups": ""}}
+    dcp.load(head, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))  # groups: newer
     saved, here = json.loads(head["train"]["layout"]), json.loads(layout_of(model))
     same_world = saved["world"] == here["world"]
     same_fsep = bool(saved["fsep"]) and saved == here
@@ -169,4 +203,6 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     if same_fsep:
         for block, m in placements(model).items():
             m.load_placement_state(state["fsep"][block])
+    if head["train"]["groups"]:
+        load_hyper_parameters(optimizer, head["train"]["groups"])
     return int(head["train"]["step"]), state["extra"]

@@ -21,8 +21,9 @@ A step is what training runs: the forward, then, when grad mode is on, the backw
 a gradient into the block's inputs and parameters (`torch.autograd.grad`: no `.grad` is written and no
 accumulation hook fires, DDP's or FSDP's included). The measurement leaves no trace: the random number
 generators are forked, the buffers restored (values and objects), the inputs copied (a block may write into
-its input), and the caller's saved-tensor hooks (activation offload, checkpointing) see none of its tensors. Blocks of one structure (`moepass.detect.structure.structural_key`) share a decision within a
-compiled model: a 48-layer model is timed once per input signature, not 48 times.
+its input), and the caller's saved-tensor hooks (activation offload, checkpointing) see none of its tensors.
+Blocks of one structure (`moepass.detect.structure.structural_key`) share a decision within a compiled model:
+a 48-layer model is timed once per input signature, not 48 times.
 
 The rewritten graph always runs (nothing is timed) where the choice could not be made honestly or would change
 a guarantee: under a tracer, a compiler or a functorch transform, for inputs of a tensor subclass (DTensor,

@@ -58,8 +58,7 @@ def compile(model: nn.Module, plan: Plan | None = None, *, inplace: bool = False
                         "compile on every rank under torchrun (init_process_group first).")
     _meta_needs_single(plan, report, model)
     target, info = compile_model(model, plan, report, inplace)
-    changed = [(path, record["stats"]) for path, gm in info.rewritten.items() for record in gm.history
-               if "math" in (record.get("stats") or {})]  # the conversion records of a math-changing form
+    changed = [(path, stats) for path, gm in info.rewritten.items() for stats in math_changes(gm)]
     if changed:  # asked for by name, but never unsaid: the trained model computes something else
         how: dict[str, list[str]] = {}  # identical conversions (a deep model's layers) said once
         for path, stats in changed:
@@ -241,14 +240,14 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     elif any(_form_of(plan, path) in DISTRIBUTED_FORMS for path, _ in missed):
         lines.append(f"compile would warn: {_missed_message(missed, plan)}")
     sections: dict[tuple[str, ...], list[Any]] = {}  # a block's section (its own path masked) -> its blocks
+    changed = 0  # blocks whose math the plan changes
     for detail in report.details:
         if detail.accepted and detail.spec is not None:
-            body = _block_section(model, detail, plan, graphs, sources, report.outlines)
+            body, changes = _block_section(model, detail, plan, graphs, sources, report.outlines)
             sections.setdefault(_fold_key(detail, body), []).append((detail, body))
-    changed = [d.path or "<root>" for same in sections.values() for d, body in same
-               if any(line.startswith("pass ") and "{'math': " in line for line in body)]
+            changed += changes
     if changed:  # a conversion the plan names (hp on a standard block, locality, a capacity on a dropless block)
-        lines[0] += f" (changes the model's math in {len(changed)} block(s), as the plan names: see each 'math')"
+        lines[0] += f" (changes the model's math in {changed} block(s), as the plan names: see each 'math')"
     for same in sections.values():  # identical blocks (a deep model's layers): the first in full, the rest folded
         first, body = same[0]
         lines += ["", f"== {first.path or '<root>'} ({first.module_type}) =="] + body
@@ -260,9 +259,15 @@ def explain(model: nn.Module, plan: Plan | None = None, *, graphs: bool = True, 
     return "\n".join(lines)
 
 
+def math_changes(gm: Any) -> list[dict[str, Any]]:
+    """The stats of a compiled block's records that change its math (a conversion or capacity the plan names)."""
+    return [record["stats"] for record in gm.history if "math" in (record.get("stats") or {})]
+
+
 def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sources: bool,
-                   outlines: dict[str, Any]) -> list[str]:
-    """`explain`'s lines for one accepted block: recogniser, spec, check, plan, passes, graph (never raises)."""
+                   outlines: dict[str, Any]) -> tuple[list[str], bool]:
+    """`explain`'s lines for one accepted block: recogniser, spec, check, plan, passes, graph (never raises);
+    and whether the plan changes its math."""
     lines = [f"recogniser: {detail.recogniser}", f"spec: {detail.spec.summary()}"]
     if detail.spec.router.logits_from == "traced":  # an unknown router: its own code, then the known rule
         lines.append("router region, traced from the block's forward up to the logits (then the known "
@@ -272,7 +277,8 @@ def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sour
         lines.append(f"semantic check: {detail.check.describe()}")
     block_plan = plan.for_block(detail.spec.path)
     if block_plan is None:
-        return lines + ["plan: left alone (Plan.blocks)"]
+        return lines + ["plan: left alone (Plan.blocks)"], False
+    changes = False
     try:
         original = outline.block_in(model, detail.spec.path, outlines)
         block = copy_block(detail.spec, original, block_plan)  # as compile copies it
@@ -280,6 +286,7 @@ def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sour
             if note:
                 lines.append(note)
             gm = compile_block(detail.spec, block, block_plan)
+        changes = bool(math_changes(gm))
         for record in gm.history:
             if record["pass"] == CANONICAL_PASS:
                 continue
@@ -300,7 +307,7 @@ def _block_section(model: nn.Module, detail: Any, plan: Plan, graphs: bool, sour
                 lines.append(f"-- generated Triton source of node {name} ({family}) --\n{text.rstrip()}")
     except Exception as err:
         lines.append(f"compile of this block would fail: {type(err).__name__}: {err}")
-    return lines
+    return lines, changes
 
 
 def _fold_key(detail: Any, body: list[str]) -> tuple[str, ...]:

@@ -72,8 +72,9 @@ def expert_ffn(*args: Any) -> Tensor | None:
     """`moe.expert_ffn(*args)` by autograd over the experts' own tensors, or None where it does not apply (the
     caller then runs the op's eager path). `args` are the op's, complete and positional."""
     x_ND, counts_E, *operands = args[:8]
-    activation, clamp_limit, alpha, recompute, *compute_dtype = args[8:13]
-    if recompute or any(d is not None for d in compute_dtype) or activation not in BY_AUTOGRAD or not torch.is_grad_enabled():
+    activation, clamp_limit, alpha, recompute = args[8:12]
+    compute_dtype = args[12] if len(args) > 12 else None
+    if recompute or compute_dtype is not None or activation not in BY_AUTOGRAD or not torch.is_grad_enabled():
         return None
     if type(x_ND) not in eager.PLAIN_TENSORS or type(counts_E) not in eager.PLAIN_TENSORS:
         return None

@@ -36,7 +36,7 @@ __all__ = [
     "ACTIVATIONS", "CONFIGS", "GATED_ACTIVATIONS", "LOWERING", "MAX_EXPERTS", "PROXY_EXPERTS", "ROLES", "FfnSpec",
     "codegen", "eligible", "expert_ffn", "expert_ffn_backward", "expert_ffn_backward_op", "expert_ffn_forward",
     "expert_ffn_forward_op", "fused_grads", "gate_up_launch", "generated_source", "generated_source_for",
-    "gpu_build_requests", "gpu_builds", "kernel_module", "pick_config", "render", "rows_launch",
+    "gpu_build_requests", "gpu_builds", "kernel_module", "kernel_operands", "pick_config", "render", "rows_launch",
     "shared_bytes_estimate", "spec_of", "unfused", "validate", "wgrad_launch",
 ]
 
@@ -48,13 +48,10 @@ def eligible(
     b_gate_EF: Tensor | None, b_up_EF: Tensor | None, b_down_ED: Tensor | None, activation: str,
     clamp_limit: float, alpha: float, recompute: bool = False, compute_dtype: torch.dtype | None = None,
 ) -> str | None:
-    """None if the Triton kernels can run these arguments (real or fake tensors), else why not. With a
-    `compute_dtype` the op casts its operands first: the kernels see them so."""
-    x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED = dialect.in_compute_dtype(
-        (x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED), compute_dtype)
+    """None if the Triton kernels can run these arguments (real or fake tensors), else why not."""
     (x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation, clamp_limit,
-     alpha) = unfused((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation,
-                       clamp_limit, alpha))
+     alpha) = kernel_operands((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED,
+                               activation, clamp_limit, alpha), compute_dtype)
     blocker = codegen.launch_blocker(x_ND.device)
     if blocker is not None:
         return blocker
@@ -73,10 +70,14 @@ def generated_source(
     clamp_limit: float, alpha: float, recompute: bool = False, compute_dtype: torch.dtype | None = None,
 ) -> str:
     """The kernel source these arguments run (for `moepass.explain`)."""
-    x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED = dialect.in_compute_dtype(
-        (x_ND, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED), compute_dtype)
-    return render(spec_of(*unfused((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
-                                    b_down_ED, activation, clamp_limit, alpha))))
+    return render(spec_of(*kernel_operands((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF,
+                                            b_down_ED, activation, clamp_limit, alpha), compute_dtype)))
+
+
+def kernel_operands(args: tuple, compute_dtype: torch.dtype | None) -> tuple:
+    """The kernels' view of `moe.expert_ffn`'s first 11 arguments: in the call's compute dtype (the op casts
+    its operands before the kernels run), fused gate/up as its halves (`unfused`)."""
+    return unfused(dialect.in_compute_dtype(args, compute_dtype))
 
 
 def _forward(*operands: Any) -> tuple[Tensor, Tensor, Tensor]:

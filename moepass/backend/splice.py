@@ -55,9 +55,14 @@ def _region_io(gm: fx.GraphModule, nodes: list[fx.Node], params: set[fx.Node]) -
 SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool, torch.Size)
 
 
+def _meta_value(node: fx.Node) -> Any:
+    """The example value Dynamo (or shape propagation) recorded for `node`."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def _is_size(node: fx.Node) -> bool:
     """A node computing a (symbolic) size or scalar, not a tensor: `sym_size`, `s0 * s1`, `x.size()`."""
-    return isinstance(node.meta.get("example_value", node.meta.get("val")), SIZES)
+    return isinstance(_meta_value(node), SIZES)
 
 
 def shared_sizes(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -72,12 +77,11 @@ def shared_sizes(nodes: list[fx.Node]) -> set[fx.Node]:
 
 
 def _is_tensor_node(node: fx.Node) -> bool:
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return isinstance(value, torch.Tensor)
+    return isinstance(_meta_value(node), torch.Tensor)
 
 
 def _shape_of(node: fx.Node) -> tuple[Any, ...] | None:
-    value = node.meta.get("example_value", node.meta.get("val"))
+    value = _meta_value(node)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 

@@ -79,9 +79,9 @@ class Choice:
     reason: str = ""  # why nothing was measured (the rewritten graph runs)
 
     def __str__(self) -> str:
-        if self.reason:
-            return f"{'original block' if self.original else 'rewritten graph'} ({self.reason})"
         which = "original block" if self.original else "rewritten graph"
+        if self.reason:
+            return f"{which} ({self.reason})"
         return (f"{which}: rewritten/original {self.ratio:.3f} [{min(self.ratios):.3f}, {max(self.ratios):.3f}] over "
                 f"{len(self.ratios)} rounds of {self.steps} step(s)")
 
